@@ -1,1 +1,33 @@
-"""onnx_training_ops: run ai.onnx.preview.training graphs in stock onnxruntime."""
+"""onnx_training_ops: run ONNX's training domain (ai.onnx.preview.training) in stock onnxruntime.
+
+Importing the package registers the Adam, Momentum and Adagrad kernels with
+onnxruntime-extensions. Main entry points:
+
+* :func:`prepare` — turn a training-domain graph into one onnxruntime accepts;
+* :func:`session_options` — SessionOptions with the kernel library registered;
+* :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` that prepares for you;
+* :mod:`onnx_training_ops.kernels` — the numpy reference kernels;
+* :mod:`onnx_training_ops.backend` — the onnx backend API, for ``onnx.backend.test``.
+"""
+
+from . import kernels
+from .errors import TrainingOpError
+from .passes import PASSES, prepare
+from .plugin import register as _register
+from .plugin import session_options
+from .schema import DOMAIN
+from .session import InferenceSession
+
+_register()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DOMAIN",
+    "InferenceSession",
+    "PASSES",
+    "TrainingOpError",
+    "kernels",
+    "prepare",
+    "session_options",
+]

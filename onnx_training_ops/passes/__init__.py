@@ -1,0 +1,60 @@
+"""The prepare pipeline: named passes that turn a valid training-domain graph into one onnxruntime runs.
+
+``prepare(model)`` = the passes of :data:`PASSES`, in order, on a copy of the model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Union
+
+import onnx
+from onnx import ModelProto
+
+from .encode_exact_attributes import encode_exact_attributes
+from .fill_defaults import fill_default_attributes
+from .fit_runtime import fit_runtime
+from .split_multi_tensor import split_multi_tensor_nodes
+from .validate import validate
+
+try:
+    from .expand_gradient import expand_gradient
+except ImportError:  # pragma: no cover - until the Gradient pass lands
+    expand_gradient = None
+
+ModelLike = Union[ModelProto, str, os.PathLike, bytes]
+Pass = Callable[[ModelProto], ModelProto]
+
+PASSES: list[tuple[str, Pass]] = [
+    ("validate", validate),
+    *([("expand_gradient", expand_gradient)] if expand_gradient else []),
+    ("fill_default_attributes", fill_default_attributes),
+    ("split_multi_tensor_nodes", split_multi_tensor_nodes),
+    ("encode_exact_attributes", encode_exact_attributes),
+    ("fit_runtime", fit_runtime),
+]
+
+
+def load_model(model: ModelLike) -> ModelProto:
+    """A ModelProto from a ModelProto (copied), a path or serialized bytes."""
+    if isinstance(model, ModelProto):
+        copy = ModelProto()
+        copy.CopyFrom(model)
+        return copy
+    if isinstance(model, (bytes, bytearray)):
+        return onnx.load_from_string(bytes(model))
+    return onnx.load(os.fspath(model))
+
+
+def prepare(model: ModelLike) -> ModelProto:
+    """Return a copy of ``model`` that a plain onnxruntime session (with :func:`session_options`) runs.
+
+    Validates every node of ai.onnx.preview.training (raising TrainingOpError), expands
+    Gradient nodes, fills default attributes, splits multi-tensor optimizer nodes, stores
+    exact attribute values for the kernels and fits IR version and opsets to onnxruntime.
+    Idempotent; nodes of other domains are left as they are.
+    """
+    result = load_model(model)
+    for _, run_pass in PASSES:
+        result = run_pass(result)
+    return result

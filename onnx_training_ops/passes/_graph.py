@@ -1,0 +1,107 @@
+"""Graph walking shared by the passes: every graph of a model, subgraphs included, and value types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import onnx
+from onnx import GraphProto, ModelProto, NodeProto
+
+from ..schema import DOMAIN
+
+
+def subgraphs(node: NodeProto) -> Iterator[GraphProto]:
+    """The graphs held in a node's attributes (If branches, Loop/Scan bodies)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def all_graphs(graph: GraphProto) -> Iterator[GraphProto]:
+    """``graph`` and, depth first, every subgraph below it."""
+    yield graph
+    for node in graph.node:
+        for sub in subgraphs(node):
+            yield from all_graphs(sub)
+
+
+def training_nodes(graph: GraphProto) -> Iterator[tuple[GraphProto, NodeProto]]:
+    """(graph, node) for every node of the training domain, subgraphs included."""
+    for g in all_graphs(graph):
+        for node in g.node:
+            if node.domain == DOMAIN:
+                yield g, node
+
+
+@dataclass(frozen=True)
+class ValueType:
+    """What is statically known of a value: element type and shape (None = unknown dim/rank)."""
+
+    elem_type: int
+    shape: tuple[int | str | None, ...] | None
+
+    @property
+    def dtype_name(self) -> str:
+        return onnx.helper.tensor_dtype_to_string(self.elem_type).replace("TensorProto.", "").lower()
+
+    @property
+    def static_shape(self) -> tuple[int, ...] | None:
+        if self.shape is None or any(not isinstance(d, int) for d in self.shape):
+            return None
+        return self.shape  # type: ignore[return-value]
+
+
+def _from_type_proto(tp: onnx.TypeProto) -> ValueType | None:
+    if not tp.HasField("tensor_type"):
+        return None
+    tt = tp.tensor_type
+    if not tt.HasField("shape"):
+        return ValueType(tt.elem_type, None)
+    dims = tuple(
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+    )
+    return ValueType(tt.elem_type, dims)
+
+
+def value_types(model: ModelProto) -> dict[str, ValueType]:
+    """Every value name (all graphs, after shape inference) -> its known type."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+    except Exception:  # inference is a help for validation, never a requirement
+        inferred = model
+    types: dict[str, ValueType] = {}
+    for g in all_graphs(inferred.graph):
+        for init in g.initializer:
+            types[init.name] = ValueType(init.data_type, tuple(init.dims))
+        for vi in (*g.input, *g.value_info, *g.output):
+            vt = _from_type_proto(vi.type)
+            if vt is not None and (vi.name not in types or types[vi.name].shape is None):
+                types[vi.name] = vt
+    return types
+
+
+def unique_name(taken: set[str], base: str) -> str:
+    """``base`` or ``base_1``, ``base_2``...: the first not in ``taken`` (which it joins)."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
+
+
+def all_names(graph: GraphProto) -> set[str]:
+    """Every value and node name used anywhere in ``graph`` and its subgraphs."""
+    names: set[str] = set()
+    for g in all_graphs(graph):
+        names.update(i.name for i in g.input)
+        names.update(i.name for i in g.initializer)
+        for node in g.node:
+            names.update(node.input)
+            names.update(node.output)
+            names.add(node.name)
+    names.discard("")
+    return names

@@ -1,0 +1,135 @@
+"""Pass: check every optimizer node of the domain against the ONNX spec, before anything is rewritten.
+
+Raises TrainingOpError naming the node, what was expected and what was found. Checks
+what is statically known (types from shape inference); the kernels check again at run time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, ModelProto
+
+from ..errors import TrainingOpError, node_label
+from ..plugin import EXACT_ATTRIBUTE
+from ..schema import MOMENTUM_MODES, OPTIMIZERS, TRAINING_OPS
+from ._graph import ValueType, training_nodes, value_types
+
+FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+
+
+def _check_scalar(label: str, input_name: str, value: str, vt: ValueType | None, allowed: tuple[int, ...], what: str):
+    if vt is None:
+        return
+    bad_type = vt.elem_type not in allowed
+    bad_shape = vt.shape is not None and not (
+        len(vt.shape) == 0 or (len(vt.shape) == 1 and (vt.shape[0] in (1, None) or isinstance(vt.shape[0], str)))
+    )
+    if bad_type or bad_shape:
+        shape = "unknown" if vt.shape is None else list(vt.shape)
+        raise TrainingOpError(
+            f"{label}: input {input_name!r} ({value!r}) must be {what} of shape [] or [1], "
+            f"found {vt.dtype_name} of shape {shape}"
+        )
+
+
+def _check_attributes(node, label: str) -> None:
+    spec = OPTIMIZERS[node.op_type]
+    known = set(spec.all_attribute_names())
+    for attr in node.attribute:
+        if attr.name == EXACT_ATTRIBUTE:
+            continue
+        if attr.name not in known:
+            raise TrainingOpError(
+                f"{label}: unknown attribute {attr.name!r}; {node.op_type} has {', '.join(sorted(known))}"
+            )
+        expected = AttributeProto.FLOAT if attr.name in spec.float_attributes else AttributeProto.STRING
+        if attr.type != expected:
+            raise TrainingOpError(
+                f"{label}: attribute {attr.name!r} must be {AttributeProto.AttributeType.Name(expected)}, "
+                f"found {AttributeProto.AttributeType.Name(attr.type)}"
+            )
+    present = {a.name for a in node.attribute}
+    missing = [name for name in spec.required if name not in present]
+    if missing:
+        raise TrainingOpError(
+            f"{label}: missing required attribute(s) {', '.join(map(repr, missing))} "
+            f"({node.op_type} requires {', '.join(spec.required)})"
+        )
+    for attr in node.attribute:
+        if attr.name == "mode":
+            mode = attr.s.decode(errors="replace")
+            if mode not in MOMENTUM_MODES:
+                raise TrainingOpError(f"{label}: attribute 'mode' must be 'standard' or 'nesterov', found {mode!r}")
+
+
+def _check_counts(node, label: str) -> int:
+    spec = OPTIMIZERS[node.op_type]
+    per = ", ".join(spec.tensor_inputs)
+    n = spec.n_tensors(len(node.input))
+    if n is None:
+        raise TrainingOpError(
+            f"{label}: expected 2 + {spec.n_groups_in}*N inputs (R, T, then N each of {per}), "
+            f"found {len(node.input)} inputs"
+        )
+    expected_out = n * spec.n_groups_out
+    if len(node.output) != expected_out:
+        raise TrainingOpError(
+            f"{label}: {len(node.input)} inputs optimize {n} tensor(s), so expected {expected_out} outputs "
+            f"({', '.join(spec.tensor_outputs)} per tensor), found {len(node.output)}"
+        )
+    for i, name in enumerate(node.input):
+        if not name:
+            raise TrainingOpError(f"{label}: input {i} is empty; every input of {node.op_type} is required")
+    return n
+
+
+def _check_group_types(node, label: str, n: int, types: dict[str, ValueType]) -> None:
+    spec = OPTIMIZERS[node.op_type]
+    for i in range(n):
+        names = [node.input[2 + j * n + i] for j in range(spec.n_groups_in)]
+        known = [(role, name, types.get(name)) for role, name in zip(spec.tensor_inputs, names)]
+        for role, name, vt in known:
+            if vt is not None and vt.elem_type not in FLOAT_TYPES:
+                raise TrainingOpError(
+                    f"{label}: input {role}{i} ({name!r}) must be float or double, found {vt.dtype_name}"
+                )
+        typed = [(role, name, vt) for role, name, vt in known if vt is not None]
+        if len({vt.elem_type for _, _, vt in typed}) > 1:
+            found = ", ".join(f"{role}{i} ({name!r}) is {vt.dtype_name}" for role, name, vt in typed)
+            raise TrainingOpError(f"{label}: {', '.join(spec.tensor_inputs)} of tensor {i} must share one dtype; {found}")
+        x_type = known[0][2]
+        shapes = [vt.static_shape for _, _, vt in known if vt is not None]
+        if x_type is None or x_type.static_shape is None or len(shapes) != len(known) or None in shapes:
+            continue
+        try:
+            common = np.broadcast_shapes(*shapes)
+        except ValueError:
+            common = None
+        if common != x_type.static_shape:
+            found = ", ".join(f"{role}{i} {list(vt.shape)}" for role, _, vt in known)
+            raise TrainingOpError(
+                f"{label}: shapes of tensor {i} must broadcast to the shape of X{i} {list(x_type.shape)}; found {found}"
+            )
+
+
+def validate(model: ModelProto) -> ModelProto:
+    """Raise TrainingOpError for the first invalid node of the domain; return ``model`` unchanged."""
+    nodes = list(training_nodes(model.graph))
+    if not nodes:
+        return model
+    types = value_types(model)
+    for _, node in nodes:
+        label = node_label(node)
+        if node.op_type not in TRAINING_OPS:
+            raise TrainingOpError(
+                f"{label}: unknown op of domain ai.onnx.preview.training; it has {', '.join(TRAINING_OPS)}"
+            )
+        if node.op_type == "Gradient":
+            continue  # checked by the expand_gradient pass, which knows the forward graph
+        n = _check_counts(node, label)
+        _check_attributes(node, label)
+        _check_scalar(label, "R", node.input[0], types.get(node.input[0]), FLOAT_TYPES, "a float or double scalar")
+        _check_scalar(label, "T", node.input[1], types.get(node.input[1]), (onnx.TensorProto.INT64,), "an int64 scalar")
+        _check_group_types(node, label, n, types)
+    return model

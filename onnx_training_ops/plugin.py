@@ -1,0 +1,150 @@
+"""The one place that talks to onnxruntime-extensions: PyOp registration and the invocation hook.
+
+Each optimizer is registered once per (R dtype, X dtype) pair in {float, double}², with
+the per-tensor arity (the ``split_multi_tensor_nodes`` pass makes every node per-tensor).
+
+Two facts about the PyOp bridge shape this module (see DESIGN.md §2):
+
+* float attributes reach Python as 6-digit text, so the kernels read one declared string
+  attribute, ``exact_attributes`` (written by the ``encode_exact_attributes`` pass), that
+  holds every attribute exactly (``float.hex`` of the float32 value in the model);
+* the default invocation hook turns outputs into Python lists. We install a hook that
+  returns contiguous arrays for our ops and hands every other PyOp to the original hook,
+  so other users' PyOps (string outputs included) keep working.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from functools import lru_cache
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import TrainingOpError
+from .kernels.apply import STEPS
+from .schema import DOMAIN, OPTIMIZERS
+
+EXACT_ATTRIBUTE = "exact_attributes"
+
+_registered_ids: set[int] = set()
+_previous_hook = None
+_log = logging.getLogger(__name__)
+
+# A Python exception must never leave the hook: the bridge would terminate the process.
+# A failing kernel instead logs the error, records it here and returns NaN outputs;
+# onnx_training_ops.InferenceSession turns the record into an exception after run().
+_kernel_errors: list[Exception] = []
+_kernel_errors_lock = threading.Lock()
+
+
+def take_kernel_errors() -> list[Exception]:
+    """The kernel errors recorded since the last call (and forget them)."""
+    with _kernel_errors_lock:
+        errors = list(_kernel_errors)
+        _kernel_errors.clear()
+    return errors
+
+
+def encode_attributes(attributes: dict) -> str:
+    """The text of the ``exact_attributes`` node attribute: floats as exact hex, strings as is."""
+    return json.dumps(
+        {k: (float(v).hex() if isinstance(v, float) else v) for k, v in sorted(attributes.items())},
+        separators=(",", ":"),
+    )
+
+
+@lru_cache(maxsize=256)
+def decode_attributes(text: str) -> dict:
+    """Inverse of :func:`encode_attributes` (cached: a node's text never changes)."""
+    decoded = {}
+    for k, v in json.loads(text).items():
+        is_hex_float = isinstance(v, str) and k != "node" and k != "mode"
+        decoded[k] = float.fromhex(v) if is_hex_float else v
+    return decoded
+
+
+def _make_kernel(op_type: str):
+    step = STEPS[op_type]
+
+    def kernel(r, t, *tensors, exact_attributes: str):
+        # Inputs arrive as fresh copies owned by this call, so updating them in place is safe.
+        return step(r, t, *tensors, decode_attributes(exact_attributes), inplace=True)
+
+    kernel.__name__ = f"{op_type.lower()}_kernel"
+    return kernel
+
+
+def _hook(k_id, feed, attributes):
+    if k_id not in _registered_ids:
+        return _previous_hook(k_id, feed, attributes)
+    from onnxruntime_extensions._ocos import Opdef
+
+    opdef = Opdef._odlist[k_id]
+    try:
+        outputs = opdef.body(*feed, **opdef.cast_attributes(attributes))
+    except Exception as error:  # noqa: BLE001 - anything escaping here kills the process
+        outputs = _failed_outputs(opdef, feed, attributes, error)
+    result = [k_id]
+    for out in outputs:
+        out = np.asarray(out)
+        result.append(out.shape)
+        result.append(np.ascontiguousarray(out).reshape(-1))  # flat data; the shape travels beside it
+    return tuple(result)
+
+
+def _failed_outputs(opdef, feed, attributes: dict, error: Exception) -> list[np.ndarray]:
+    """NaN outputs shaped like X, after recording and logging ``error`` (re-worded to name the node)."""
+    op_type = opdef.op_type.split("::")[-1]
+    try:
+        node = decode_attributes(attributes[EXACT_ATTRIBUTE]).get("node", "")
+    except Exception:  # noqa: BLE001
+        node = ""
+    detail = str(error).removeprefix(f"{op_type}: ")
+    error = TrainingOpError(f"{op_type} node {node!r}: {detail}")
+    _log.error("%s", error)
+    with _kernel_errors_lock:
+        _kernel_errors.append(error)
+    x = np.asarray(feed[2]) if len(feed) > 2 else np.zeros(())
+    dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float32
+    return [np.full(x.shape, np.nan, dtype) for _ in range(OPTIMIZERS[op_type].n_groups_out)]
+
+
+def register() -> None:
+    """Register the optimizers with onnxruntime-extensions (idempotent; done on import)."""
+    global _previous_hook
+    if _registered_ids:
+        return
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
+    from onnxruntime_extensions import _ocos
+
+    float_types = (PyCustomOpDef.dt_float, PyCustomOpDef.dt_double)
+    for op_type, spec in OPTIMIZERS.items():
+        for r_type in float_types:
+            for x_type in float_types:
+                opdef = onnx_op(
+                    op_type=f"{DOMAIN}::{op_type}",
+                    inputs=[r_type, PyCustomOpDef.dt_int64] + [x_type] * spec.n_groups_in,
+                    outputs=[x_type] * spec.n_groups_out,
+                    attrs={EXACT_ATTRIBUTE: PyCustomOpDef.dt_string},
+                )(_make_kernel(op_type))
+                _registered_ids.add(id(opdef))
+    _previous_hook = _ocos._on_pyop_invocation
+    PyCustomOpDef.install_hooker(_hook)
+
+
+def library_path() -> str:
+    """Path of the onnxruntime-extensions custom-op library that hosts the kernels."""
+    from onnxruntime_extensions import get_library_path
+
+    return get_library_path()
+
+
+def session_options(so: ort.SessionOptions | None = None) -> ort.SessionOptions:
+    """``so`` (or new SessionOptions) with the kernel library registered."""
+    register()
+    so = so if so is not None else ort.SessionOptions()
+    so.register_custom_ops_library(library_path())
+    return so
