@@ -1,0 +1,209 @@
+"""The fused in-place kernels against the numpy reference kernels (the oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onnx_training_ops.kernels import adagrad, adam, fused, momentum
+from onnx_training_ops.kernels.adagrad import adagrad_rate
+from onnx_training_ops.kernels.adam import DEFAULTS as ADAM_DEFAULTS
+from onnx_training_ops.kernels.adam import adam_rate
+from onnx_training_ops.kernels.momentum import momentum_beta
+
+RTOL = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-12}
+SETTINGS = settings(max_examples=30, deadline=None)
+
+dtypes = st.sampled_from([np.float32, np.float64])
+shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)  # () .. rank 4
+# Sizes straddling the serial/parallel switch.
+big_shapes = st.integers(fused.PARALLEL_THRESHOLD - 2, 3 * fused.PARALLEL_THRESHOLD).flatmap(
+    lambda n: st.sampled_from([(n,), (1, n), (n, 1, 1)])
+)
+counts = st.integers(0, 1000)  # T == 0 (no bias correction / first momentum step) and T > 0
+seeds = st.integers(0, 2**32 - 1)
+open_unit = st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)
+epsilons = st.floats(1e-10, 1e-1)
+norms = st.one_of(st.just(0.0), st.floats(1e-6, 0.5))
+rates = st.floats(1e-6, 1.0)
+
+
+def tensors(seed, shape, dtype, k):
+    """k arrays: X, G, V ~ N(0, 1)-ish with some exact zeros; the last (H, if k == 4 or
+    Adagrad) non-negative as an accumulator of squares is."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(k):
+        a = np.asarray(rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 2), dtype=dtype)
+        a[rng.random(shape) < 0.05] = 0
+        out.append(a)
+    return out
+
+
+def exact(r, dtype):
+    """R as the reference reads it from a tensor of ``dtype``."""
+    return float(np.array(r, dtype))
+
+
+def close(actual, expected):
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        np.testing.assert_allclose(a, e, rtol=RTOL[a.dtype], atol=0)
+        # Same operation order, same dtype, no FMA contraction: in fact bit for bit.
+        np.testing.assert_array_equal(a, e)
+
+
+def run_adam(seed, shape, dtype, t, alpha, beta, epsilon, nc, nc_post, r=0.01):
+    x, g, v, h = tensors(seed, shape, dtype, 4)
+    np.abs(h, out=h)
+    attrs = dict(alpha=alpha, beta=beta, epsilon=epsilon, norm_coefficient=nc, norm_coefficient_post=nc_post)
+    expected = adam(np.array(r, dtype), np.array(t, np.int64), x, g, v, h, **attrs)
+    g0 = g.copy()
+    assert fused.supports(x, g, v, h)
+    fused.adam_(x, g, v, h, adam_rate(exact(r, dtype), t, alpha, beta), alpha, beta, epsilon, nc, nc_post)
+    close((x, v, h), expected)
+    np.testing.assert_array_equal(g, g0)
+
+
+def run_momentum(seed, shape, dtype, t, alpha, beta, nc, nesterov, r=0.01):
+    x, g, v = tensors(seed, shape, dtype, 3)
+    mode = "nesterov" if nesterov else "standard"
+    expected = momentum(
+        np.array(r, dtype), np.array(t, np.int64), x, g, v, alpha=alpha, beta=beta, mode=mode, norm_coefficient=nc
+    )
+    g0 = g.copy()
+    assert fused.supports(x, g, v)
+    fused.momentum_(x, g, v, exact(r, dtype), alpha, momentum_beta(t, beta), nc, nesterov)
+    close((x, v), expected)
+    np.testing.assert_array_equal(g, g0)
+
+
+def run_adagrad(seed, shape, dtype, t, decay, epsilon, nc, r=0.01):
+    x, g, h = tensors(seed, shape, dtype, 3)
+    np.abs(h, out=h)
+    expected = adagrad(
+        np.array(r, dtype), np.array(t, np.int64), x, g, h, decay_factor=decay, epsilon=epsilon, norm_coefficient=nc
+    )
+    g0 = g.copy()
+    assert fused.supports(x, g, h)
+    fused.adagrad_(x, g, h, adagrad_rate(exact(r, dtype), t, decay), epsilon, nc)
+    close((x, h), expected)
+    np.testing.assert_array_equal(g, g0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    assert fused.warm_up() >= 0.0
+
+
+@SETTINGS
+@given(seeds, shapes, dtypes, counts, open_unit, open_unit, epsilons, norms, norms, rates)
+def test_adam_matches_reference(seed, shape, dtype, t, alpha, beta, epsilon, nc, nc_post, r):
+    run_adam(seed, shape, dtype, t, alpha, beta, epsilon, nc, nc_post, r)
+
+
+@SETTINGS
+@given(seeds, shapes, dtypes, counts, open_unit, open_unit, norms, st.booleans(), rates)
+def test_momentum_matches_reference(seed, shape, dtype, t, alpha, beta, nc, nesterov, r):
+    run_momentum(seed, shape, dtype, t, alpha, beta, nc, nesterov, r)
+
+
+@SETTINGS
+@given(seeds, shapes, dtypes, counts, st.one_of(st.just(0.0), st.floats(1e-6, 1.0)), epsilons, norms, rates)
+def test_adagrad_matches_reference(seed, shape, dtype, t, decay, epsilon, nc, r):
+    run_adagrad(seed, shape, dtype, t, decay, epsilon, nc, r)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seeds, big_shapes, dtypes, counts, open_unit, open_unit, norms, st.booleans())
+def test_parallel_sizes_match_reference(seed, shape, dtype, t, alpha, beta, nc, nesterov):
+    run_adam(seed, shape, dtype, t, alpha, beta, 1e-6, nc, nc)
+    run_momentum(seed, shape, dtype, t, alpha, beta, nc, nesterov)
+    run_adagrad(seed, shape, dtype, t, 1 - beta, 1e-6, nc)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(0,), (2, 0, 3)])
+def test_empty_tensors(dtype, shape):
+    run_adam(0, shape, dtype, 1, 0.9, 0.999, 1e-6, 0.0, 0.0)
+    run_momentum(0, shape, dtype, 1, 0.9, 0.5, 0.0, True)
+    run_adagrad(0, shape, dtype, 1, 0.1, 1e-6, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_zero_epsilon_and_zero_state_follow_numpy(dtype):
+    # 0/0 -> nan and x/0 -> inf as numpy, no ZeroDivisionError (error_model="numpy").
+    x = np.array([1.0, 2.0], dtype)
+    g = np.array([0.0, 1.0], dtype)
+    with np.errstate(all="ignore"):
+        expected = adagrad(np.array(0.1, dtype), np.array(0, np.int64), x, g, np.zeros(2, dtype), epsilon=0.0)
+    h = np.zeros(2, dtype)
+    fused.adagrad_(x, g, h, 0.1, 0.0, 0.0)
+    np.testing.assert_array_equal(x, expected[0])
+    np.testing.assert_array_equal(h, expected[1])
+    assert np.isnan(x[0])
+
+
+def test_steps_accumulate_like_reference():
+    # Five Adam steps in place track five reference steps (state carried through).
+    rng = np.random.default_rng(1)
+    x, v, h = rng.standard_normal(50_000).astype(np.float32), np.zeros(50_000, np.float32), np.zeros(50_000, np.float32)
+    rx, rv, rh = x.copy(), v.copy(), h.copy()
+    r = np.float32(0.01)  # as a model holds it; the reference reads it exactly
+    for t in range(5):
+        g = rng.standard_normal(50_000).astype(np.float32)
+        rx, rv, rh = adam(r, np.int64(t), rx, g, rv, rh, norm_coefficient=0.01)
+        d = ADAM_DEFAULTS  # float32-exact alpha, beta, epsilon, as a model holds them
+        rate = adam_rate(float(r), t, d["alpha"], d["beta"])
+        fused.adam_(x, g, v, h, rate, d["alpha"], d["beta"], d["epsilon"], 0.01, 0.0)
+    close((x, v, h), (rx, rv, rh))
+
+
+class TestSupports:
+    def arrays(self, k=4, shape=(3, 4), dtype=np.float32):
+        return [np.ones(shape, dtype) for _ in range(k)]
+
+    @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+    @pytest.mark.parametrize("shape", [(), (1,), (3, 4), (2, 1, 3, 2)])
+    def test_accepts_matching_contiguous(self, dtype, shape):
+        assert fused.supports(*self.arrays(4, shape, dtype))
+        assert fused.supports(*self.arrays(3, shape, dtype))
+
+    def test_accepts_disjoint_views(self):
+        buf = np.zeros(48, np.float32)
+        assert fused.supports(*(buf[12 * i : 12 * (i + 1)].reshape(3, 4) for i in range(4)))
+
+    def test_rejects_non_contiguous(self):
+        a = self.arrays()
+        assert not fused.supports(np.ones((3, 8), np.float32)[:, ::2], *a[1:])
+        assert not fused.supports(a[0], np.asfortranarray(np.ones((3, 4), np.float32)), *a[2:])
+
+    def test_rejects_mismatched_dtype(self):
+        a = self.arrays()
+        assert not fused.supports(a[0], a[1].astype(np.float64), *a[2:])
+        assert not fused.supports(*(x.astype(np.float16) for x in a))
+        assert not fused.supports(*(x.astype(np.int64) for x in a))
+
+    def test_rejects_broadcasting_shapes(self):
+        a = self.arrays()
+        assert not fused.supports(a[0], np.ones((1, 4), np.float32), *a[2:])
+        assert not fused.supports(a[0], a[1], np.ones((), np.float32), a[3])
+        assert not fused.supports(np.ones((4, 3), np.float32), *a[1:])
+
+    def test_rejects_read_only(self):
+        a = self.arrays()
+        a[2].flags.writeable = False
+        assert not fused.supports(*a)
+
+    def test_rejects_shared_memory(self):
+        a = self.arrays()
+        assert not fused.supports(a[0], a[0], *a[2:])
+        buf = np.zeros(24, np.float32)
+        assert not fused.supports(buf[:12].reshape(3, 4), a[1], buf[6:18].reshape(3, 4), a[3])
+
+    def test_rejects_non_arrays(self):
+        assert not fused.supports()
+        assert not fused.supports([1.0], [2.0])
+        assert not fused.supports(np.float32(1.0), np.float32(2.0))
