@@ -1,0 +1,55 @@
+"""Command line: ``python -m onnx_training_ops {prepare,conformance} ...`` (also ``onnx-training-ops``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    import onnx
+
+    from .passes import prepare
+
+    model = prepare(args.input)
+    onnx.save(model, args.output)
+    print(f"prepared {args.input} -> {args.output}")
+    return 0
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from .conformance import format_table, run_conformance
+
+    results = run_conformance()
+    print(format_table(results))
+    return 0 if all(r.passed for r in results) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("prepare", help="rewrite a model so that onnxruntime runs it")
+    p.add_argument("input", help="input .onnx file")
+    p.add_argument("output", help="output .onnx file")
+    p.set_defaults(func=_prepare)
+    c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
+    c.set_defaults(func=_conformance)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import TrainingOpError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (TrainingOpError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

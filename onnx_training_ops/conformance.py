@@ -1,0 +1,75 @@
+"""Run the ONNX conformance cases of the training domain through :mod:`onnx_training_ops.backend`."""
+
+from __future__ import annotations
+
+import re
+import unittest
+from dataclasses import dataclass
+
+NODE_CASES = (
+    "test_adagrad",
+    "test_adagrad_multiple",
+    "test_adam",
+    "test_adam_multiple",
+    "test_momentum",
+    "test_momentum_multiple",
+    "test_nesterov_momentum",
+)
+GRADIENT_CASES = ("test_gradient_of_add", "test_gradient_of_add_and_mul")
+CASES = NODE_CASES + GRADIENT_CASES
+PATTERN = "^(" + "|".join(CASES) + ")_cpu$"
+
+
+@dataclass
+class CaseResult:
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+def backend_test_cases(module_name: str = __name__) -> dict[str, type[unittest.TestCase]]:
+    """The unittest classes of onnx's BackendTest for the domain's cases, on our backend."""
+    import warnings
+
+    import onnx.backend.test
+
+    from . import backend
+
+    with warnings.catch_warnings():  # building onnx's in-memory cases warns about other ops' data
+        warnings.simplefilter("ignore", RuntimeWarning)
+        suite = onnx.backend.test.BackendTest(backend, module_name)
+    suite.include(PATTERN)
+    return suite.test_cases
+
+
+def run_conformance() -> list[CaseResult]:
+    """Run every case of :data:`CASES`; one result per case, in that order."""
+    results: dict[str, CaseResult] = {}
+    for case_class in backend_test_cases().values():
+        for test_name in unittest.defaultTestLoader.getTestCaseNames(case_class):
+            name = re.sub(r"_cpu$", "", test_name)
+            if name not in CASES:
+                continue
+            outcome = unittest.TestResult()
+            case_class(test_name).run(outcome)
+            problems = outcome.errors + outcome.failures
+            skipped = outcome.skipped
+            if problems:
+                detail = problems[0][1].strip().splitlines()[-1]
+                results[name] = CaseResult(name, False, detail)
+            elif skipped:
+                results[name] = CaseResult(name, False, f"skipped: {skipped[0][1]}")
+            else:
+                results[name] = CaseResult(name, True)
+    return [results.get(name, CaseResult(name, False, "not found in this onnx's test cases")) for name in CASES]
+
+
+def format_table(results: list[CaseResult]) -> str:
+    """A plain-text pass/fail table with a closing 'N passed, N failed' line."""
+    width = max(len(r.name) for r in results)
+    lines = [f"{'case':<{width}}  result", f"{'-' * width}  ------"]
+    for r in results:
+        lines.append(f"{r.name:<{width}}  {'pass' if r.passed else 'FAIL'}" + (f"  {r.detail}" if r.detail else ""))
+    passed = sum(r.passed for r in results)
+    lines.append(f"conformance: {passed} passed, {len(results) - passed} failed")
+    return "\n".join(lines)
