@@ -1,0 +1,76 @@
+"""MatMul (numpy semantics: batched, broadcast batch dims, rank-1 operands) and Gemm."""
+
+from __future__ import annotations
+
+from .emitter import Shape
+from .registry import RuleContext, register
+
+
+def _insert_one(shape: Shape, axis: int) -> Shape:
+    """``shape`` with a 1 inserted at ``axis`` (negative counts from the new end)."""
+    if shape is None:
+        return None
+    dims = list(shape)
+    axis = axis if axis >= 0 else len(dims) + 1 + axis
+    dims.insert(axis, 1)
+    return tuple(dims)
+
+
+@register("MatMul")
+def _matmul(ctx: RuleContext) -> list:
+    """Y = A @ B. Rank-1 operands are promoted (A: [1, k], B: [k, 1]) as numpy does, the
+    gradient ``dA = g @ B^T``, ``dB = A^T @ g`` is taken in the promoted shapes, summed
+    over broadcast batch dims and squeezed back."""
+    em, g = ctx.em, ctx.grad(0)
+    a, b = ctx.node.input[:2]
+    ra, rb = ctx.rank(a), ctx.rank(b)
+    a2, b2, g2 = a, b, g
+    sa, sb, sg = ctx.shape(a), ctx.shape(b), ctx.shape(ctx.node.output[0])
+    if rb == 1:
+        b2, sb = em.unsqueeze(b, [1]), _insert_one(sb, 1)
+        g2, sg = em.unsqueeze(g2, [-1]), _insert_one(sg, -1)
+    if ra == 1:
+        a2, sa = em.unsqueeze(a, [0]), _insert_one(sa, 0)
+        g2, sg = em.unsqueeze(g2, [-2]), _insert_one(sg, -2)
+    batch = None if sg is None else sg[:-2]
+    out = ctx.empty()
+    if ctx.need(0):
+        ga = em.op("MatMul", [g2, em.swap_last_two(b2, max(rb, 2))])
+        ga_shape = None if batch is None or sa is None else batch + sa[-2:]
+        ga = em.unbroadcast(ga, ga_shape, a2, sa)
+        out[0] = em.squeeze(ga, [0]) if ra == 1 else ga
+    if ctx.need(1):
+        gb = em.op("MatMul", [em.swap_last_two(a2, max(ra, 2)), g2])
+        gb_shape = None if batch is None or sb is None else batch + sb[-2:]
+        gb = em.unbroadcast(gb, gb_shape, b2, sb)
+        out[1] = em.squeeze(gb, [1]) if rb == 1 else gb
+    return out
+
+
+@register("Gemm")
+def _gemm(ctx: RuleContext) -> list:
+    """Y = alpha * A' @ B' + beta * C with A' = A^T if transA, B' = B^T if transB.
+
+    dA' = alpha g B'^T and dB' = alpha A'^T g, each written as one Gemm that folds the
+    transposes in; dC = beta g reduced to C's shape.
+    """
+    em, g = ctx.em, ctx.grad(0)
+    a, b = ctx.node.input[:2]
+    alpha = float(ctx.attr("alpha", 1.0))
+    beta = float(ctx.attr("beta", 1.0))
+    ta, tb = int(ctx.attr("transA", 0)), int(ctx.attr("transB", 0))
+    out = ctx.empty()
+    if ctx.need(0):
+        if ta:  # dA = (dA')^T = alpha B' g^T
+            out[0] = em.op("Gemm", [b, g], "gemm", alpha=alpha, transA=tb, transB=1)
+        else:  # dA = alpha g B'^T
+            out[0] = em.op("Gemm", [g, b], "gemm", alpha=alpha, transB=1 - tb)
+    if ctx.need(1):
+        if tb:  # dB = (dB')^T = alpha g^T A'
+            out[1] = em.op("Gemm", [g, a], "gemm", alpha=alpha, transA=1, transB=ta)
+        else:  # dB = alpha A'^T g
+            out[1] = em.op("Gemm", [a, g], "gemm", alpha=alpha, transA=1 - ta)
+    if ctx.need(2):
+        gc = g if beta == 1.0 else em.op("Mul", [g, em.scalar(beta, g if em.dtype(g) else a)])
+        out[2] = ctx.unbroadcast(gc, ctx.node.input[2])
+    return out

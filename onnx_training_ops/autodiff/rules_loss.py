@@ -1,0 +1,100 @@
+"""SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss (gradient wrt the scores/input).
+
+Both losses are ``sum_i w_i * l_i`` over the sample positions ``i`` (``[N, d1, ...]``), with
+``w_i = weight[label_i]`` (1 without a weight input) and ``w_i = 0`` where
+``label_i == ignore_index``; ``mean`` divides by ``sum_i w_i``. So the gradient of element
+``(i, c)`` is ``coef_i * (softmax - onehot)`` (SCE) or ``-coef_i * onehot`` (NLL) with
+``coef_i = g * w_i`` [/ ``sum w``]. Labels and weights are constants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .emitter import Emitter
+from .registry import RuleContext, RuleError, register
+
+
+def _onehot(em: Emitter, labels: str, scores: str, rank: int) -> str:
+    """``onehot[i, c] = (labels[i] == c)`` as scores' type, class axis 1, shape [N, C, ...]."""
+    classes = em.squeeze(em.dims_of(scores, 1, 2), [0])
+    rng = em.op("Range", [em.const(np.int64(0)), classes, em.const(np.int64(1))])
+    rng = em.op("Reshape", [rng, em.ints([1, -1] + [1] * (rank - 2))])
+    lab = em.unsqueeze(em.op("Cast", [labels], to=7), [1])
+    return em.cast_like(em.op("Equal", [lab, rng]), scores)
+
+
+def _coefficient(ctx: RuleContext, labels: str, weights: str | None, scores: str) -> str:
+    """Per-sample coefficient ``coef_i`` (shape of labels), or a scalar for sum/mean w/o weights."""
+    em, g = ctx.em, ctx.grad(0)
+    reduction = ctx.attr("reduction", "mean")
+    ignore = ctx.attr("ignore_index")
+    lab = em.op("Cast", [labels], to=7)
+    w = None
+    if ignore is not None:
+        ignored = em.op("Equal", [lab, em.const(np.int64(ignore))])
+        w = em.cast_like(em.op("Not", [ignored]), scores)
+        if weights is not None:
+            safe = em.op("Where", [ignored, em.const(np.int64(0)), lab])
+            w = em.op("Mul", [w, em.op("Gather", [weights, safe], axis=0)])
+    elif weights is not None:
+        w = em.op("Gather", [weights, lab], axis=0)
+    if reduction == "none":
+        return g if w is None else em.op("Mul", [g, w])
+    if reduction == "sum":
+        return g if w is None else em.op("Mul", [w, g])
+    if reduction != "mean":
+        raise RuleError(f"unknown reduction {reduction!r}")
+    if w is None:
+        count = em.cast_like(em.op("Size", [labels]), scores)
+        return em.op("Div", [g, count])
+    total = em.reduce_sum(w, list(range(ctx.rank(labels))), keepdims=False)
+    return em.op("Mul", [w, em.op("Div", [g, total])])
+
+
+def _scale(em: Emitter, x: str, coef: str, coef_is_per_sample: bool) -> str:
+    c = em.unsqueeze(coef, [1]) if coef_is_per_sample else coef
+    return em.op("Mul", [x, c])
+
+
+def _per_sample(ctx: RuleContext, weights: str | None) -> bool:
+    reduction = ctx.attr("reduction", "mean")
+    return reduction == "none" or weights is not None or ctx.attr("ignore_index") is not None
+
+
+@register("SoftmaxCrossEntropyLoss")
+def _softmax_cross_entropy(ctx: RuleContext) -> list:
+    em = ctx.em
+    scores, labels = ctx.node.input[:2]
+    weights = ctx.input(2)
+    rank = ctx.rank(scores)
+    if ctx.output(1):
+        log_prob = ctx.output(1)
+    elif ctx.opset >= 13 or rank == 2:
+        log_prob = em.op("LogSoftmax", [scores], axis=1)
+    else:
+        raise RuleError(f"opset {ctx.opset} with rank {rank} scores: LogSoftmax cannot work "
+                        "on axis 1 alone")
+    prob = em.op("Exp", [log_prob])
+    terms = []
+    if ctx.grad(0):
+        coef = _coefficient(ctx, labels, weights, scores)
+        diff = em.op("Sub", [prob, _onehot(em, labels, scores, rank)])
+        terms.append(_scale(em, diff, coef, _per_sample(ctx, weights)))
+    if ctx.grad(1):  # the log_prob output is a LogSoftmax over axis 1
+        g2 = ctx.grad(1)
+        total = em.reduce_sum(g2, [1], keepdims=True)
+        terms.append(em.op("Sub", [g2, em.op("Mul", [prob, total])]))
+    d = terms[0] if len(terms) == 1 else em.op("Add", terms)
+    return [d] + [None] * (len(ctx.node.input) - 1)
+
+
+@register("NegativeLogLikelihoodLoss")
+def _negative_log_likelihood(ctx: RuleContext) -> list:
+    em = ctx.em
+    x, target = ctx.node.input[:2]
+    weights = ctx.input(2)
+    coef = _coefficient(ctx, target, weights, x)
+    onehot = _onehot(em, target, x, ctx.rank(x))
+    d = em.op("Neg", [_scale(em, onehot, coef, _per_sample(ctx, weights))])
+    return [d] + [None] * (len(ctx.node.input) - 1)

@@ -1,0 +1,145 @@
+"""Data-movement and reduction ops: Reshape-likes, Transpose, Concat, Gather, ReduceSum/Mean.
+
+Shape-only inputs (Reshape's ``shape``, ``axes`` tensors, Gather's indices) are integer
+tensors and never receive a gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper, numpy_helper
+
+from .emitter import static_dims
+from .registry import RuleContext, RuleError, register
+
+
+@register("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def _reshape(ctx: RuleContext) -> list:
+    x = ctx.node.input[0]
+    return [ctx.em.reshape_like(ctx.grad(0), x)] + [None] * (len(ctx.node.input) - 1)
+
+
+@register("Transpose")
+def _transpose(ctx: RuleContext) -> list:
+    perm = ctx.attr("perm")
+    if perm is None:  # default: reverse the axes, its own inverse
+        return [ctx.em.op("Transpose", [ctx.grad(0)])]
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return [ctx.em.op("Transpose", [ctx.grad(0)], perm=inverse)]
+
+
+@register("Concat")
+def _concat(ctx: RuleContext) -> list:
+    """Split the gradient along ``axis`` into pieces the size of each input."""
+    em, inputs = ctx.em, list(ctx.node.input)
+    axis = int(ctx.attr("axis"))
+    if axis < 0:
+        axis += ctx.rank(inputs[0])
+    sizes = []
+    for x in inputs:
+        s = ctx.shape(x)
+        sizes.append(s[axis] if s is not None and isinstance(s[axis], int) else None)
+    if all(s is not None for s in sizes):
+        split = sizes
+        split_t = em.ints(sizes)
+    elif ctx.opset >= 13:
+        split = None
+        split_t = em.op("Concat", [em.dims_of(x, axis, axis + 1) for x in inputs], axis=0)
+    else:
+        raise RuleError(f"opset {ctx.opset} Concat gradient needs static input sizes")
+    if ctx.opset >= 13:
+        parts = em.op_n("Split", [ctx.grad(0), split_t], len(inputs), "split", axis=axis)
+    else:
+        parts = em.op_n("Split", [ctx.grad(0)], len(inputs), "split", axis=axis, split=split)
+    return [p if ctx.need(i) else None for i, p in enumerate(parts)]
+
+
+@register("Gather")
+def _gather(ctx: RuleContext) -> list:
+    """Scatter-add the gradient rows back into zeros shaped like ``data`` (ScatterND with
+    ``reduction="add"``, opset >= 16), so repeated indices accumulate."""
+    if ctx.opset < 16:
+        raise RuleError(f"the Gather gradient needs ScatterND reduction='add' (opset >= 16), "
+                        f"graph has opset {ctx.opset}")
+    em, g = ctx.em, ctx.grad(0)
+    data, indices = ctx.node.input[:2]
+    r, q = ctx.rank(data), ctx.rank(indices)
+    axis = int(ctx.attr("axis", 0))
+    axis = axis + r if axis < 0 else axis
+    idx = em.op("Cast", [indices], "idx", to=7)  # int64
+    dim = em.dims_of(data, axis, axis + 1)
+    negative = em.op("Less", [idx, em.ints([0]) if q else em.const(np.int64(0))])
+    idx = em.op("Where", [negative, em.op("Add", [idx, dim if q else em.squeeze(dim, [0])]), idx])
+    idx = em.unsqueeze(idx, [-1])
+    if axis == 0:
+        zeros = em.filled_like(0.0, data)
+        return [em.op("ScatterND", [zeros, idx, g], "scatter", reduction="add"), None]
+    # Move the gathered axis to the front, scatter there, move it back.
+    perm_d = [axis] + [i for i in range(r) if i != axis]
+    inv_d = [perm_d.index(i) for i in range(r)]
+    perm_g = list(range(axis, axis + q)) + list(range(axis)) + list(range(axis + q, r + q - 1))
+    gt = em.op("Transpose", [g], perm=perm_g)
+    s = ctx.shape(data)
+    dims = static_dims(s)
+    if dims is not None:
+        shape_t = em.ints([dims[p] for p in perm_d])
+    else:
+        shape_t = em.op("Gather", [em.shape_of(data), em.ints(perm_d)], "dims", axis=0)
+    dt = em.dtype(data)
+    if dt is None:
+        raise RuleError(f"element type of {data!r} unknown")
+    zeros = em.op("ConstantOfShape", [shape_t], "zeros", value=numpy_helper.from_array(
+        np.zeros(1, dtype=helper.tensor_dtype_to_np_dtype(dt))))
+    scattered = em.op("ScatterND", [zeros, idx, gt], "scatter", reduction="add")
+    return [em.op("Transpose", [scattered], perm=inv_d), None]
+
+
+def _reduce_axes(ctx: RuleContext, attr_form: bool):
+    """(axes, noop): axes as a static list, a tensor name, or None for "all axes"."""
+    if attr_form:
+        axes = ctx.attr("axes")
+        return (list(axes) if axes else None), False
+    noop = bool(ctx.attr("noop_with_empty_axes", 0))
+    name = ctx.input(1)
+    if name is None:
+        return None, noop
+    value = ctx.const_value(name)
+    if value is not None:
+        value = [int(v) for v in np.asarray(value).reshape(-1)]
+        return (value or None), noop
+    return name, noop
+
+
+def _reduce_grad(ctx: RuleContext, attr_form: bool, mean: bool) -> list:
+    em, g, x = ctx.em, ctx.grad(0), ctx.node.input[0]
+    axes, noop = _reduce_axes(ctx, attr_form)
+    rest = [None] * (len(ctx.node.input) - 1)
+    if axes is None and noop:
+        return [g] + rest
+    keepdims = bool(ctx.attr("keepdims", 1))
+    gk = g
+    if not keepdims and axes is not None:
+        gk = em.unsqueeze(g, axes)
+    gx = em.op("Expand", [gk, em.shape_of(x)], "expand")
+    if not mean:
+        return [gx] + rest
+    xs, ys = static_dims(ctx.shape(x)), static_dims(ctx.shape(ctx.node.output[0]))
+    if xs is not None and ys is not None:
+        count = float(np.prod(xs, dtype=np.int64)) / max(float(np.prod(ys, dtype=np.int64)), 1.0)
+        scale = em.scalar(1.0 / count if count else 0.0, x)
+    else:
+        scale = em.op("Div", [em.cast_like(em.op("Size", [ctx.node.output[0]]), x),
+                              em.cast_like(em.op("Size", [x]), x)])
+    return [em.op("Mul", [gx, scale])] + rest
+
+
+@register("ReduceSum")
+def _reduce_sum(ctx: RuleContext) -> list:
+    return _reduce_grad(ctx, attr_form=ctx.opset < 13, mean=False)
+
+
+@register("ReduceMean")
+def _reduce_mean(ctx: RuleContext) -> list:
+    return _reduce_grad(ctx, attr_form=ctx.opset < 18, mean=True)

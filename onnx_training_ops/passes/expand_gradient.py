@@ -1,0 +1,363 @@
+"""Pass: replace every ``ai.onnx.preview.training::Gradient`` node by ordinary ONNX ops.
+
+``Gradient(xs=[...], zs=[...], y=...)(values of xs..., values of zs...)`` outputs
+``d sum(y) / d xs[i]`` (for a non-scalar ``y``, the gradient of the sum of its elements,
+i.e. the vector-Jacobian product with a ones seed). The differentiated computation is the
+part of the enclosing graph that computes ``y`` from the xs and zs names: the walk from
+``y`` stops at those names; everything else it reaches (graph inputs, initializers,
+Constants, outer-scope values, integer and shape-derived values) is a constant.
+
+When the node's inputs are exactly ``xs + zs`` the existing forward values are reused;
+otherwise the forward nodes downstream of xs/zs are copied with the node's inputs
+substituted (renamed ``<prefix>fwd/<name>``) and differentiated at those values.
+
+Gradient nodes are expanded in the main graph, in control-flow bodies (If/Loop/Scan) and
+in ``training_info[*].algorithm`` (and ``initialization``) graphs. Emitted names start
+with ``<gradient node name>/grad/``. See ``docs/gradient.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import numpy as np
+import onnx
+from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
+
+from ..autodiff import Emitter, ValueMeta, backprop, topological_sort
+from ..autodiff.graph import ancestors, node_reads, producer_map
+from ..errors import TrainingOpError, node_label
+
+DOMAIN = "ai.onnx.preview.training"
+
+__all__ = ["expand_gradient", "expand_gradients_in_graph"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _is_gradient(node: NodeProto) -> bool:
+    return node.op_type == "Gradient" and node.domain == DOMAIN
+
+
+def _graph_attrs(node: NodeProto) -> Iterator[tuple[onnx.AttributeProto, int | None]]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr, None
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for i in range(len(attr.graphs)):
+                yield attr, i
+
+
+def _all_graphs(graph: GraphProto) -> Iterator[GraphProto]:
+    yield graph
+    for node in graph.node:
+        for attr, i in _graph_attrs(node):
+            yield from _all_graphs(attr.g if i is None else attr.graphs[i])
+
+
+def _has_gradient(graph: GraphProto) -> bool:
+    return any(_is_gradient(n) for g in _all_graphs(graph) for n in g.node)
+
+
+def _names(graph: GraphProto) -> set[str]:
+    names: set[str] = set()
+    for g in _all_graphs(graph):
+        names.update(v.name for v in g.input)
+        names.update(t.name for t in g.initializer)
+        for n in g.node:
+            names.update(o for o in n.output if o)
+            if n.name:
+                names.add(n.name)
+    return names
+
+
+def _meta_of_graph(graph: GraphProto, into: dict[str, ValueMeta]) -> dict[str, ValueMeta]:
+    for g in _all_graphs(graph):
+        for t in g.initializer:
+            into.setdefault(t.name, ValueMeta(t.data_type, tuple(int(d) for d in t.dims)))
+        for v in list(g.input) + list(g.output) + list(g.value_info):
+            meta = ValueMeta.from_type(v.type)
+            if meta.dtype is not None or v.name not in into:
+                into[v.name] = meta
+    return into
+
+
+def _infer(graph: GraphProto, opset_imports, ir_version: int,
+           extra_initializers=()) -> dict[str, ValueMeta]:
+    """Shape-inferred value facts of every graph under ``graph`` (best effort)."""
+    g = GraphProto()
+    g.CopyFrom(graph)
+    have = {t.name for t in g.initializer} | {v.name for v in g.input}
+    g.initializer.extend(t for t in extra_initializers if t.name not in have)
+    model = helper.make_model(g, opset_imports=list(opset_imports))
+    model.ir_version = max(ir_version, 7)
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # inference is an aid, not a requirement
+        pass
+    return _meta_of_graph(model.graph, {})
+
+
+class _Constants(Mapping):
+    """Values of initializers and Constant nodes, converted to numpy on first use."""
+
+    def __init__(self, parent: Mapping | None, graph: GraphProto, extra=()):
+        self._parent = parent
+        self._protos: dict[str, object] = {}
+        for t in list(extra) + list(graph.initializer):
+            self._protos[t.name] = t
+        for n in graph.node:
+            if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output:
+                self._protos[n.output[0]] = n
+        self._cache: dict[str, np.ndarray | None] = {}
+
+    def _convert(self, proto) -> np.ndarray | None:
+        if isinstance(proto, onnx.TensorProto):
+            return numpy_helper.to_array(proto)
+        for a in proto.attribute:
+            v = helper.get_attribute_value(a)
+            if a.name == "value":
+                return numpy_helper.to_array(v)
+            if a.name in ("value_int", "value_ints", "value_float", "value_floats"):
+                return np.asarray(v)
+        return None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._protos:
+            if name not in self._cache:
+                self._cache[name] = self._convert(self._protos[name])
+            value = self._cache[name]
+            if value is None:
+                raise KeyError(name)
+            return value
+        if self._parent is not None:
+            return self._parent[name]
+        raise KeyError(name)
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def __iter__(self):
+        return iter(self._protos)
+
+    def __len__(self) -> int:
+        return len(self._protos)
+
+
+def _strings(node: NodeProto, name: str) -> list[str] | None:
+    for a in node.attribute:
+        if a.name == name:
+            v = helper.get_attribute_value(a)
+            if isinstance(v, bytes):
+                return [v.decode()]
+            return [s.decode() if isinstance(s, bytes) else s for s in v]
+    return None
+
+
+def _prefix(node: NodeProto, index: int, taken: set[str]) -> str:
+    base = node.name or (node.output[0] if len(node.output) and node.output[0] else
+                         f"Gradient_{index}")
+    prefix, k = f"{base}/grad/", 1
+    while any(t.startswith(prefix) for t in taken):
+        k += 1
+        prefix = f"{base}_{k}/grad/"
+    return prefix
+
+
+# ----------------------------------------------------------------------------- one node
+def _check_independent(label: str, nodes, producers, names: list[str], cut: set[str]) -> None:
+    """The spec: an xs/zs name must not be computed from other xs/zs names."""
+    for name in names:
+        if name not in producers:
+            continue
+        others = cut - {name}
+        found: set[str] = set()
+        for idx in ancestors(nodes, producers, [name], others):
+            found.update(i for i in node_reads(nodes[idx]) if i in others)
+        if found:
+            raise TrainingOpError(
+                f"{label}: xs {name!r} is computed from {sorted(found)} (also in xs/zs); "
+                "xs and zs must be independent inputs of the differentiated computation")
+
+
+def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: int,
+                 meta: dict[str, ValueMeta], constants: Mapping, taken: set[str]) -> list[NodeProto]:
+    label = node_label(gnode)
+    xs = _strings(gnode, "xs")
+    zs = _strings(gnode, "zs") or []
+    y = _strings(gnode, "y")
+    if not y or not y[0]:
+        raise TrainingOpError(f"{label}: the required attribute 'y' is missing")
+    if not xs:
+        raise TrainingOpError(f"{label}: the required attribute 'xs' is missing or empty")
+    y = y[0]
+    if len(gnode.input) != len(xs) + len(zs):
+        raise TrainingOpError(
+            f"{label}: has {len(gnode.input)} inputs, expected len(xs) + len(zs) = "
+            f"{len(xs)} + {len(zs)} = {len(xs) + len(zs)} (values of xs then zs)")
+    if len(gnode.output) > len(xs):
+        raise TrainingOpError(f"{label}: has {len(gnode.output)} outputs but only {len(xs)} xs")
+    cut = set(xs) | set(zs)
+    producers = producer_map(nodes)
+    _check_independent(label, nodes, producers, xs + zs, cut)
+
+    prefix = _prefix(gnode, index, taken)
+    em = Emitter(prefix, opset, meta)
+    copies: list[NodeProto] = []
+    if list(gnode.input) == xs + zs:
+        fwd_nodes, leaves, y_name, leaf_cut = nodes, list(xs), y, cut
+    else:
+        subst = dict(zip(xs + zs, gnode.input))
+        same = all(meta.get(k, ValueMeta()).shape == meta.get(v, ValueMeta()).shape
+                   and meta.get(k, ValueMeta()).shape is not None for k, v in subst.items())
+        rename: dict[str, str] = {}
+        downstream = set(cut)
+        for idx in ancestors(nodes, producers, [y], cut):
+            node = nodes[idx]
+            reads = node_reads(node)
+            if not any(i in downstream for i in reads):
+                continue
+            if any(i in downstream for i in reads[len(node.input):]):
+                raise TrainingOpError(
+                    f"{label}: cannot re-evaluate {node_label(node)} at the Gradient inputs "
+                    "(its subgraph reads a substituted value)")
+            copy = NodeProto()
+            copy.CopyFrom(node)
+            copy.name = f"{prefix}fwd/{node.name or node.output[0]}"
+            del copy.input[:]
+            copy.input.extend(subst.get(i, rename.get(i, i)) for i in node.input)
+            del copy.output[:]
+            for o in node.output:
+                if o:
+                    downstream.add(o)
+                    rename[o] = f"{prefix}fwd/{o}"
+                    m = meta.get(o, ValueMeta())
+                    meta[rename[o]] = m if same else ValueMeta(
+                        m.dtype, None if m.shape is None else (None,) * len(m.shape))
+                copy.output.append(rename.get(o, "") if o else "")
+            copies.append(copy)
+        fwd_nodes = copies
+        leaves = [subst[x] for x in xs]
+        y_name = subst.get(y, rename.get(y, y))
+        leaf_cut = set(gnode.input)
+
+    grads = backprop(fwd_nodes, y_name, leaves, leaf_cut, em, constants, label)
+    for i, out in enumerate(gnode.output):
+        if not out:
+            continue
+        g = grads[leaves[i]] or em.filled_like(0.0, leaves[i])
+        em.add_node(helper.make_node("Identity", [g], [out], name=f"{prefix}output_{i}"))
+        meta[out] = meta.get(leaves[i], ValueMeta())
+    taken.update(n.output[0] for n in em.nodes if n.output)
+    taken.update(n.output[0] for n in copies if n.output)
+    return copies + em.nodes
+
+
+# ----------------------------------------------------------------------------- graphs
+def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
+                  constants: Mapping, taken: set[str], refresh=None) -> GraphProto:
+    out = GraphProto()
+    out.CopyFrom(graph)
+    if not _has_gradient(out):
+        return out
+    nodes = list(out.node)
+    for node in nodes:  # control-flow bodies first
+        for attr, i in _graph_attrs(node):
+            sub = attr.g if i is None else attr.graphs[i]
+            if _has_gradient(sub):
+                new = _expand_graph(sub, opset, meta, _Constants(constants, sub), taken)
+                sub.CopyFrom(new)
+    expanded = 0
+    while True:
+        idx = next((k for k, n in enumerate(nodes) if _is_gradient(n)), None)
+        if idx is None:
+            break
+        if expanded and refresh is not None:
+            meta.update(refresh(nodes))
+        new_nodes = _expand_node(nodes[idx], expanded, nodes, opset, meta, constants, taken)
+        nodes = topological_sort(nodes[:idx] + new_nodes + nodes[idx + 1:])
+        expanded += 1
+    del out.node[:]
+    out.node.extend(nodes)
+    return out
+
+
+def _meta_from_value_info(value_info: Mapping) -> dict[str, ValueMeta]:
+    meta: dict[str, ValueMeta] = {}
+    for name, v in value_info.items():
+        if isinstance(v, ValueMeta):
+            meta[name] = v
+        elif isinstance(v, onnx.ValueInfoProto):
+            meta[name] = ValueMeta.from_type(v.type)
+        elif isinstance(v, onnx.TypeProto):
+            meta[name] = ValueMeta.from_type(v)
+    return meta
+
+
+def expand_gradients_in_graph(graph: GraphProto, opset: int,
+                              value_info: dict | None = None) -> GraphProto:
+    """Return a copy of ``graph`` with its Gradient nodes (subgraphs included) expanded.
+
+    ``opset`` is the graph's default-domain opset. ``value_info`` maps value names to
+    ``ValueInfoProto`` (or ``TypeProto``) for values visible in the graph, outer-scope ones
+    included; when None, the graph is shape-inferred on its own.
+    """
+    if value_info is None:
+        imports = [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)]
+        meta = _infer(graph, imports, 8)
+    else:
+        meta = _meta_of_graph(graph, _meta_from_value_info(value_info))
+    return _expand_graph(graph, opset, meta, _Constants(None, graph), _names(graph))
+
+
+def _default_opset(model: ModelProto) -> int:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return int(imp.version)
+    raise TrainingOpError("the model imports no default-domain opset; the Gradient expansion "
+                          "needs one to emit ordinary ONNX ops")
+
+
+def expand_gradient(model: ModelProto) -> ModelProto:
+    """Return a copy of ``model`` whose Gradient nodes are replaced by ordinary ONNX ops.
+
+    Covers the main graph, control-flow subgraphs and ``training_info`` graphs. The
+    training-domain opset import is kept (other nodes of the domain may remain).
+    """
+    out = ModelProto()
+    out.CopyFrom(model)
+    graphs = [out.graph] + [g for ti in out.training_info for g in (ti.algorithm, ti.initialization)]
+    if not any(_has_gradient(g) for g in graphs):
+        return out
+    opset = _default_opset(out)
+    taken: set[str] = set()
+    for g in graphs:
+        taken |= _names(g)
+    imports = list(out.opset_import)
+
+    def refresh(graph_template: GraphProto, extra=()):
+        def run(nodes):
+            g = GraphProto()
+            g.CopyFrom(graph_template)
+            del g.node[:]
+            g.node.extend(nodes)
+            return _infer(g, imports, out.ir_version, extra)
+        return run
+
+    if _has_gradient(out.graph):
+        meta = _infer(out.graph, imports, out.ir_version)
+        new = _expand_graph(out.graph, opset, meta, _Constants(None, out.graph), taken,
+                            refresh(out.graph))
+        out.graph.CopyFrom(new)
+    main_inits = list(model.graph.initializer)
+    for ti in out.training_info:
+        for g in (ti.algorithm, ti.initialization):
+            if not _has_gradient(g):
+                continue
+            meta = _infer(g, imports, out.ir_version, main_inits)
+            consts = _Constants(_Constants(None, model.graph), g)
+            new = _expand_graph(g, opset, meta, consts, taken, refresh(g, main_inits))
+            g.CopyFrom(new)
+    return out
