@@ -1,0 +1,330 @@
+"""Inference model + loss + optimizer -> one ONNX training model (``ModelProto.training_info``).
+
+The result follows the IR spec ("Training Related Information"): the main graph is the
+inference graph, unchanged; one TrainingInfoProto holds
+
+* ``initialization``: the optimizer state (V, H) at its initial value and T = 0,
+  bound by ``initialization_binding``;
+* ``algorithm``: the loss over the main graph's output, one ``Gradient`` node for all
+  trainables, **one** multi-tensor optimizer node and T <- T + 1, bound by
+  ``update_binding`` (every parameter, V, H and T).
+
+The spec runs the algorithm on the main graph and the algorithm graph concatenated, so the
+forward pass is the main graph itself: the algorithm's nodes read the main graph's inputs
+and outputs by name and the algorithm adds only the loss inputs (``labels`` or ``target``)
+and the learning rate (``learning_rate``, a float scalar input whose initializer holds the
+optimizer's ``lr`` as default, so schedules just feed it).
+
+Optimizer state lives in the algorithm graph's initializers (``<param>.V``, ``<param>.H``,
+``optimizer.T``); the spec lets update bindings name them, and the main graph stays as it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .errors import TrainingOpError
+from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
+from .passes import load_model
+from .passes._graph import all_names, unique_name, value_types
+from .passes.fit_runtime import runtime_limits
+from .schema import DOMAIN, OPSET_VERSION
+
+LOSSES = ("mse", "cross_entropy")
+META_PREFIX = "onnx_training_ops."
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
+MIN_OPSET = 13
+
+
+def _value_info_from(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(vi)
+    out.name = name
+    return out
+
+
+def _tensor_vi(name: str, elem_type: int, shape) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, list(shape) if shape is not None else None)
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    raise TrainingOpError("the model imports no ai.onnx opset")
+
+
+def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ai.onnx opset >= 13 (SoftmaxCrossEntropyLoss, ReduceMean forms) and <= the runtime's."""
+    opset = _default_opset(model)
+    _, max_opset = runtime_limits()
+    if opset < MIN_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+        except Exception as error:  # noqa: BLE001
+            raise TrainingOpError(
+                f"the model imports ai.onnx opset {opset}; training models need >= {MIN_OPSET} and "
+                f"onnx.version_converter failed: {error}"
+            ) from error
+    return model
+
+
+def _trainables(model: onnx.ModelProto, trainable) -> list[onnx.TensorProto]:
+    inits = {t.name: t for t in model.graph.initializer}
+    if trainable is None:
+        chosen = [t for t in model.graph.initializer if t.data_type in FLOAT_TYPES]
+        if not chosen:
+            raise TrainingOpError("the model has no float initializers to train; pass trainable=[...]")
+        return chosen
+    names = [trainable] if isinstance(trainable, str) else list(trainable)
+    if not names:
+        raise TrainingOpError("trainable is empty: nothing to train")
+    out = []
+    for name in names:
+        if name not in inits:
+            raise TrainingOpError(
+                f"trainable {name!r} is not an initializer of the main graph; "
+                f"initializers: {', '.join(sorted(inits)) or 'none'}"
+            )
+        t = inits[name]
+        if t.data_type not in FLOAT_TYPES:
+            raise TrainingOpError(
+                f"trainable {name!r} is {helper.tensor_dtype_to_string(t.data_type)}; only float and double train"
+            )
+        out.append(t)
+    if len(set(names)) != len(names):
+        raise TrainingOpError(f"trainable names repeat: {names}")
+    return out
+
+
+def build_training_model(
+    model,
+    loss: str,
+    optimizer: Optimizer,
+    trainable=None,
+    *,
+    output: str | None = None,
+    labels: str | None = None,
+    learning_rate: str = "learning_rate",
+) -> onnx.ModelProto:
+    """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
+
+    Parameters
+    ----------
+    model:
+        an inference model (ModelProto, path or bytes), e.g. from ``onnx.helper`` or
+        ``torch.onnx.export``. Opsets below 13 are converted.
+    loss:
+        ``"mse"`` (mean squared error between ``output`` and a new input ``target`` of the
+        same type), ``"cross_entropy"`` (``SoftmaxCrossEntropyLoss`` of the logits
+        ``output`` [N, C, ...] and a new int64 input ``labels`` [N, ...], mean reduction) or
+        the name of a scalar float output already in the model.
+    optimizer:
+        :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.Momentum` or
+        :class:`~onnx_training_ops.Adagrad`.
+    trainable:
+        names of main-graph initializers to train; default every float/double initializer.
+    output:
+        the model output the loss reads; default the first output.
+    labels:
+        name of the new label/target input; default ``"labels"`` (cross_entropy) or ``"target"`` (mse).
+    learning_rate:
+        name of the algorithm graph's learning-rate input R (default value ``optimizer.lr``).
+    """
+    if not isinstance(optimizer, (Adam, Momentum, Adagrad)):
+        raise TrainingOpError(
+            f"optimizer must be onnx_training_ops.Adam, Momentum or Adagrad, found {type(optimizer).__name__}"
+        )
+    model = _fit_opset(load_model(model))
+    max_ir, _ = runtime_limits()
+    if model.training_info:
+        raise TrainingOpError("the model already has training_info; pass the inference model")
+    graph = model.graph
+    params = _trainables(model, trainable)
+    taken = all_names(graph)
+    types = value_types(model)
+    outputs = {o.name: o for o in graph.output}
+
+    nodes: list[onnx.NodeProto] = []
+    algo_inputs: list[onnx.ValueInfoProto] = []
+    algo_inits: list[onnx.TensorProto] = []
+
+    # ---- loss
+    if loss in LOSSES:
+        if output is None:
+            if not graph.output:
+                raise TrainingOpError("the model has no outputs")
+            output = graph.output[0].name
+        if output not in outputs:
+            raise TrainingOpError(f"output {output!r} is not an output of the model; outputs: {', '.join(outputs)}")
+        pred_vt = types.get(output)
+        pred_type = pred_vt.elem_type if pred_vt else outputs[output].type.tensor_type.elem_type
+        if pred_type not in FLOAT_TYPES:
+            raise TrainingOpError(f"output {output!r} must be float or double for loss {loss!r}")
+        loss_name = unique_name(taken, "loss")
+        if loss == "mse":
+            target = labels or "target"
+            if target in taken:
+                raise TrainingOpError(f"the label input name {target!r} is already used in the model; pass labels=...")
+            taken.add(target)
+            algo_inputs.append(_value_info_from(outputs[output], target))
+            diff = unique_name(taken, "loss/diff")
+            sq = unique_name(taken, "loss/squared")
+            nodes += [
+                helper.make_node("Sub", [output, target], [diff], name=unique_name(taken, "loss/Sub")),
+                helper.make_node("Mul", [diff, diff], [sq], name=unique_name(taken, "loss/Mul")),
+                helper.make_node("ReduceMean", [sq], [loss_name], keepdims=0, name=unique_name(taken, "loss/ReduceMean")),
+            ]
+        else:
+            target = labels or "labels"
+            if target in taken:
+                raise TrainingOpError(f"the label input name {target!r} is already used in the model; pass labels=...")
+            taken.add(target)
+            shape = pred_vt.shape if pred_vt is not None else None
+            if shape is not None and len(shape) < 2:
+                raise TrainingOpError(
+                    f"cross_entropy needs logits of shape [N, C, ...]; output {output!r} has shape {list(shape)}"
+                )
+            label_shape = None if shape is None else [shape[0], *shape[2:]]
+            label_shape = None if label_shape is None else [d if d is not None else "N" for d in label_shape]
+            algo_inputs.append(_tensor_vi(target, TensorProto.INT64, label_shape))
+            nodes.append(
+                helper.make_node(
+                    "SoftmaxCrossEntropyLoss", [output, target], [loss_name], reduction="mean",
+                    name=unique_name(taken, "loss/SoftmaxCrossEntropyLoss"),
+                )
+            )
+        loss_type = pred_type
+    else:
+        if loss not in outputs:
+            raise TrainingOpError(
+                f"loss {loss!r} is neither 'mse', 'cross_entropy' nor an output of the model; "
+                f"outputs: {', '.join(outputs) or 'none'}"
+            )
+        vt = types.get(loss)
+        if vt is not None and (vt.elem_type not in FLOAT_TYPES or (vt.shape is not None and
+                                                                  any(d != 1 for d in vt.shape))):
+            raise TrainingOpError(
+                f"loss output {loss!r} must be a float scalar, found {vt.dtype_name} of shape {list(vt.shape or [])}"
+            )
+        loss_name = loss
+        loss_type = vt.elem_type if vt else TensorProto.FLOAT
+
+    # ---- learning rate (input with a default) and the update count T
+    if learning_rate in taken:
+        raise TrainingOpError(f"the learning-rate input name {learning_rate!r} is already used in the model")
+    taken.add(learning_rate)
+    algo_inputs.append(_tensor_vi(learning_rate, TensorProto.FLOAT, []))
+    algo_inits.append(numpy_helper.from_array(np.array(optimizer.lr, np.float32), learning_rate))
+    t_name = unique_name(taken, "optimizer.T")
+    t_new = unique_name(taken, "optimizer.T.new")
+    one = unique_name(taken, "optimizer.one")
+    algo_inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
+    algo_inits.append(numpy_helper.from_array(np.array(1, np.int64), one))
+    nodes.append(helper.make_node("Add", [t_name, one], [t_new], name=unique_name(taken, "optimizer/T_increment")))
+
+    # ---- gradients
+    p_names = [p.name for p in params]
+    grads = [unique_name(taken, f"{p}.grad") for p in p_names]
+    nodes.append(
+        helper.make_node(
+            "Gradient", p_names, grads, domain=DOMAIN, xs=p_names, y=loss_name,
+            name=unique_name(taken, "gradient"),
+        )
+    )
+
+    # ---- one multi-tensor optimizer node
+    state_names = {s: [unique_name(taken, f"{p}.{s}") for p in p_names] for s in optimizer.states}
+    new_params = [unique_name(taken, f"{p}.new") for p in p_names]
+    new_states = {s: [unique_name(taken, f"{p}.{s}.new") for p in p_names] for s in optimizer.states}
+    t_input = t_new if optimizer.t_offset else t_name
+    opt_inputs = [learning_rate, t_input, *p_names, *grads]
+    opt_outputs = list(new_params)
+    for s in optimizer.states:
+        opt_inputs += state_names[s]
+        opt_outputs += new_states[s]
+    nodes.append(
+        helper.make_node(
+            optimizer.op_type, opt_inputs, opt_outputs, domain=DOMAIN,
+            name=unique_name(taken, f"optimizer/{optimizer.op_type}"), **optimizer.attributes(),
+        )
+    )
+
+    # ---- state initializers (algorithm graph) and the initialization graph
+    init_nodes, init_outputs, init_binding = [], [], []
+    init_t = unique_name(taken, "optimizer.T.init")
+    init_nodes.append(
+        helper.make_node("Constant", [], [init_t], value=numpy_helper.from_array(np.array(0, np.int64)),
+                         name=unique_name(taken, "init/T"))
+    )
+    init_outputs.append(_tensor_vi(init_t, TensorProto.INT64, []))
+    init_binding.append((t_name, init_t))
+    for p in params:
+        dtype = helper.tensor_dtype_to_np_dtype(p.data_type)
+        shape_name = unique_name(taken, f"{p.name}.shape")
+        init_nodes.append(
+            helper.make_node("Constant", [], [shape_name], value=numpy_helper.from_array(np.array(p.dims, np.int64)),
+                             name=unique_name(taken, f"init/{p.name}.shape"))
+        )
+        for s, names in state_names.items():
+            state = names[p_names.index(p.name)]
+            value = optimizer.initial_value(s)
+            algo_inits.append(numpy_helper.from_array(np.full(tuple(p.dims), value, dtype), state))
+            out = unique_name(taken, f"{state}.init")
+            init_nodes.append(
+                helper.make_node(
+                    "ConstantOfShape", [shape_name], [out], name=unique_name(taken, f"init/{state}"),
+                    value=numpy_helper.from_array(np.array([value], dtype)),
+                )
+            )
+            init_outputs.append(_tensor_vi(out, p.data_type, p.dims))
+            init_binding.append((state, out))
+    initialization = helper.make_graph(init_nodes, "initialization", [], init_outputs)
+
+    # ---- algorithm graph outputs and update binding
+    algo_outputs = [_tensor_vi(loss_name, loss_type, [])] if loss in LOSSES else []
+    update_binding = []
+    for p, new in zip(params, new_params):
+        algo_outputs.append(_tensor_vi(new, p.data_type, p.dims))
+        update_binding.append((p.name, new))
+    for s in optimizer.states:
+        for p, state, new in zip(params, state_names[s], new_states[s]):
+            algo_outputs.append(_tensor_vi(new, p.data_type, p.dims))
+            update_binding.append((state, new))
+    algo_outputs.append(_tensor_vi(t_new, TensorProto.INT64, []))
+    update_binding.append((t_name, t_new))
+    algorithm = helper.make_graph(nodes, "algorithm", algo_inputs, algo_outputs, initializer=algo_inits)
+
+    info = onnx.TrainingInfoProto()
+    info.initialization.CopyFrom(initialization)
+    info.algorithm.CopyFrom(algorithm)
+    for key, value in init_binding:
+        info.initialization_binding.add(key=key, value=value)
+    for key, value in update_binding:
+        info.update_binding.add(key=key, value=value)
+    model.training_info.append(info)
+
+    # ---- versions and metadata
+    model.ir_version = max(min(model.ir_version or max_ir, max_ir), 7)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    meta = {
+        "optimizer": to_json(optimizer),
+        "loss": loss_name,
+        "labels": "" if loss not in LOSSES else target,
+        "learning_rate": learning_rate,
+        "trainable": ",".join(p_names),
+    }
+    kept = [m for m in model.metadata_props if not m.key.startswith(META_PREFIX)]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in meta.items():
+        model.metadata_props.add(key=META_PREFIX + key, value=value)
+    return model
+
+
+def metadata(model: onnx.ModelProto) -> dict[str, str]:
+    """The builder's metadata of ``model`` (keys without the ``onnx_training_ops.`` prefix)."""
+    return {m.key[len(META_PREFIX):]: m.value for m in model.metadata_props if m.key.startswith(META_PREFIX)}
