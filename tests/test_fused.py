@@ -207,3 +207,41 @@ class TestSupports:
         assert not fused.supports()
         assert not fused.supports([1.0], [2.0])
         assert not fused.supports(np.float32(1.0), np.float32(2.0))
+
+
+_CACHE_PROBE = """
+import json, sys
+import numba.core.caching as caching
+
+def read_only(self):  # the package directory of a non-editable, read-only install
+    raise PermissionError("read-only site-packages")
+
+in_tree = getattr(caching, "InTreeCacheLocator", None) or caching._InTreeCacheLocator  # numba >= 0.59 / older
+in_tree.ensure_cache_path = read_only
+from onnx_training_ops.kernels import _numba_kernels as K, fused
+fused.warm_up()
+json.dump({f.py_func.__name__: [sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())]
+           for f in K.ALL}, sys.stdout)
+"""
+
+
+def test_cache_falls_back_to_user_dir_and_is_reused(tmp_path):
+    """Package directory not writable -> numba's user-wide cache dir; a second process
+    loads every specialization from it instead of compiling."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+
+    def probe():
+        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold = probe()
+    assert all(misses == 2 and hits == 0 for hits, misses in cold.values()), cold  # float32 + float64 each
+    assert len(list(tmp_path.glob("numba/**/*.nbi"))) == len(cold) == 8
+    warm = probe()
+    assert all(hits == 2 and misses == 0 for hits, misses in warm.values()), warm

@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 from numba import njit, prange
 
+_WARNED = False
 _OPTIONS = dict(fastmath=False, error_model="numpy", boundscheck=False)
 
 
@@ -36,10 +37,13 @@ def _jit(parallel: bool):
     """
 
     def decorate(func):
+        global _WARNED
         try:
             return njit(parallel=parallel, cache=True, **_OPTIONS)(func)
         except RuntimeError as exc:  # "cannot cache function ...: no locator available"
-            warnings.warn(f"numba cannot cache the fused kernels ({exc}); compiling them per process")
+            if not _WARNED:
+                _WARNED = True
+                warnings.warn(f"numba cannot cache the fused kernels ({exc}); compiling them once per process")
             return njit(parallel=parallel, cache=False, **_OPTIONS)(func)
 
     return decorate
