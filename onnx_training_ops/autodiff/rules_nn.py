@@ -94,9 +94,9 @@ def _window(ctx: RuleContext, n: int) -> tuple[list, list]:
     return strides, dilations
 
 
-def _pads(ctx: RuleContext, x: str, kernel: Sequence[int], strides, dilations) -> tuple[Ints, Ints]:
+def _pads(ctx: RuleContext, x: str, kernel: Ints, strides, dilations) -> tuple[Ints, Ints]:
     """Begin and end pads of the spatial axes (static lists, or tensors for dynamic SAME)."""
-    n = len(kernel)
+    n = len(strides)
     auto_pad = ctx.attr("auto_pad", "NOTSET") or "NOTSET"
     if auto_pad == "NOTSET":
         pads = list(ctx.attr("pads") or [0] * (2 * n))
@@ -104,10 +104,15 @@ def _pads(ctx: RuleContext, x: str, kernel: Sequence[int], strides, dilations) -
     if auto_pad == "VALID":
         return [0] * n, [0] * n
     upper = auto_pad == "SAME_UPPER"
-    extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    em = ctx.em
+    if isinstance(kernel, list):
+        extent: Ints = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    else:
+        scaled = em.op("Mul", [em.op("Sub", [kernel, em.ints([1] * n)]), em.ints(dilations)])
+        extent = em.op("Add", [scaled, em.ints([1] * n)])
     s = ctx.shape(x)
     sp = static_dims(s[2:]) if s is not None else None
-    if sp is not None:
+    if sp is not None and isinstance(extent, list):
         pb, pe = [], []
         for size, st, ext in zip(sp, strides, extent):
             out = -(-size // st)
@@ -116,12 +121,11 @@ def _pads(ctx: RuleContext, x: str, kernel: Sequence[int], strides, dilations) -
             pb.append(b)
             pe.append(total - b)
         return pb, pe
-    em = ctx.em
     size = em.dims_of(x, 2)
     st = em.ints(strides)
     out = em.op("Div", [em.op("Add", [size, em.ints([v - 1 for v in strides])]), st])
     span = em.op("Add", [em.op("Mul", [em.op("Sub", [out, em.ints([1] * n)]), st]),
-                         em.ints(extent)])
+                         _const_or_tensor(em, extent)])
     total = em.op("Max", [em.op("Sub", [span, size]), em.ints([0] * n)])
     half = em.op("Div", [total, em.ints([2] * n)])
     pb = half if upper else em.op("Sub", [total, half])
@@ -145,12 +149,12 @@ def _spatial(em: Emitter, name: str) -> Ints:
 def _input_grad(em: Emitter, g: str, w: str, x: str, y_spatial: Ints, kernel, strides,
                 dilations, group: int, pb: Ints, pe: Ints) -> str:
     """Gradient of a (grouped) convolution with respect to its input ``x``."""
-    n = len(kernel)
+    n = len(strides)
     full = em.op("ConvTranspose", [g, w], "convT", strides=strides, dilations=dilations,
                  group=group)
     x_sp = _spatial(em, name=x)
     padded_len = _binary(em, "Add", _binary(em, "Add", x_sp, pb), pe)
-    if isinstance(y_spatial, list):
+    if isinstance(y_spatial, list) and isinstance(kernel, list):
         full_len: Ints = [st * (o - 1) + d * (k - 1) + 1
                           for o, st, d, k in zip(y_spatial, strides, dilations, kernel)]
     else:
@@ -166,15 +170,18 @@ def _input_grad(em: Emitter, g: str, w: str, x: str, y_spatial: Ints, kernel, st
                  "slice")
 
 
-def _kernel(ctx: RuleContext, w: str | None) -> list[int]:
+def _kernel(ctx: RuleContext, w: str | None) -> Ints:
+    """Kernel spatial dims: static (attribute or known weight shape) or ``Shape(w)[2:]``."""
     kernel = ctx.attr("kernel_shape")
     if kernel:
         return list(kernel)
     s = ctx.shape(w) if w else None
     dims = static_dims(s[2:]) if s is not None else None
-    if dims is None:
-        raise RuleError("needs a static kernel shape (kernel_shape or a weight of known shape)")
-    return list(dims)
+    if dims is not None:
+        return list(dims)
+    if w is None:
+        raise RuleError("needs kernel_shape")
+    return ctx.em.dims_of(w, 2)
 
 
 def _swap01(em: Emitter, x: str, rank: int) -> str:
@@ -189,7 +196,7 @@ def _conv(ctx: RuleContext) -> list:
     em, g = ctx.em, ctx.grad(0)
     x, w = ctx.node.input[:2]
     kernel = _kernel(ctx, w)
-    n = len(kernel)
+    n = len(kernel) if isinstance(kernel, list) else ctx.rank(x) - 2
     strides, dilations = _window(ctx, n)
     group = int(ctx.attr("group", 1))
     pb, pe = _pads(ctx, x, kernel, strides, dilations)
@@ -212,7 +219,7 @@ def _conv(ctx: RuleContext) -> list:
             xt = em.op("Reshape", [moved, target])
         gt = _swap01(em, g, n + 2)
         dw = em.op("Conv", [xt, gt], "convW", strides=dilations, dilations=strides, group=group)
-        dw = em.op("Slice", [dw, em.ints([0] * n), em.ints(kernel),
+        dw = em.op("Slice", [dw, em.ints([0] * n), _const_or_tensor(em, kernel),
                              em.ints(list(range(2, 2 + n)))], "slice")
         out[1] = _swap01(em, dw, n + 2)
     if ctx.need(2):
