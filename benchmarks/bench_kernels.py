@@ -257,10 +257,11 @@ def floor_seconds(op: str, n: int, bandwidth: float, itemsize: int = 4) -> float
     return (reads + writes) * n * itemsize / bandwidth
 
 
-def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print) -> dict:
+def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat: str = "median_s") -> dict:
+    load_before = _loadavg()
     bw = copy_bandwidth()
     log("bandwidth (bytes read + written), GB/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()))
-    log("median time per step; xT = ratio to torch_fused, xF = ratio to the bandwidth floor")
+    log(f"{stat[:-2]} time per step; xT = ratio to torch_fused, xF = ratio to the bandwidth floor")
     log(format_header(contenders))
     results = []
     for op in ops:
@@ -275,15 +276,25 @@ def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print) -> di
                 row["times"][name] = time_step(step, min_time, max_reps)
                 del step
             results.append(row)
-            log(format_row(row, contenders))
+            log(format_row(row, contenders, stat))
     return {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": sys.version.split()[0]},
         "versions": _versions(),
+        "loadavg_before_after": [load_before, _loadavg()],  # other processes distort timings on 2 cores
         "copy_bandwidth_bytes_per_s": bw,
         "dtype": "float32",
         "t": T,
         "results": results,
     }
+
+
+def _loadavg():
+    try:
+        import os
+
+        return os.getloadavg()
+    except (AttributeError, OSError):
+        return None
 
 
 def _versions() -> dict:
@@ -300,22 +311,22 @@ def format_header(contenders) -> str:
     return f"{'op':9s} {'n':>9s} " + " ".join(f"{c:>26s}" for c in contenders) + f" {'floor':>9s}"
 
 
-def format_row(row, contenders) -> str:
-    ref = row["times"].get("torch_fused", {}).get("median_s")
+def format_row(row, contenders, stat: str = "median_s") -> str:
+    ref = row["times"].get("torch_fused", {}).get(stat)
     cells = []
     for c in contenders:
         tm = row["times"].get(c)
         if tm is None:
             cells.append(f"{'n/a':>26s}")
             continue
-        ms = tm["median_s"] * 1e3
-        vs_torch = f"{tm['median_s'] / ref:6.2f}xT" if ref else "    -   "
-        vs_floor = f"{tm['median_s'] / row['floor_s']:7.1f}xF"
+        ms = tm[stat] * 1e3
+        vs_torch = f"{tm[stat] / ref:6.2f}xT" if ref else "    -   "
+        vs_floor = f"{tm[stat] / row['floor_s']:7.1f}xF"
         cells.append(f"{ms:9.4f}ms {vs_torch} {vs_floor}")
     return f"{row['op']:9s} {row['n']:>9d} " + " ".join(cells) + f" {row['floor_s'] * 1e3:7.4f}ms"
 
 
-def plot(report: dict, path: str) -> None:
+def plot(report: dict, path: str, stat: str = "median_s") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -327,12 +338,12 @@ def plot(report: dict, path: str) -> None:
         rows = [r for r in report["results"] if r["op"] == op]
         names = list(dict.fromkeys(c for r in rows for c in r["times"]))
         for c in names:
-            pts = [(r["n"], r["times"][c]["median_s"] * 1e3) for r in rows if c in r["times"]]
+            pts = [(r["n"], r["times"][c][stat] * 1e3) for r in rows if c in r["times"]]
             ax.loglog(*zip(*pts), marker="o", label=c)
         ax.loglog([r["n"] for r in rows], [r["floor_s"] * 1e3 for r in rows], "k--", label="bandwidth floor")
         ax.set_title(f"{op} (float32, one step)")
         ax.set_xlabel("parameters")
-        ax.set_ylabel("ms (median)")
+        ax.set_ylabel(f"ms ({stat[:-2]})")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -346,6 +357,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"any of {', '.join(CONTENDERS)}")
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds of timed steps per cell (at least 5 steps)")
     ap.add_argument("--max-reps", type=int, default=500)
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
+                    help="statistic shown in the table and plot (the JSON holds both)")  # fmt: skip
     ap.add_argument("--json", help="write the results as JSON here")
     ap.add_argument("--png", help="write a log-log plot here (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -355,7 +368,8 @@ def main(argv=None) -> int:
     for c in contenders:
         if c not in CONTENDERS:
             ap.error(f"unknown contender {c!r}; known: {', '.join(CONTENDERS)}")
-    report = run(sizes, ops, contenders, args.min_time, args.max_reps)
+    stat = f"{args.stat}_s"
+    report = run(sizes, ops, contenders, args.min_time, args.max_reps, stat=stat)
     for r in report["results"]:
         for c, why in r["n/a"].items():
             print(f"n/a: {r['op']} {c}: {why}")
@@ -363,7 +377,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     if args.png:
-        plot(report, args.png)
+        plot(report, args.png, stat)
     return 0
 
 
