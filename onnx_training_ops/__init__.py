@@ -6,6 +6,9 @@ onnxruntime-extensions. Main entry points:
 * :func:`prepare` — turn a training-domain graph into one onnxruntime accepts;
 * :func:`session_options` — SessionOptions with the kernel library registered;
 * :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` that prepares for you;
+* :func:`build_training_model` — inference model + loss + :class:`Adam`/:class:`Momentum`/:class:`Adagrad`
+  -> one ONNX training model (``training_info``);
+* :class:`TrainingSession` — train any ONNX training model: ``step``, ``run``, ``save``, ``export_inference_model``;
 * :mod:`onnx_training_ops.kernels` — the numpy reference kernels;
 * :mod:`onnx_training_ops.backend` — the onnx backend API, for ``onnx.backend.test``.
 """
@@ -17,12 +20,21 @@ from .plugin import register as _register
 from .plugin import session_options
 from .schema import DOMAIN
 from .session import InferenceSession
+from .optimizers import Adagrad, Adam, Momentum
+from .builder import build_training_model
+from .training_session import NonFiniteLossError, TrainingSession
 
 _register()
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adagrad",
+    "Adam",
+    "Momentum",
+    "NonFiniteLossError",
+    "TrainingSession",
+    "build_training_model",
     "DOMAIN",
     "InferenceSession",
     "PASSES",

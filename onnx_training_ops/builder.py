@@ -216,8 +216,11 @@ def build_training_model(
     if learning_rate in taken:
         raise TrainingOpError(f"the learning-rate input name {learning_rate!r} is already used in the model")
     taken.add(learning_rate)
-    algo_inputs.append(_tensor_vi(learning_rate, TensorProto.FLOAT, []))
-    algo_inits.append(numpy_helper.from_array(np.array(optimizer.lr, np.float32), learning_rate))
+    # R is double when every trainable is double (exact float64 learning rates), else float
+    r_double = all(p.data_type == TensorProto.DOUBLE for p in params)
+    r_type, r_dtype = (TensorProto.DOUBLE, np.float64) if r_double else (TensorProto.FLOAT, np.float32)
+    algo_inputs.append(_tensor_vi(learning_rate, r_type, []))
+    algo_inits.append(numpy_helper.from_array(np.array(optimizer.lr, r_dtype), learning_rate))
     t_name = unique_name(taken, "optimizer.T")
     t_new = unique_name(taken, "optimizer.T.new")
     one = unique_name(taken, "optimizer.one")

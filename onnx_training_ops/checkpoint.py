@@ -28,6 +28,9 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> str:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -53,7 +56,7 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> str:
 def set_initializer(tensor: onnx.TensorProto, value: np.ndarray) -> None:
     """Overwrite ``tensor`` (in place, keeping its name) with ``value``'s exact bytes."""
     name = tensor.name
-    tensor.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), name))
+    tensor.CopyFrom(numpy_helper.from_array(np.array(value, order="C", copy=True), name))  # keeps 0-d
 
 
 def write_state(model: onnx.ModelProto, state: Mapping[str, np.ndarray]) -> onnx.ModelProto:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m onnx_training_ops {prepare,conformance} ...`` (also ``onnx-training-ops``)."""
+"""Command line: ``python -m onnx_training_ops {prepare,conformance,train} ...`` (also ``onnx-training-ops``)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,16 @@ def _conformance(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .demo import train
+
+    result = train(
+        out_dir=args.out, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
+        batch_size=args.batch_size, progress=not args.no_progress,
+    )
+    return 0 if result.accuracy >= args.min_accuracy else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime."
@@ -37,6 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_prepare)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
     c.set_defaults(func=_conformance)
+    t = commands.add_parser(
+        "train", help="demo: train an MLP on scikit-learn's digits with a training model in onnxruntime"
+    )
+    t.add_argument("--out", default="out/", help="output folder (default: out/)")
+    t.add_argument("--epochs", type=int, default=30, help="epochs (default: 30)")
+    t.add_argument("--optimizer", choices=("adam", "momentum", "adagrad"), default="adam")
+    t.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--batch-size", type=int, default=64)
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--min-accuracy", type=float, default=0.0,
+                   help="exit with status 1 when the held-out accuracy is below this")
+    t.set_defaults(func=_train)
     return parser
 
 
