@@ -265,6 +265,9 @@ class TrainingSession:
         for entry in info.update_binding:
             if entry.value not in outputs:
                 outputs[entry.value] = main_outputs[entry.value]
+        for name in self._meta.get("loss", "").split(","):  # a loss the main graph outputs
+            if name in main_outputs and name not in outputs:
+                outputs[name] = main_outputs[name]
         g.output.extend(outputs.values())
         combined = helper.make_model(g, opset_imports=list(model.opset_import))
         combined.ir_version = model.ir_version
@@ -374,11 +377,8 @@ class TrainingSession:
                 graph.output.append(onnx.ValueInfoProto(name=name))
                 present.add(name)
 
-        loss_names = self._loss_names(graph, bound_values)
-        returned = [o.name for o in graph.output if o.name not in bound_values and o.name not in extra_outputs]
-        if self.on_nonfinite != "ignore":
-            missing = [n for n in loss_names if n not in returned]
-            returned += missing
+        returned = [o.name for o in old_outputs if o.name not in bound_values]
+        loss_names = self._loss_names(graph, returned)
         fixed_outputs = [o.name for o in graph.output if o.name not in returned]
 
         session = InferenceSession(
@@ -429,21 +429,18 @@ class TrainingSession:
             setattr(so, attr, getattr(self._sess_options, attr))
         return so
 
-    def _loss_names(self, graph: onnx.GraphProto, bound: set[str]) -> list[str]:
-        outputs = [o.name for o in graph.output]
-        named = [n for n in self._meta.get("loss", "").split(",") if n in outputs]
+    def _loss_names(self, graph: onnx.GraphProto, returned: list[str]) -> list[str]:
+        """The outputs the non-finite check watches: the builder's loss, else the returned
+        float outputs of one element."""
+        named = [n for n in self._meta.get("loss", "").split(",") if n in returned]
         if named:
             return named
         types = value_types(onnx.helper.make_model(graph))
         found = []
-        for name in outputs:
-            if name in bound:
-                continue
+        floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+        for name in returned:
             vt = types.get(name)
-            if vt is None or vt.elem_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
-                                                  onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
-                continue
-            if vt.shape is not None and all(d == 1 for d in vt.shape):
+            if vt is not None and vt.elem_type in floats and vt.shape is not None and all(d == 1 for d in vt.shape):
                 found.append(name)
         return found
 

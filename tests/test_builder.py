@@ -1,0 +1,148 @@
+"""build_training_model: structure of the training model, spec validity, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+from onnx_training_ops import Adagrad, Adam, Momentum, TrainingOpError, TrainingSession, build_training_model
+from onnx_training_ops.builder import metadata
+from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.passes.fit_runtime import runtime_limits
+
+DOMAIN = "ai.onnx.preview.training"
+OPTIMIZERS = [Adam(lr=3e-3, weight_decay=0.01), Momentum(lr=0.1, nesterov=True), Adagrad(lr=0.1, initial_accumulator_value=0.5)]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+def test_structure(loss, optimizer):
+    inference = make_mlp((6, 5, 3))
+    model = build_training_model(inference, loss, optimizer)
+    onnx.checker.check_model(model, full_check=True)
+    # the main graph is the inference graph, unchanged
+    assert model.graph.SerializeToString() == inference.graph.SerializeToString()
+    assert model.ir_version <= runtime_limits()[0]
+    assert {o.domain: o.version for o in model.opset_import} == {"": 17, DOMAIN: 1}
+    assert len(model.training_info) == 1
+    info = model.training_info[0]
+    algo = info.algorithm
+    ops = [n.op_type for n in algo.node if n.domain == DOMAIN]
+    assert ops == ["Gradient", optimizer.op_type]  # one Gradient node, ONE multi-tensor optimizer node
+    params = ["W0", "b0", "W1", "b1"]
+    grad = next(n for n in algo.node if n.op_type == "Gradient")
+    assert list(grad.input) == params
+    opt = next(n for n in algo.node if n.op_type == optimizer.op_type)
+    n_states = len(optimizer.states)
+    assert len(opt.input) == 2 + (2 + n_states) * len(params)
+    assert list(opt.input[2:6]) == params
+    assert opt.input[0] == "learning_rate"
+    attrs = {a.name: h.get_attribute_value(a) for a in opt.attribute}
+    for k, v in optimizer.attributes().items():
+        assert attrs[k] == (v.encode() if isinstance(v, str) else pytest.approx(v, rel=1e-7))
+    # update_binding: every parameter, V/H and T
+    states = [f"{p}.{s}" for s in optimizer.states for p in params]
+    bound = {e.key for e in info.update_binding}
+    assert bound == set(params) | set(states) | {"optimizer.T"}
+    assert {e.key for e in info.initialization_binding} == set(states) | {"optimizer.T"}
+    assert [i.name for i in algo.input] == [("labels" if loss == "cross_entropy" else "target"), "learning_rate"]
+    meta = metadata(model)
+    assert meta["loss"] == "loss" and meta["learning_rate"] == "learning_rate"
+    # loads as an ordinary inference model in stock onnxruntime
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert [o.name for o in sess.get_outputs()] == ["logits"]
+    # the initialization graph gives what the initializers hold
+    session = TrainingSession(model)
+    start = session.state_dict()
+    session.initialize()
+    for k, v in session.state_dict().items():
+        np.testing.assert_array_equal(v, start[k])
+    if isinstance(optimizer, Adagrad):
+        assert np.all(start["W0.H"] == 0.5)
+
+
+def test_trains_regression_with_mse():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 6)).astype(np.float32)
+    target = np.tanh(x[:, :3] - x[:, 3:]).astype(np.float32)
+    session = TrainingSession(build_training_model(make_mlp((6, 16, 3), activation="Tanh"), "mse", Adam(lr=1e-2)))
+    first = float(session.step({"input": x, "target": target})["loss"])
+    for _ in range(200):
+        last = float(session.step({"input": x, "target": target})["loss"])
+    assert last < 0.1 * first
+
+
+def test_trainable_subset_and_custom_loss_output():
+    base = make_mlp((4, 3, 2))
+    # add a scalar loss output to the model itself
+    g = base.graph
+    g.node.extend([h.make_node("Mul", ["logits", "logits"], ["l2"]),
+                   h.make_node("ReduceSum", ["l2"], ["sq"], keepdims=0)])
+    g.output.append(h.make_tensor_value_info("sq", TP.FLOAT, []))
+    model = build_training_model(base, "sq", Momentum(lr=0.01), trainable=["W1", "b1"])
+    info = model.training_info[0]
+    assert {e.key for e in info.update_binding} == {"W1", "b1", "W1.V", "b1.V", "optimizer.T"}
+    assert [i.name for i in info.algorithm.input] == ["learning_rate"]
+    session = TrainingSession(model)
+    x = np.ones((2, 4), np.float32)
+    before = session.state_dict()
+    out = session.step({"input": x})
+    after = session.state_dict()
+    assert "sq" in out
+    assert "W0" not in after  # not trainable: a constant, not a state variable
+    assert np.any(after["W1"] != before["W1"])
+
+
+def test_float64_model_gets_double_learning_rate():
+    model = build_training_model(make_mlp((4, 3), dtype=np.float64), "mse", Adam())
+    vi = model.training_info[0].algorithm.input[1]
+    assert vi.name == "learning_rate" and vi.type.tensor_type.elem_type == TP.DOUBLE
+
+
+def test_old_opset_is_converted():
+    model = build_training_model(make_mlp((4, 3), opset=11), "cross_entropy", Adam())
+    assert {o.domain: o.version for o in model.opset_import}[""] == 13
+    TrainingSession(model).step({"input": np.ones((2, 4), np.float32), "labels": np.zeros(2, np.int64)})
+
+
+def test_errors():
+    model = make_mlp((4, 3))
+    with pytest.raises(TrainingOpError, match="neither 'mse', 'cross_entropy' nor an output"):
+        build_training_model(model, "hinge", Adam())
+    with pytest.raises(TrainingOpError, match="trainable 'W9' is not an initializer"):
+        build_training_model(model, "mse", Adam(), trainable=["W9"])
+    with pytest.raises(TrainingOpError, match="optimizer must be"):
+        build_training_model(model, "mse", "adam")
+    with pytest.raises(TrainingOpError, match="output 'nope' is not an output"):
+        build_training_model(model, "mse", Adam(), output="nope")
+    with pytest.raises(TrainingOpError, match="already has training_info"):
+        build_training_model(build_training_model(model, "mse", Adam()), "mse", Adam())
+    with pytest.raises(TrainingOpError, match="must be a float scalar"):
+        build_training_model(model, "logits", Adam())
+    ints = make_mlp((4, 3))
+    ints.graph.initializer.append(nh.from_array(np.array([1], np.int64), "shape_const"))
+    with pytest.raises(TrainingOpError, match="only float and double train"):
+        build_training_model(ints, "mse", Adam(), trainable=["shape_const"])
+    assert "shape_const" not in {e.key for e in build_training_model(ints, "mse", Adam()).training_info[0].update_binding}
+    with pytest.raises(TrainingOpError, match="already used"):
+        build_training_model(model, "mse", Adam(), labels="input")
+
+
+def test_optimizer_validation_and_mapping():
+    assert Momentum(momentum=0.8, dampening=0.25, nesterov=False, weight_decay=0.1).attributes() == {
+        "alpha": 0.8, "beta": 0.75, "mode": "standard", "norm_coefficient": 0.1}
+    assert Adam(betas=(0.5, 0.6), eps=0.0, weight_decay=0.2, post_weight_decay=0.3).attributes() == {
+        "alpha": 0.5, "beta": 0.6, "epsilon": 0.0, "norm_coefficient": 0.2, "norm_coefficient_post": 0.3}
+    assert Adagrad(lr_decay=0.1, eps=1e-5, weight_decay=0.2).attributes() == {
+        "decay_factor": 0.1, "epsilon": 1e-5, "norm_coefficient": 0.2}
+    with pytest.raises(TrainingOpError, match="betas"):
+        Adam(betas=(1.0, 0.9))
+    with pytest.raises(TrainingOpError, match="nesterov"):
+        Momentum(momentum=0.0, nesterov=True)
+    with pytest.raises(TrainingOpError, match="lr must be >= 0"):
+        Adagrad(lr=-1)

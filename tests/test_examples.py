@@ -1,0 +1,36 @@
+"""The examples run and do what they say."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_finetune_torch_export(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    result = _load("finetune_torch_export").main(str(tmp_path), epochs=4)
+    assert result["after"] > result["before"] + 0.2
+    assert result["after"] >= 0.85
+    assert result["exported_check"] == pytest.approx(result["after"])
+
+
+def test_from_graph(tmp_path):
+    result = _load("from_graph").main(steps=120, out_dir=str(tmp_path))
+    assert result["accuracy"] > 0.95
+    assert Path(result["path"]).exists()
+    from onnx_training_ops import TrainingSession
+
+    resumed = TrainingSession(result["path"])
+    assert int(resumed.state_dict()["T"]) == 120
