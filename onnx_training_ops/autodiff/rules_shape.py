@@ -7,7 +7,7 @@ tensors and never receive a gradient.
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from .emitter import static_dims
 from .registry import RuleContext, RuleError, register
@@ -68,10 +68,15 @@ def _gather(ctx: RuleContext) -> list:
     r, q = ctx.rank(data), ctx.rank(indices)
     axis = int(ctx.attr("axis", 0))
     axis = axis + r if axis < 0 else axis
-    idx = em.op("Cast", [indices], "idx", to=7)  # int64
-    dim = em.dims_of(data, axis, axis + 1)
-    negative = em.op("Less", [idx, em.ints([0]) if q else em.const(np.int64(0))])
-    idx = em.op("Where", [negative, em.op("Add", [idx, dim if q else em.squeeze(dim, [0])]), idx])
+    idx = indices if em.dtype(indices) == TensorProto.INT64 else em.op(
+        "Cast", [indices], "idx", to=TensorProto.INT64)
+    known = ctx.const_value(indices)
+    if known is None or (np.asarray(known) < 0).any():  # Gather allows negative indices
+        dim = em.dims_of(data, axis, axis + 1)
+        zero = em.ints([0]) if q else em.const(np.int64(0))
+        negative = em.op("Less", [idx, zero])
+        wrapped = em.op("Add", [idx, dim if q else em.squeeze(dim, [0])])
+        idx = em.op("Where", [negative, wrapped, idx])
     idx = em.unsqueeze(idx, [-1])
     if axis == 0:
         zeros = em.filled_like(0.0, data)

@@ -304,11 +304,20 @@ def expand_gradients_in_graph(graph: GraphProto, opset: int,
     ``ValueInfoProto`` (or ``TypeProto``) for values visible in the graph, outer-scope ones
     included; when None, the graph is shape-inferred on its own.
     """
-    if value_info is None:
-        imports = [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)]
-        meta = _infer(graph, imports, 8)
-    else:
-        meta = _meta_of_graph(graph, _meta_from_value_info(value_info))
+    given = _meta_from_value_info(value_info or {})
+    probe = GraphProto()
+    probe.CopyFrom(graph)
+    defined = ({v.name for v in graph.input} | {t.name for t in graph.initializer}
+               | {o for n in graph.node for o in n.output})
+    for name, v in (value_info or {}).items():  # outer-scope values: typed inputs for inference
+        if name not in defined and isinstance(v, (onnx.ValueInfoProto, onnx.TypeProto)):
+            tp = v.type if isinstance(v, onnx.ValueInfoProto) else v
+            probe.input.append(helper.make_value_info(name, tp))
+    imports = [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, 1)]
+    meta = given
+    for name, m in _infer(probe, imports, 8).items():
+        if m.dtype is not None or name not in meta:
+            meta[name] = m
     return _expand_graph(graph, opset, meta, _Constants(None, graph), _names(graph))
 
 
