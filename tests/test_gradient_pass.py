@@ -265,6 +265,25 @@ def test_gradient_inside_if_and_loop_bodies():
     np.testing.assert_allclose(v, 9 * x, rtol=1e-12)
 
 
+def test_gradient_inside_scan_body():
+    rng = np.random.default_rng(14)
+    x = rng.normal(size=(4, 3))
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["e", "e"], ["sq"]),
+         helper.make_node("Gradient", ["e"], ["de"], name="scangrad", domain=DOMAIN,
+                          xs=["e"], y="sq")],
+        "body", [helper.make_tensor_value_info("e", TensorProto.DOUBLE, [3])],
+        [helper.make_tensor_value_info("de", TensorProto.DOUBLE, [3])])
+    scan = helper.make_node("Scan", ["x"], ["out"], body=body, num_scan_inputs=1)
+    graph = helper.make_graph([scan], "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4, 3])],
+                              [helper.make_tensor_value_info("out", TensorProto.DOUBLE, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(DOMAIN, 1)])
+    expanded = runnable(model)
+    assert _gradient_nodes(expanded.graph) == 0
+    np.testing.assert_allclose(session(expanded).run(None, {"x": x})[0], 2 * x, rtol=1e-12)
+
+
 def test_gradient_in_training_info_algorithm():
     """The algorithm graph differentiates the loss wrt a main-graph initializer."""
     rng = np.random.default_rng(11)
@@ -335,6 +354,13 @@ def test_error_xs_computed_from_other_xs():
     msg = _error(gradient_model(nodes, feeds, "y", ["H", "W"]))
     assert "Gradient node 'grad'" in msg and "'H'" in msg and "['W']" in msg
     assert "independent" in msg
+
+
+def test_error_zs_computed_from_xs():
+    feeds = {"W": np.ones(2)}
+    nodes = [helper.make_node("Exp", ["W"], ["H"]), helper.make_node("Mul", ["H", "W"], ["y"])]
+    msg = _error(gradient_model(nodes, feeds, "y", ["W"], zs=["H"]))
+    assert "Gradient node 'grad'" in msg and "zs 'H' is computed from ['W']" in msg
 
 
 def test_error_op_without_rule():

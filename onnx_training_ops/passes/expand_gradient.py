@@ -167,9 +167,10 @@ def _prefix(node: NodeProto, index: int, taken: set[str]) -> str:
 
 
 # ----------------------------------------------------------------------------- one node
-def _check_independent(label: str, nodes, producers, names: list[str], cut: set[str]) -> None:
+def _check_independent(label: str, nodes, producers, xs: list[str], zs: list[str],
+                       cut: set[str]) -> None:
     """The spec: an xs/zs name must not be computed from other xs/zs names."""
-    for name in names:
+    for name in xs + zs:
         if name not in producers:
             continue
         others = cut - {name}
@@ -178,7 +179,8 @@ def _check_independent(label: str, nodes, producers, names: list[str], cut: set[
             found.update(i for i in node_reads(nodes[idx]) if i in others)
         if found:
             raise TrainingOpError(
-                f"{label}: xs {name!r} is computed from {sorted(found)} (also in xs/zs); "
+                f"{label}: {'xs' if name in xs else 'zs'} {name!r} is computed from "
+                f"{sorted(found)} (also in xs/zs); "
                 "xs and zs must be independent inputs of the differentiated computation")
 
 
@@ -201,7 +203,7 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
         raise TrainingOpError(f"{label}: has {len(gnode.output)} outputs but only {len(xs)} xs")
     cut = set(xs) | set(zs)
     producers = producer_map(nodes)
-    _check_independent(label, nodes, producers, xs + zs, cut)
+    _check_independent(label, nodes, producers, xs, zs, cut)
 
     prefix = _prefix(gnode, index, taken)
     em = Emitter(prefix, opset, meta)
