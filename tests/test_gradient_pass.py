@@ -11,8 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from gradient_utils import (DOMAIN, finite_difference, forward_fn, gradient_model, run_expanded,
-                            runnable, session)
+from gradient_utils import DOMAIN, gradient_model, run_expanded, runnable, session
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.passes.expand_gradient import expand_gradient, expand_gradients_in_graph
 

@@ -12,25 +12,24 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 from gradient_utils import check_gradient, forward_fn
 
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
 
 
-def weighted(nodes, inputs, z, opset=18, initializers=None, seed=0, reference=False):
+def weighted(nodes, inputs, z, opset=18, initializers=None, seed=0):
     """``nodes`` plus ``y = z * R``; returns (nodes, initializers)."""
     init = dict(initializers or {})
-    shape = _shape_of(nodes, inputs, z, opset, init, reference)
+    shape = _shape_of(nodes, inputs, z, opset, init)
     init["R"] = np.random.default_rng(seed).uniform(0.5, 1.5, shape)
     return list(nodes) + [helper.make_node("Mul", [z, "R"], ["y"])], init
 
 
-def _shape_of(nodes, inputs, z, opset, init, reference):
-    from onnx.reference import ReferenceEvaluator
-    from gradient_utils import gradient_model  # noqa: F401
-    from onnx import numpy_helper
+def _shape_of(nodes, inputs, z, opset, init):
+    """The shape of ``z``, by onnx.reference."""
     graph = helper.make_graph(list(nodes), "s", [
         helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
         for k, v in inputs.items()], [helper.make_value_info(z, helper.TypeProto())],
@@ -42,8 +41,7 @@ def _shape_of(nodes, inputs, z, opset, init, reference):
 
 def check(nodes, inputs, xs, opset=18, initializers=None, dynamic=False, seed=0, **kw):
     z = nodes[-1].output[0]
-    reference = kw.get("reference_fd", False)
-    nodes, init = weighted(nodes, inputs, z, opset, initializers, seed, reference)
+    nodes, init = weighted(nodes, inputs, z, opset, initializers, seed)
     return check_gradient(nodes, inputs, "y", xs, opset=opset, initializers=init,
                           dynamic=dynamic, **kw)
 
