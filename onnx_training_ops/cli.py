@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
     c.set_defaults(func=_conformance)
     t = commands.add_parser(
-        "train", help="demo: train an MLP on scikit-learn's digits with a training model in onnxruntime"
+        "train", aliases=["demo"],  # `make demo` runs `python -m onnx_training_ops demo --out out/demo`
+        help="demo: train an MLP on scikit-learn's digits with a training model in onnxruntime",
     )
     t.add_argument("--out", default="out/", help="output folder (default: out/)")
     t.add_argument("--epochs", type=int, default=30, help="epochs (default: 30)")

@@ -122,7 +122,20 @@ class _Program:
     cut_sources: dict[str, Any] = field(default_factory=dict)
     plan: list[_CutStep] | None = None
     copy_plan: list[tuple[np.ndarray, np.ndarray]] | None = None
-    keep_alive: list = field(default_factory=list)
+    keep_alive: list = field(default_factory=list)  # OrtValues bound to our buffers
+    # set while analysing (before the session exists)
+    combined: Any = None
+    state_inputs: list = field(default_factory=list)
+    init_values: dict = field(default_factory=dict)
+    binding: dict = field(default_factory=dict)
+    cut_outputs: set = field(default_factory=set)
+    flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
+    # set when the session opens / after the first run
+    uses_plugin: bool = False
+    run: Any = None
+    needs_feeds: bool = False
+    returned_buffers: list = field(default_factory=list)  # (name, preallocated buffer)
+    returned_from_ort: list = field(default_factory=list)  # (name, output index)
 
 
 class TrainingSession:
@@ -163,7 +176,10 @@ class TrainingSession:
         self._state_protos: dict[str, onnx.TensorProto] = {}
         self._state: dict[str, np.ndarray] = {}
         self._collect_state()
-        self._programs = [self._build_program(i) for i in range(len(model.training_info))]
+        analyses = [self._build_program(i) for i in range(len(model.training_info))]
+        for program in analyses:  # before anything binds a state array: lay the cut state out flat
+            self._flatten_cut_state(program)
+        self._programs = [self._open_program(p) for p in analyses]
         self._required_feeds = {}
         for program in self._programs:
             for spec in program.feeds:
@@ -356,7 +372,7 @@ class TrainingSession:
                 if name in cut_sources:
                     continue
                 if name in self._state:
-                    cut_sources[name] = self._state[name]
+                    cut_sources[name] = ("state", name)
                 elif name in rate_inputs:
                     cut_sources[name] = rate_inputs[name]
                 elif name in produced:
@@ -381,15 +397,60 @@ class TrainingSession:
         loss_names = self._loss_names(graph, returned)
         fixed_outputs = [o.name for o in graph.output if o.name not in returned]
 
-        session = InferenceSession(
-            combined, sess_options=self._session_options(), providers=self._providers
-        )
-        io = session.io_binding()
         program = _Program(
-            index=index, session=session, io=io, feeds=[], rate_inputs=rate_inputs,
+            index=index, session=None, io=None, feeds=[], rate_inputs=rate_inputs,
             rate_defaults=rate_defaults, returned=returned, loss_names=loss_names,
             fixed_outputs=fixed_outputs, cut_nodes=cut_nodes, cut_sources=cut_sources,
         )
+        program.combined = combined
+        program.state_inputs = state_inputs
+        program.init_values = init_values
+        program.binding = binding
+        program.cut_outputs = cut_outputs
+        return program
+
+    def _flatten_cut_state(self, program: _Program) -> None:
+        """Re-home the X, V, H state of each cut node as views into one flat buffer per role,
+        so the fast path updates all of a node's tensors with one fused kernel call."""
+        program.flat_nodes = {}
+        for node in program.cut_nodes:
+            spec = OPTIMIZERS[node.op_type]
+            n = spec.n_tensors(len(node.input))
+            roles = {role: [node.input[2 + j * n + i] for i in range(n)] for j, role in enumerate(spec.tensor_inputs)}
+            xs = [self._state[name] for name in roles["X"]]
+            dtype = xs[0].dtype
+            if n < 2 or any(x.dtype != dtype for x in xs):
+                continue
+            if any(self._state[name].shape != x.shape or self._state[name].dtype != dtype
+                   for role, names in roles.items() if role != "G" for name, x in zip(names, xs)):
+                continue
+            if any(program.cut_sources[g][0] != "output" for g in roles["G"]) or len(set(roles["G"])) != n:
+                continue
+            sizes = [x.size for x in xs]
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+            flat = {}
+            for role, names in roles.items():
+                if role == "G":
+                    continue
+                buf = np.empty(int(offsets[-1]), dtype)
+                for name, x, a, b in zip(names, xs, offsets[:-1], offsets[1:]):
+                    view = buf[a:b].reshape(x.shape)
+                    view[...] = self._state[name]
+                    self._state[name] = view
+                flat[role] = buf
+            program.flat_nodes[id(node)] = (flat, [x.shape for x in xs], offsets, roles["G"], dtype)
+
+    def _open_program(self, program: _Program) -> _Program:
+        """Create the onnxruntime session and the IOBinding of an analysed program."""
+        combined, graph = program.combined, program.combined.graph
+        state_inputs, rate_inputs, init_values = program.state_inputs, program.rate_inputs, program.init_values
+        returned, fixed_outputs = program.returned, program.fixed_outputs
+        session = InferenceSession(combined, sess_options=self._session_options(), providers=self._providers)
+        io = session.io_binding()
+        program.session, program.io = session, io
+        # no plugin node left (all optimizers cut): call onnxruntime directly, no kernel-error bookkeeping
+        program.uses_plugin = any(n.domain == DOMAIN for n in session.prepared_model.graph.node)
+        program.run = session.run_with_iobinding if program.uses_plugin else None
         session_inputs = {i.name for i in session.get_inputs()}
         for name in state_inputs:
             if name not in session_inputs:
@@ -416,7 +477,11 @@ class TrainingSession:
             io.bind_output(name, "cpu")
         for name in fixed_outputs:
             io.bind_output(name, "cpu")
-        program.binding_copies = [(self._state[k], v) for k, v in binding.items() if v not in cut_outputs]
+        program.binding_copies = [
+            (self._state[k], v) for k, v in program.binding.items() if v not in program.cut_outputs
+        ]
+        program.needs_feeds = any(type(src) is tuple and src[0] == "feed" for src in program.cut_sources.values())
+        del program.combined  # the session holds what it needs
         return program
 
     def _session_options(self) -> ort.SessionOptions | None:
@@ -648,23 +713,23 @@ class TrainingSession:
             else:
                 raise TrainingOpError(f"step: learning rate {name!r} has no default; pass lr=... or feed it")
         try:
-            program.session.run_with_iobinding(io)
+            if program.run is None:
+                program.session._sess.run_with_iobinding(raw, None)
+            else:
+                program.run(io)
         except TrainingOpError:
             raise
         except Exception as error:  # onnxruntime's own errors: name what failed
             raise TrainingOpError(f"step: onnxruntime failed on training_info[{program.index}]: {error}") from error
         if program.copy_plan is None:
             self._finish_binding(program)
-            outputs = None
-        else:
-            outputs = raw.get_outputs()
         result = {}
-        n = len(program.returned)
-        if n:
-            if outputs is None:
-                outputs = raw.get_outputs()
-            for i in range(n):
-                result[program.returned[i]] = outputs[i].numpy()
+        if program.returned_from_ort:
+            outputs = raw.get_outputs()
+            for name, i in program.returned_from_ort:
+                result[name] = outputs[i].numpy()
+        for name, buf in program.returned_buffers:
+            result[name] = buf.copy()
         if self.on_nonfinite != "ignore":
             for name in program.loss_names:
                 value = result[name]
@@ -676,8 +741,15 @@ class TrainingSession:
                         )
                     self.skipped_steps += 1
                     return result
-        for s in program.plan:
-            self._apply(s, feeds)
+        if program.needs_feeds:
+            for s in program.plan:
+                self._apply(s, feeds)
+        else:
+            for s in program.plan:
+                outs = STEPS[s.op_type](s.r, s.t, *s.tensors, s.attributes, inplace=True)
+                for target, out in zip(s.targets, outs):
+                    if out is not target:
+                        np.copyto(target, out)
         for state, buf in program.copy_plan:
             np.copyto(state, buf)
         return result
@@ -702,12 +774,42 @@ class TrainingSession:
         outputs = raw.get_outputs()
         names = program.returned + program.fixed_outputs
         values = {name: outputs[i].numpy() for i, name in enumerate(names)}
+        # gradients of a flat node: views into one flat buffer, the kernel's G
+        flat_grads = {}
+        for node in program.cut_nodes:
+            entry = program.flat_nodes.get(id(node))
+            if entry is None:
+                continue
+            flat, shapes, offsets, grads, dtype = entry
+            if any(values[g].shape != shape or values[g].dtype != dtype for g, shape in zip(grads, shapes)):
+                del program.flat_nodes[id(node)]  # gradients do not match X: per-tensor updates
+                continue
+            buf = np.empty(int(offsets[-1]), dtype)
+            for g, shape, a, b in zip(grads, shapes, offsets[:-1], offsets[1:]):
+                flat_grads[g] = buf[a:b].reshape(shape)
+            flat["G"] = buf
         for name in program.fixed_outputs:
-            buf = _owned(values[name])
+            if name in flat_grads:
+                buf = flat_grads[name]
+                buf[...] = values[name]
+            else:
+                buf = _owned(values[name])
             program.fixed_buffers[name] = buf
             ov = ort.OrtValue.ortvalue_from_numpy(buf)
             program.io.bind_ortvalue_output(name, ov)
             program.keep_alive.append(ov)
+        # returned outputs of one element (the loss): preallocated too; others onnxruntime allocates
+        program.returned_buffers, program.returned_from_ort = [], []
+        for i, name in enumerate(program.returned):
+            value = values[name]
+            if value.size == 1 and value.dtype != object:
+                buf = _owned(value)
+                ov = ort.OrtValue.ortvalue_from_numpy(buf)
+                program.io.bind_ortvalue_output(name, ov)
+                program.keep_alive.append(ov)
+                program.returned_buffers.append((name, buf))
+            else:
+                program.returned_from_ort.append((name, i))
         copies = []
         for state, name in program.binding_copies:
             buf = program.fixed_buffers[name]
@@ -732,8 +834,18 @@ class TrainingSession:
                 src = program.cut_sources[name]
                 if type(src) is tuple and src[0] == "output":
                     return program.fixed_buffers[name]
+                if type(src) is tuple and src[0] == "state":
+                    return self._state[src[1]]
                 return src
 
+            entry = program.flat_nodes.get(id(node))
+            if entry is not None:
+                flat = entry[0]
+                tensors = [flat[role] for role in spec.tensor_inputs]
+                targets = [flat[role[:-4]] for role in spec.tensor_outputs]
+                plan.append(_CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
+                                     source(node.input[1]), tensors, targets))
+                continue
             for i in range(n):
                 tensors = [source(node.input[2 + j * n + i]) for j in range(spec.n_groups_in)]
                 targets = []
