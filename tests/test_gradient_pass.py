@@ -39,6 +39,7 @@ def test_onnx_conformance_case(case):
                 for p in sorted(glob.glob(os.path.join(data, "output_*.pb")))]
     expanded = runnable(model)
     assert _gradient_nodes(expanded.graph) == 0
+    onnx.checker.check_model(expanded, full_check=True)
     got = session(expanded).run(None, {v.name: a for v, a in zip(model.graph.input, inputs)})
     assert len(got) == len(expected)
     for g, e in zip(got, expected):

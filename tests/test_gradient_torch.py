@@ -112,6 +112,7 @@ def _compare(kind: str, opset: int, dtype, check):
     params = [i.name for i in model.graph.initializer if i.name in names]
     assert sorted(params) == sorted(names), "every parameter should be an initializer"
     expanded = runnable(_with_gradient(model, params))
+    onnx.checker.check_model(expanded, full_check=True)  # gradient outputs get typed too
     feeds = {"x": args[0].numpy(), "t": args[1].numpy()}
     got = dict(zip(["loss"] + params,
                    session(expanded).run(["loss"] + [f"grad/{p}" for p in params], feeds)))

@@ -272,18 +272,30 @@ def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
                 new = _expand_graph(sub, opset, meta, _Constants(constants, sub), taken)
                 sub.CopyFrom(new)
     expanded = 0
+    grad_outputs: set[str] = set()
     while True:
         idx = next((k for k, n in enumerate(nodes) if _is_gradient(n)), None)
         if idx is None:
             break
         if expanded and refresh is not None:
             meta.update(refresh(nodes))
+        grad_outputs.update(o for o in nodes[idx].output if o)
         new_nodes = _expand_node(nodes[idx], expanded, nodes, opset, meta, constants, taken)
         nodes = topological_sort(nodes[:idx] + new_nodes + nodes[idx + 1:])
         expanded += 1
     del out.node[:]
     out.node.extend(nodes)
+    _type_gradient_outputs(out, grad_outputs, meta)
     return out
+
+
+def _type_gradient_outputs(graph: GraphProto, names: set[str], meta: Mapping) -> None:
+    """Give untyped graph outputs that carry a gradient the type of their xs."""
+    for v in graph.output:
+        m = meta.get(v.name)
+        if v.name in names and not v.HasField("type") and m is not None and m.dtype:
+            shape = None if m.shape is None else list(m.shape)
+            v.type.CopyFrom(helper.make_tensor_type_proto(m.dtype, shape))
 
 
 def _meta_from_value_info(value_info: Mapping) -> dict[str, ValueMeta]:
