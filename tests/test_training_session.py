@@ -366,3 +366,102 @@ def test_no_allocation_growth_over_1000_steps():
     assert peak < 512 * 1024, peak
     # process-wide (onnxruntime's arena included): no growth beyond noise
     assert rss_after - rss_before < 8 * 1024, (rss_before, rss_after)
+
+
+# ------------------------------------------------------------------ partial fast path, several TrainingInfoProtos
+
+
+def test_optimizer_whose_output_is_also_read_stays_in_onnxruntime():
+    model = linear_regression_adam()
+    algo = model.training_info[0].algorithm
+    algo.node.append(h.make_node("ReduceSum", ["W.new"], ["W.new.sum"], keepdims=0))
+    algo.output.append(h.make_tensor_value_info("W.new.sum", TP.FLOAT, []))
+    fast, full = TrainingSession(model, fast=True), TrainingSession(model, fast=False)
+    assert fast.fast_path_nodes == []  # W.new has another consumer: the node runs through the plugin
+    x, y = _regression_data()
+    for _ in range(5):
+        a = fast.step({"x": x, "target": y})
+        b = full.step({"x": x, "target": y})
+        assert set(a) == {"loss", "W.new.sum"}
+        np.testing.assert_array_equal(a["W.new.sum"], b["W.new.sum"])
+    np.testing.assert_array_equal(a["W.new.sum"], fast.state_dict()["W"].sum(dtype=np.float32))
+    for name, value in fast.state_dict().items():
+        assert value.tobytes() == full.state_dict()[name].tobytes()
+
+
+def _block_coordinate_model():
+    """Two TrainingInfoProtos: the first updates W (Momentum), the second b (Adagrad), in that order.
+
+    y = x W + b; loss = sum((y - t)^2) / 2; dW = x^T (y - t); db = sum(y - t, axis 0).
+    """
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+    b = np.zeros(2, np.float32)
+    main = h.make_graph(
+        [h.make_node("MatMul", ["x", "W"], ["xW"]), h.make_node("Add", ["xW", "b"], ["y"])], "lin",
+        [h.make_tensor_value_info("x", TP.FLOAT, ["N", 3])], [h.make_tensor_value_info("y", TP.FLOAT, ["N", 2])],
+        [nh.from_array(w, "W"), nh.from_array(b, "b")],
+    )
+    model = h.make_model(main, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("ai.onnx.preview.training", 1)])
+    model.ir_version = 10
+    common = [h.make_node("Sub", ["y", "t"], ["r"]), h.make_node("Add", ["T", "one"], ["T.new"])]
+    f = TP.FLOAT
+    first = h.make_graph(
+        common + [
+            h.make_node("Transpose", ["x"], ["xT"]), h.make_node("MatMul", ["xT", "r"], ["gW"]),
+            h.make_node("Momentum", ["lr", "T", "W", "gW", "W.V"], ["W.new", "W.V.new"],
+                        domain="ai.onnx.preview.training", alpha=0.5, beta=1.0, mode="standard", norm_coefficient=0.0),
+        ],
+        "first", [h.make_tensor_value_info("t", f, ["N", 2])],
+        [h.make_tensor_value_info("W.new", f, [3, 2]), h.make_tensor_value_info("W.V.new", f, [3, 2]),
+         h.make_tensor_value_info("T.new", TP.INT64, [])],
+        [nh.from_array(np.array(0.01, np.float32), "lr"), nh.from_array(np.array(1, np.int64), "one"),
+         nh.from_array(np.array(0, np.int64), "T"), nh.from_array(np.zeros((3, 2), np.float32), "W.V")],
+    )
+    second = h.make_graph(
+        common + [
+            h.make_node("ReduceSum", ["r", "axis0"], ["gb"], keepdims=0),
+            h.make_node("Adagrad", ["lr", "T", "b", "gb", "b.H"], ["b.new", "b.H.new"],
+                        domain="ai.onnx.preview.training", epsilon=1e-6),
+        ],
+        "second", [h.make_tensor_value_info("t", f, ["N", 2])],
+        [h.make_tensor_value_info("b.new", f, [2]), h.make_tensor_value_info("b.H.new", f, [2]),
+         h.make_tensor_value_info("T.new", TP.INT64, [])],
+        [nh.from_array(np.array(0.1, np.float32), "lr"), nh.from_array(np.array(1, np.int64), "one"),
+         nh.from_array(np.array(0, np.int64), "T2"), nh.from_array(np.array([0], np.int64), "axis0"),
+         nh.from_array(np.zeros(2, np.float32), "b.H")],
+    )
+    for node in second.node:  # the second block has its own counter
+        node.input[:] = ["T2" if i == "T" else i for i in node.input]
+    info = model.training_info.add()
+    info.algorithm.CopyFrom(first)
+    for k, v in (("W", "W.new"), ("W.V", "W.V.new"), ("T", "T.new")):
+        info.update_binding.add(key=k, value=v)
+    info = model.training_info.add()
+    info.algorithm.CopyFrom(second)
+    for k, v in (("b", "b.new"), ("b.H", "b.H.new"), ("T2", "T.new")):
+        info.update_binding.add(key=k, value=v)
+    return model, w, b
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_training_infos_run_in_order(fast):
+    from onnx_training_ops.kernels import adagrad as reference_adagrad
+
+    model, w, b = _block_coordinate_model()
+    session = TrainingSession(model, fast=fast)
+    assert len(session.fast_path_nodes) == (2 if fast else 0)
+    x, t = _regression_data()
+    v, hb = np.zeros_like(w), np.zeros_like(b)
+    for step in range(4):
+        session.step({"x": x, "t": t}, lr=None)
+        r = x @ w + b - t
+        w, v = reference_momentum(np.float32(0.01), np.int64(step), w, (x.T @ r).astype(np.float32), v,
+                                  alpha=0.5, beta=1.0, mode="standard", norm_coefficient=0.0)
+        r = x @ w + b - t  # the second block sees the W the first one wrote
+        b, hb = reference_adagrad(np.float32(0.1), np.int64(step), b, r.sum(axis=0).astype(np.float32), hb,
+                                  epsilon=np.float32(1e-6).item())
+        state = session.state_dict()
+        np.testing.assert_allclose(state["W"], w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(state["b"], b, rtol=1e-5, atol=1e-6)
+    assert int(state["T"]) == 4 and int(state["T2"]) == 4
