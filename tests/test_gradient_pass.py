@@ -363,6 +363,22 @@ def test_error_zs_computed_from_xs():
     assert "Gradient node 'grad'" in msg and "zs 'H' is computed from ['W']" in msg
 
 
+@pytest.mark.parametrize("attr", ["y", "xs", "zs"])
+def test_error_unknown_name(attr):
+    feeds = {"a": np.ones(2), "b": np.ones(2)}
+    model = gradient_model([helper.make_node("Mul", ["a", "b"], ["y"])], feeds, "y", ["a"],
+                           zs=["b"])
+    node = model.graph.node[-1]
+    for a in node.attribute:
+        if a.name == attr:
+            if a.type == onnx.AttributeProto.STRING:
+                a.s = b"nope"
+            else:
+                a.strings[0] = b"nope"
+    msg = _error(model)
+    assert "Gradient node 'grad'" in msg and f"{attr} ['nope'] not a value of the graph" in msg
+
+
 def test_error_op_without_rule():
     feeds = {"x": np.ones(2)}
     nodes = [helper.make_node("Erf", ["x"], ["e"], name="my_erf"),

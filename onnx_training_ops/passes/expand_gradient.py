@@ -185,7 +185,8 @@ def _check_independent(label: str, nodes, producers, xs: list[str], zs: list[str
 
 
 def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: int,
-                 meta: dict[str, ValueMeta], constants: Mapping, taken: set[str]) -> list[NodeProto]:
+                 meta: dict[str, ValueMeta], constants: Mapping, taken: set[str],
+                 visible: frozenset | None = None) -> list[NodeProto]:
     label = node_label(gnode)
     xs = _strings(gnode, "xs")
     zs = _strings(gnode, "zs") or []
@@ -201,6 +202,12 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
             f"{len(xs)} + {len(zs)} = {len(xs) + len(zs)} (values of xs then zs)")
     if len(gnode.output) > len(xs):
         raise TrainingOpError(f"{label}: has {len(gnode.output)} outputs but only {len(xs)} xs")
+    if visible is not None:
+        for kind, names in (("y", [y]), ("xs", xs), ("zs", zs)):
+            unknown = [n for n in names if n not in visible]
+            if unknown:
+                raise TrainingOpError(f"{label}: {kind} {unknown} not a value of the graph "
+                                      "(no input, initializer or node output has that name)")
     cut = set(xs) | set(zs)
     producers = producer_map(nodes)
     _check_independent(label, nodes, producers, xs, zs, cut)
@@ -259,17 +266,28 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
 
 # ----------------------------------------------------------------------------- graphs
 def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
-                  constants: Mapping, taken: set[str], refresh=None) -> GraphProto:
+                  constants: Mapping, taken: set[str], refresh=None,
+                  outer: frozenset | None = frozenset()) -> GraphProto:
+    """Expand the Gradient nodes of ``graph`` (bodies first). ``outer``: the names visible
+    from enclosing scopes (None when unknown: then undefined xs/y are not diagnosed)."""
     out = GraphProto()
     out.CopyFrom(graph)
     if not _has_gradient(out):
         return out
     nodes = list(out.node)
+    own = {v.name for v in out.input} | {t.name for t in out.initializer}
+
+    def visible() -> frozenset | None:
+        if outer is None:
+            return None
+        return outer | own | {o for n in nodes for o in n.output if o}
+
     for node in nodes:  # control-flow bodies first
         for attr, i in _graph_attrs(node):
             sub = attr.g if i is None else attr.graphs[i]
             if _has_gradient(sub):
-                new = _expand_graph(sub, opset, meta, _Constants(constants, sub), taken)
+                new = _expand_graph(sub, opset, meta, _Constants(constants, sub), taken,
+                                    outer=visible())
                 sub.CopyFrom(new)
     expanded = 0
     grad_outputs: set[str] = set()
@@ -280,7 +298,8 @@ def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
         if expanded and refresh is not None:
             meta.update(refresh(nodes))
         grad_outputs.update(o for o in nodes[idx].output if o)
-        new_nodes = _expand_node(nodes[idx], expanded, nodes, opset, meta, constants, taken)
+        new_nodes = _expand_node(nodes[idx], expanded, nodes, opset, meta, constants, taken,
+                                 visible())
         nodes = topological_sort(nodes[:idx] + new_nodes + nodes[idx + 1:])
         expanded += 1
     del out.node[:]
@@ -332,7 +351,9 @@ def expand_gradients_in_graph(graph: GraphProto, opset: int,
     for name, m in _infer(probe, imports, 8).items():
         if m.dtype is not None or name not in meta:
             meta[name] = m
-    return _expand_graph(graph, opset, meta, _Constants(None, graph), _names(graph))
+    outer = None if value_info is None else frozenset(value_info)
+    return _expand_graph(graph, opset, meta, _Constants(None, graph), _names(graph),
+                         outer=outer)
 
 
 def _default_opset(model: ModelProto) -> int:
@@ -381,6 +402,7 @@ def expand_gradient(model: ModelProto) -> ModelProto:
                 continue
             meta = _infer(g, imports, out.ir_version, main_inits)
             consts = _Constants(_Constants(None, model.graph), g)
-            new = _expand_graph(g, opset, meta, consts, taken, refresh(g, main_inits))
+            new = _expand_graph(g, opset, meta, consts, taken, refresh(g, main_inits),
+                                outer=frozenset(t.name for t in main_inits))
             g.CopyFrom(new)
     return out
