@@ -197,6 +197,29 @@ def test_dynamic_batch_dimension():
         np.testing.assert_allclose(db, mask.sum(0), rtol=1e-12)
 
 
+def test_unknown_rank_inputs_use_runtime_broadcast_reduction():
+    """No shape at all on the inputs: the broadcast axes are found at run time."""
+    nodes = [helper.make_node("Mul", ["a", "b"], ["m"]), helper.make_node("Div", ["m", "b"], ["q"]),
+             helper.make_node("Add", ["q", "a"], ["y"])]  # y = 2a broadcast against b
+    grad = helper.make_node("Gradient", ["a", "b"], ["da", "db"], name="g", domain=DOMAIN,
+                            xs=["a", "b"], y="y")
+    graph = helper.make_graph(
+        nodes + [grad], "g", [helper.make_tensor_value_info(n, TensorProto.DOUBLE, None)
+                              for n in ("a", "b")],
+        [helper.make_tensor_value_info(n, TensorProto.DOUBLE, None) for n in ("da", "db")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(DOMAIN, 1)])
+    sess = session(runnable(model))
+    rng = np.random.default_rng(15)
+    for sa, sb in [((2, 3), (3,)), ((3,), (2, 1, 3)), ((2, 1), (1, 4)), ((), (2, 2))]:
+        a, b = rng.uniform(0.5, 1.5, sa), rng.uniform(0.5, 1.5, sb)
+        da, db = sess.run(None, {"a": a, "b": b})
+        out = np.broadcast_shapes(sa, sb)
+        assert da.shape == sa and db.shape == sb
+        np.testing.assert_allclose(da, np.full(sa, 2.0 * np.prod(out) / max(np.prod(sa), 1)))
+        np.testing.assert_allclose(db, 0.0, atol=1e-12)
+
+
 def test_emitted_names_are_prefixed_and_unique():
     rng = np.random.default_rng(9)
     feeds = {"x": rng.normal(size=(2, 3))}
