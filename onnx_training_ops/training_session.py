@@ -687,6 +687,11 @@ class TrainingSession:
         (the loss, ...).
         """
         self._check_feeds(feeds)
+        if lr is not None and not self._rate_names:
+            raise TrainingOpError(
+                "step: lr was given but no optimizer of this model takes its learning rate from a graph input "
+                "(R is a constant or computed in the graph)"
+            )
         result: dict[str, np.ndarray] = {}
         for program in self._programs:
             result.update(self._run_program(program, feeds, lr))

@@ -465,3 +465,17 @@ def test_training_infos_run_in_order(fast):
         np.testing.assert_allclose(state["W"], w, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state["b"], b, rtol=1e-5, atol=1e-6)
     assert int(state["T"]) == 4 and int(state["T2"]) == 4
+
+
+def test_lr_without_a_learning_rate_input_is_an_error():
+    model = linear_regression_adam()
+    algo = model.training_info[0].algorithm
+    kept = [vi for vi in algo.input if vi.name != "learning_rate"]
+    del algo.input[:]
+    algo.input.extend(kept)  # R is now a constant initializer
+    session = TrainingSession(model)
+    assert session.learning_rate_names == []
+    x, y = _regression_data()
+    session.step({"x": x, "target": y})
+    with pytest.raises(TrainingOpError, match="lr was given but"):
+        session.step({"x": x, "target": y}, lr=0.1)
