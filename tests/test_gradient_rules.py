@@ -388,3 +388,15 @@ def test_forward_fn_reference_matches_runtime():
     feeds = {"x": rand(rng, (3,))}
     assert abs(forward_fn(nodes, feeds, "y", 18)(feeds)
                - forward_fn(nodes, feeds, "y", 18, reference=True)(feeds)) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (2, 3, 5), (2, 3, 4, 3)])
+@pytest.mark.parametrize("opset", [9, 15, 18])
+def test_batch_normalization_inference(shape, opset):
+    rng = np.random.default_rng(20)
+    c = shape[1]
+    inputs = {"x": rand(rng, shape), "scale": rand(rng, (c,)), "bias": rand(rng, (c,)),
+              "mean": rand(rng, (c,)), "var": rand(rng, (c,), 0.5, 2.0)}
+    node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["z"],
+                            epsilon=1e-3)
+    check([node], inputs, list(inputs), opset=opset)

@@ -2,7 +2,8 @@
 
 Each model computes its loss inside the exported graph; a Gradient node with ``xs`` = every
 parameter (initializer) and ``y`` = the loss is appended, expanded and run in onnxruntime.
-Exported with ``torch.onnx.export(..., dynamo=False)`` at opsets 17 and 18, batch dim dynamic.
+Exported with ``torch.onnx.export(..., dynamo=False, do_constant_folding=False)`` at opsets 17
+and 18, batch dim dynamic.
 """
 
 from __future__ import annotations
@@ -40,17 +41,22 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
-    """Conv2d (padding, stride, groups), MaxPool2d, AvgPool2d, Flatten, Linear, LogSoftmax."""
+    """Conv2d (padding, stride, groups), BatchNorm2d (eval), MaxPool2d, AvgPool2d, Flatten,
+    Linear, LogSoftmax."""
 
     def __init__(self):
         super().__init__()
         self.c1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        with torch.no_grad():  # non-trivial running statistics
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
         self.c2 = nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=2)
         self.c3 = nn.Conv2d(4, 6, 2)
         self.fc = nn.Linear(6 * 1 * 1, 3)
 
     def forward(self, x, t):
-        h = F.max_pool2d(F.relu(self.c1(x)), 2)
+        h = F.max_pool2d(F.relu(self.bn(self.c1(x))), 2)
         h = F.avg_pool2d(torch.sigmoid(self.c2(h)), 2, stride=1)
         h = torch.flatten(self.c3(h), 1)
         logp = torch.log_softmax(self.fc(h), dim=1)
@@ -88,7 +94,9 @@ def _export(module, args, opset: int) -> onnx.ModelProto:
     f = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # no constant folding: it would fold eval-mode BatchNorm into the Conv weights
         torch.onnx.export(module, args, f, dynamo=False, opset_version=opset,
+                          do_constant_folding=False,
                           input_names=["x", "t"], output_names=["loss"],
                           dynamic_axes={"x": {0: "batch"}, "t": {0: "batch"}})
     return onnx.load_from_string(f.getvalue())

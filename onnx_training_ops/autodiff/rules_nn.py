@@ -288,3 +288,41 @@ def _average_pool(ctx: RuleContext) -> list:
     g_r = em.op("Div", [g_r, divisor])
     dx = _input_grad(em, g_r, ones_w, x, _spatial(em, y), kernel, strides, dilations, 1, pb, pe)
     return [em.reshape_like(dx, x)]
+
+
+# ----------------------------------------------------------------------- batch norm
+@register("BatchNormalization")
+def _batch_norm(ctx: RuleContext) -> list:
+    """Inference-mode BatchNormalization, ``y = scale (x - mean) / sqrt(var + eps) + B``
+    per channel (axis 1). Gradients for x, scale, B, and (if asked) mean and var."""
+    if int(ctx.attr("training_mode", 0)) or ctx.opset < 9:
+        raise RuleError("only inference-mode BatchNormalization (training_mode=0, opset >= 9) "
+                        "has a derivative rule")
+    em, g = ctx.em, ctx.grad(0)
+    x, scale, bias, mean, var = ctx.node.input[:5]
+    r = ctx.rank(x)
+    other = [0] + list(range(2, r))
+
+    def per_channel(v: str) -> str:  # [C] -> [1, C, 1, ...]
+        return em.unsqueeze(v, other)
+
+    eps = em.scalar(float(ctx.attr("epsilon", 1e-5)), var)
+    inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, eps])])])
+    out = ctx.empty()
+    if ctx.need(0):
+        out[0] = em.op("Mul", [g, per_channel(em.op("Mul", [scale, inv_std]))])
+    gsum = em.reduce_sum(g, other, keepdims=False) if (ctx.need(2) or ctx.need(3)) else None
+    if ctx.need(2):
+        out[2] = gsum
+    if ctx.need(1) or ctx.need(4):
+        centered = em.op("Sub", [x, per_channel(mean)])
+        s1 = em.reduce_sum(em.op("Mul", [g, centered]), other, keepdims=False)
+        if ctx.need(1):
+            out[1] = em.op("Mul", [s1, inv_std])
+        if ctx.need(4):
+            cube = em.op("Mul", [inv_std, em.op("Mul", [inv_std, inv_std])])
+            half = em.op("Mul", [em.op("Mul", [s1, scale]), em.scalar(-0.5, var)])
+            out[4] = em.op("Mul", [half, cube])
+    if ctx.need(3):
+        out[3] = em.op("Neg", [em.op("Mul", [gsum, em.op("Mul", [scale, inv_std])])])
+    return out
