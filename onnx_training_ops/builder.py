@@ -29,7 +29,7 @@ from .errors import TrainingOpError
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
-from .passes.fit_runtime import runtime_limits
+from .passes.fit_runtime import fit_runtime, runtime_limits
 from .schema import DOMAIN, OPSET_VERSION
 
 LOSSES = ("mse", "cross_entropy")
@@ -187,8 +187,9 @@ def build_training_model(
                 raise TrainingOpError(
                     f"cross_entropy needs logits of shape [N, C, ...]; output {output!r} has shape {list(shape)}"
                 )
-            label_shape = None if shape is None else [shape[0], *shape[2:]]
-            label_shape = None if label_shape is None else [d if d is not None else "N" for d in label_shape]
+            # labels [N, d1, ...] for logits [N, C, d1, ...]; rank unknown: assume [N, C]
+            label_shape = ["N"] if shape is None else [shape[0], *shape[2:]]
+            label_shape = [d if d is not None else f"labels_dim{i}" for i, d in enumerate(label_shape)]
             algo_inputs.append(_tensor_vi(target, TensorProto.INT64, label_shape))
             nodes.append(
                 helper.make_node(
@@ -309,7 +310,8 @@ def build_training_model(
         info.update_binding.add(key=key, value=value)
     model.training_info.append(info)
 
-    # ---- versions and metadata
+    # ---- versions and metadata: what the installed onnxruntime loads (IR >= 7 for training_info)
+    model = fit_runtime(model)
     model.ir_version = max(min(model.ir_version or max_ir, max_ir), 7)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))

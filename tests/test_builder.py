@@ -146,3 +146,13 @@ def test_optimizer_validation_and_mapping():
         Momentum(momentum=0.0, nesterov=True)
     with pytest.raises(TrainingOpError, match="lr must be >= 0"):
         Adagrad(lr=-1)
+
+
+def test_newest_opset_is_fitted_to_onnxruntime():
+    newest = onnx.defs.onnx_opset_version()
+    model = build_training_model(make_mlp((4, 3), opset=newest), "cross_entropy", Adam())
+    opset = {o.domain: o.version for o in model.opset_import}[""]
+    assert opset <= runtime_limits()[1]
+    onnx.checker.check_model(model, full_check=True)
+    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    TrainingSession(model).step({"input": np.ones((2, 4), np.float32), "labels": np.zeros(2, np.int64)})
