@@ -22,7 +22,7 @@ def adagrad_update(x, g, h, rate, epsilon, norm_coefficient):
     h_new = h + g_regularized * g_regularized
     h_sqrt = np.sqrt(h_new) + epsilon
     x_new = x - rate * g_regularized / h_sqrt
-    return x_new.astype(x.dtype, copy=False), h_new.astype(x.dtype, copy=False)
+    return np.asarray(x_new, x.dtype), np.asarray(h_new, x.dtype)
 
 
 def adagrad(

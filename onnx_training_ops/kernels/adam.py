@@ -32,7 +32,7 @@ def adam_update(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_c
     h_sqrt = np.sqrt(h_new) + epsilon
     x_new = x - rate * (v_new / h_sqrt)
     x_final = (1.0 - norm_coefficient_post) * x_new
-    return x_final.astype(x.dtype, copy=False), v_new.astype(x.dtype, copy=False), h_new.astype(x.dtype, copy=False)
+    return np.asarray(x_final, x.dtype), np.asarray(v_new, x.dtype), np.asarray(h_new, x.dtype)
 
 
 def adam(

@@ -24,7 +24,7 @@ def momentum_update(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, neste
         x_new = x - rate * (g_regularized + alpha * v_new)
     else:
         x_new = x - rate * v_new
-    return x_new.astype(x.dtype, copy=False), v_new.astype(x.dtype, copy=False)
+    return np.asarray(x_new, x.dtype), np.asarray(v_new, x.dtype)
 
 
 def check_mode(mode) -> bool:
