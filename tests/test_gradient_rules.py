@@ -184,7 +184,8 @@ def test_reductions(op, opset, shape, data):
     rank = len(shape)
     axes = data.draw(st.lists(st.integers(-rank, rank - 1), max_size=rank, unique_by=lambda a: a % rank))
     keepdims = data.draw(st.sampled_from([0, 1]))
-    dynamic = data.draw(st.booleans())
+    # before opset 13 an undecidable broadcast (symbolic dim vs. int) cannot be reduced
+    dynamic = opset >= 13 and data.draw(st.booleans())
     axes_as_input = opset >= (13 if op == "ReduceSum" else 18)
     inits = {}
     if axes_as_input:

@@ -137,7 +137,10 @@ def backprop(nodes: Sequence[onnx.NodeProto], y: str, leaves: Sequence[str], cut
             "(it does not depend on any of them through differentiable values)")
 
     acc: dict[str, list[str]] = defaultdict(list)
-    acc[y].append(em.filled_like(1.0, y))
+    try:
+        acc[y].append(em.filled_like(1.0, y))  # the seed: d sum(y) / dy = ones
+    except LookupError as e:
+        raise TrainingOpError(f"{label}: cannot build the seed for y {y!r}: {e}") from None
     for idx in reversed(needed):
         node = nodes[idx]
         grads = [(_total(em, acc.pop(o)) if o in acc else None) if o else None

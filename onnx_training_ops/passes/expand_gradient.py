@@ -256,7 +256,11 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
     for i, out in enumerate(gnode.output):
         if not out:
             continue
-        g = grads[leaves[i]] or em.filled_like(0.0, leaves[i])
+        try:
+            g = grads[leaves[i]] or em.filled_like(0.0, leaves[i])
+        except LookupError as e:
+            raise TrainingOpError(f"{label}: cannot build the zero gradient of "
+                                  f"{leaves[i]!r}: {e}") from None
         em.add_node(helper.make_node("Identity", [g], [out], name=f"{prefix}output_{i}"))
         meta[out] = meta.get(leaves[i], ValueMeta())
     taken.update(n.output[0] for n in em.nodes if n.output)
