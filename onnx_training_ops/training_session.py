@@ -136,6 +136,8 @@ class _Program:
     needs_feeds: bool = False
     returned_buffers: list = field(default_factory=list)  # (name, preallocated buffer)
     returned_from_ort: list = field(default_factory=list)  # (name, output index)
+    optional_feeds: list = field(default_factory=list)  # (_FeedSpec, default) of inputs with a default
+    input_defaults: dict = field(default_factory=dict)  # input name -> its default (TensorProto)
 
 
 class TrainingSession:
@@ -184,8 +186,10 @@ class TrainingSession:
         for program in self._programs:
             for spec in program.feeds:
                 self._required_feeds.setdefault(spec.name, spec)
-        self._rate_names = [name for p in self._programs for name in p.rate_inputs]
-        self._optional_feeds = set(self._rate_names)
+        self._rate_names = list(dict.fromkeys(name for p in self._programs for name in p.rate_inputs))
+        self._optional_feeds = set(self._rate_names) | {
+            spec.name for p in self._programs for spec, _ in p.optional_feeds
+        }
         self._required_set = set(self._required_feeds)
         self._init_sessions = None
 
@@ -348,11 +352,14 @@ class TrainingSession:
                     rate_inputs[r] = buf
                     rate_defaults[r] = None if default is None else buf.copy()
 
-        if rate_inputs:  # always bound to their buffer: the default lives there, not in the graph
-            kept_inits = [t for t in graph.initializer if t.name not in rate_inputs]
+        # inputs with a default (an initializer of the same name): the session binds them every step,
+        # to the fed value or to the default it keeps, so the graph gets them as plain inputs
+        defaults = {name: init_values.pop(name) for name in list(init_values) if name in input_types}
+        program_defaults = {name: t for name, t in defaults.items() if name not in rate_inputs}
+        if defaults:
+            kept_inits = [t for t in graph.initializer if t.name not in defaults]
             del graph.initializer[:]
             graph.initializer.extend(kept_inits)
-            init_values = {t.name: t for t in graph.initializer}
 
         cut_nodes: list[onnx.NodeProto] = []
         if self.fast:
@@ -405,6 +412,7 @@ class TrainingSession:
         program.combined = combined
         program.state_inputs = state_inputs
         program.init_values = init_values
+        program.input_defaults = program_defaults
         program.binding = binding
         program.cut_outputs = cut_outputs
         return program
@@ -466,13 +474,16 @@ class TrainingSession:
         for vi in graph.input:
             if vi.name in self._state or vi.name in rate_inputs or vi.name not in session_inputs:
                 continue
-            if vi.name in init_values:
-                continue  # an input with a default: optional, fed only if given
             tt = vi.type.tensor_type
             shape = tuple(
                 d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim
             ) if tt.HasField("shape") else None
-            program.feeds.append(_FeedSpec(vi.name, _np_dtype(tt.elem_type), shape))
+            spec = _FeedSpec(vi.name, _np_dtype(tt.elem_type), shape)
+            if vi.name in program.input_defaults:  # optional: bound every step, to the default if not fed
+                default = _owned(numpy_helper.to_array(program.input_defaults[vi.name]))
+                program.optional_feeds.append((spec, default))
+            else:
+                program.feeds.append(spec)
         for name in returned:
             io.bind_output(name, "cpu")
         for name in fixed_outputs:
@@ -642,6 +653,11 @@ class TrainingSession:
         return list(self._required_feeds)
 
     @property
+    def optional_feed_names(self) -> list[str]:
+        """Inputs ``step`` takes but does not need: learning rates and inputs with a default value."""
+        return sorted(self._optional_feeds)
+
+    @property
     def learning_rate_names(self) -> list[str]:
         return list(self._rate_names)
 
@@ -705,6 +721,11 @@ class TrainingSession:
             array = self._feed_array(spec, feeds[spec.name])
             arrays.append(array)
             raw.bind_input(spec.name, array)
+        for spec, default in program.optional_feeds:
+            value = feeds.get(spec.name)
+            array = default if value is None else self._feed_array(spec, value)
+            arrays.append(array)
+            raw.bind_input(spec.name, array)
         for name, buf in program.rate_inputs.items():
             if name in feeds:
                 value = np.asarray(feeds[name])
@@ -747,8 +768,9 @@ class TrainingSession:
                     self.skipped_steps += 1
                     return result
         if program.needs_feeds:
+            defaults = {spec.name: default for spec, default in program.optional_feeds}
             for s in program.plan:
-                self._apply(s, feeds)
+                self._apply(s, {**defaults, **feeds})
         else:
             for s in program.plan:
                 outs = STEPS[s.op_type](s.r, s.t, *s.tensors, s.attributes, inplace=True)

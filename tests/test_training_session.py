@@ -479,3 +479,26 @@ def test_lr_without_a_learning_rate_input_is_an_error():
     session.step({"x": x, "target": y})
     with pytest.raises(TrainingOpError, match="lr was given but"):
         session.step({"x": x, "target": y}, lr=0.1)
+
+
+def test_input_with_default_is_optional_and_never_stale():
+    """An algorithm input with an initializer (a default) may be fed or left out, step by step."""
+    model = linear_regression_adam()
+    algo = model.training_info[0].algorithm
+    # loss scale: an input with default 1.0 multiplying the gradient
+    algo.input.append(h.make_tensor_value_info("grad_scale", TP.FLOAT, []))
+    algo.initializer.append(nh.from_array(np.array(1.0, np.float32), "grad_scale"))
+    for node in algo.node:
+        if node.op_type == "Adam":
+            node.input[4] = "W.grad.scaled"
+    algo.node.insert(len(algo.node) - 1, h.make_node("Mul", ["W.grad", "grad_scale"], ["W.grad.scaled"]))
+    session = TrainingSession(model)
+    assert session.optional_feed_names == ["grad_scale", "learning_rate"]
+    x, y = _regression_data()
+    session.step({"x": x, "target": y, "grad_scale": np.float32(0.0)})  # W does not move (Adam: V = H = 0)
+    w0 = session.state_dict()["W"]
+    np.testing.assert_array_equal(w0, nh.to_array(linear_regression_adam().graph.initializer[0]))
+    session.step({"x": x, "target": y})  # default again, not the 0.0 fed before
+    assert np.any(session.state_dict()["W"] != w0)
+    with pytest.raises(TrainingOpError, match="feed 'grad_scale' must be float32"):
+        session.step({"x": x, "target": y, "grad_scale": np.float64(1.0)})
