@@ -128,17 +128,17 @@ def train(
     n = len(x_train)
     steps_per_epoch = (n + batch_size - 1) // batch_size
     losses: list[float] = []
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=epochs * steps_per_epoch, desc=f"training ({type(opt).__name__})", unit="step")
     try:  # compile (or load from numba's cache) the fused kernels before the clock starts
         from .kernels import fused
 
         fused.warm_up()
     except ImportError:  # pragma: no cover - without numba the reference kernels run
         pass
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=epochs * steps_per_epoch, desc=f"training ({type(opt).__name__})", unit="step")
     start = time.perf_counter()
     feeds = {}
     for epoch in range(epochs):
