@@ -19,10 +19,10 @@ SETTINGS = settings(max_examples=30, deadline=None)
 dtypes = st.sampled_from([np.float32, np.float64])
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)  # () .. rank 4
 # Sizes straddling the serial/parallel switch.
-big_shapes = st.integers(fused.PARALLEL_THRESHOLD - 2, 3 * fused.PARALLEL_THRESHOLD).flatmap(
+big_shapes = st.integers(min(fused.PARALLEL_THRESHOLDS.values()) - 2, 2 * max(fused.PARALLEL_THRESHOLDS.values())).flatmap(
     lambda n: st.sampled_from([(n,), (1, n), (n, 1, 1)])
 )
-counts = st.integers(0, 1000)  # T == 0 (no bias correction / first momentum step) and T > 0
+counts = st.one_of(st.just(0), st.integers(1, 1000))  # T == 0 (no bias correction / first momentum step) and T > 0
 seeds = st.integers(0, 2**32 - 1)
 open_unit = st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)
 epsilons = st.floats(1e-10, 1e-1)
@@ -122,6 +122,19 @@ def test_parallel_sizes_match_reference(seed, shape, dtype, t, alpha, beta, nc, 
     run_adam(seed, shape, dtype, t, alpha, beta, 1e-6, nc, nc)
     run_momentum(seed, shape, dtype, t, alpha, beta, nc, nesterov)
     run_adagrad(seed, shape, dtype, t, 1 - beta, 1e-6, nc)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", ["adam", "momentum", "adagrad"])
+def test_both_sides_of_the_parallel_switch(op, dtype):
+    for n in (fused.PARALLEL_THRESHOLDS[op] - 1, fused.PARALLEL_THRESHOLDS[op]):
+        if op == "adam":
+            run_adam(n, (n,), dtype, 3, 0.9, 0.999, 1e-6, 0.01, 0.01)
+        elif op == "momentum":
+            run_momentum(n, (n,), dtype, 3, 0.9, 0.9, 0.01, False)
+            run_momentum(n, (n,), dtype, 3, 0.9, 0.9, 0.01, True)
+        else:
+            run_adagrad(n, (n,), dtype, 3, 0.1, 1e-6, 0.01)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

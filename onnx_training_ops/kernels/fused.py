@@ -26,10 +26,15 @@ import numpy as np
 
 from . import _numba_kernels as _k
 
-# Below this many elements the serial loop wins: waking numba's thread pool costs a few
-# microseconds, as much as updating ~16k float32 elements on one core (measured on a
-# 2-core Zen 4; see benchmarks/bench_kernels.py).
-PARALLEL_THRESHOLD = 1 << 14
+# Below this many elements (per op) the serial loop runs: waking numba's thread pool costs
+# a few microseconds, as much as updating ~16k-32k float32 elements on one core. Measured
+# crossovers on a 2-core Zen 4 (median us, serial / parallel; benchmarks/bench_kernels.py
+# has the method): Adam 7.35 / 7.28 at 16k; Adagrad 6.09 / 6.64 at 16k, 8.17 / 6.49 at 24k;
+# Momentum 3.40 / 3.91 at 16k, 6.19 / 5.52 at 32k. Ties go to serial, which is also immune
+# to the other core being busy (a parallel step then waits for a scheduler slice, ~4-12 ms).
+# Mutable: set a value to sys.maxsize to keep that op single-threaded.
+PARALLEL_THRESHOLDS = {"adam": 1 << 14, "adagrad": 3 << 13, "momentum": 1 << 15}
+PARALLEL_THRESHOLD = min(PARALLEL_THRESHOLDS.values())  # the smallest switch point
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -87,7 +92,7 @@ def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coeffic
         (rate, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient, 1.0 - norm_coefficient_post),
         dtype=x.dtype,
     )
-    kernel = _k.adam_parallel if x.size >= PARALLEL_THRESHOLD else _k.adam_serial
+    kernel = _k.adam_parallel if x.size >= PARALLEL_THRESHOLDS["adam"] else _k.adam_serial
     kernel(_flat(x), _flat(g), _flat(v), _flat(h), s)
 
 
@@ -97,7 +102,7 @@ def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: b
     ``beta_adjusted`` comes from :func:`.momentum.momentum_beta`. Arrays must pass :func:`supports`.
     """
     s = np.array((rate, alpha, beta_adjusted, norm_coefficient), dtype=x.dtype)
-    if x.size >= PARALLEL_THRESHOLD:
+    if x.size >= PARALLEL_THRESHOLDS["momentum"]:
         kernel = _k.nesterov_parallel if nesterov else _k.momentum_parallel
     else:
         kernel = _k.nesterov_serial if nesterov else _k.momentum_serial
@@ -110,7 +115,7 @@ def adagrad_(x, g, h, rate, epsilon, norm_coefficient) -> None:
     ``rate`` comes from :func:`.adagrad.adagrad_rate`. Arrays must pass :func:`supports`.
     """
     s = np.array((rate, epsilon, norm_coefficient), dtype=x.dtype)
-    kernel = _k.adagrad_parallel if x.size >= PARALLEL_THRESHOLD else _k.adagrad_serial
+    kernel = _k.adagrad_parallel if x.size >= PARALLEL_THRESHOLDS["adagrad"] else _k.adagrad_serial
     kernel(_flat(x), _flat(g), _flat(h), s)
 
 
@@ -119,7 +124,7 @@ def warm_up() -> float:
     parallel, float32 and float64); returns the seconds it took."""
     start = time.perf_counter()
     for dtype in _FLOATS:
-        for n in (1, PARALLEL_THRESHOLD):
+        for n in (1, max(PARALLEL_THRESHOLDS.values())):
             x, g, v, h = (np.zeros(n, dtype) for _ in range(4))
             adam_(x, g, v, h, 0.1, 0.9, 0.999, 1e-6, 0.0, 0.0)
             momentum_(x, g, v, 0.1, 0.9, 1.0, 0.0, False)
@@ -128,4 +133,4 @@ def warm_up() -> float:
     return time.perf_counter() - start
 
 
-__all__ = ["adam_", "momentum_", "adagrad_", "supports", "warm_up", "PARALLEL_THRESHOLD"]
+__all__ = ["adam_", "momentum_", "adagrad_", "supports", "warm_up", "PARALLEL_THRESHOLDS"]
