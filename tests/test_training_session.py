@@ -502,3 +502,20 @@ def test_input_with_default_is_optional_and_never_stale():
     assert np.any(session.state_dict()["W"] != w0)
     with pytest.raises(TrainingOpError, match="feed 'grad_scale' must be float32"):
         session.step({"x": x, "target": y, "grad_scale": np.float64(1.0)})
+
+
+def test_flat_parallel_kernel_is_bit_exact_with_per_tensor_serial():
+    """64-240-10: the flat state (18010 floats) takes the parallel fused kernel, the full graph's
+    per-tensor nodes the serial one (each tensor < 16384 floats): still bit-exact."""
+    from onnx_training_ops.kernels import fused
+
+    model = build_training_model(make_mlp((64, 240, 10), seed=9), "cross_entropy", Adam(lr=1e-2))
+    fast, full = TrainingSession(model, fast=True), TrainingSession(model, fast=False)
+    x, y = _digits_like(3)
+    for _ in range(5):
+        fast.step({"input": x, "labels": y})
+        full.step({"input": x, "labels": y})
+    flat = fast._programs[0].plan[0].tensors[0]
+    assert flat.size >= fused.PARALLEL_THRESHOLD > max(v.size for v in full.state_dict().values())
+    for name, value in fast.state_dict().items():
+        assert value.tobytes() == full.state_dict()[name].tobytes(), name
