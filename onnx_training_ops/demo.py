@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from .builder import build_training_model
 from .optimizers import Adagrad, Adam, Momentum

@@ -16,7 +16,9 @@ builds that graph once, turns state initializers into inputs bound to the state 
 is cut out of the graph onnxruntime runs. onnxruntime computes the rest (forward, loss,
 gradients — the optimizer's other inputs become extra outputs written into preallocated
 buffers) and then the update runs in place on the state arrays with the fused kernels
-(:data:`onnx_training_ops.kernels.apply.STEPS`). ``fast=False`` runs the whole graph, the
+(:data:`onnx_training_ops.kernels.apply.STEPS`); the X, V, H and G of a multi-tensor node
+are views into one flat buffer per role, so one kernel call updates the whole node.
+``fast=False`` runs the whole graph, the
 optimizer nodes included, in onnxruntime through the PyOp plugin; both run the same kernel
 code on the same values, so they agree bit for bit.
 
@@ -30,10 +32,9 @@ was before the step; ``"skip"`` does the same without raising (the step is dropp
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
