@@ -258,3 +258,23 @@ def test_cache_falls_back_to_user_dir_and_is_reused(tmp_path):
     assert len(list(tmp_path.glob("numba/**/*.nbi"))) == len(cold) == 8
     warm = probe()
     assert all(hits == 2 and misses == 0 for hits, misses in warm.values()), warm
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_adaptive_dispatch_keeps_results(adaptive, monkeypatch):
+    """Many steps above the threshold (serial/parallel chosen and probed by cost, or
+    always parallel) give exactly the reference trajectory."""
+    monkeypatch.setattr(fused, "ADAPTIVE", adaptive)
+    monkeypatch.setattr(fused, "_CHOICES", {})
+    n = fused.PARALLEL_THRESHOLDS["adagrad"] + 7
+    rng = np.random.default_rng(3)
+    x, h = rng.standard_normal(n), np.zeros(n)
+    rx, rh = x.copy(), h.copy()
+    for t in range(40):
+        g = rng.standard_normal(n)
+        rx, rh = adagrad(np.float64(0.1), np.int64(t), rx, g, rh, decay_factor=0.01, epsilon=1e-6, norm_coefficient=0.001)
+        fused.adagrad_(x, g, h, adagrad_rate(0.1, t, 0.01), 1e-6, 0.001)
+    close((x, h), (rx, rh))
+    if adaptive:
+        (choice,) = fused._CHOICES.values()
+        assert all(0 < cost < 1 for cost in choice.cost)  # both variants were measured

@@ -33,12 +33,87 @@ from . import _numba_kernels as _k
 # Momentum 3.40 / 3.91 at 16k, 6.19 / 5.52 at 32k. Ties go to serial, which is also immune
 # to the other core being busy (a parallel step then waits for a scheduler slice, ~4-12 ms).
 # Mutable: set a value to sys.maxsize to keep that op single-threaded.
-PARALLEL_THRESHOLDS = {"adam": 1 << 14, "adagrad": 3 << 13, "momentum": 1 << 15}
+PARALLEL_THRESHOLDS = {"adam": 1 << 14, "adagrad": 3 << 13, "momentum": 1 << 15, "nesterov": 1 << 15}
 PARALLEL_THRESHOLD = min(PARALLEL_THRESHOLDS.values())  # the smallest switch point
 
+# Above the threshold, choose serial or parallel by measured cost (ADAPTIVE = True) or
+# always run parallel (False). Why: on 2 cores, a parallel loop launched while another
+# process (or onnxruntime's spinning intra-op threads) holds the other core waits for a
+# scheduler slice, ~8 ms on this machine, at every launch: 20-50x the step itself at
+# 1e5-1e6 elements. Each op and power-of-two size bucket runs one variant and keeps its
+# running (EWMA) cost per element; it leaves it after two calls in a row cost 1.5x the
+# other's last measured cost. Every 16 calls it probes the other variant with a burst of
+# 3 calls (the first may wake a sleeping thread pool, so the burst's best counts) and
+# switches if that beats the running cost, backing off to every 1024 calls while probes
+# keep losing. Both variants compute every element identically: the choice changes
+# time, never results.
+ADAPTIVE = True
+_PROBE_MIN, _PROBE_MAX, _PROBE_LEN, _EWMA, _SLACK = 16, 1024, 3, 0.25, 1.5
+_INF = float("inf")
+
+
+class _Choice:
+    __slots__ = ("use", "cost", "strikes", "countdown", "interval", "probe", "probe_left", "probe_best")
+
+    def __init__(self):
+        self.use = 1  # running variant: 0 serial, 1 parallel
+        self.cost = [_INF, _INF]  # seconds per element: [serial, parallel]
+        self.strikes = 0
+        self.countdown = self.interval = _PROBE_MIN
+        self.probe, self.probe_left, self.probe_best = 1, _PROBE_LEN, _INF  # measure parallel first
+
+
+_CHOICES: dict[tuple[str, int], _Choice] = {}
+
+
+def _dispatch(op: str, serial, parallel, n: int, *args) -> None:
+    if n < PARALLEL_THRESHOLDS[op]:
+        serial(*args)
+        return
+    if not ADAPTIVE:
+        parallel(*args)
+        return
+    key = (op, n.bit_length())
+    c = _CHOICES.get(key)
+    if c is None:
+        c = _CHOICES[key] = _Choice()
+    if c.probe_left:
+        use = c.probe
+    else:
+        use = c.use
+        c.countdown -= 1
+        if c.countdown <= 0:
+            use = c.probe = 1 - use
+            c.probe_left, c.probe_best = _PROBE_LEN, _INF
+    start = time.perf_counter()
+    (parallel if use else serial)(*args)
+    per_element = (time.perf_counter() - start) / n
+    cost = c.cost
+    if c.probe_left:
+        c.probe_best = min(c.probe_best, per_element)
+        c.probe_left -= 1
+        if not c.probe_left:
+            other = cost[1 - use]
+            cost[use] = c.probe_best
+            if other == _INF:  # the other variant not measured yet: probe it next
+                c.countdown = 1
+                c.use = use
+            elif c.probe_best < other:
+                c.use, c.strikes, c.interval = use, 0, _PROBE_MIN
+            else:
+                c.interval = min(2 * c.interval, _PROBE_MAX)
+            c.countdown = min(c.countdown, c.interval) if other == _INF else c.interval
+    else:
+        cost[use] += _EWMA * (per_element - cost[use])
+        if per_element > _SLACK * cost[1 - use]:
+            c.strikes += 1
+            if c.strikes >= 2:
+                c.use, c.strikes = 1 - use, 0
+        else:
+            c.strikes = 0
+
+
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
-
 # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_WRITEABLE, as in ndarray.flags.num
 _REQUIRED_FLAGS = 0x0001 | 0x0100 | 0x0400
 
@@ -92,8 +167,7 @@ def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coeffic
         (rate, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient, 1.0 - norm_coefficient_post),
         dtype=x.dtype,
     )
-    kernel = _k.adam_parallel if x.size >= PARALLEL_THRESHOLDS["adam"] else _k.adam_serial
-    kernel(_flat(x), _flat(g), _flat(v), _flat(h), s)
+    _dispatch("adam", _k.adam_serial, _k.adam_parallel, x.size, _flat(x), _flat(g), _flat(v), _flat(h), s)
 
 
 def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: bool) -> None:
@@ -102,11 +176,10 @@ def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: b
     ``beta_adjusted`` comes from :func:`.momentum.momentum_beta`. Arrays must pass :func:`supports`.
     """
     s = np.array((rate, alpha, beta_adjusted, norm_coefficient), dtype=x.dtype)
-    if x.size >= PARALLEL_THRESHOLDS["momentum"]:
-        kernel = _k.nesterov_parallel if nesterov else _k.momentum_parallel
+    if nesterov:
+        _dispatch("nesterov", _k.nesterov_serial, _k.nesterov_parallel, x.size, _flat(x), _flat(g), _flat(v), s)
     else:
-        kernel = _k.nesterov_serial if nesterov else _k.momentum_serial
-    kernel(_flat(x), _flat(g), _flat(v), s)
+        _dispatch("momentum", _k.momentum_serial, _k.momentum_parallel, x.size, _flat(x), _flat(g), _flat(v), s)
 
 
 def adagrad_(x, g, h, rate, epsilon, norm_coefficient) -> None:
@@ -115,22 +188,21 @@ def adagrad_(x, g, h, rate, epsilon, norm_coefficient) -> None:
     ``rate`` comes from :func:`.adagrad.adagrad_rate`. Arrays must pass :func:`supports`.
     """
     s = np.array((rate, epsilon, norm_coefficient), dtype=x.dtype)
-    kernel = _k.adagrad_parallel if x.size >= PARALLEL_THRESHOLDS["adagrad"] else _k.adagrad_serial
-    kernel(_flat(x), _flat(g), _flat(h), s)
+    _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
 
 
 def warm_up() -> float:
     """Compile, or load from numba's disk cache, every specialization (serial and
-    parallel, float32 and float64); returns the seconds it took."""
+    parallel, float32 and float64) and start numba's thread pool; returns the seconds
+    it took. Call it once at start-up so that no step pays for it."""
     start = time.perf_counter()
     for dtype in _FLOATS:
-        for n in (1, max(PARALLEL_THRESHOLDS.values())):
-            x, g, v, h = (np.zeros(n, dtype) for _ in range(4))
-            adam_(x, g, v, h, 0.1, 0.9, 0.999, 1e-6, 0.0, 0.0)
-            momentum_(x, g, v, 0.1, 0.9, 1.0, 0.0, False)
-            momentum_(x, g, v, 0.1, 0.9, 1.0, 0.0, True)
-            adagrad_(x, g, h, 0.1, 1e-6, 0.0)
+        arrays = [np.zeros(1, dtype) for _ in range(4)]
+        s = np.zeros(8, dtype)  # each kernel reads only the scalars it needs
+        for kernel in _k.ALL:
+            nargs = 4 if kernel in (_k.adam_parallel, _k.adam_serial) else 3
+            kernel(*arrays[:nargs], s)
     return time.perf_counter() - start
 
 
-__all__ = ["adam_", "momentum_", "adagrad_", "supports", "warm_up", "PARALLEL_THRESHOLDS"]
+__all__ = ["adam_", "momentum_", "adagrad_", "supports", "warm_up", "PARALLEL_THRESHOLDS", "ADAPTIVE"]
