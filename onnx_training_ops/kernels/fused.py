@@ -27,11 +27,11 @@ import numpy as np
 from . import _numba_kernels as _k
 
 # Below this many elements (per op) the serial loop runs: waking numba's thread pool costs
-# a few microseconds, as much as updating ~16k-32k float32 elements on one core. Measured
-# crossovers on a 2-core Zen 4 (median us, serial / parallel; benchmarks/bench_kernels.py
-# has the method): Adam 7.35 / 7.28 at 16k; Adagrad 6.09 / 6.64 at 16k, 8.17 / 6.49 at 24k;
-# Momentum 3.40 / 3.91 at 16k, 6.19 / 5.52 at 32k. Ties go to serial, which is also immune
-# to the other core being busy (a parallel step then waits for a scheduler slice, ~4-12 ms).
+# a few microseconds, as much as updating ~16k-32k float32 elements on one core.
+# Measured crossovers on a 2-core Zen 4, float32, median us of 2000 calls, serial /
+# parallel: Adam 7.35 / 7.28 at 16k; Adagrad 6.09 / 6.64 at 16k, 8.17 / 6.49 at 24k;
+# Momentum 3.40 / 3.91 at 16k, 6.19 / 5.52 at 32k. Ties go to serial, which is also
+# immune to the other core being busy (see ADAPTIVE below).
 # Mutable: set a value to sys.maxsize to keep that op single-threaded.
 PARALLEL_THRESHOLDS = {"adam": 1 << 14, "adagrad": 3 << 13, "momentum": 1 << 15, "nesterov": 1 << 15}
 PARALLEL_THRESHOLD = min(PARALLEL_THRESHOLDS.values())  # the smallest switch point
