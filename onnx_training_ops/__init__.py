@@ -22,7 +22,7 @@ from .schema import DOMAIN
 from .session import InferenceSession
 from .optimizers import Adagrad, Adam, Momentum
 from .builder import build_training_model
-from .training_session import NonFiniteLossError, TrainingSession
+from .training import NonFiniteLossError, TrainingSession
 
 _register()
 

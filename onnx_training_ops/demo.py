@@ -118,7 +118,7 @@ def train(
     verbose: bool = True,
 ) -> DemoResult:
     """Train the digits MLP; write the loss curve, the checkpoint and the inference model to ``out_dir``."""
-    from .training_session import TrainingSession
+    from .training import TrainingSession
 
     x_train, y_train, x_test, y_test = load_digits_split(seed)
     opt = make_optimizer(optimizer, lr)

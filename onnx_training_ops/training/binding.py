@@ -1,0 +1,116 @@
+"""IOBinding: a program's onnxruntime session, bound zero-copy to the state and to preallocated buffers.
+
+onnxruntime reads the state arrays in place (``OrtValue.ortvalue_from_numpy`` + IOBinding), so
+state never round-trips through fresh arrays between steps. The outputs that feed state
+(update bindings, inputs of cut nodes) and the one-element returned outputs are
+preallocated after the first run, when their shapes are known.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from ..errors import TrainingOpError
+from ..schema import DOMAIN
+from ..session import InferenceSession
+from .arrays import dtype_name, owned
+from .fast_path import cut_plan, flat_gradient_views
+from .feeds import feed_spec
+from .program import Program
+
+
+def open_program(
+    program: Program,
+    state: dict[str, np.ndarray],
+    sess_options: ort.SessionOptions | None,
+    providers: Sequence[str | tuple[str, dict]],
+) -> Program:
+    """Create the onnxruntime session and the IOBinding of an analysed program."""
+    combined, graph = program.combined, program.combined.graph
+    state_inputs, rate_inputs = program.state_inputs, program.rate_inputs
+    returned, fixed_outputs = program.returned, program.fixed_outputs
+    session = InferenceSession(combined, sess_options=sess_options, providers=providers)
+    io = session.io_binding()
+    program.session, program.io = session, io
+    # no plugin node left (all optimizers cut): call onnxruntime directly, no kernel-error bookkeeping
+    program.uses_plugin = any(n.domain == DOMAIN for n in session.prepared_model.graph.node)
+    program.run = session.run_with_iobinding if program.uses_plugin else None
+    session_inputs = {i.name for i in session.get_inputs()}
+    for name in state_inputs:
+        if name not in session_inputs:
+            continue
+        value = ort.OrtValue.ortvalue_from_numpy(state[name])
+        io.bind_ortvalue_input(name, value)
+        program.keep_alive.append(value)
+    for name, buf in rate_inputs.items():
+        if name in session_inputs:
+            value = ort.OrtValue.ortvalue_from_numpy(buf)
+            io.bind_ortvalue_input(name, value)
+            program.keep_alive.append(value)
+    for vi in graph.input:
+        if vi.name in state or vi.name in rate_inputs or vi.name not in session_inputs:
+            continue
+        spec = feed_spec(vi)
+        if vi.name in program.input_defaults:  # optional: bound every step, to the default if not fed
+            default = owned(numpy_helper.to_array(program.input_defaults[vi.name]))
+            program.optional_feeds.append((spec, default))
+        else:
+            program.feeds.append(spec)
+    for name in returned:
+        io.bind_output(name, "cpu")
+    for name in fixed_outputs:
+        io.bind_output(name, "cpu")
+    program.binding_copies = [
+        (state[k], v) for k, v in program.binding.items() if v not in program.cut_outputs
+    ]
+    program.needs_feeds = any(type(src) is tuple and src[0] == "feed" for src in program.cut_sources.values())
+    del program.combined  # the session holds what it needs
+    return program
+
+
+def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
+    """After the first run: preallocate the fixed outputs and rebind them zero-copy."""
+    raw = program.io._iobinding
+    outputs = raw.get_outputs()
+    names = program.returned + program.fixed_outputs
+    values = {name: outputs[i].numpy() for i, name in enumerate(names)}
+    flat_grads = flat_gradient_views(program.cut_nodes, program.flat_nodes, values)
+    for name in program.fixed_outputs:
+        if name in flat_grads:
+            buf = flat_grads[name]
+            buf[...] = values[name]
+        else:
+            buf = owned(values[name])
+        program.fixed_buffers[name] = buf
+        ov = ort.OrtValue.ortvalue_from_numpy(buf)
+        program.io.bind_ortvalue_output(name, ov)
+        program.keep_alive.append(ov)
+    # returned outputs of one element (the loss): preallocated too; others onnxruntime allocates
+    program.returned_buffers, program.returned_from_ort = [], []
+    for i, name in enumerate(program.returned):
+        value = values[name]
+        if value.size == 1 and value.dtype != object:
+            buf = owned(value)
+            ov = ort.OrtValue.ortvalue_from_numpy(buf)
+            program.io.bind_ortvalue_output(name, ov)
+            program.keep_alive.append(ov)
+            program.returned_buffers.append((name, buf))
+        else:
+            program.returned_from_ort.append((name, i))
+    copies = []
+    for array, name in program.binding_copies:
+        buf = program.fixed_buffers[name]
+        if buf.dtype != array.dtype or buf.shape != array.shape:
+            key = next(k for k, v in state.items() if v is array)
+            raise TrainingOpError(
+                f"training_info[{program.index}].update_binding: state variable {key!r} is "
+                f"{dtype_name(array.dtype)} {list(array.shape)} but {name!r} came out "
+                f"{dtype_name(buf.dtype)} {list(buf.shape)}"
+            )
+        copies.append((array, buf))
+    program.plan = cut_plan(program.cut_nodes, program.flat_nodes, program.cut_sources, program.fixed_buffers, state)
+    program.copy_plan = copies

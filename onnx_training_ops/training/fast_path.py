@@ -1,0 +1,263 @@
+"""The fast path: optimizer nodes applied in place by the fused kernels instead of onnxruntime.
+
+An optimizer node whose outputs feed only the ``update_binding`` of the very state variables
+it reads (X <- X_new, V <- V_new, H <- H_new) is cut out of the graph onnxruntime runs.
+onnxruntime computes the rest (forward, loss, gradients — the optimizer's other inputs become
+extra outputs written into preallocated buffers) and then the update runs in place on the
+state arrays with the fused kernels (:data:`onnx_training_ops.kernels.apply.STEPS`); the X,
+V, H and G of a multi-tensor node are views into one flat buffer per role, so one kernel call
+updates the whole node. Without the fast path the optimizer nodes run in onnxruntime through
+the PyOp plugin; both run the same kernel code on the same values, so they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import TrainingOpError, node_label
+from ..kernels.apply import STEPS
+from ..passes._graph import all_graphs, subgraphs
+from ..passes.encode_exact_attributes import node_attributes
+from ..passes.fill_defaults import fill_default_attributes
+from ..schema import DOMAIN, OPTIMIZERS
+from .arrays import owned
+
+
+@dataclass
+class CutStep:
+    """One tensor's optimizer update applied by the fast path, in place."""
+
+    op_type: str
+    label: str
+    attributes: dict
+    r: Any  # ndarray, or ("feed", name)
+    t: Any
+    tensors: list  # per input role (X, G, V[, H]): ndarray or ("feed", name)
+    targets: list  # per output role: the state array it must end up in
+
+
+def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str], state_inputs: list[str]) -> list:
+    """The optimizer nodes the fast path applies in place instead of onnxruntime."""
+    consumed: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumed[name] = consumed.get(name, 0) + 1
+        for sub in subgraphs(node):
+            for g in all_graphs(sub):
+                for n in g.node:
+                    for name in n.input:
+                        consumed[name] = consumed.get(name, 0) + 1
+    reverse: dict[str, list[str]] = {}
+    for key, value in binding.items():
+        reverse.setdefault(value, []).append(key)
+    state = set(state_inputs)
+    written: set[str] = set()
+    read: set[str] = set()
+    cut = []
+    for node in graph.node:
+        if node.domain != DOMAIN or node.op_type not in OPTIMIZERS:
+            continue
+        spec = OPTIMIZERS[node.op_type]
+        n = spec.n_tensors(len(node.input))
+        if n is None or len(node.output) != n * spec.n_groups_out:
+            continue  # invalid: prepare() reports it
+        ok = True
+        node_written, node_read = set(), set()
+        for i in range(n):
+            for j, role in enumerate(spec.tensor_inputs):
+                name = node.input[2 + j * n + i]
+                if role == "G":
+                    node_read.add(name)
+                    continue
+                out = node.output[spec.tensor_outputs.index(role + "_new") * n + i]
+                if (
+                    name not in state
+                    or binding.get(name) != out
+                    or reverse.get(out) != [name]
+                    or consumed.get(out, 0)
+                    or name in node_written
+                ):
+                    ok = False
+                node_written.add(name)
+        node_read.update(node.input[:2])
+        if not ok or node_written & (written | read) or node_read & (written | node_written):
+            continue
+        written |= node_written
+        read |= node_read
+        cut.append(node)
+    return cut
+
+
+def cut_sources(
+    cut_nodes: list[onnx.NodeProto],
+    graph: onnx.GraphProto,
+    state: Mapping[str, np.ndarray],
+    rate_inputs: Mapping[str, np.ndarray],
+    init_values: Mapping[str, onnx.TensorProto],
+    input_types: Mapping[str, onnx.ValueInfoProto],
+) -> tuple[dict[str, Any], list[str]]:
+    """Where each input of the cut nodes comes from, and the ones ``graph`` must output for them.
+
+    A source is ``("state", name)``, ``("output", name)``, ``("feed", name)`` or an array
+    (a learning-rate buffer or a constant).
+    """
+    produced = {o for n in graph.node for o in n.output if o}
+    sources: dict[str, Any] = {}
+    extra_outputs: list[str] = []
+    for node in cut_nodes:
+        for name in node.input:
+            if name in sources:
+                continue
+            if name in state:
+                sources[name] = ("state", name)
+            elif name in rate_inputs:
+                sources[name] = rate_inputs[name]
+            elif name in produced:
+                sources[name] = ("output", name)
+                extra_outputs.append(name)
+            elif name in init_values and name not in input_types:
+                sources[name] = owned(numpy_helper.to_array(init_values[name]))
+            elif name in input_types:
+                sources[name] = ("feed", name)
+            else:
+                raise TrainingOpError(f"{node_label(node)}: input {name!r} is not defined in the graph")
+    return sources, extra_outputs
+
+
+def flatten_cut_state(
+    cut_nodes: list[onnx.NodeProto], sources: Mapping[str, Any], state: dict[str, np.ndarray]
+) -> dict[int, tuple]:
+    """Re-home the X, V, H state of each cut node as views into one flat buffer per role,
+    so the fast path updates all of a node's tensors with one fused kernel call.
+
+    Replaces the arrays in ``state``; returns id(node) -> (flat buffers per role, shapes,
+    offsets, G names, dtype) for the nodes laid out flat.
+    """
+    flat_nodes = {}
+    for node in cut_nodes:
+        spec = OPTIMIZERS[node.op_type]
+        n = spec.n_tensors(len(node.input))
+        roles = {role: [node.input[2 + j * n + i] for i in range(n)] for j, role in enumerate(spec.tensor_inputs)}
+        xs = [state[name] for name in roles["X"]]
+        dtype = xs[0].dtype
+        if n < 2 or any(x.dtype != dtype for x in xs):
+            continue
+        if any(state[name].shape != x.shape or state[name].dtype != dtype
+               for role, names in roles.items() if role != "G" for name, x in zip(names, xs)):
+            continue
+        if any(sources[g][0] != "output" for g in roles["G"]) or len(set(roles["G"])) != n:
+            continue
+        sizes = [x.size for x in xs]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        flat = {}
+        for role, names in roles.items():
+            if role == "G":
+                continue
+            buf = np.empty(int(offsets[-1]), dtype)
+            for name, x, a, b in zip(names, xs, offsets[:-1], offsets[1:]):
+                view = buf[a:b].reshape(x.shape)
+                view[...] = state[name]
+                state[name] = view
+            flat[role] = buf
+        flat_nodes[id(node)] = (flat, [x.shape for x in xs], offsets, roles["G"], dtype)
+    return flat_nodes
+
+
+def flat_gradient_views(
+    cut_nodes: list[onnx.NodeProto], flat_nodes: dict[int, tuple], values: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Gradients of a flat node: views into one flat buffer, the kernel's G.
+
+    ``values`` are the outputs of the first run; a node whose gradients do not match its X
+    leaves ``flat_nodes`` (per-tensor updates).
+    """
+    flat_grads = {}
+    for node in cut_nodes:
+        entry = flat_nodes.get(id(node))
+        if entry is None:
+            continue
+        flat, shapes, offsets, grads, dtype = entry
+        if any(values[g].shape != shape or values[g].dtype != dtype for g, shape in zip(grads, shapes)):
+            del flat_nodes[id(node)]  # gradients do not match X: per-tensor updates
+            continue
+        buf = np.empty(int(offsets[-1]), dtype)
+        for g, shape, a, b in zip(grads, shapes, offsets[:-1], offsets[1:]):
+            flat_grads[g] = buf[a:b].reshape(shape)
+        flat["G"] = buf
+    return flat_grads
+
+
+def cut_plan(
+    cut_nodes: list[onnx.NodeProto],
+    flat_nodes: Mapping[int, tuple],
+    sources: Mapping[str, Any],
+    fixed_buffers: Mapping[str, np.ndarray],
+    state: Mapping[str, np.ndarray],
+) -> list[CutStep]:
+    """The in-place updates of the cut nodes: one step per flat node, else one per tensor."""
+    plan = []
+    for node in cut_nodes:
+        filled = onnx.ModelProto()
+        filled.graph.node.append(node)
+        fill_default_attributes(filled)
+        attributes = node_attributes(filled.graph.node[0])
+        spec = OPTIMIZERS[node.op_type]
+        n = spec.n_tensors(len(node.input))
+
+        def source(name):
+            src = sources[name]
+            if type(src) is tuple and src[0] == "output":
+                return fixed_buffers[name]
+            if type(src) is tuple and src[0] == "state":
+                return state[src[1]]
+            return src
+
+        entry = flat_nodes.get(id(node))
+        if entry is not None:
+            flat = entry[0]
+            tensors = [flat[role] for role in spec.tensor_inputs]
+            targets = [flat[role[:-4]] for role in spec.tensor_outputs]
+            plan.append(CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
+                                source(node.input[1]), tensors, targets))
+            continue
+        for i in range(n):
+            tensors = [source(node.input[2 + j * n + i]) for j in range(spec.n_groups_in)]
+            targets = []
+            for role in spec.tensor_outputs:
+                j = spec.tensor_inputs.index(role[:-4])
+                targets.append(state[node.input[2 + j * n + i]])
+            plan.append(
+                CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
+                        source(node.input[1]), tensors, targets)
+            )
+    return plan
+
+
+def apply_plan(plan: list[CutStep]) -> None:
+    """Run the cut updates in place (no input of theirs is a feed)."""
+    for s in plan:
+        outs = STEPS[s.op_type](s.r, s.t, *s.tensors, s.attributes, inplace=True)
+        for target, out in zip(s.targets, outs):
+            if out is not target:
+                np.copyto(target, out)
+
+
+def apply_step_with_feeds(s: CutStep, feeds: Mapping[str, Any]) -> None:
+    """Run one cut update in place, taking its ``("feed", name)`` inputs from ``feeds``."""
+    r, t = s.r, s.t
+    tensors = s.tensors
+    if type(r) is tuple:
+        r = np.asarray(feeds[r[1]])
+    if type(t) is tuple:
+        t = np.asarray(feeds[t[1]])
+    if any(type(x) is tuple for x in tensors):
+        tensors = [np.asarray(feeds[x[1]]) if type(x) is tuple else x for x in tensors]
+    outs = STEPS[s.op_type](r, t, *tensors, s.attributes, inplace=True)
+    for target, out in zip(s.targets, outs):
+        if out is not target:
+            np.copyto(target, out)

@@ -1,0 +1,102 @@
+"""Feeds of a training step: what each program takes, checked and bound every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+import onnx
+
+from ..errors import TrainingOpError
+from .arrays import dtype_name, np_dtype
+
+if TYPE_CHECKING:
+    from .program import Program
+
+
+@dataclass
+class FeedSpec:
+    name: str
+    dtype: np.dtype
+    shape: tuple  # ints, or None for a dynamic/symbolic dim; () for scalars
+
+
+def feed_spec(vi: onnx.ValueInfoProto) -> FeedSpec:
+    """The dtype and shape a graph input must be fed with."""
+    tt = vi.type.tensor_type
+    shape = tuple(
+        d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim
+    ) if tt.HasField("shape") else None
+    return FeedSpec(vi.name, np_dtype(tt.elem_type), shape)
+
+
+def check_feed_names(feeds: Mapping[str, Any], required: set[str], optional: set[str]) -> None:
+    """Raise unless ``feeds`` holds every required name and nothing but required or optional names."""
+    names = set(feeds)
+    missing = required - names
+    extra = names - required - optional
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing feed(s) {sorted(missing)}")
+        if extra:
+            parts.append(f"unknown feed(s) {sorted(extra)}")
+        raise TrainingOpError(
+            f"step: {'; '.join(parts)}; the training step takes {sorted(required)}"
+            + (f" (and optionally {sorted(optional)})" if optional else "")
+        )
+
+
+def feed_array(spec: FeedSpec, value) -> np.ndarray:
+    """``value`` as a C-contiguous array of the spec's dtype and shape (raises if it is not one)."""
+    array = value if type(value) is np.ndarray else np.asarray(value)
+    if array.dtype != spec.dtype:
+        raise TrainingOpError(
+            f"step: feed {spec.name!r} must be {dtype_name(spec.dtype)}, found {dtype_name(array.dtype)}"
+        )
+    shape = spec.shape
+    if shape is not None:
+        if array.ndim != len(shape) or any(d is not None and d != a for d, a in zip(shape, array.shape)):
+            expected = [d if d is not None else "?" for d in shape]
+            raise TrainingOpError(
+                f"step: feed {spec.name!r} must have shape {expected}, found {list(array.shape)}"
+            )
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array
+
+
+def bind_feeds(program: Program, feeds: Mapping[str, Any]) -> list[np.ndarray]:
+    """Bind the program's inputs to ``feeds`` (optional ones to their default if not fed).
+
+    Returns the bound arrays: the caller keeps them alive until onnxruntime has run.
+    """
+    raw = program.io._iobinding
+    arrays = []
+    for spec in program.feeds:
+        array = feed_array(spec, feeds[spec.name])
+        arrays.append(array)
+        raw.bind_input(spec.name, array)
+    for spec, default in program.optional_feeds:
+        value = feeds.get(spec.name)
+        array = default if value is None else feed_array(spec, value)
+        arrays.append(array)
+        raw.bind_input(spec.name, array)
+    return arrays
+
+
+def set_learning_rates(program: Program, feeds: Mapping[str, Any], lr: float | None) -> None:
+    """Write each learning-rate input's buffer: the fed value, else ``lr``, else the model's default."""
+    for name, buf in program.rate_inputs.items():
+        if name in feeds:
+            value = np.asarray(feeds[name])
+            if value.size != 1:
+                raise TrainingOpError(f"step: learning rate {name!r} must be a scalar, found shape {list(value.shape)}")
+            buf[...] = value.reshape(buf.shape)
+        elif lr is not None:
+            buf[...] = lr
+        elif program.rate_defaults[name] is not None:
+            buf[...] = program.rate_defaults[name]
+        else:
+            raise TrainingOpError(f"step: learning rate {name!r} has no default; pass lr=... or feed it")

@@ -1,0 +1,67 @@
+"""The main (inference) graph of a training model: for ``run`` and ``export_inference_model``."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from .. import checkpoint
+from ..builder import META_PREFIX
+from ..errors import TrainingOpError
+from ..passes._graph import all_graphs
+from ..passes.fit_runtime import fit_runtime
+from ..schema import DOMAIN
+from ..session import InferenceSession
+
+
+def inference_model(
+    model: onnx.ModelProto, state: Mapping[str, np.ndarray], with_state_values: bool = True
+) -> onnx.ModelProto:
+    """The main graph without training_info and the builder's metadata (with the current state if asked)."""
+    exported = onnx.ModelProto()
+    exported.CopyFrom(model)
+    del exported.training_info[:]
+    kept = [m for m in exported.metadata_props if not m.key.startswith(META_PREFIX)]
+    del exported.metadata_props[:]
+    exported.metadata_props.extend(kept)
+    if with_state_values:
+        for tensor in exported.graph.initializer:
+            if tensor.name in state:
+                checkpoint.set_initializer(tensor, state[tensor.name])
+    uses_domain = any(n.domain == DOMAIN for g in all_graphs(exported.graph) for n in g.node)
+    if not uses_domain:
+        kept_ops = [o for o in exported.opset_import if o.domain != DOMAIN]
+        del exported.opset_import[:]
+        exported.opset_import.extend(kept_ops)
+    return fit_runtime(exported)
+
+
+def inference_session(
+    model: onnx.ModelProto,
+    state: Mapping[str, np.ndarray],
+    sess_options: ort.SessionOptions | None,
+    providers: Sequence[str | tuple[str, dict]],
+) -> tuple[InferenceSession, list[str]]:
+    """A session of the main graph taking the state as inputs; returns it and the names of those inputs."""
+    model = inference_model(model, state, with_state_values=False)
+    graph = model.graph
+    if not graph.output:
+        raise TrainingOpError("run: the main graph has no outputs (a from_graph session has no inference graph)")
+    state_inputs = []
+    kept = []
+    declared = {vi.name for vi in graph.input}
+    for tensor in graph.initializer:
+        if tensor.name in state:
+            state_inputs.append(tensor.name)
+            if tensor.name not in declared:
+                graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        else:
+            kept.append(tensor)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    session = InferenceSession(model, sess_options=sess_options, providers=providers)
+    return session, state_inputs

@@ -1,0 +1,255 @@
+"""Programs: one TrainingInfoProto's algorithm turned into the graph onnxruntime runs.
+
+As the spec says, the algorithm runs on the main graph *and* the algorithm graph
+concatenated; :func:`build_program` builds that graph once, turns state initializers into
+inputs (bound to the state arrays when the program opens, see :mod:`.binding`), cuts the
+optimizer nodes the fast path applies in place (:mod:`.fast_path`) and lists what the graph
+must output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import TrainingOpError
+from ..passes._graph import all_graphs, value_types
+from ..schema import DOMAIN, OPTIMIZERS
+from .arrays import dtype_name, np_dtype, owned
+from .fast_path import CutStep, cut_sources, cuttable_nodes
+from .feeds import FeedSpec
+
+
+@dataclass
+class Program:
+    """One TrainingInfoProto's algorithm, ready to run."""
+
+    index: int
+    session: Any
+    io: Any
+    feeds: list[FeedSpec]
+    rate_inputs: dict[str, np.ndarray]  # learning-rate input -> its preallocated buffer
+    rate_defaults: dict[str, np.ndarray | None]
+    returned: list[str]  # outputs returned by step()
+    loss_names: list[str]
+    fixed_outputs: list[str]  # outputs written into preallocated buffers (bindings, cut inputs)
+    fixed_buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    binding_copies: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (state, output)
+    cut_nodes: list[onnx.NodeProto] = field(default_factory=list)
+    cut_sources: dict[str, Any] = field(default_factory=dict)
+    plan: list[CutStep] | None = None
+    copy_plan: list[tuple[np.ndarray, np.ndarray]] | None = None
+    keep_alive: list = field(default_factory=list)  # OrtValues bound to our buffers
+    # set while analysing (before the session exists)
+    combined: Any = None
+    state_inputs: list = field(default_factory=list)
+    init_values: dict = field(default_factory=dict)
+    binding: dict = field(default_factory=dict)
+    cut_outputs: set = field(default_factory=set)
+    flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
+    # set when the session opens / after the first run
+    uses_plugin: bool = False
+    run: Any = None
+    needs_feeds: bool = False
+    returned_buffers: list = field(default_factory=list)  # (name, preallocated buffer)
+    returned_from_ort: list = field(default_factory=list)  # (name, output index)
+    optional_feeds: list = field(default_factory=list)  # (FeedSpec, default) of inputs with a default
+    input_defaults: dict = field(default_factory=dict)  # input name -> its default (TensorProto)
+
+
+def used_names(graph: onnx.GraphProto) -> set[str]:
+    """Every name read by a node of ``graph`` (subgraphs included) or listed as its output."""
+    used: set[str] = set()
+    for g in all_graphs(graph):
+        for node in g.node:
+            used.update(node.input)
+    used.update(o.name for o in graph.output)
+    used.discard("")
+    return used
+
+
+def combined_graph(
+    model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str]
+) -> onnx.ModelProto:
+    """Main graph + algorithm graph of training_info[index], state initializers as inputs."""
+    info = model.training_info[index]
+    algo = info.algorithm
+    g = onnx.GraphProto()
+    g.name = f"{model.graph.name or 'main'}+algorithm{index}"
+    g.node.extend(model.graph.node)
+    g.node.extend(algo.node)
+    used = used_names(algo) | used_names(model.graph)
+    used |= {e.value for e in info.update_binding}
+    inputs = {}
+    for vi in (*model.graph.input, *algo.input):
+        inputs.setdefault(vi.name, vi)
+    for name in state_protos:
+        if name in used and name not in inputs:
+            proto = state_protos[name]
+            inputs[name] = helper.make_tensor_value_info(name, proto.data_type, list(proto.dims))
+    g.input.extend(inputs.values())
+    for tensor in (*model.graph.initializer, *algo.initializer):
+        if tensor.name not in state_protos:
+            g.initializer.append(tensor)
+    g.sparse_initializer.extend(model.graph.sparse_initializer)
+    g.sparse_initializer.extend(algo.sparse_initializer)
+    g.value_info.extend(model.graph.value_info)
+    g.value_info.extend(algo.value_info)
+    outputs = {o.name: o for o in algo.output}
+    main_outputs = {o.name: o for o in model.graph.output}
+    for entry in info.update_binding:
+        if entry.value not in outputs:
+            outputs[entry.value] = main_outputs[entry.value]
+    for name in meta.get("loss", "").split(","):  # a loss the main graph outputs
+        if name in main_outputs and name not in outputs:
+            outputs[name] = main_outputs[name]
+    g.output.extend(outputs.values())
+    combined = helper.make_model(g, opset_imports=list(model.opset_import))
+    combined.ir_version = model.ir_version
+    combined.functions.extend(model.functions)
+    if not any(o.domain == DOMAIN for o in combined.opset_import) and any(
+        n.domain == DOMAIN for n in algo.node
+    ):
+        combined.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    try:
+        onnx.checker.check_model(combined)
+    except onnx.checker.ValidationError as error:
+        raise TrainingOpError(
+            f"training_info[{index}]: the main graph and the algorithm graph together do not form a valid "
+            f"graph (the spec runs them concatenated): {str(error).splitlines()[0]}"
+        ) from error
+    return combined
+
+
+def check_binding_types(
+    model: onnx.ModelProto, index: int, combined: onnx.ModelProto, state: Mapping[str, np.ndarray]
+) -> None:
+    """Raise if a new value of training_info[index].update_binding has another dtype or shape than its state."""
+    info = model.training_info[index]
+    types = value_types(combined)
+    for entry in info.update_binding:
+        vt = types.get(entry.value)
+        array = state[entry.key]
+        if vt is None:
+            continue
+        if vt.elem_type and np_dtype(vt.elem_type) != array.dtype:
+            raise TrainingOpError(
+                f"training_info[{index}].update_binding: state variable {entry.key!r} is "
+                f"{dtype_name(array.dtype)} {list(array.shape)} but its new value {entry.value!r} is "
+                f"{vt.dtype_name}"
+            )
+        shape = vt.static_shape
+        if shape is not None and tuple(shape) != array.shape:
+            raise TrainingOpError(
+                f"training_info[{index}].update_binding: state variable {entry.key!r} has shape "
+                f"{list(array.shape)} but its new value {entry.value!r} has shape {list(shape)}"
+            )
+
+
+def learning_rate_inputs(
+    graph: onnx.GraphProto,
+    state: Mapping[str, np.ndarray],
+    input_types: Mapping[str, onnx.ValueInfoProto],
+    init_values: Mapping[str, onnx.TensorProto],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray | None]]:
+    """Graph inputs that are R of an optimizer node: a preallocated buffer each, and its default (or None)."""
+    rate_inputs: dict[str, np.ndarray] = {}
+    rate_defaults: dict[str, np.ndarray | None] = {}
+    for node in graph.node:
+        if node.domain == DOMAIN and node.op_type in OPTIMIZERS and node.input:
+            r = node.input[0]
+            if r in input_types and r not in state and r not in rate_inputs:
+                tt = input_types[r].type.tensor_type
+                dtype = np_dtype(tt.elem_type) if tt.elem_type else np.dtype(np.float32)
+                shape = tuple(d.dim_value for d in tt.shape.dim) if tt.HasField("shape") else ()
+                default = numpy_helper.to_array(init_values[r]) if r in init_values else None
+                buf = np.zeros(shape, dtype) if default is None else owned(default.astype(dtype).reshape(shape))
+                rate_inputs[r] = buf
+                rate_defaults[r] = None if default is None else buf.copy()
+    return rate_inputs, rate_defaults
+
+
+def loss_names(graph: onnx.GraphProto, returned: list[str], meta: Mapping[str, str]) -> list[str]:
+    """The outputs the non-finite check watches: the builder's loss, else the returned
+    float outputs of one element."""
+    named = [n for n in meta.get("loss", "").split(",") if n in returned]
+    if named:
+        return named
+    types = value_types(onnx.helper.make_model(graph))
+    found = []
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    for name in returned:
+        vt = types.get(name)
+        if vt is not None and vt.elem_type in floats and vt.shape is not None and all(d == 1 for d in vt.shape):
+            found.append(name)
+    return found
+
+
+def build_program(
+    model: onnx.ModelProto,
+    index: int,
+    state: Mapping[str, np.ndarray],
+    state_protos: Mapping[str, onnx.TensorProto],
+    meta: Mapping[str, str],
+    fast: bool,
+) -> Program:
+    """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs."""
+    info = model.training_info[index]
+    combined = combined_graph(model, index, state_protos, meta)
+    check_binding_types(model, index, combined, state)
+    graph = combined.graph
+    binding = {e.key: e.value for e in info.update_binding}
+    bound_values = set(binding.values())
+    state_inputs = [vi.name for vi in graph.input if vi.name in state]
+    init_values = {t.name: t for t in graph.initializer}
+    input_types = {vi.name: vi for vi in graph.input}
+    rate_inputs, rate_defaults = learning_rate_inputs(graph, state, input_types, init_values)
+
+    # inputs with a default (an initializer of the same name): the session binds them every step,
+    # to the fed value or to the default it keeps, so the graph gets them as plain inputs
+    defaults = {name: init_values.pop(name) for name in list(init_values) if name in input_types}
+    program_defaults = {name: t for name, t in defaults.items() if name not in rate_inputs}
+    if defaults:
+        kept_inits = [t for t in graph.initializer if t.name not in defaults]
+        del graph.initializer[:]
+        graph.initializer.extend(kept_inits)
+
+    cut_nodes: list[onnx.NodeProto] = []
+    if fast:
+        cut_nodes = cuttable_nodes(graph, binding, state_inputs)
+    cut_outputs = {o for n in cut_nodes for o in n.output if o}
+    if cut_nodes:
+        keep = [n for n in graph.node if not any(n is c for c in cut_nodes)]
+        del graph.node[:]
+        graph.node.extend(keep)
+
+    # what the graph onnxruntime runs must output
+    sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types)
+    old_outputs = list(graph.output)
+    del graph.output[:]
+    graph.output.extend(o for o in old_outputs if o.name not in cut_outputs)
+    present = {o.name for o in graph.output}
+    for name in extra_outputs:
+        if name not in present:
+            graph.output.append(onnx.ValueInfoProto(name=name))
+            present.add(name)
+
+    returned = [o.name for o in old_outputs if o.name not in bound_values]
+    fixed_outputs = [o.name for o in graph.output if o.name not in returned]
+
+    program = Program(
+        index=index, session=None, io=None, feeds=[], rate_inputs=rate_inputs,
+        rate_defaults=rate_defaults, returned=returned, loss_names=loss_names(graph, returned, meta),
+        fixed_outputs=fixed_outputs, cut_nodes=cut_nodes, cut_sources=sources,
+    )
+    program.combined = combined
+    program.state_inputs = state_inputs
+    program.init_values = init_values
+    program.input_defaults = program_defaults
+    program.binding = binding
+    program.cut_outputs = cut_outputs
+    return program

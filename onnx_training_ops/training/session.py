@@ -1,0 +1,281 @@
+"""TrainingSession: run an ONNX training model (``ModelProto.training_info``) in stock onnxruntime.
+
+A training model is a stateful object (onnx ``docs/IR.md``): its *state variables* are the
+initializers named as keys of an ``update_binding`` or ``initialization_binding``. The
+session keeps each in one numpy array for its whole life; onnxruntime reads these arrays
+zero-copy (:mod:`.binding`), so state never round-trips through fresh arrays between steps.
+
+``step(feeds)`` runs every TrainingInfoProto's algorithm in order, on the main graph and the
+algorithm graph concatenated (:mod:`.program`), :func:`~onnx_training_ops.prepare`-d
+(Gradient expansion, plugin kernels). ``fast=True`` (the default) applies the optimizer
+nodes in place with the fused kernels (:mod:`.fast_path`); ``fast=False`` runs them in
+onnxruntime; both agree bit for bit. ``on_nonfinite`` says what a NaN or infinite loss does
+(:mod:`.step`): ``"raise"`` :class:`NonFiniteLossError`, ``"skip"`` the step (counted in
+``skipped_steps``) or ``"ignore"`` it; the first two leave the state unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from .. import checkpoint
+from ..builder import metadata
+from ..errors import TrainingOpError, node_label
+from ..passes import ModelLike, load_model
+from ..session import InferenceSession
+from .arrays import dtype_name, owned
+from .binding import open_program
+from .fast_path import flatten_cut_state
+from .feeds import check_feed_names
+from .from_graph import graph_to_training_model
+from .inference import inference_model, inference_session
+from .program import build_program
+from .state import assign, collect_state_protos
+from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
+
+
+class TrainingSession:
+    """Run an ONNX training model: ``initialize()``, ``step(feeds)``, ``run(...)``, checkpoints.
+
+    ``model_or_path``: a ModelProto, path or bytes of a model with ``training_info`` (from
+    :func:`~onnx_training_ops.build_training_model` or written by hand following the IR
+    spec). The state starts at the model's initializers, so a checkpoint written by
+    :meth:`save` resumes where it stopped; call :meth:`initialize` to reset the state and run
+    the initialization graphs (a model fresh from the builder is already in that state).
+    """
+
+    def __init__(
+        self,
+        model_or_path: ModelLike,
+        providers: Sequence[str | tuple[str, dict]] | None = None,
+        *,
+        fast: bool = True,
+        on_nonfinite: str = "raise",
+        sess_options: ort.SessionOptions | None = None,
+    ) -> None:
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
+        model = load_model(model_or_path)
+        if not model.training_info:
+            raise TrainingOpError(
+                "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
+                "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
+            )
+        self.fast = bool(fast)
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0
+        self._providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
+        self._sess_options = sess_options
+        self._model = model
+        self._meta = metadata(model)
+        self._inference = None
+        self._state_protos: dict[str, onnx.TensorProto] = collect_state_protos(model)
+        self._state: dict[str, np.ndarray] = {
+            name: owned(numpy_helper.to_array(proto)) for name, proto in self._state_protos.items()
+        }
+        analyses = [
+            build_program(model, i, self._state, self._state_protos, self._meta, self.fast)
+            for i in range(len(model.training_info))
+        ]
+        for program in analyses:  # before anything binds a state array: lay the cut state out flat
+            program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state)
+        self._programs = [
+            open_program(p, self._state, self._session_options(), self._providers) for p in analyses
+        ]
+        self._required_feeds = {}
+        for program in self._programs:
+            for spec in program.feeds:
+                self._required_feeds.setdefault(spec.name, spec)
+        self._rate_names = list(dict.fromkeys(name for p in self._programs for name in p.rate_inputs))
+        self._optional_feeds = set(self._rate_names) | {
+            spec.name for p in self._programs for spec, _ in p.optional_feeds
+        }
+        self._required_set = set(self._required_feeds)
+        self._init_sessions = None
+
+    @classmethod
+    def from_graph(
+        cls,
+        model: ModelLike,
+        feedback: Mapping[str, str],
+        *,
+        initial_state: Mapping[str, np.ndarray] | None = None,
+        **kwargs: Any,
+    ) -> "TrainingSession":
+        """A session for a plain graph that holds the optimizer itself, with explicit state.
+
+        ``feedback`` maps graph outputs to the graph inputs they replace after each step
+        (``{"X_new": "X", "V_new": "V", "T_new": "T"}``). The initial value of each state
+        input is its initializer (an input with a default) or ``initial_state[name]``.
+        The graph becomes the algorithm of a training model whose main graph only holds
+        the state, so :meth:`save` writes a regular training model.
+        """
+        return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
+
+    def _session_options(self) -> ort.SessionOptions | None:
+        if self._sess_options is None:
+            return None
+        # InferenceSession registers the kernel library in the options it gets: give each its own copy.
+        so = ort.SessionOptions()
+        for attr in ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
+                     "execution_mode", "enable_mem_pattern", "enable_cpu_mem_arena", "log_severity_level"):
+            setattr(so, attr, getattr(self._sess_options, attr))
+        return so
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the state variables (parameters, optimizer state, update count)."""
+        return list(self._state)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """A copy of every state variable."""
+        return {name: value.copy() for name, value in self._state.items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
+        """Copy values into the state variables (same dtype and shape required).
+
+        With ``strict`` the keys must be exactly the state variables; otherwise unknown keys
+        raise and missing ones keep their value.
+        """
+        unknown = [k for k in state if k not in self._state]
+        if unknown:
+            raise TrainingOpError(f"load_state_dict: unknown state variable(s) {unknown}; known: {self.state_names}")
+        if strict:
+            missing = [k for k in self._state if k not in state]
+            if missing:
+                raise TrainingOpError(f"load_state_dict: missing state variable(s) {missing}")
+        checked = {}
+        for name, value in state.items():
+            target = self._state[name]
+            value = np.asarray(value)
+            if value.dtype != target.dtype:
+                raise TrainingOpError(
+                    f"load_state_dict: state variable {name!r} is {dtype_name(target.dtype)}, found {dtype_name(value.dtype)}"
+                )
+            if value.shape != target.shape:
+                raise TrainingOpError(
+                    f"load_state_dict: state variable {name!r} has shape {list(target.shape)}, found {list(value.shape)}"
+                )
+            checked[name] = value
+        for name, value in checked.items():
+            np.copyto(self._state[name], value)
+
+    def initialize(self) -> None:
+        """Reset every state variable to its initializer, then run the initialization graphs."""
+        for name, proto in self._state_protos.items():
+            np.copyto(self._state[name], numpy_helper.to_array(proto))
+        if self._init_sessions is None:
+            self._init_sessions = []
+            for info in self._model.training_info:
+                init = info.initialization
+                if not info.initialization_binding:
+                    self._init_sessions.append(None)
+                    continue
+                m = helper.make_model(init, opset_imports=list(self._model.opset_import))
+                m.ir_version = self._model.ir_version
+                m.functions.extend(self._model.functions)
+                sess = InferenceSession(m, providers=self._providers)
+                self._init_sessions.append(sess)
+        for info, sess in zip(self._model.training_info, self._init_sessions):
+            if sess is None:
+                continue
+            names = [e.value for e in info.initialization_binding]
+            values = sess.run(names, {})
+            for entry, value in zip(info.initialization_binding, values):
+                assign(self._state, entry.key, value, f"initialization_binding {entry.key!r} <- {entry.value!r}")
+
+    # ------------------------------------------------------------------ steps
+
+    @property
+    def feed_names(self) -> list[str]:
+        """Inputs ``step`` needs (learning-rate inputs are optional: ``lr=`` or their default)."""
+        return list(self._required_feeds)
+
+    @property
+    def optional_feed_names(self) -> list[str]:
+        """Inputs ``step`` takes but does not need: learning rates and inputs with a default value."""
+        return sorted(self._optional_feeds)
+
+    @property
+    def learning_rate_names(self) -> list[str]:
+        return list(self._rate_names)
+
+    def step(self, feeds: Mapping[str, Any], lr: float | None = None) -> dict[str, np.ndarray]:
+        """One training step: run each algorithm, assign its outputs by ``update_binding``.
+
+        ``feeds``: the algorithm's inputs (the model's inputs and e.g. ``labels``).
+        ``lr``: the learning rate for this step (default: the model's value, or a feed of
+        the learning-rate input). Returns the outputs not consumed by ``update_binding``
+        (the loss, ...).
+        """
+        check_feed_names(feeds, self._required_set, self._optional_feeds)
+        if lr is not None and not self._rate_names:
+            raise TrainingOpError(
+                "step: lr was given but no optimizer of this model takes its learning rate from a graph input "
+                "(R is a constant or computed in the graph)"
+            )
+        result: dict[str, np.ndarray] = {}
+        for program in self._programs:
+            outputs, skipped = run_program(program, feeds, lr, self._state, self.on_nonfinite)
+            if skipped:
+                self.skipped_steps += 1
+            result.update(outputs)
+        return result
+
+    # ------------------------------------------------------------------ inference, export
+
+    def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
+        """Run the main (inference) graph with the current state; like ``InferenceSession.run``."""
+        if self._inference is None:
+            self._inference = inference_session(self._model, self._state, self._session_options(), self._providers)
+        session, state_inputs = self._inference
+        full = dict(feeds)
+        for name in state_inputs:
+            if name in full:
+                raise TrainingOpError(f"run: {name!r} is a state variable, not a feed")
+            full[name] = self._state[name]
+        try:
+            return session.run(output_names, full)
+        except TrainingOpError:
+            raise
+        except Exception as error:
+            raise TrainingOpError(f"run: {error}") from error
+
+    def training_model(self) -> onnx.ModelProto:
+        """The training model with the current state as initializers (what :meth:`save` writes)."""
+        return checkpoint.write_state(self._model, self._state)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the training model with the current state, atomically; reloading resumes bit-exact."""
+        return checkpoint.save_model(self.training_model(), path)
+
+    def export_inference_model(self, path: str | os.PathLike | None = None) -> onnx.ModelProto:
+        """The main graph with the trained weights and no training_info (written to ``path`` if given)."""
+        model = inference_model(self._model, self._state, with_state_values=True)
+        if not model.graph.output:
+            raise TrainingOpError("export_inference_model: the main graph has no outputs")
+        if path is not None:
+            checkpoint.save_model(model, path)
+        return model
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def fast_path_nodes(self) -> list[str]:
+        """Labels of the optimizer nodes the fast path applies in place."""
+        return [node_label(n) for p in self._programs for n in p.cut_nodes]
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The builder's metadata (optimizer, loss, labels, learning_rate, trainable), if any."""
+        return dict(self._meta)

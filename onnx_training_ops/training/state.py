@@ -1,0 +1,68 @@
+"""State variables: find them in ``training_info``; assign them with dtype and shape checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from ..errors import TrainingOpError
+from .arrays import dtype_name
+
+
+def collect_state_protos(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """The initializer of every state variable (a key of an update or initialization binding).
+
+    Checks each binding as the spec asks: the key is an initializer, the value an output, and
+    no key is updated twice.
+    """
+    state_protos: dict[str, onnx.TensorProto] = {}
+    main_inits = {t.name: t for t in model.graph.initializer}
+    keys_seen: dict[str, str] = {}
+    for i, info in enumerate(model.training_info):
+        algo_inits = {t.name: t for t in info.algorithm.initializer}
+        algo_outputs = {o.name for o in info.algorithm.output} | {o.name for o in model.graph.output}
+        init_outputs = {o.name for o in info.initialization.output}
+        for kind, binding, values in (
+            ("update_binding", info.update_binding, algo_outputs),
+            ("initialization_binding", info.initialization_binding, init_outputs),
+        ):
+            for entry in binding:
+                where = f"training_info[{i}].{kind}"
+                if entry.key in main_inits:
+                    proto = main_inits[entry.key]
+                elif entry.key in algo_inits:
+                    proto = algo_inits[entry.key]
+                else:
+                    raise TrainingOpError(
+                        f"{where}: key {entry.key!r} is not an initializer of the main graph or of "
+                        f"training_info[{i}].algorithm; a state variable must be one"
+                    )
+                if entry.value not in values:
+                    graph = "algorithm graph or the main graph" if kind == "update_binding" else "initialization graph"
+                    raise TrainingOpError(
+                        f"{where}: {entry.key!r} <- {entry.value!r}: {entry.value!r} is not an output of the {graph}"
+                    )
+                if kind == "update_binding":
+                    if entry.key in keys_seen:
+                        raise TrainingOpError(
+                            f"{where}: state variable {entry.key!r} is bound twice (also in {keys_seen[entry.key]}); "
+                            "the spec allows each key once"
+                        )
+                    keys_seen[entry.key] = where
+                if proto.data_location == onnx.TensorProto.EXTERNAL:
+                    raise TrainingOpError(f"state variable {entry.key!r} uses external data; load it first")
+                state_protos.setdefault(entry.key, proto)
+    return state_protos
+
+
+def assign(state: dict[str, np.ndarray], name: str, value: np.ndarray, what: str) -> None:
+    """Copy ``value`` into the state variable ``name`` (same dtype and shape required)."""
+    target = state[name]
+    value = np.asarray(value)
+    if value.dtype != target.dtype or value.shape != target.shape:
+        raise TrainingOpError(
+            f"{what}: state variable {name!r} is {dtype_name(target.dtype)} {list(target.shape)}, "
+            f"the value is {dtype_name(value.dtype)} {list(value.shape)}"
+        )
+    np.copyto(target, value)
+

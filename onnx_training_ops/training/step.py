@@ -1,0 +1,78 @@
+"""One training step of a program: bind the feeds, run onnxruntime, check the loss, write the state.
+
+**Non-finite loss**: after onnxruntime ran and *before* any state is written, the loss
+outputs (the builder's ``loss``; for other models every returned float output of one
+element) are checked. ``on_nonfinite="raise"`` raises :class:`NonFiniteLossError` and
+leaves every state variable (parameters, V, H, T) as it was before the step; ``"skip"``
+does the same without raising (the step is dropped, the returned dict has the loss);
+``"ignore"`` trains through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import TrainingOpError
+from .binding import finish_binding
+from .fast_path import apply_plan, apply_step_with_feeds
+from .feeds import bind_feeds, set_learning_rates
+from .program import Program
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+class NonFiniteLossError(TrainingOpError):
+    """The loss of a step was NaN or infinite; the step was not applied (state unchanged)."""
+
+
+def run_program(
+    program: Program,
+    feeds: Mapping[str, Any],
+    lr: float | None,
+    state: dict[str, np.ndarray],
+    on_nonfinite: str,
+) -> tuple[dict[str, np.ndarray], bool]:
+    """Run one program's step; returns its outputs not bound to state, and whether the step was skipped."""
+    io = program.io
+    raw = io._iobinding
+    _bound = bind_feeds(program, feeds)  # onnxruntime reads these arrays: keep them until it has run
+    set_learning_rates(program, feeds, lr)
+    try:
+        if program.run is None:
+            program.session._sess.run_with_iobinding(raw, None)
+        else:
+            program.run(io)
+    except TrainingOpError:
+        raise
+    except Exception as error:  # onnxruntime's own errors: name what failed
+        raise TrainingOpError(f"step: onnxruntime failed on training_info[{program.index}]: {error}") from error
+    if program.copy_plan is None:
+        finish_binding(program, state)
+    result = {}
+    if program.returned_from_ort:
+        outputs = raw.get_outputs()
+        for name, i in program.returned_from_ort:
+            result[name] = outputs[i].numpy()
+    for name, buf in program.returned_buffers:
+        result[name] = buf.copy()
+    if on_nonfinite != "ignore":
+        for name in program.loss_names:
+            value = result[name]
+            if not np.all(np.isfinite(value)):
+                if on_nonfinite == "raise":
+                    raise NonFiniteLossError(
+                        f"step: loss {name!r} is {value.reshape(-1)[0] if value.size else value} "
+                        f"(training_info[{program.index}]); the step was not applied, the state is unchanged"
+                    )
+                return result, True
+    if program.needs_feeds:
+        defaults = {spec.name: default for spec, default in program.optional_feeds}
+        for s in program.plan:
+            apply_step_with_feeds(s, {**defaults, **feeds})
+    else:
+        apply_plan(program.plan)
+    for array, buf in program.copy_plan:
+        np.copyto(array, buf)
+    return result, False
