@@ -15,7 +15,10 @@ Adding a contender: write ``factory(op, n) -> step`` where ``step()`` performs o
 optimizer step on ``n`` float32 parameters (build the state in the factory; use
 :func:`make_state` and :data:`ATTRS` for the same inputs as everyone else), raise
 :class:`NotAvailable` if it cannot run that op, and register it with
-``@contender("name")`` or ``CONTENDERS["name"] = factory``.
+``@contender("name")`` or ``CONTENDERS["name"] = factory``. Each contender is measured in
+its own process by default (see :func:`measure_isolated`); a wrapper script that
+registers extra contenders and then calls ``bench_kernels.main()`` keeps working, since
+the child processes re-run it.
 """
 
 from __future__ import annotations
@@ -257,10 +260,47 @@ def floor_seconds(op: str, n: int, bandwidth: float, itemsize: int = 4) -> float
     return (reads + writes) * n * itemsize / bandwidth
 
 
-def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat: str = "median_s") -> dict:
+def measure(name: str, ops, sizes, min_time: float, max_reps: int) -> dict:
+    """One contender over ops x sizes in this process: ``{"op/n": timing or {"n/a": reason}}``."""
+    out = {}
+    for op in ops:
+        for n in sizes:
+            try:
+                step = CONTENDERS[name](op, n)
+            except NotAvailable as exc:
+                out[f"{op}/{n}"] = {"n/a": str(exc)}
+                continue
+            out[f"{op}/{n}"] = time_step(step, min_time, max_reps)
+            del step
+    return out
+
+
+def measure_isolated(name: str, ops, sizes, min_time: float, max_reps: int) -> dict:
+    """:func:`measure` in a fresh process. Thread pools of different contenders (numba's
+    OpenMP, torch's own OpenMP, numexpr, onnxruntime) spin-wait after their work; in one
+    process on 2 cores they steal each other's core and a parallel step then stalls for a
+    scheduler slice (~8 ms here). The child re-runs the entry script (``sys.argv[0]``),
+    so contenders a wrapper script registers before calling :func:`main` exist there too."""
+    import subprocess
+
+    cmd = [sys.executable, sys.argv[0], "--worker", name, "--ops", ",".join(ops),
+           "--sizes", ",".join(map(str, sizes)), "--min-time", str(min_time), "--max-reps", str(max_reps)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        reason = f"worker failed: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}"
+        return {f"{op}/{n}": {"n/a": reason} for op in ops for n in sizes}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat: str = "median_s",
+        isolate: bool = True) -> dict:  # fmt: skip
     load_before = _loadavg()
     bw = copy_bandwidth()
     log("bandwidth (bytes read + written), GB/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items()))
+    per_contender = {}
+    for name in contenders:
+        log(f"measuring {name}{' (own process)' if isolate else ''} ...")
+        per_contender[name] = (measure_isolated if isolate else measure)(name, ops, sizes, min_time, max_reps)
     log(f"{stat[:-2]} time per step; xT = ratio to torch_fused, xF = ratio to the bandwidth floor")
     log(format_header(contenders))
     results = []
@@ -268,19 +308,18 @@ def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat:
         for n in sizes:
             row = {"op": op, "n": n, "floor_s": floor_seconds(op, n, bw["best"]), "times": {}, "n/a": {}}
             for name in contenders:
-                try:
-                    step = CONTENDERS[name](op, n)
-                except NotAvailable as exc:
-                    row["n/a"][name] = str(exc)
-                    continue
-                row["times"][name] = time_step(step, min_time, max_reps)
-                del step
+                cell = per_contender[name][f"{op}/{n}"]
+                if "n/a" in cell:
+                    row["n/a"][name] = cell["n/a"]
+                else:
+                    row["times"][name] = cell
             results.append(row)
             log(format_row(row, contenders, stat))
     return {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": sys.version.split()[0]},
         "versions": _versions(),
         "loadavg_before_after": [load_before, _loadavg()],  # other processes distort timings on 2 cores
+        "isolated_processes": isolate,
         "copy_bandwidth_bytes_per_s": bw,
         "dtype": "float32",
         "t": T,
@@ -359,17 +398,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-reps", type=int, default=500)
     ap.add_argument("--stat", choices=["median", "min"], default="median",
                     help="statistic shown in the table and plot (the JSON holds both)")  # fmt: skip
+    ap.add_argument("--same-process", action="store_true",
+                    help="measure all contenders in this process (default: each in its own)")  # fmt: skip
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one contender, print JSON
     ap.add_argument("--json", help="write the results as JSON here")
     ap.add_argument("--png", help="write a log-log plot here (needs matplotlib)")
     args = ap.parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     ops = args.ops.split(",")
     contenders = args.contenders.split(",")
-    for c in contenders:
+    for c in contenders + ([args.worker] if args.worker else []):
         if c not in CONTENDERS:
             ap.error(f"unknown contender {c!r}; known: {', '.join(CONTENDERS)}")
+    if args.worker:
+        print(json.dumps(measure(args.worker, ops, sizes, args.min_time, args.max_reps)))
+        return 0
     stat = f"{args.stat}_s"
-    report = run(sizes, ops, contenders, args.min_time, args.max_reps, stat=stat)
+    report = run(sizes, ops, contenders, args.min_time, args.max_reps, stat=stat, isolate=not args.same_process)
     for r in report["results"]:
         for c, why in r["n/a"].items():
             print(f"n/a: {r['op']} {c}: {why}")
