@@ -14,14 +14,14 @@ onnxruntime-extensions. Main entry points:
 """
 
 from . import kernels
+from .builder import build_training_model
 from .errors import TrainingOpError
+from .optimizers import Adagrad, Adam, Momentum
 from .passes import PASSES, prepare
 from .plugin import register as _register
 from .plugin import session_options
 from .schema import DOMAIN
 from .session import InferenceSession
-from .optimizers import Adagrad, Adam, Momentum
-from .builder import build_training_model
 from .training import NonFiniteLossError, TrainingSession
 
 _register()
@@ -29,16 +29,16 @@ _register()
 __version__ = "0.1.0"
 
 __all__ = [
+    "DOMAIN",
+    "PASSES",
     "Adagrad",
     "Adam",
+    "InferenceSession",
     "Momentum",
     "NonFiniteLossError",
+    "TrainingOpError",
     "TrainingSession",
     "build_training_model",
-    "DOMAIN",
-    "InferenceSession",
-    "PASSES",
-    "TrainingOpError",
     "kernels",
     "prepare",
     "session_options",
