@@ -28,6 +28,7 @@ from .kernels.apply import STEPS
 from .schema import DOMAIN, OPTIMIZERS
 
 EXACT_ATTRIBUTE = "exact_attributes"
+_REGISTERED_MARK = "onnx_training_ops.custom_ops_library"  # a session-config entry marking registered options
 
 _registered_ids: set[int] = set()
 _previous_hook = None
@@ -167,8 +168,12 @@ def library_path() -> str:
 
 
 def session_options(so: ort.SessionOptions | None = None) -> ort.SessionOptions:
-    """``so`` (or new SessionOptions) with the kernel library registered."""
+    """``so`` (or new SessionOptions) with the kernel library registered (once, however often called)."""
     register()
     so = so if so is not None else ort.SessionOptions()
-    so.register_custom_ops_library(library_path())
+    try:  # registering twice makes every session of these options fail ("Conflicting ... kernel")
+        so.get_session_config_entry(_REGISTERED_MARK)
+    except Exception:  # noqa: BLE001 - onnxruntime raises when the entry is absent
+        so.register_custom_ops_library(library_path())
+        so.add_session_config_entry(_REGISTERED_MARK, "1")
     return so

@@ -83,3 +83,10 @@ def test_session_options_can_extend_given_options():
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     assert ot.session_options(so) is so
+
+
+def test_options_registered_twice_still_create_sessions():
+    so = ot.session_options()
+    assert ot.session_options(so) is so
+    for _ in range(2):  # InferenceSession registers again on the same options
+        ot.InferenceSession(optimizer_model("Adam"), sess_options=so)
