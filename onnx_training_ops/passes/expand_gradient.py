@@ -27,6 +27,7 @@ from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 from ..autodiff import Emitter, ValueMeta, backprop, topological_sort
 from ..autodiff.graph import ancestors, node_reads, producer_map
 from ..errors import TrainingOpError, node_label
+from ._graph import all_graphs, all_names
 
 DOMAIN = "ai.onnx.preview.training"
 
@@ -47,31 +48,12 @@ def _graph_attrs(node: NodeProto) -> Iterator[tuple[onnx.AttributeProto, int | N
                 yield attr, i
 
 
-def _all_graphs(graph: GraphProto) -> Iterator[GraphProto]:
-    yield graph
-    for node in graph.node:
-        for attr, i in _graph_attrs(node):
-            yield from _all_graphs(attr.g if i is None else attr.graphs[i])
-
-
 def _has_gradient(graph: GraphProto) -> bool:
-    return any(_is_gradient(n) for g in _all_graphs(graph) for n in g.node)
-
-
-def _names(graph: GraphProto) -> set[str]:
-    names: set[str] = set()
-    for g in _all_graphs(graph):
-        names.update(v.name for v in g.input)
-        names.update(t.name for t in g.initializer)
-        for n in g.node:
-            names.update(o for o in n.output if o)
-            if n.name:
-                names.add(n.name)
-    return names
+    return any(_is_gradient(n) for g in all_graphs(graph) for n in g.node)
 
 
 def _meta_of_graph(graph: GraphProto, into: dict[str, ValueMeta]) -> dict[str, ValueMeta]:
-    for g in _all_graphs(graph):
+    for g in all_graphs(graph):
         for t in g.initializer:
             into.setdefault(t.name, ValueMeta(t.data_type, tuple(int(d) for d in t.dims)))
         for v in list(g.input) + list(g.output) + list(g.value_info):
@@ -356,7 +338,7 @@ def expand_gradients_in_graph(graph: GraphProto, opset: int,
         if m.dtype is not None or name not in meta:
             meta[name] = m
     outer = None if value_info is None else frozenset(value_info)
-    return _expand_graph(graph, opset, meta, _Constants(None, graph), _names(graph),
+    return _expand_graph(graph, opset, meta, _Constants(None, graph), all_names(graph),
                          outer=outer)
 
 
@@ -382,7 +364,7 @@ def expand_gradient(model: ModelProto) -> ModelProto:
     opset = _default_opset(out)
     taken: set[str] = set()
     for g in graphs:
-        taken |= _names(g)
+        taken |= all_names(g)
     imports = list(out.opset_import)
 
     def refresh(graph_template: GraphProto, extra=()):
