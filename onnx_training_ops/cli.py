@@ -1,4 +1,4 @@
-"""Command line: ``python -m onnx_training_ops {prepare,conformance,train} ...`` (also ``onnx-training-ops``)."""
+"""Command line: ``python -m onnx_training_ops {prepare,conformance,train,bench} ...`` (also ``onnx-training-ops``)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if result.accuracy >= args.min_accuracy else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime."
@@ -61,13 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit with status 1 when the held-out accuracy is below this")
     t.set_defaults(func=_train)
+    b = commands.add_parser(
+        "bench", add_help=False,  # every argument, --help included, goes to onnx_training_ops.bench.main
+        help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`",
+    )
+    b.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .errors import TrainingOpError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except (TrainingOpError, FileNotFoundError) as error:

@@ -1,0 +1,76 @@
+"""The benchmark harness (``python -m onnx_training_ops bench``): a --quick smoke run.
+
+Timings are never asserted: only that the run completes and the JSON has its shape.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from onnx_training_ops import bench
+
+
+def test_quick_bench_writes_json_and_png(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "onnx_training_ops", "bench", "--quick", "--ops", "adam,momentum",
+         "--contenders", "graph,training_session,fused", "--mlp", "training_session_fast",
+         "--mlp-steps", "5", "--json", str(out), "--png", str(png)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "training_session" in result.stdout and "ratios:" in result.stdout
+    report = json.loads(out.read_text())
+    assert png.stat().st_size > 0
+    for key in ("machine", "versions", "copy_bandwidth_bytes_per_s", "results", "graph_breakdown", "mlp",
+                "graph_session_options", "dtype"):
+        assert key in report, key
+    assert report["dtype"] == "float32"
+    cells = {(r["op"], r["n"]) for r in report["results"]}
+    assert cells == {(op, n) for op in ("adam", "momentum") for n in (10**4, 10**5)}
+    for row in report["results"]:
+        assert row["floor_s"] > 0
+        assert not row["n/a"], row["n/a"]
+        assert set(row["times"]) == {"graph", "training_session", "fused"}
+        for timing in row["times"].values():
+            assert timing["median_s"] > 0 and timing["min_s"] > 0 and timing["reps"] >= 5
+    breakdown = report["graph_breakdown"]
+    assert breakdown["op"] == "adam" and breakdown["n"] == 10**5
+    assert breakdown["total_s"] > 0 and breakdown["kernel_s"] > 0
+    assert report["mlp"]["training_session_fast"]["steps_per_s"] > 0
+
+
+@pytest.mark.parametrize("op", bench.OPS)
+def test_graph_and_training_session_contenders_compute_the_reference_steps(op):
+    """The two onnx_training_ops contenders really step the optimizer (bit for bit the numpy kernels)."""
+    import numpy as np
+
+    from onnx_training_ops.kernels import REFERENCE_KERNELS
+
+    n, steps = 1000, 3
+    state = bench.make_state(op, n)
+    names = bench.STATE_NAMES[op]
+    updated = [k for k in names if k != "G"]
+    for _ in range(steps):
+        outs = REFERENCE_KERNELS[bench.ONNX_OP[op]](
+            np.array(bench.R, np.float32), np.array(bench.T, np.int64), *(state[k] for k in names), **bench.ATTRS[op]
+        )
+        state.update(zip(updated, outs))
+    _, graph_step = bench.graph_session(op, n)
+    fast_step = bench.training_session(op, n)
+    for _ in range(steps):
+        graph_step()
+        fast_step()
+    graph_state = graph_step.buffers[graph_step.current[0]]
+    fast_state = fast_step.session.state_dict()
+    for k in updated:
+        np.testing.assert_array_equal(graph_state[k], state[k])
+        np.testing.assert_array_equal(fast_state[k], state[k])
+
+
+def test_cli_rejects_an_unknown_contender():
+    result = subprocess.run([sys.executable, "-m", "onnx_training_ops", "bench", "--contenders", "nope"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and "unknown contender 'nope'" in result.stderr
