@@ -90,6 +90,8 @@ class TrainingSession:
         self._programs = [
             open_program(p, self._state, self._session_options(), self._providers) for p in analyses
         ]
+        if any(p.cut_nodes for p in analyses):
+            _warm_up_fused_kernels()  # compile/load now, so no step pays for it
         self._required_feeds = {}
         for program in self._programs:
             for spec in program.feeds:
@@ -279,3 +281,12 @@ class TrainingSession:
     def metadata(self) -> dict[str, str]:
         """The builder's metadata (optimizer, loss, labels, learning_rate, trainable), if any."""
         return dict(self._meta)
+
+
+def _warm_up_fused_kernels() -> None:
+    """Load the fused kernels once per process (from numba's disk cache after the first run)."""
+    try:
+        from ..kernels import fused
+    except ImportError:  # pragma: no cover - the reference kernels serve without numba
+        return
+    fused.warm_up()
