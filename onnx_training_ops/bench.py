@@ -534,7 +534,8 @@ def format_breakdown(b: dict) -> str:
         f"  bridge copies + onnxruntime   {ms('bridge_and_ort_s')}   "
         f"({b['inputs_copied']} inputs in, {b['outputs_copied']} outputs out: {b['bytes_copied'] / 1e6:.0f} MB)",
         f"  same copies in numpy          {b['copies_estimate_s'] * 1e3:7.2f} ms (estimate, for scale)",
-    ])  # fmt: skip
+    ] + ([f"  copies at the measured 1-thread copy bandwidth: {b['copies_at_bandwidth_s'] * 1e3:.2f} ms "
+          f"(2 x {b['bytes_copied'] / 1e6:.0f} MB read + written)"] if "copies_at_bandwidth_s" in b else []))  # fmt: skip
 
 
 # ---------------------------------------------------------------- end to end: MLP training steps/s
@@ -853,6 +854,8 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
         print(f"measuring the graph path's breakdown ({target}, own process) ...")
         breakdown, reason = _run_worker(["--breakdown-worker", target] + (["--quick"] if args.quick else []),
                                         worker_script)  # fmt: skip
+        if breakdown is not None:
+            breakdown["copies_at_bandwidth_s"] = 2 * breakdown["bytes_copied"] / report["copy_bandwidth_bytes_per_s"]["copy_1_thread"]
         report["graph_breakdown"] = breakdown if breakdown is not None else {"n/a": reason}
         print(format_breakdown(breakdown) if breakdown is not None else f"graph breakdown n/a: {reason}")
     if mlp_names:
