@@ -598,7 +598,7 @@ def mlp_worker(name: str) -> None:
         print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
 
 
-def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | None = None, log=print) -> dict:
+def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | None = None, settle: float = 0.2) -> dict:
     """Steps/s per MLP contender: each in its own long-lived process, run in interleaved
     rounds (each round runs every contender once, one at a time, so load hits all alike);
     the best round is kept."""
@@ -616,6 +616,7 @@ def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | 
         rates = {name: [] for name in procs}
         for _ in range(rounds):
             for name, p in procs.items():
+                time.sleep(settle)  # let the previous contender's thread pools stop spinning
                 p.stdin.write(f"{steps}\n")
                 p.stdin.flush()
                 rates[name].append(steps / json.loads(p.stdout.readline())["seconds"])
