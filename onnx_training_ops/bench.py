@@ -191,10 +191,15 @@ def onnx_reference_evaluator(op: str, n: int):
     return step
 
 
-# Session options of the ``graph`` contender, chosen by measurement on this machine (2 cores):
-# see GRAPH_VARIANTS and the module's report. allow_spinning=0 stops onnxruntime's idle
-# intra-op threads from spin-waiting against numba's threads.
-GRAPH_OPTIONS = {"intra_op_num_threads": 0, "allow_spinning": False}
+# Session options of the ``graph`` contender, chosen by measurement on this machine (2 cores,
+# Adam, median of 5 runs of the four GRAPH_VARIANTS, ms per step at 1e4/1e5/1e6/1e7):
+#   default threads, spinning   0.069  0.197  4.01  38.1
+#   1 thread, spinning          0.062  0.206  3.46  35.2
+#   default threads, no spin    0.061  0.216  3.46  33.9
+#   1 thread, no spin           0.040  0.157  2.79  33.5   <- chosen
+# The node is one PyOp that runs numba's own threads; onnxruntime's intra-op pool has no
+# work to share and, spinning, only competes with them. Run-to-run spread is 10-25%.
+GRAPH_OPTIONS = {"intra_op_num_threads": 1, "allow_spinning": False}
 GRAPH_VARIANTS = {
     "graph_default": {"intra_op_num_threads": 0, "allow_spinning": True},
     "graph_t1": {"intra_op_num_threads": 1, "allow_spinning": True},
