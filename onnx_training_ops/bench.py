@@ -780,10 +780,10 @@ def plot(report: dict, path: str, stat: str = "median_s") -> None:
     axes[0][0].legend(fontsize=7)
     if mlp:
         ax = axes[0][-1]
-        ax.barh([v["label"] for v in mlp.values()], [v["steps_per_s"] for v in mlp.values()])
+        ax.barh(list(mlp), [v["steps_per_s"] for v in mlp.values()])
         ax.set_title("MLP 64-128-10, batch 64, Adam")
         ax.set_xlabel("training steps/s")
-        ax.tick_params(axis="y", labelsize=6)
+        ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
