@@ -520,3 +520,31 @@ def test_flat_parallel_kernel_is_bit_exact_with_per_tensor_serial():
     assert flat.size >= threshold > max(v.size for v in full.state_dict().values())
     for name, value in fast.state_dict().items():
         assert value.tobytes() == full.state_dict()[name].tobytes(), name
+
+
+def test_from_graph_whose_only_node_is_the_optimizer():
+    """The fast path cuts the only node; onnxruntime must still get a graph it accepts."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnx_training_ops.kernels import adam as reference_adam
+
+    rng = np.random.default_rng(0)
+    state = {k: rng.random(5).astype(np.float32) for k in ("X", "V", "H")}
+    consts = {"R": np.array(0.1, np.float32), "T": np.array(1, np.int64)}
+    node = helper.make_node("Adam", ["R", "T", "X", "G", "V", "H"], ["X_new", "V_new", "H_new"],
+                            domain="ai.onnx.preview.training")
+    graph = helper.make_graph(
+        [node], "only_adam", [helper.make_tensor_value_info("G", TensorProto.FLOAT, [5])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, [5]) for o in node.output],
+        [numpy_helper.from_array(v, k) for k, v in {**state, **consts}.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.preview.training", 1)])
+    session = TrainingSession.from_graph(model, feedback={"X_new": "X", "V_new": "V", "H_new": "H"})
+    assert session.fast_path_nodes
+    x, v, h = state["X"], state["V"], state["H"]
+    for _ in range(3):
+        g = rng.random(5).astype(np.float32)
+        session.step({"G": g})
+        x, v, h = reference_adam(consts["R"], consts["T"], x, g, v, h)
+    np.testing.assert_array_equal(session.state_dict()["X"], x)
+    np.testing.assert_array_equal(session.state_dict()["H"], h)

@@ -238,6 +238,13 @@ def build_program(
             graph.output.append(onnx.ValueInfoProto(name=name))
             present.add(name)
 
+    if not graph.node:  # everything was cut: onnxruntime rejects a graph without nodes
+        keepalive = "onnx_training_ops.keepalive"
+        graph.node.append(
+            onnx.helper.make_node("Constant", [], [keepalive], value=onnx.helper.make_tensor("v", onnx.TensorProto.INT64, [], [0]))
+        )
+        graph.output.append(onnx.ValueInfoProto(name=keepalive))
+
     returned = [o.name for o in old_outputs if o.name not in bound_values]
     fixed_outputs = [o.name for o in graph.output if o.name not in returned]
 
