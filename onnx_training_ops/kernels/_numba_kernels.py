@@ -10,6 +10,9 @@ rounded in both).
 
 Each loop exists twice: a ``prange`` variant (``parallel=True``) for large arrays and a
 serial one for small arrays, where waking the thread pool costs more than the work.
+The two bodies are written out rather than compiled from one function: numba's disk
+cache keys an entry by function and signature, not by the ``parallel`` flag, so two
+dispatchers of one function would load each other's code.
 The GIL stays held during a call (no ``nogil``): the workqueue threading layer aborts
 on concurrent parallel launches from several Python threads, and holding the GIL
 rules that out whatever layer numba picks.
