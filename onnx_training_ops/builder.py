@@ -57,9 +57,8 @@ def _default_opset(model: onnx.ModelProto) -> int:
 
 
 def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ai.onnx opset >= 13 (SoftmaxCrossEntropyLoss, ReduceMean forms) and <= the runtime's."""
+    """ai.onnx opset >= 13 (SoftmaxCrossEntropyLoss, ReduceMean forms); fit_runtime clamps the top."""
     opset = _default_opset(model)
-    _, max_opset = runtime_limits()
     if opset < MIN_OPSET:
         try:
             model = onnx.version_converter.convert_version(model, MIN_OPSET)

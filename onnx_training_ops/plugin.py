@@ -51,20 +51,16 @@ def take_kernel_errors() -> list[Exception]:
 
 def encode_attributes(attributes: dict) -> str:
     """The text of the ``exact_attributes`` node attribute: floats as exact hex, strings as is."""
-    return json.dumps(
-        {k: (float(v).hex() if isinstance(v, float) else v) for k, v in sorted(attributes.items())},
-        separators=(",", ":"),
-    )
+    floats = {k: float(v).hex() for k, v in sorted(attributes.items()) if isinstance(v, float)}
+    strings = {k: v for k, v in sorted(attributes.items()) if not isinstance(v, float)}
+    return json.dumps({"floats": floats, "strings": strings}, separators=(",", ":"))
 
 
 @lru_cache(maxsize=256)
 def decode_attributes(text: str) -> dict:
     """Inverse of :func:`encode_attributes` (cached: a node's text never changes)."""
-    decoded = {}
-    for k, v in json.loads(text).items():
-        is_hex_float = isinstance(v, str) and k != "node" and k != "mode"
-        decoded[k] = float.fromhex(v) if is_hex_float else v
-    return decoded
+    encoded = json.loads(text)
+    return {**{k: float.fromhex(v) for k, v in encoded["floats"].items()}, **encoded["strings"]}
 
 
 def _make_kernel(op_type: str):

@@ -50,7 +50,7 @@ from onnx.reference import ReferenceEvaluator
 import onnx_training_ops
 from onnx_training_ops import kernels
 
-from _optimizer_models import DOMAIN, INPUT_GROUPS, OUTPUT_GROUPS, layout, single_node_model
+from model_factory import DOMAIN, INPUT_GROUPS, OUTPUT_GROUPS, layout, single_node_model
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 RTOL = {F32: 1e-6, F64: 1e-12}

@@ -12,22 +12,18 @@ import onnx
 from onnx import ModelProto
 
 from .encode_exact_attributes import encode_exact_attributes
+from .expand_gradient import expand_gradient
 from .fill_defaults import fill_default_attributes
 from .fit_runtime import fit_runtime
 from .split_multi_tensor import split_multi_tensor_nodes
 from .validate import validate
-
-try:
-    from .expand_gradient import expand_gradient
-except ImportError:  # pragma: no cover - until the Gradient pass lands
-    expand_gradient = None
 
 ModelLike = Union[ModelProto, str, os.PathLike, bytes]
 Pass = Callable[[ModelProto], ModelProto]
 
 PASSES: list[tuple[str, Pass]] = [
     ("validate", validate),
-    *([("expand_gradient", expand_gradient)] if expand_gradient else []),
+    ("expand_gradient", expand_gradient),
     ("fill_default_attributes", fill_default_attributes),
     ("split_multi_tensor_nodes", split_multi_tensor_nodes),
     ("encode_exact_attributes", encode_exact_attributes),
