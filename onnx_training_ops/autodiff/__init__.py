@@ -7,7 +7,10 @@ each op (registered in ``rules_*.py``) for the gradients of its inputs. Used by
 
 from __future__ import annotations
 
-from . import rules_elementwise, rules_linalg, rules_loss, rules_nn, rules_shape  # noqa: F401
+from . import (  # noqa: F401
+    rules_activation, rules_elementwise, rules_linalg, rules_loss, rules_nn, rules_norm,
+    rules_reduce, rules_shape,
+)
 from .emitter import Emitter, ValueMeta
 from .graph import backprop, topological_sort
 from .registry import RULES, RuleContext, RuleError, register, supported_ops

@@ -101,7 +101,7 @@ def _gather(ctx: RuleContext) -> list:
     return [em.op("Transpose", [scattered], perm=inv_d), None]
 
 
-def _reduce_axes(ctx: RuleContext, attr_form: bool):
+def reduce_axes(ctx: RuleContext, attr_form: bool):
     """(axes, noop): axes as a static list, a tensor name, or None for "all axes"."""
     if attr_form:
         axes = ctx.attr("axes")
@@ -119,7 +119,7 @@ def _reduce_axes(ctx: RuleContext, attr_form: bool):
 
 def _reduce_grad(ctx: RuleContext, attr_form: bool, mean: bool) -> list:
     em, g, x = ctx.em, ctx.grad(0), ctx.node.input[0]
-    axes, noop = _reduce_axes(ctx, attr_form)
+    axes, noop = reduce_axes(ctx, attr_form)
     rest = [None] * (len(ctx.node.input) - 1)
     if axes is None and noop:
         return [g] + rest

@@ -1,0 +1,157 @@
+"""Normalizations: LayerNormalization, GroupNormalization, InstanceNormalization, and the
+global pools GlobalAveragePool / GlobalMaxPool.
+
+All three normalizations are ``y = xhat * scale + bias`` with ``xhat = (x - mean) * inv``,
+``inv = 1 / sqrt(var + eps)`` over some axes. Their input gradient is the one formula
+
+    dx = inv * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),   dxhat = g * scale
+
+(means over the normalized axes). The statistics are recomputed from ``x`` (a few reductions)
+unless the node already outputs them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .emitter import Emitter
+from .registry import RuleContext, RuleError, register
+
+
+def reduce_mean(em: Emitter, x: str, axes: Sequence[int]) -> str:
+    """ReduceMean with keepdims over static ``axes``, in the form the opset wants."""
+    if em.opset >= 18:
+        return em.op("ReduceMean", [x, em.ints(axes)], "rmean", keepdims=1)
+    return em.op("ReduceMean", [x], "rmean", axes=list(axes), keepdims=1)
+
+
+def statistics(em: Emitter, x: str, axes: Sequence[int], eps: float) -> tuple[str, str]:
+    """(xhat, inv) of ``x`` normalized over ``axes`` (biased variance)."""
+    centered = em.op("Sub", [x, reduce_mean(em, x, axes)])
+    var = reduce_mean(em, em.op("Mul", [centered, centered]), axes)
+    inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.scalar(eps, x)])])])
+    return em.op("Mul", [centered, inv]), inv
+
+
+def normalized_input_grad(em: Emitter, dxhat: str, xhat: str, inv: str,
+                          axes: Sequence[int]) -> str:
+    """dx from dxhat through xhat = (x - mean) * inv (mean, var over ``axes``)."""
+    m1 = reduce_mean(em, dxhat, axes)
+    m2 = reduce_mean(em, em.op("Mul", [dxhat, xhat]), axes)
+    inner = em.op("Sub", [em.op("Sub", [dxhat, m1]), em.op("Mul", [xhat, m2])])
+    return em.op("Mul", [inv, inner])
+
+
+def _check_float(ctx: RuleContext, x: str) -> None:
+    if int(ctx.attr("stash_type", 1)) != 1:
+        raise RuleError("only stash_type=1 (float32 statistics) is supported")
+
+
+@register("LayerNormalization")
+def _layer_norm(ctx: RuleContext) -> list:
+    """Normalized over axes [axis, rank); Scale and B broadcast to those axes."""
+    em, g = ctx.em, ctx.grad(0)
+    if any(ctx.grad(i) for i in (1, 2)):
+        raise RuleError("gradients flowing into the Mean/InvStdDev outputs are not supported")
+    _check_float(ctx, ctx.node.input[0])
+    x, scale = ctx.node.input[:2]
+    bias = ctx.input(2)
+    r = ctx.rank(x)
+    axis = int(ctx.attr("axis", -1))
+    axes = list(range(axis + r if axis < 0 else axis, r))
+    xhat, inv = statistics(em, x, axes, float(ctx.attr("epsilon", 1e-5)))
+    out = ctx.empty()
+    if ctx.need(0):
+        out[0] = normalized_input_grad(em, em.op("Mul", [g, scale]), xhat, inv, axes)
+    if ctx.need(1):
+        out[1] = ctx.unbroadcast(em.op("Mul", [g, xhat]), scale)
+    if bias is not None and ctx.need(2):
+        out[2] = ctx.unbroadcast(g, bias)
+    return out
+
+
+def _channel_stats_grad(ctx: RuleContext, x4: str, g4: str, scale_b: str, bias_b: str | None,
+                        axes: Sequence[int]) -> tuple[str | None, str | None, str | None]:
+    """(dx4, dscale_b, dbias_b) for x4 normalized over ``axes``, scale/bias broadcast."""
+    em = ctx.em
+    xhat, inv = statistics(em, x4, axes, float(ctx.attr("epsilon", 1e-5)))
+    dx = normalized_input_grad(em, em.op("Mul", [g4, scale_b]), xhat, inv, axes) \
+        if ctx.need(0) else None
+    dscale = em.unbroadcast(em.op("Mul", [g4, xhat]), em.shape(x4), scale_b) \
+        if ctx.need(1) else None
+    dbias = em.unbroadcast(g4, em.shape(x4), bias_b) if bias_b is not None and ctx.need(2) \
+        else None
+    return dx, dscale, dbias
+
+
+@register("InstanceNormalization")
+def _instance_norm(ctx: RuleContext) -> list:
+    """x [N, C, d...]: normalized over the spatial axes; scale, B of shape [C]."""
+    em, g = ctx.em, ctx.grad(0)
+    x, scale, bias = ctx.node.input[:3]
+    r = ctx.rank(x)
+    if r < 3:
+        raise RuleError(f"InstanceNormalization needs rank >= 3, {x!r} has rank {r}")
+    spatial = list(range(2, r))
+    scale_b = em.unsqueeze(scale, [0] + spatial)
+    bias_b = em.unsqueeze(bias, [0] + spatial)
+    shape = ctx.shape(x)
+    for b in (scale_b, bias_b):
+        em.set_meta(b, em.dtype(x), (1, shape[1]) + (1,) * len(spatial))
+    dx, ds, db = _channel_stats_grad(ctx, x, g, scale_b, bias_b, spatial)
+    return [dx, ds and em.squeeze(ds, [0] + spatial), db and em.squeeze(db, [0] + spatial)]
+
+
+@register("GroupNormalization")
+def _group_norm(ctx: RuleContext) -> list:
+    """x [N, C, d...] seen as [N, G, C/G, S]: normalized over the last two axes. Scale and
+    bias are per group ([G], opset 18) or per channel ([C], opset 21)."""
+    em, g = ctx.em, ctx.grad(0)
+    x, scale, bias = ctx.node.input[:3]
+    _check_float(ctx, x)
+    shape = ctx.shape(x)
+    groups = int(ctx.attr("num_groups"))
+    if shape is None or len(shape) < 2 or not isinstance(shape[1], int):
+        raise RuleError(f"GroupNormalization needs a static channel count for {x!r}")
+    channels = shape[1]
+    grouped = em.ints([0, groups, channels // groups, -1])
+    x4 = em.op("Reshape", [x, grouped], "grouped")
+    g4 = em.op("Reshape", [g, grouped], "grouped")
+    per_channel = ctx.opset >= 21
+    param_shape = em.ints([groups, channels // groups, 1] if per_channel else [groups, 1, 1])
+    scale_b = em.op("Reshape", [scale, param_shape])
+    bias_b = em.op("Reshape", [bias, param_shape])
+    n = shape[0]
+    dims = (n, groups, channels // groups, None)
+    em.set_meta(x4, em.dtype(x), dims)
+    em.set_meta(g4, em.dtype(x), dims)
+    em.set_meta(scale_b, em.dtype(x), (groups, channels // groups, 1) if per_channel
+                else (groups, 1, 1))
+    em.set_meta(bias_b, em.dtype(x), em.shape(scale_b))
+    dx, ds, db = _channel_stats_grad(ctx, x4, g4, scale_b, bias_b, [2, 3])
+    return [dx and em.reshape_like(dx, x), ds and em.reshape_like(ds, scale),
+            db and em.reshape_like(db, bias)]
+
+
+@register("GlobalAveragePool")
+def _global_average_pool(ctx: RuleContext) -> list:
+    """g [N, C, 1...] spread evenly over the spatial positions."""
+    em, x = ctx.em, ctx.node.input[0]
+    shape = ctx.shape(x)
+    if shape is not None and all(isinstance(d, int) for d in shape[2:]):
+        count = em.scalar(float(np.prod(shape[2:], dtype=np.int64)), x)
+    else:
+        count = em.cast_like(em.op("ReduceProd", [em.dims_of(x, 2)], keepdims=0), x)
+    g = em.op("Div", [ctx.grad(0), count])
+    return [em.op("Expand", [g, em.shape_of(x)], "expand")]
+
+
+@register("GlobalMaxPool")
+def _global_max_pool(ctx: RuleContext) -> list:
+    """g to the maxima of each channel, split evenly among ties (as torch's amax)."""
+    em, x, y = ctx.em, ctx.node.input[0], ctx.output(0)
+    hit = em.cast_like(em.op("Equal", [x, y]), x)
+    count = em.reduce_sum(hit, list(range(2, ctx.rank(x))), keepdims=True)
+    return [em.op("Mul", [hit, em.op("Div", [ctx.grad(0), count])])]
