@@ -176,8 +176,8 @@ def _torch_parity(nodes, feeds, xs, torch_fn, opset):
     out = torch_fn(**tensors)
     w = rng.uniform(0.5, 1.5, tuple(out.shape)).astype(np.float32)
     (out * torch.tensor(w)).sum().backward()
-    model = gradient_model(list(nodes) + [helper.make_node("Mul", [z, "w"], ["y"])], feeds, "y",
-                           xs, opset=opset, initializers={"w": w})
+    model = gradient_model(list(nodes) + [helper.make_node("Mul", [z, "weights"], ["y"])], feeds,
+                           "y", xs, opset=opset, initializers={"weights": w})
     got = run_expanded(model, feeds)
     for x in xs:
         want = tensors[x].grad.numpy()

@@ -1,9 +1,9 @@
-"""MatMul (numpy semantics: batched, broadcast batch dims, rank-1 operands) and Gemm."""
+"""MatMul (numpy semantics: batched, broadcast batch dims, rank-1 operands), Gemm, Einsum."""
 
 from __future__ import annotations
 
 from .emitter import Shape
-from .registry import RuleContext, register
+from .registry import RuleContext, RuleError, register
 
 
 def _insert_one(shape: Shape, axis: int) -> Shape:
@@ -74,3 +74,65 @@ def _gemm(ctx: RuleContext) -> list:
         gc = g if beta == 1.0 else em.op("Mul", [g, em.scalar(beta, g if em.dtype(g) else a)])
         out[2] = ctx.unbroadcast(gc, ctx.node.input[2])
     return out
+
+
+def _einsum_terms(equation: str, n_inputs: int) -> tuple[list[list[str]], list[str]]:
+    """Input terms and the output term as token lists ('...' is one token)."""
+    eq = equation.replace(" ", "")
+    lhs, _, rhs = eq.partition("->")
+
+    def tokens(term: str) -> list[str]:
+        out, i = [], 0
+        while i < len(term):
+            if term.startswith("...", i):
+                out.append("...")
+                i += 3
+            else:
+                out.append(term[i])
+                i += 1
+        return out
+
+    terms = [tokens(t) for t in lhs.split(",")]
+    if len(terms) != n_inputs:
+        raise RuleError(f"equation {equation!r} names {len(terms)} operands, node has {n_inputs}")
+    if "->" in eq:
+        out = tokens(rhs)
+    else:  # implicit output: ellipsis, then the letters used once, sorted
+        flat = [t for term in terms for t in term]
+        out = (["..."] if "..." in flat else []) + sorted(
+            t for t in set(flat) if t != "..." and flat.count(t) == 1)
+    for term in terms + [out]:
+        letters = [t for t in term if t != "..."]
+        if len(set(letters)) != len(letters):
+            raise RuleError(f"equation {equation!r}: a letter repeated within one operand "
+                            "(diagonal) has no derivative rule")
+    return terms, out
+
+
+@register("Einsum")
+def _einsum(ctx: RuleContext) -> list:
+    """d operand_i = Einsum(g, the other operands -> term_i); letters only operand i has
+    (summed away in the forward pass) come back by broadcasting."""
+    em, g = ctx.em, ctx.grad(0)
+    equation = ctx.attr("equation")
+    inputs = list(ctx.node.input)
+    terms, out_term = _einsum_terms(equation, len(inputs))
+    grads = []
+    for i, x in enumerate(inputs):
+        if not ctx.need(i):
+            grads.append(None)
+            continue
+        others = [t for j, t in enumerate(terms) if j != i]
+        available = set(out_term).union(*map(set, others)) if others else set(out_term)
+        kept = [t for t in terms[i] if t in available]
+        eq = ",".join("".join(t) for t in [out_term] + others) + "->" + "".join(kept)
+        d = em.op("Einsum", [g] + [v for j, v in enumerate(inputs) if j != i], "einsum",
+                  equation=eq)
+        if len(kept) != len(terms[i]):
+            if "..." in terms[i]:
+                raise RuleError(f"equation {equation!r}: an operand with '...' sums away "
+                                "letters of its own; not supported")
+            missing = [k for k, t in enumerate(terms[i]) if t not in available]
+            d = em.op("Expand", [em.unsqueeze(d, missing), em.shape_of(x)], "expand")
+        grads.append(d)
+    return grads

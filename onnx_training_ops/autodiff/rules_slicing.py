@@ -1,0 +1,82 @@
+"""Slicing and layout ops: Split, Slice, Pad, Tile, Trilu, CumSum.
+
+Slice, Pad and Tile use the index-map adjoint of :mod:`.rules_indexing` (the op run on the
+input's element numbers tells where each output element came from), so every form of the op
+(negative steps, clamped ends, edge/reflect padding, opset-specific inputs) is handled by
+the op's own kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from .registry import RuleContext, RuleError, register
+from .rules_indexing import element_numbers, moved_elements, scatter_back
+
+
+@register("Split")
+def _split(ctx: RuleContext) -> list:
+    """Concatenate the output gradients (zeros for outputs that got none)."""
+    em = ctx.em
+    axis = int(ctx.attr("axis", 0))
+    parts = [ctx.grad(i) or em.filled_like(0.0, out) for i, out in enumerate(ctx.node.output)]
+    return [em.op("Concat", parts, "concat", axis=axis)] + [None] * (len(ctx.node.input) - 1)
+
+
+@register("Slice")
+def _slice(ctx: RuleContext) -> list:
+    if ctx.opset < 10:
+        raise RuleError("Slice before opset 10 (starts/ends attributes) has no derivative rule")
+    return [moved_elements(ctx, add=False)] + [None] * (len(ctx.node.input) - 1)
+
+
+@register("Tile")
+def _tile(ctx: RuleContext) -> list:
+    return [moved_elements(ctx, add=True), None]
+
+
+@register("Pad")
+def _pad(ctx: RuleContext) -> list:
+    """constant: the interior; edge/reflect: every output element folds back onto its source.
+    A float constant_value input gets the sum of the gradient over the padding."""
+    if ctx.opset < 11:
+        raise RuleError("Pad before opset 11 (pads attribute) has no derivative rule")
+    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    mode = ctx.attr("mode", "constant")
+    pads, axes = ctx.input(1), ctx.input(3)
+    numbers = element_numbers(em, x)
+    fill = em.const(np.int64(-1)) if mode == "constant" else ""
+    inputs = [numbers, pads, fill] + ([axes] if axes else [])
+    source = em.fresh("Pad_source")
+    em.add_node(helper.make_node("Pad", inputs, [source], name=source, mode=mode))
+    out = ctx.empty()
+    if mode != "constant":
+        out[0] = scatter_back(em, x, source, g, add=True)
+        return out
+    valid = em.op("GreaterOrEqual", [source, em.const(np.int64(0))])
+    if ctx.need(0):
+        out[0] = scatter_back(em, x, source, g, add=False, valid=valid)
+    if ctx.need(2):
+        padding = em.op("Where", [valid, em.scalar(0, x), g])
+        out[2] = em.reduce_sum(padding, list(range(ctx.rank(x))), keepdims=False)
+    return out
+
+
+@register("Trilu")
+def _trilu(ctx: RuleContext) -> list:
+    """The same triangle of the gradient."""
+    em = ctx.em
+    inputs = [ctx.grad(0)] + list(ctx.node.input[1:])
+    return [em.op("Trilu", inputs, "trilu", upper=int(ctx.attr("upper", 1)))] + \
+        [None] * (len(ctx.node.input) - 1)
+
+
+@register("CumSum")
+def _cumsum(ctx: RuleContext) -> list:
+    """The cumulative sum of the gradient in the other direction."""
+    em = ctx.em
+    reverse = 1 - int(ctx.attr("reverse", 0))
+    dx = em.op("CumSum", [ctx.grad(0), ctx.node.input[1]], "cumsum",
+               exclusive=int(ctx.attr("exclusive", 0)), reverse=reverse)
+    return [dx, None]
