@@ -204,3 +204,12 @@ def test_norms_match_torch():
                   lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=1e-5), 18)
     _torch_parity([helper.make_node("Gelu", ["x"], ["z"])], {"x": x}, ["x"],
                   lambda x: F.gelu(x), 20)
+
+
+def test_cast_like_back_to_the_input_type():
+    rng = np.random.default_rng(11)
+    nodes = [helper.make_node("CastLike", ["x", "like"], ["x32"]),
+             helper.make_node("Mul", ["x32", "x32"], ["sq"]),
+             helper.make_node("CastLike", ["sq", "x"], ["z"])]
+    check(nodes, {"x": rand(rng, (3, 2))}, ["x"], initializers={"like": np.float32(0)},
+          eps=1e-3, rtol=1e-3, atol=1e-4)

@@ -206,3 +206,16 @@ def test_conv_transpose_resize_einsum_match_torch():
     _torch_parity([helper.make_node("Einsum", ["a", "b"], ["z"], equation="bqd,bkd->bqk")],
                   {"a": a, "b": b}, ["a", "b"],
                   lambda a, b: torch.einsum("bqd,bkd->bqk", a, b), 17)
+
+
+@pytest.mark.parametrize("attrs", RESIZE_CASES[:5])
+def test_resize_with_run_time_shapes_and_scales(attrs):
+    """Dims and scales known only at run time: the matrix is built in the graph."""
+    rng = np.random.default_rng(15)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Cast", ["s"], ["sf"], to=1),
+             helper.make_node("Div", ["sf", "sf"], ["ones"]),
+             helper.make_node("Mul", ["ones", "k"], ["sc"]),
+             helper.make_node("Resize", ["x", "", "sc"], ["z"], **attrs)]
+    check(nodes, {"x": rand(rng, (2, 3, 3, 4))}, ["x"], dynamic=True,
+          initializers={"k": np.array([1, 1, 2, 1.5], np.float32)}, **FLOAT32_ONLY)

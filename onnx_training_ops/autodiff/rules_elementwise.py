@@ -139,6 +139,13 @@ def _cast(ctx: RuleContext) -> list:
         raise RuleError(str(e)) from None
 
 
+@register("CastLike")
+def _cast_like(ctx: RuleContext) -> list:
+    """CastLike(x, like): the gradient goes back to x's type; ``like`` only gives a type."""
+    x = ctx.node.input[0]
+    return [ctx.em.op("CastLike", [ctx.grad(0), x], "cast"), None]
+
+
 @register("Where")
 def _where(ctx: RuleContext) -> list:
     em, g = ctx.em, ctx.grad(0)

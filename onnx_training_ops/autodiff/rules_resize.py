@@ -14,7 +14,6 @@ import numpy as np
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from .emitter import static_dims
 from .registry import RuleContext, RuleError, register
 
 ONE_AXIS_ATTRIBUTES = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a",
@@ -47,52 +46,83 @@ def interpolation_matrix(ctx: RuleContext, n: int, m: int, scale: float | None,
     return rows.T
 
 
-def _per_axis(ctx: RuleContext, rank: int) -> tuple[list, list]:
-    """(scales or None per axis, sizes or None per axis) from the node's constant inputs."""
+def _axis_values(ctx: RuleContext, rank: int) -> tuple[list, list, list]:
+    """Per axis: (static scale or None, static size or None, position in scales/sizes or None).
+
+    A position is None for an axis the node does not resize (``axes`` attribute)."""
     if ctx.opset < 11:
         raise RuleError("Resize before opset 11 has no derivative rule")
-    axes = ctx.attr("axes")
-    axes = [a + rank if a < 0 else a for a in axes] if axes else list(range(rank))
     if (ctx.attr("keep_aspect_ratio_policy", "stretch") or "stretch") != "stretch":
         raise RuleError("keep_aspect_ratio_policy other than 'stretch' is not supported")
-    scales_v = ctx.const_value(ctx.input(2)) if ctx.input(2) else None
-    sizes_v = ctx.const_value(ctx.input(3)) if ctx.input(3) else None
-    if (ctx.input(2) and scales_v is None) or (ctx.input(3) and sizes_v is None):
-        raise RuleError("Resize scales/sizes must be constants")
+    axes = ctx.attr("axes")
+    axes = [a + rank if a < 0 else a for a in axes] if axes else list(range(rank))
+    position = [axes.index(a) if a in axes else None for a in range(rank)]
     scales, sizes = [None] * rank, [None] * rank
-    if sizes_v is not None and np.size(sizes_v):
-        for a, v in zip(axes, np.asarray(sizes_v).reshape(-1)):
-            sizes[a] = int(v)
-    elif scales_v is not None and np.size(scales_v):
-        for a, v in zip(axes, np.asarray(scales_v).reshape(-1)):
-            scales[a] = float(v)
-    else:
-        raise RuleError("Resize needs constant scales or sizes")
-    return scales, sizes
+    for inp, out, cast in ((3, sizes, int), (2, scales, float)):
+        value = ctx.const_value(ctx.input(inp)) if ctx.input(inp) else None
+        if value is not None and np.size(value):
+            for a in range(rank):
+                if position[a] is not None:
+                    out[a] = cast(np.asarray(value).reshape(-1)[position[a]])
+    return scales, sizes, position
+
+
+def _runtime_matrix_t(ctx: RuleContext, x: str, axis: int, position: int) -> str:
+    """``M^T`` ([n, m]) computed at run time: the node's Resize applied to an n x n identity
+    (for dims, scales or sizes only known at run time)."""
+    em = ctx.em
+    if ctx.attr("coordinate_transformation_mode", "half_pixel") == "tf_crop_and_resize":
+        raise RuleError("tf_crop_and_resize needs static shapes and a constant roi")
+    n = em.dims_of(x, axis, axis + 1)
+    square = em.op("Concat", [n, n], axis=0)
+    zeros = em.op("ConstantOfShape", [square], "zeros",
+                  value=helper.make_tensor("v", em.dtype(x), [1], [0.0]))
+    eye = em.op("EyeLike", [zeros], "eye")
+    attrs = {a.name: helper.get_attribute_value(a) for a in ctx.node.attribute
+             if a.name in ONE_AXIS_ATTRIBUTES}
+    at = em.ints([position])
+    if ctx.input(3):
+        picked = em.op("Gather", [ctx.input(3), at], axis=0)
+        return em.op("Resize", [eye, "", "", em.op("Concat", [n, picked], axis=0)], "resized",
+                     **attrs)
+    picked = em.op("Gather", [ctx.input(2), at], axis=0)
+    scales = em.op("Concat", [em.const(np.ones(1, np.float32)), picked], axis=0)
+    return em.op("Resize", [eye, "", scales], "resized", **attrs)
 
 
 @register("Resize")
 def _resize(ctx: RuleContext) -> list:
+    """Per resized axis: dx = g . M along that axis (M static when the shapes and
+    scales/sizes are, else computed at run time by the same Resize)."""
     em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
-    dims = static_dims(ctx.shape(x))
-    if dims is None:
-        raise RuleError(f"Resize needs the static shape of {x!r}")
-    rank = len(dims)
-    scales, sizes = _per_axis(ctx, rank)
+    rank = ctx.rank(x)
+    shape = ctx.shape(x)
+    scales, sizes, position = _axis_values(ctx, rank)
     roi_v = ctx.const_value(ctx.input(1)) if ctx.input(1) else None
     crop = ctx.attr("coordinate_transformation_mode", "half_pixel") == "tf_crop_and_resize"
     if crop and roi_v is None:
         raise RuleError("tf_crop_and_resize needs a constant roi")
     dx = g
-    for axis, n in enumerate(dims):
-        scale, size = scales[axis], sizes[axis]
-        m = size if size is not None else (int(np.floor(n * scale)) if scale is not None else n)
-        if m == n and not crop and (scale is None or scale == 1.0):
+    for axis in range(rank):
+        if position[axis] is None:
             continue
-        roi = (float(roi_v[axis]), float(roi_v[rank + axis])) if crop else None
-        matrix = interpolation_matrix(ctx, n, m, scale if size is None else None, roi)
-        dt = em.dtype(x)
-        matrix_t = em.const(matrix.astype(helper.tensor_dtype_to_np_dtype(dt)), "resize_matrix")
+        n, scale, size = shape[axis], scales[axis], sizes[axis]
+        static_n = isinstance(n, int)
+        if static_n and size is not None:
+            m = size
+        elif static_n and scale is not None:
+            m = int(np.floor(n * scale))
+        else:
+            m = None
+        if m == n and not crop and (scale is None or scale == 1.0):
+            continue  # identity along this axis
+        if m is not None:
+            roi = (float(roi_v[axis]), float(roi_v[rank + axis])) if crop else None
+            matrix = interpolation_matrix(ctx, n, m, scale if size is None else None, roi)
+            matrix_t = em.const(matrix.astype(helper.tensor_dtype_to_np_dtype(em.dtype(x))),
+                                "resize_matrix")
+        else:
+            matrix_t = em.op("Transpose", [_runtime_matrix_t(ctx, x, axis, position[axis])])
         perm = [i for i in range(rank) if i != axis] + [axis]
         inverse = [perm.index(i) for i in range(rank)]
         moved = em.op("Transpose", [dx], perm=perm)

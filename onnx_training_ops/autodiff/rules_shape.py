@@ -65,22 +65,21 @@ def _gather(ctx: RuleContext) -> list:
                         f"graph has opset {ctx.opset}")
     em, g = ctx.em, ctx.grad(0)
     data, indices = ctx.node.input[:2]
-    r, q = ctx.rank(data), ctx.rank(indices)
     axis = int(ctx.attr("axis", 0))
-    axis = axis + r if axis < 0 else axis
+    if axis < 0:
+        axis += ctx.rank(data)
     idx = indices if em.dtype(indices) == TensorProto.INT64 else em.op(
         "Cast", [indices], "idx", to=TensorProto.INT64)
     known = ctx.const_value(indices)
     if known is None or (np.asarray(known) < 0).any():  # Gather allows negative indices
-        dim = em.dims_of(data, axis, axis + 1)
-        zero = em.ints([0]) if q else em.const(np.int64(0))
-        negative = em.op("Less", [idx, zero])
-        wrapped = em.op("Add", [idx, dim if q else em.squeeze(dim, [0])])
-        idx = em.op("Where", [negative, wrapped, idx])
+        dim = em.squeeze(em.dims_of(data, axis, axis + 1), [0])
+        negative = em.op("Less", [idx, em.const(np.int64(0))])
+        idx = em.op("Where", [negative, em.op("Add", [idx, dim]), idx])
     idx = em.unsqueeze(idx, [-1])
     if axis == 0:
         zeros = em.filled_like(0.0, data)
         return [em.op("ScatterND", [zeros, idx, g], "scatter", reduction="add"), None]
+    r, q = ctx.rank(data), ctx.rank(indices)
     # Move the gathered axis to the front, scatter there, move it back.
     perm_d = [axis] + [i for i in range(r) if i != axis]
     inv_d = [perm_d.index(i) for i in range(r)]

@@ -16,6 +16,7 @@ from .expand_gradient import expand_gradient
 from .fill_defaults import fill_default_attributes
 from .fit_runtime import fit_runtime
 from .split_multi_tensor import split_multi_tensor_nodes
+from .split_sequences import split_sequences
 from .validate import validate
 
 ModelLike = Union[ModelProto, str, os.PathLike, bytes]
@@ -23,6 +24,7 @@ Pass = Callable[[ModelProto], ModelProto]
 
 PASSES: list[tuple[str, Pass]] = [
     ("validate", validate),
+    ("split_sequences", split_sequences),
     ("expand_gradient", expand_gradient),
     ("fill_default_attributes", fill_default_attributes),
     ("split_multi_tensor_nodes", split_multi_tensor_nodes),
