@@ -11,6 +11,8 @@ from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from onnx_training_ops.passes.expand_gradient import expand_gradient
+from onnx_training_ops.passes.lower_recurrent import lower_recurrent
+from onnx_training_ops.passes.split_sequences import split_sequences
 
 DOMAIN = "ai.onnx.preview.training"
 
@@ -43,8 +45,11 @@ def gradient_model(nodes: Sequence[onnx.NodeProto], inputs: Mapping[str, np.ndar
 
 
 def runnable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Expanded copy with an IR version onnxruntime 1.31 reads."""
-    expanded = expand_gradient(model)
+    """Expanded copy (after the passes prepare runs before expand_gradient) with an IR
+    version onnxruntime 1.31 reads."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    expanded = expand_gradient(lower_recurrent(split_sequences(copy)))
     expanded.ir_version = min(expanded.ir_version, 10)
     return expanded
 

@@ -120,6 +120,8 @@ ZOO: dict[str, Entry] = {
                                         batch_first=True)), _seq(), "mse"),
     "gru": Entry(lambda: First(nn.GRU(4, 5, batch_first=True)), _seq(), "mse"),
     "rnn": Entry(lambda: First(nn.RNN(4, 5, batch_first=True)), _seq(), "mse"),
+    "rnn_relu": Entry(lambda: First(nn.RNN(4, 5, nonlinearity="relu", bidirectional=True)),
+                      _seq(), "mse"),
     "multihead_attention": Entry(lambda: First(nn.MultiheadAttention(8, 2, batch_first=True),
                                                self_attention=True), _seq((2, 5, 8)), "mse"),
     "transformer_encoder": Entry(

@@ -15,6 +15,7 @@ from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient
 from .fill_defaults import fill_default_attributes
 from .fit_runtime import fit_runtime
+from .lower_recurrent import lower_recurrent
 from .split_multi_tensor import split_multi_tensor_nodes
 from .split_sequences import split_sequences
 from .validate import validate
@@ -25,6 +26,7 @@ Pass = Callable[[ModelProto], ModelProto]
 PASSES: list[tuple[str, Pass]] = [
     ("validate", validate),
     ("split_sequences", split_sequences),
+    ("lower_recurrent", lower_recurrent),
     ("expand_gradient", expand_gradient),
     ("fill_default_attributes", fill_default_attributes),
     ("split_multi_tensor_nodes", split_multi_tensor_nodes),

@@ -69,7 +69,8 @@ def _from_type_proto(tp: onnx.TypeProto) -> ValueType | None:
 def value_types(model: ModelProto) -> dict[str, ValueType]:
     """Every value name (all graphs, after shape inference) -> its known type."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+                                                      data_prop=True)
     except Exception:  # inference is a help for validation, never a requirement
         inferred = model
     types: dict[str, ValueType] = {}
