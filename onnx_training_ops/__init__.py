@@ -6,8 +6,8 @@ onnxruntime-extensions. Main entry points:
 * :func:`prepare` — turn a training-domain graph into one onnxruntime accepts;
 * :func:`session_options` — SessionOptions with the kernel library registered;
 * :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` that prepares for you;
-* :func:`build_training_model` — inference model + loss + :class:`Adam`/:class:`Momentum`/:class:`Adagrad`
-  -> one ONNX training model (``training_info``);
+* :func:`build_training_model` — inference model + loss (:mod:`.losses`, torch's names) +
+  :class:`Adam`/:class:`Momentum`/:class:`Adagrad` -> one ONNX training model (``training_info``);
 * :class:`TrainingSession` — train any ONNX training model: ``step``, ``run``, ``save``, ``export_inference_model``;
 * :mod:`onnx_training_ops.kernels` — the numpy reference kernels;
 * :mod:`onnx_training_ops.backend` — the onnx backend API, for ``onnx.backend.test``.
@@ -16,6 +16,8 @@ onnxruntime-extensions. Main entry points:
 from . import kernels
 from .builder import build_training_model
 from .errors import TrainingOpError
+from .losses import (BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss,
+                     SmoothL1Loss)
 from .optimizers import Adagrad, Adam, Momentum
 from .passes import PASSES, prepare
 from .plugin import register as _register
@@ -33,6 +35,12 @@ __all__ = [
     "PASSES",
     "Adagrad",
     "Adam",
+    "BCEWithLogitsLoss",
+    "CrossEntropyLoss",
+    "HuberLoss",
+    "L1Loss",
+    "MSELoss",
+    "SmoothL1Loss",
     "InferenceSession",
     "Momentum",
     "NonFiniteLossError",

@@ -26,13 +26,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import TrainingOpError
+from .losses import NAMED, Emit, Loss, resolve
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
 from .passes.fit_runtime import fit_runtime, runtime_limits
 from .schema import DOMAIN, OPSET_VERSION
 
-LOSSES = ("mse", "cross_entropy")
 META_PREFIX = "onnx_training_ops."
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
 MIN_OPSET = 13
@@ -98,6 +98,37 @@ def _trainables(model: onnx.ModelProto, trainable) -> list[onnx.TensorProto]:
     return out
 
 
+def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labels, taken):
+    """(loss name, label input name, loss elem type, nodes, label ValueInfo) of ``spec`` on
+    the model output ``output`` (default: the first)."""
+    if output is None:
+        if not graph.output:
+            raise TrainingOpError("the model has no outputs")
+        output = graph.output[0].name
+    if output not in outputs:
+        raise TrainingOpError(f"output {output!r} is not an output of the model; outputs: {', '.join(outputs)}")
+    pred_vt = types.get(output)
+    pred_type = pred_vt.elem_type if pred_vt else outputs[output].type.tensor_type.elem_type
+    if pred_type not in FLOAT_TYPES:
+        raise TrainingOpError(f"output {output!r} must be float or double for {type(spec).__name__}")
+    target = labels or spec.default_label_name
+    if target in taken:
+        raise TrainingOpError(f"the label input name {target!r} is already used in the model; pass labels=...")
+    taken.add(target)
+    shape = pred_vt.shape if pred_vt is not None else None
+    if spec.integer_labels:
+        label_shape = [d if d is not None else f"labels_dim{i}"
+                       for i, d in enumerate(spec.label_shape(shape))]
+        label_vi = _tensor_vi(target, TensorProto.INT64, label_shape)
+    else:
+        label_vi = _value_info_from(outputs[output], target)
+    em = Emit(lambda base: unique_name(taken, base), helper.tensor_dtype_to_np_dtype(pred_type))
+    loss_name = spec.emit(em, output, target, shape)
+    renamed = unique_name(taken, "loss")
+    em.nodes.append(helper.make_node("Identity", [loss_name], [renamed], name=renamed))
+    return renamed, target, pred_type, em.nodes, label_vi
+
+
 def build_training_model(
     model,
     loss: str,
@@ -116,10 +147,12 @@ def build_training_model(
         an inference model (ModelProto, path or bytes), e.g. from ``onnx.helper`` or
         ``torch.onnx.export``. Opsets below 13 are converted.
     loss:
-        ``"mse"`` (mean squared error between ``output`` and a new input ``target`` of the
-        same type), ``"cross_entropy"`` (``SoftmaxCrossEntropyLoss`` of the logits
-        ``output`` [N, C, ...] and a new int64 input ``labels`` [N, ...], mean reduction) or
-        the name of a scalar float output already in the model.
+        a loss of :mod:`onnx_training_ops.losses` (``CrossEntropyLoss(...)``, ``MSELoss()``,
+        ``L1Loss()``, ``HuberLoss()``, ``SmoothL1Loss()``, ``BCEWithLogitsLoss()``), one of
+        their names (``"mse"``, ``"cross_entropy"``, ``"l1"``, ``"huber"``, ``"smooth_l1"``,
+        ``"bce_with_logits"``; defaults as in torch) reading ``output`` and a new input
+        (``labels`` int64 for cross-entropy, ``target`` shaped like the output otherwise),
+        or the name of a scalar float output already in the model.
     optimizer:
         :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.Momentum` or
         :class:`~onnx_training_ops.Adagrad`.
@@ -151,56 +184,16 @@ def build_training_model(
     algo_inits: list[onnx.TensorProto] = []
 
     # ---- loss
-    if loss in LOSSES:
-        if output is None:
-            if not graph.output:
-                raise TrainingOpError("the model has no outputs")
-            output = graph.output[0].name
-        if output not in outputs:
-            raise TrainingOpError(f"output {output!r} is not an output of the model; outputs: {', '.join(outputs)}")
-        pred_vt = types.get(output)
-        pred_type = pred_vt.elem_type if pred_vt else outputs[output].type.tensor_type.elem_type
-        if pred_type not in FLOAT_TYPES:
-            raise TrainingOpError(f"output {output!r} must be float or double for loss {loss!r}")
-        loss_name = unique_name(taken, "loss")
-        if loss == "mse":
-            target = labels or "target"
-            if target in taken:
-                raise TrainingOpError(f"the label input name {target!r} is already used in the model; pass labels=...")
-            taken.add(target)
-            algo_inputs.append(_value_info_from(outputs[output], target))
-            diff = unique_name(taken, "loss/diff")
-            sq = unique_name(taken, "loss/squared")
-            nodes += [
-                helper.make_node("Sub", [output, target], [diff], name=unique_name(taken, "loss/Sub")),
-                helper.make_node("Mul", [diff, diff], [sq], name=unique_name(taken, "loss/Mul")),
-                helper.make_node("ReduceMean", [sq], [loss_name], keepdims=0, name=unique_name(taken, "loss/ReduceMean")),
-            ]
-        else:
-            target = labels or "labels"
-            if target in taken:
-                raise TrainingOpError(f"the label input name {target!r} is already used in the model; pass labels=...")
-            taken.add(target)
-            shape = pred_vt.shape if pred_vt is not None else None
-            if shape is not None and len(shape) < 2:
-                raise TrainingOpError(
-                    f"cross_entropy needs logits of shape [N, C, ...]; output {output!r} has shape {list(shape)}"
-                )
-            # labels [N, d1, ...] for logits [N, C, d1, ...]; rank unknown: assume [N, C]
-            label_shape = ["N"] if shape is None else [shape[0], *shape[2:]]
-            label_shape = [d if d is not None else f"labels_dim{i}" for i, d in enumerate(label_shape)]
-            algo_inputs.append(_tensor_vi(target, TensorProto.INT64, label_shape))
-            nodes.append(
-                helper.make_node(
-                    "SoftmaxCrossEntropyLoss", [output, target], [loss_name], reduction="mean",
-                    name=unique_name(taken, "loss/SoftmaxCrossEntropyLoss"),
-                )
-            )
-        loss_type = pred_type
+    spec = resolve(loss)
+    if spec is not None:
+        loss_name, target, loss_type, loss_nodes, label_vi = _loss_nodes(
+            spec, graph, types, outputs, output, labels, taken)
+        nodes += loss_nodes
+        algo_inputs.append(label_vi)
     else:
         if loss not in outputs:
             raise TrainingOpError(
-                f"loss {loss!r} is neither 'mse', 'cross_entropy' nor an output of the model; "
+                f"loss {loss!r} is neither one of {sorted(NAMED)} nor an output of the model; "
                 f"outputs: {', '.join(outputs) or 'none'}"
             )
         vt = types.get(loss)
@@ -209,7 +202,7 @@ def build_training_model(
             raise TrainingOpError(
                 f"loss output {loss!r} must be a float scalar, found {vt.dtype_name} of shape {list(vt.shape or [])}"
             )
-        loss_name = loss
+        loss_name, target = loss, ""
         loss_type = vt.elem_type if vt else TensorProto.FLOAT
 
     # ---- learning rate (input with a default) and the update count T
@@ -287,7 +280,7 @@ def build_training_model(
     initialization = helper.make_graph(init_nodes, "initialization", [], init_outputs)
 
     # ---- algorithm graph outputs and update binding
-    algo_outputs = [_tensor_vi(loss_name, loss_type, [])] if loss in LOSSES else []
+    algo_outputs = [_tensor_vi(loss_name, loss_type, [])] if spec is not None else []
     update_binding = []
     for p, new in zip(params, new_params):
         algo_outputs.append(_tensor_vi(new, p.data_type, p.dims))
@@ -317,7 +310,7 @@ def build_training_model(
     meta = {
         "optimizer": to_json(optimizer),
         "loss": loss_name,
-        "labels": "" if loss not in LOSSES else target,
+        "labels": target,
         "learning_rate": learning_rate,
         "trainable": ",".join(p_names),
     }

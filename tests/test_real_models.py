@@ -5,8 +5,9 @@ For each architecture of :mod:`real_models` and each exporter:
 * the expanded Gradient of the loss equals torch autograd on every parameter (float32,
   max |ours - torch| <= 1e-4 * max |torch| per tensor);
 * one TrainingSession step with Adam and with Momentum equals the same torch.optim step
-  (max |ours - torch| of the parameter update <= 1e-4 * its max |torch| for Momentum,
-  5e-4 for Adam, whose division by sqrt(v) magnifies the gradients' float32 rounding).
+  (max |ours - torch| of the parameter update <= 2e-4 * its max |torch| for Momentum — the
+  update is a difference of float32 parameters — and 5e-4 for Adam, whose division by
+  sqrt(v) magnifies the gradients' float32 rounding).
 
 Where an exporter itself fails on a model, the case is skipped with the exporter's error
 (:data:`EXPORTER_FAILURES` lists the known ones).
@@ -193,8 +194,10 @@ def test_one_training_step_matches_torch_optim(name, exporter, optimizer):
     # as for gradients: max error per tensor relative to its largest update, or to 1e-3 of the
     # model's largest update for a tensor whose exact update is ~0
     top = max(float(np.abs(t).max()) for _, t in pairs.values())
-    # Adam divides by sqrt(v): float32 rounding of small gradients shows up to ~1.2e-4
-    tolerance = 5e-4 if optimizer == "adam" else 1e-4
+    # the update is read as a difference of float32 parameters (cancellation: ~6e-8 |p| /
+    # |update|, up to ~1e-4 here), and Adam's division by sqrt(v) magnifies the rounding of
+    # small gradients
+    tolerance = 5e-4 if optimizer == "adam" else 2e-4
     for onnx_name, (ours, theirs) in pairs.items():
         err = float(np.abs(ours - theirs).max()) / max(float(np.abs(theirs).max()), 1e-3 * top)
         assert err <= tolerance, f"{onnx_name} ({pmap[onnx_name][0]}): update rel err {err:.2e}"

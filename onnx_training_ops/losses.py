@@ -1,0 +1,287 @@
+"""Losses the builder puts on a model's output, with torch.nn's names and semantics.
+
+Each loss is a small frozen dataclass whose :meth:`emit` writes standard ONNX nodes from the
+prediction (and a new label/target input the builder declares) to a scalar loss. Strings
+keep working: ``"mse"`` is :class:`MSELoss`, ``"cross_entropy"`` :class:`CrossEntropyLoss`.
+
+============================  =============================================================
+torch                         here
+============================  =============================================================
+``CrossEntropyLoss``          ``CrossEntropyLoss(class_axis, ignore_index, label_smoothing,
+                              weight, reduction, shift_labels)``
+``MSELoss`` / ``L1Loss``      ``MSELoss(reduction)`` / ``L1Loss(reduction)``
+``HuberLoss(delta)``          ``HuberLoss(delta, reduction)``
+``SmoothL1Loss(beta)``        ``SmoothL1Loss(beta, reduction)``
+``BCEWithLogitsLoss``         ``BCEWithLogitsLoss(pos_weight, weight, reduction)``
+============================  =============================================================
+
+``class_axis``: torch reads classes on axis 1 (``[N, C, d1...]``). A language-model head
+gives ``[N, T, C]``; pass ``class_axis=-1`` there. For logits of rank >= 3 the axis must be
+stated: guessing it would train silently on the wrong loss when T happens to equal C.
+``shift_labels=True`` is the causal-LM loss of transformers: ``logits[:, :-1]`` against
+``labels[:, 1:]`` (class axis last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from .errors import TrainingOpError
+
+REDUCTIONS = ("mean", "sum")
+
+
+class Emit:
+    """Node emission for one loss: fresh names from the builder's ``unique`` function."""
+
+    def __init__(self, unique: Callable[[str], str], np_dtype):
+        self.unique, self.np_dtype, self.nodes = unique, np_dtype, []
+
+    def op(self, op_type: str, inputs: Sequence[str], **attrs) -> str:
+        out = self.unique(f"loss/{op_type}")
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
+        return out
+
+    def const(self, value, dtype=None) -> str:
+        name = self.unique("loss/const")
+        array = np.asarray(value, dtype=dtype or self.np_dtype)
+        self.nodes.append(helper.make_node("Constant", [], [name], name=name,
+                                           value=numpy_helper.from_array(array)))
+        return name
+
+    def reduce(self, x: str, reduction: str) -> str:
+        op = "ReduceMean" if reduction == "mean" else "ReduceSum"
+        return self.op(op, [x], keepdims=0)
+
+
+def _check_reduction(loss: str, reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise TrainingOpError(f"{loss}: reduction must be one of {REDUCTIONS}, found {reduction!r}")
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Base: ``emit(em, prediction, label, shape) -> loss name``; ``label_type`` says what the
+    label input is ("int64 classes" or "like prediction")."""
+
+    integer_labels: ClassVar[bool] = False
+    default_label_name: ClassVar[str] = "target"
+
+    def label_shape(self, shape):
+        return shape
+
+
+@dataclass(frozen=True)
+class MSELoss(Loss):
+    reduction: str = "mean"
+
+    def __post_init__(self):
+        _check_reduction("MSELoss", self.reduction)
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        diff = em.op("Sub", [pred, label])
+        return em.reduce(em.op("Mul", [diff, diff]), self.reduction)
+
+
+@dataclass(frozen=True)
+class L1Loss(Loss):
+    reduction: str = "mean"
+
+    def __post_init__(self):
+        _check_reduction("L1Loss", self.reduction)
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        return em.reduce(em.op("Abs", [em.op("Sub", [pred, label])]), self.reduction)
+
+
+def _quadratic_then_linear(em: Emit, pred: str, label: str, width: float, scale_linear: bool):
+    """0.5 d^2 / (1 or width) inside |d| < width, else a line meeting it (Huber / SmoothL1)."""
+    d = em.op("Abs", [em.op("Sub", [pred, label])])
+    inside = em.op("Less", [d, em.const(width)])
+    square = em.op("Mul", [em.op("Mul", [d, d]), em.const(0.5 if scale_linear else 0.5 / width)])
+    line = em.op("Sub", [d, em.const(0.5 * width)])
+    if scale_linear:
+        line = em.op("Mul", [line, em.const(width)])
+    return em.op("Where", [inside, square, line])
+
+
+@dataclass(frozen=True)
+class HuberLoss(Loss):
+    delta: float = 1.0
+    reduction: str = "mean"
+
+    def __post_init__(self):
+        _check_reduction("HuberLoss", self.reduction)
+        if not self.delta > 0:
+            raise TrainingOpError(f"HuberLoss: delta must be > 0, found {self.delta}")
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        return em.reduce(_quadratic_then_linear(em, pred, label, self.delta, True),
+                         self.reduction)
+
+
+@dataclass(frozen=True)
+class SmoothL1Loss(Loss):
+    beta: float = 1.0
+    reduction: str = "mean"
+
+    def __post_init__(self):
+        _check_reduction("SmoothL1Loss", self.reduction)
+        if not self.beta > 0:
+            raise TrainingOpError(f"SmoothL1Loss: beta must be > 0, found {self.beta}")
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        return em.reduce(_quadratic_then_linear(em, pred, label, self.beta, False),
+                         self.reduction)
+
+
+@dataclass(frozen=True)
+class BCEWithLogitsLoss(Loss):
+    """``(1 - t) x + (1 + (pos_weight - 1) t) softplus(-x)``, times ``weight``; softplus
+    written as ``relu(-x) + log(1 + exp(-|x|))`` so it never overflows."""
+
+    pos_weight: tuple | None = None
+    weight: tuple | None = None
+    reduction: str = "mean"
+
+    def __post_init__(self):
+        _check_reduction("BCEWithLogitsLoss", self.reduction)
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        neg = em.op("Neg", [pred])
+        softplus = em.op("Add", [em.op("Relu", [neg]), em.op("Log", [em.op("Add", [
+            em.const(1.0), em.op("Exp", [em.op("Neg", [em.op("Abs", [pred])])])])])])
+        one_minus_t = em.op("Sub", [em.const(1.0), label])
+        if self.pos_weight is not None:
+            coeff = em.op("Add", [em.const(1.0), em.op("Mul", [
+                em.op("Sub", [em.const(self.pos_weight), em.const(1.0)]), label])])
+            softplus = em.op("Mul", [coeff, softplus])
+        loss = em.op("Add", [em.op("Mul", [one_minus_t, pred]), softplus])
+        if self.weight is not None:
+            loss = em.op("Mul", [loss, em.const(self.weight)])
+        return em.reduce(loss, self.reduction)
+
+
+@dataclass(frozen=True)
+class CrossEntropyLoss(Loss):
+    class_axis: int | None = None
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    weight: tuple | None = None
+    reduction: str = "mean"
+    shift_labels: bool = False
+
+    integer_labels: ClassVar[bool] = True
+    default_label_name: ClassVar[str] = "labels"
+
+    def __post_init__(self):
+        _check_reduction("CrossEntropyLoss", self.reduction)
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise TrainingOpError("CrossEntropyLoss: label_smoothing must be in [0, 1], "
+                                  f"found {self.label_smoothing}")
+        if self.shift_labels and self.class_axis not in (None, -1):
+            raise TrainingOpError("CrossEntropyLoss: shift_labels reads [N, T, C] logits "
+                                  f"(class_axis=-1), found class_axis={self.class_axis}")
+
+    def axis(self, shape) -> int:
+        """The class axis for logits of ``shape`` (None: rank unknown)."""
+        rank = None if shape is None else len(shape)
+        axis = -1 if self.shift_labels and self.class_axis is None else self.class_axis
+        if rank is not None and rank < 2:
+            raise TrainingOpError(f"cross_entropy needs logits of rank >= 2 ([N, C, ...]), "
+                                  f"found shape {list(shape)}")
+        if axis is None:
+            if rank is None or rank == 2:
+                return 1
+            raise TrainingOpError(
+                f"cross_entropy on logits of rank {rank} (shape {list(shape)}): state the class "
+                "axis, CrossEntropyLoss(class_axis=1) for torch's [N, C, d1, ...] layout or "
+                "class_axis=-1 for a language-model head's [N, T, C]")
+        if rank is not None:
+            if not -rank <= axis < rank or axis % rank == 0:
+                raise TrainingOpError(f"class_axis {axis} is not a class axis of logits of rank "
+                                      f"{rank}")
+            axis %= rank
+        return axis
+
+    def label_shape(self, shape):
+        if shape is None:
+            return ["N"]
+        axis = self.axis(shape)
+        dims = [d for i, d in enumerate(shape) if i != axis]
+        return dims
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        axis = self.axis(shape)
+        rank = 2 if shape is None else len(shape)
+        logits, labels = pred, label
+        if self.shift_labels:
+            logits = em.op("Slice", [logits, em.const([0], np.int64), em.const([-1], np.int64),
+                                     em.const([1], np.int64)])
+            labels = em.op("Slice", [labels, em.const([1], np.int64),
+                                     em.const([np.iinfo(np.int64).max], np.int64),
+                                     em.const([1], np.int64)])
+        if axis != 1:  # classes to axis 1, as the ONNX loss ops read them
+            perm = [0, axis] + [i for i in range(1, rank) if i != axis]
+            logits = em.op("Transpose", [logits], perm=perm)
+        log_probs = em.op("LogSoftmax", [logits], axis=1)
+        weights = [em.const(self.weight)] if self.weight is not None else []
+        nll = em.op("NegativeLogLikelihoodLoss", [log_probs, labels, *weights],
+                    ignore_index=self.ignore_index, reduction=self.reduction)
+        if not self.label_smoothing:
+            return nll
+        return self._smoothed(em, nll, log_probs, labels, rank)
+
+    def _smoothed(self, em: Emit, nll: str, log_probs: str, labels: str, rank: int) -> str:
+        """torch: (1 - eps) nll + eps * sum_c(-log p_c * w_c) / C, reduced like nll (the mean
+        divides by the number, or the total weight, of the non-ignored targets)."""
+        eps = self.label_smoothing
+        per_class = em.op("Neg", [log_probs])
+        if self.weight is not None:
+            shape = [1, len(self.weight)] + [1] * (rank - 2)
+            per_class = em.op("Mul", [per_class, em.const(np.reshape(self.weight, shape))])
+        smooth = em.op("ReduceSum", [per_class, em.const([1], np.int64)], keepdims=0)
+        kept = em.op("Not", [em.op("Equal", [labels, em.const(self.ignore_index, np.int64)])])
+        smooth = em.op("Where", [kept, smooth, em.const(0.0)])
+        total = em.op("ReduceSum", [smooth], keepdims=0)
+        if self.reduction == "mean":
+            if self.weight is not None:
+                safe = em.op("Where", [kept, labels, em.const(0, np.int64)])
+                target_w = em.op("Gather", [em.const(self.weight), safe], axis=0)
+                count = em.op("ReduceSum", [em.op("Where", [kept, target_w, em.const(0.0)])],
+                              keepdims=0)
+            else:
+                count = em.op("CastLike", [em.op("ReduceSum", [
+                    em.op("Cast", [kept], to=TensorProto.INT64)], keepdims=0), total])
+            total = em.op("Div", [total, count])
+        n_classes = len(self.weight) if self.weight is not None else None
+        if n_classes is None:
+            classes = em.op("CastLike", [em.op("Gather", [em.op("Shape", [log_probs]),
+                                                          em.const(1, np.int64)], axis=0),
+                                         total])
+            smooth_term = em.op("Div", [total, classes])
+        else:
+            smooth_term = em.op("Mul", [total, em.const(1.0 / n_classes)])
+        return em.op("Add", [em.op("Mul", [nll, em.const(1.0 - eps)]),
+                             em.op("Mul", [smooth_term, em.const(eps)])])
+
+
+NAMED = {"mse": MSELoss, "cross_entropy": CrossEntropyLoss, "l1": L1Loss, "huber": HuberLoss,
+         "smooth_l1": SmoothL1Loss, "bce_with_logits": BCEWithLogitsLoss}
+
+
+def resolve(loss) -> Loss | None:
+    """A Loss for a loss object or one of the :data:`NAMED` strings; None for other strings
+    (the name of a scalar output already in the model)."""
+    if isinstance(loss, Loss):
+        return loss
+    if isinstance(loss, str) and loss in NAMED:
+        return NAMED[loss]()
+    if isinstance(loss, str):
+        return None
+    raise TrainingOpError(f"loss must be a loss object (e.g. CrossEntropyLoss()), one of "
+                          f"{sorted(NAMED)} or the name of a scalar output, found {loss!r}")
