@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .autodiff.coverage import missing_rules, reaching
 from .errors import TrainingOpError
 from .losses import NAMED, Emit, Loss, resolve
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
@@ -70,13 +71,25 @@ def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _trainables(model: onnx.ModelProto, trainable) -> list[onnx.TensorProto]:
-    inits = {t.name: t for t in model.graph.initializer}
+def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
+                        elem_types) -> list[onnx.TensorProto]:
+    """The initializers torch would call parameters: float, not scalars (constants the
+    exporters fold into initializers), not BatchNormalization running statistics, and with a
+    differentiable path to the loss."""
+    reached = reaching(list(model.graph.node) + list(loss_nodes), loss_name, elem_types)
+    chosen = [t for t in model.graph.initializer
+              if t.data_type in FLOAT_TYPES and len(t.dims) > 0 and t.name in reached]
+    if not chosen:
+        raise TrainingOpError("the model has no float initializers that reach the loss; pass "
+                              "trainable=[...]")
+    return chosen
+
+
+def _trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: str,
+                elem_types) -> list[onnx.TensorProto]:
     if trainable is None:
-        chosen = [t for t in model.graph.initializer if t.data_type in FLOAT_TYPES]
-        if not chosen:
-            raise TrainingOpError("the model has no float initializers to train; pass trainable=[...]")
-        return chosen
+        return _default_trainables(model, loss_nodes, loss_name, elem_types)
+    inits = {t.name: t for t in model.graph.initializer}
     names = [trainable] if isinstance(trainable, str) else list(trainable)
     if not names:
         raise TrainingOpError("trainable is empty: nothing to train")
@@ -96,6 +109,19 @@ def _trainables(model: onnx.ModelProto, trainable) -> list[onnx.TensorProto]:
     if len(set(names)) != len(names):
         raise TrainingOpError(f"trainable names repeat: {names}")
     return out
+
+
+def _check_differentiable(model: onnx.ModelProto, loss_nodes, loss_name: str,
+                          params: list[onnx.TensorProto], elem_types) -> None:
+    """Every op between the trainables and the loss has a derivative rule: else one error
+    listing all the missing ones."""
+    missing = missing_rules(list(model.graph.node) + list(loss_nodes), loss_name,
+                            [p.name for p in params], elem_types)
+    if missing:
+        raise TrainingOpError(
+            f"{sum(m.count for m in missing)} node(s) between the trainables and the loss "
+            f"{loss_name!r} have no derivative rule: "
+            + "; ".join(m.describe() for m in missing))
 
 
 def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labels, taken):
@@ -157,7 +183,9 @@ def build_training_model(
         :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.Momentum` or
         :class:`~onnx_training_ops.Adagrad`.
     trainable:
-        names of main-graph initializers to train; default every float/double initializer.
+        names of main-graph initializers to train; default: what torch would call the
+        parameters — every float/double initializer of rank >= 1 with a differentiable path
+        to the loss, except BatchNormalization's running statistics.
     output:
         the model output the loss reads; default the first output.
     labels:
@@ -174,9 +202,9 @@ def build_training_model(
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
     graph = model.graph
-    params = _trainables(model, trainable)
     taken = all_names(graph)
     types = value_types(model)
+    elem_types = {name: vt.elem_type for name, vt in types.items()}
     outputs = {o.name: o for o in graph.output}
 
     nodes: list[onnx.NodeProto] = []
@@ -204,6 +232,9 @@ def build_training_model(
             )
         loss_name, target = loss, ""
         loss_type = vt.elem_type if vt else TensorProto.FLOAT
+
+    params = _trainables(model, trainable, nodes, loss_name, elem_types)
+    _check_differentiable(model, nodes, loss_name, params, elem_types)
 
     # ---- learning rate (input with a default) and the update count T
     if learning_rate in taken:

@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper as h
 from onnx import numpy_helper as nh
+from onnx import TensorProto, helper
 
 from onnx_training_ops import Adagrad, Adam, Momentum, TrainingOpError, TrainingSession, build_training_model
 from onnx_training_ops.builder import metadata
@@ -112,7 +113,7 @@ def test_old_opset_is_converted():
 
 def test_errors():
     model = make_mlp((4, 3))
-    with pytest.raises(TrainingOpError, match="neither 'mse', 'cross_entropy' nor an output"):
+    with pytest.raises(TrainingOpError, match="neither one of .*'mse'.* nor an output"):
         build_training_model(model, "hinge", Adam())
     with pytest.raises(TrainingOpError, match="trainable 'W9' is not an initializer"):
         build_training_model(model, "mse", Adam(), trainable=["W9"])
@@ -156,3 +157,53 @@ def test_newest_opset_is_fitted_to_onnxruntime():
     onnx.checker.check_model(model, full_check=True)
     ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     TrainingSession(model).step({"input": np.ones((2, 4), np.float32), "labels": np.zeros(2, np.int64)})
+
+
+# ------------------------------------------------------------------ issue 8: builder defects
+def _conv_bn_model():
+    """Conv -> BatchNormalization (inference) -> ReduceMean, exported-style initializers:
+    BN running statistics and a scalar constant among them."""
+    rng = np.random.default_rng(0)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inits = {"W": f32(2, 1, 3, 3), "gamma": f32(2), "beta": f32(2),
+             "running_mean": f32(2), "running_var": np.abs(f32(2)) + 0.5,
+             "two": np.float32(2.0)}
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"]),
+             helper.make_node("BatchNormalization",
+                              ["c", "gamma", "beta", "running_mean", "running_var"], ["bn"]),
+             helper.make_node("Mul", ["bn", "two"], ["scaled"]),
+             helper.make_node("ReduceMean", ["scaled", "axes"], ["y"], keepdims=0)]
+    inits["axes"] = np.array([2, 3], np.int64)
+    graph = helper.make_graph(
+        nodes, "bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])],
+        [nh.from_array(np.asarray(v), k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_default_trainables_are_what_torch_calls_parameters():
+    """Not BN running statistics (one Adam step used to move running_var), not scalar
+    constants, not integers."""
+    training = build_training_model(_conv_bn_model(), "mse", Adam())
+    assert metadata(training)["trainable"].split(",") == ["W", "gamma", "beta"]
+
+
+def test_build_lists_every_op_without_a_rule_at_once():
+    model = _conv_bn_model()
+    extra = [helper.make_node("Det", ["y2"], ["d"], name="det0"),
+             helper.make_node("Hardmax", ["y"], ["hm"], name="hardmax0"),
+             helper.make_node("Hardmax", ["hm"], ["hm2"], name="hardmax1")]
+    nodes = list(model.graph.node)
+    nodes[-1].output[0] = "y0"
+    nodes += [helper.make_node("Reshape", ["y0", "sq"], ["y2"]),
+              extra[0], helper.make_node("Add", ["y0", "d"], ["y"])] + extra[1:]
+    model.graph.initializer.append(nh.from_array(np.array([2, 2], np.int64), "sq"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.output[0].name = "hm2"
+    with pytest.raises(TrainingOpError) as info:
+        build_training_model(model, "mse", Adam())
+    msg = str(info.value)
+    assert "Hardmax x2 (first: 'hardmax0')" in msg and "Det x1 (first: 'det0')" in msg, msg
