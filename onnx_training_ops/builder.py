@@ -33,6 +33,7 @@ from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
 from .passes.fit_runtime import fit_runtime, runtime_limits
 from .schema import DOMAIN, OPSET_VERSION
+from .train_mode import to_inference, training_forward
 
 META_PREFIX = "onnx_training_ops."
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
@@ -124,9 +125,11 @@ def _check_differentiable(model: onnx.ModelProto, loss_nodes, loss_name: str,
             + "; ".join(m.describe() for m in missing))
 
 
-def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labels, taken):
+def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labels, taken,
+                renamed: dict[str, str]):
     """(loss name, label input name, loss elem type, nodes, label ValueInfo) of ``spec`` on
-    the model output ``output`` (default: the first)."""
+    the model output ``output`` (default: the first), read under its ``renamed`` name (the
+    training-mode copy) if it has one."""
     if output is None:
         if not graph.output:
             raise TrainingOpError("the model has no outputs")
@@ -149,7 +152,7 @@ def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labe
     else:
         label_vi = _value_info_from(outputs[output], target)
     em = Emit(lambda base: unique_name(taken, base), helper.tensor_dtype_to_np_dtype(pred_type))
-    loss_name = spec.emit(em, output, target, shape)
+    loss_name = spec.emit(em, renamed.get(output, output), target, shape)
     renamed = unique_name(taken, "loss")
     em.nodes.append(helper.make_node("Identity", [loss_name], [renamed], name=renamed))
     return renamed, target, pred_type, em.nodes, label_vi
@@ -164,6 +167,8 @@ def build_training_model(
     output: str | None = None,
     labels: str | None = None,
     learning_rate: str = "learning_rate",
+    mode: str = "eval",
+    seed: int = 0,
 ) -> onnx.ModelProto:
     """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
 
@@ -192,7 +197,17 @@ def build_training_model(
         name of the new label/target input; default ``"labels"`` (cross_entropy) or ``"target"`` (mse).
     learning_rate:
         name of the algorithm graph's learning-rate input R (default value ``optimizer.lr``).
+    mode:
+        ``"eval"`` (default): the loss reads the inference graph as it is. ``"train"``: the
+        algorithm graph runs a training-mode copy of the forward pass, like torch's
+        ``model.train()`` — BatchNormalization on batch statistics with its running
+        statistics updated as state, Dropout with a fresh mask each step (see
+        :mod:`onnx_training_ops.train_mode`); the main graph stays the eval-mode graph.
+    seed:
+        the dropout masks' seed (``mode="train"``): same seed, same masks.
     """
+    if mode not in ("eval", "train"):
+        raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
     if not isinstance(optimizer, (Adam, Momentum, Adagrad)):
         raise TrainingOpError(
             f"optimizer must be onnx_training_ops.Adam, Momentum or Adagrad, found {type(optimizer).__name__}"
@@ -211,11 +226,22 @@ def build_training_model(
     algo_inputs: list[onnx.ValueInfoProto] = []
     algo_inits: list[onnx.TensorProto] = []
 
+    # ---- the update count T (the dropout masks' counter too) and the training-mode forward
+    t_name = unique_name(taken, "optimizer.T")
+    renamed: dict[str, str] = {}
+    stat_updates: list[tuple[str, str]] = []
+    if mode == "train":
+        to_inference(graph)
+        ranks = {name: len(vt.shape) for name, vt in types.items() if vt.shape is not None}
+        forward, renamed, stat_updates = training_forward(
+            graph, ranks, _default_opset(model), t_name, seed, lambda b: unique_name(taken, b))
+        nodes += forward
+
     # ---- loss
     spec = resolve(loss)
     if spec is not None:
         loss_name, target, loss_type, loss_nodes, label_vi = _loss_nodes(
-            spec, graph, types, outputs, output, labels, taken)
+            spec, graph, types, outputs, output, labels, taken, renamed)
         nodes += loss_nodes
         algo_inputs.append(label_vi)
     else:
@@ -245,7 +271,6 @@ def build_training_model(
     r_type, r_dtype = (TensorProto.DOUBLE, np.float64) if r_double else (TensorProto.FLOAT, np.float32)
     algo_inputs.append(_tensor_vi(learning_rate, r_type, []))
     algo_inits.append(numpy_helper.from_array(np.array(optimizer.lr, r_dtype), learning_rate))
-    t_name = unique_name(taken, "optimizer.T")
     t_new = unique_name(taken, "optimizer.T.new")
     one = unique_name(taken, "optimizer.one")
     algo_inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
@@ -322,6 +347,10 @@ def build_training_model(
             update_binding.append((state, new))
     algo_outputs.append(_tensor_vi(t_new, TensorProto.INT64, []))
     update_binding.append((t_name, t_new))
+    inits = {t.name: t for t in graph.initializer}
+    for stat, new in stat_updates:  # running statistics (mode="train"): state, not trained
+        algo_outputs.append(_tensor_vi(new, inits[stat].data_type, inits[stat].dims))
+        update_binding.append((stat, new))
     algorithm = helper.make_graph(nodes, "algorithm", algo_inputs, algo_outputs, initializer=algo_inits)
 
     info = onnx.TrainingInfoProto()
@@ -344,6 +373,8 @@ def build_training_model(
         "labels": target,
         "learning_rate": learning_rate,
         "trainable": ",".join(p_names),
+        "mode": mode,
+        "seed": str(seed),
     }
     kept = [m for m in model.metadata_props if not m.key.startswith(META_PREFIX)]
     del model.metadata_props[:]

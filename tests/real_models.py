@@ -150,6 +150,11 @@ def build(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
+        for name, b in module.named_buffers():  # equal running statistics get merged too
+            if name.endswith("running_mean"):
+                b.add_(0.05 * torch.randn(b.shape, generator=g))
+            elif name.endswith("running_var"):
+                b.mul_(1 + 0.2 * torch.rand(b.shape, generator=g))
     return module, entry.inputs()
 
 

@@ -201,3 +201,33 @@ def test_one_training_step_matches_torch_optim(name, exporter, optimizer):
     for onnx_name, (ours, theirs) in pairs.items():
         err = float(np.abs(ours - theirs).max()) / max(float(np.abs(theirs).max()), 1e-3 * top)
         assert err <= tolerance, f"{onnx_name} ({pmap[onnx_name][0]}): update rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_resnet_train_mode_step_matches_torch_including_running_statistics(exporter):
+    """mode="train": batch statistics in the step, running statistics updated as torch's
+    model.train() does (3 SGD-momentum steps)."""
+    module, inputs, model, pmap = _exported("resnet", exporter)
+    targets = _targets("resnet", module, inputs)
+    training = build_training_model(model, "cross_entropy", Momentum(lr=0.1, momentum=0.9),
+                                    trainable=list(pmap), mode="train")
+    ts = TrainingSession(training)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module.train()
+    for _ in range(3):
+        got = ts.step(_feeds(inputs, targets, model))
+        opt.zero_grad()
+        loss = _torch_loss("resnet", module(*inputs.values()), targets)
+        loss.backward()
+        opt.step()
+        np.testing.assert_allclose(got["loss"], float(loss.detach()), rtol=1e-4)
+    module.eval()
+    state = ts.state_dict()
+    buffers = {n: b.numpy() for n, b in module.named_buffers() if "running" in n}
+    assert set(buffers) <= set(state), "the running statistics are state (kept names)"
+    for name, value in buffers.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    for onnx_name, (torch_name, transposed) in pmap.items():
+        want = dict(module.named_parameters())[torch_name].detach().numpy()
+        np.testing.assert_allclose(state[onnx_name], want.T if transposed else want,
+                                   rtol=1e-4, atol=1e-5, err_msg=torch_name)

@@ -20,6 +20,11 @@ LOWERED_BY_PASSES = frozenset({"LSTM", "GRU", "RNN", "SplitToSequence", "Sequenc
 # inputs that never carry a gradient to a parameter even when float
 NOT_TRAINED_INPUTS = {"BatchNormalization": (3, 4)}  # running mean / variance: statistics
 
+# outputs are bool or int whatever the inputs: never on a gradient path (the types of values
+# the builder itself adds are not known to shape inference yet)
+NON_FLOAT_OUTPUTS = frozenset({"Less", "Greater", "Equal", "LessOrEqual", "GreaterOrEqual",
+                               "Not", "And", "Or", "Xor", "IsNaN", "IsInf"})
+
 HINTS = {
     "Dropout": "export after model.eval() (inference-mode Dropout is the identity)",
     "BatchNormalization": "export after model.eval()",
@@ -63,7 +68,7 @@ def reaching(nodes: Sequence[onnx.NodeProto], y: str, elem_types: Mapping[str, i
         if idx is None:
             continue
         node = nodes[idx]
-        if node.op_type in NON_DIFFERENTIABLE:
+        if node.op_type in NON_DIFFERENTIABLE or node.op_type in NON_FLOAT_OUTPUTS:
             continue
         skip = NOT_TRAINED_INPUTS.get(node.op_type, ())
         for i, inp in enumerate(node.input):
@@ -84,7 +89,7 @@ def missing_rules(nodes: Sequence[onnx.NodeProto], y: str, leaves: Iterable[str]
         if not any(i in active for i in node_reads(node)):
             continue
         outs = [o for o in node.output if o and _is_float(elem_types, o)]
-        if node.op_type in NON_DIFFERENTIABLE or not outs:
+        if node.op_type in NON_DIFFERENTIABLE or node.op_type in NON_FLOAT_OUTPUTS or not outs:
             continue
         active.update(outs)
         if not any(o in backward for o in outs):
