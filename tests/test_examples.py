@@ -34,3 +34,11 @@ def test_from_graph(tmp_path):
 
     resumed = TrainingSession(result["path"])
     assert int(resumed.state_dict()["T"]) == 120
+
+
+def test_finetune_transformer(tmp_path):
+    pytest.importorskip("transformers")
+    result = _load("finetune_transformer").main(str(tmp_path), steps=120)
+    assert result["last"] < result["first"] - 1.0  # from ~log(82) toward the text's entropy
+    assert Path(result["plot"]).exists()
+    assert result["sample"].startswith("Beautiful is")
