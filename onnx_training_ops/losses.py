@@ -228,10 +228,14 @@ class CrossEntropyLoss(Loss):
         if axis != 1:  # classes to axis 1, as the ONNX loss ops read them
             perm = [0, axis] + [i for i in range(1, rank) if i != axis]
             logits = em.op("Transpose", [logits], perm=perm)
-        log_probs = em.op("LogSoftmax", [logits], axis=1)
         weights = [em.const(self.weight)] if self.weight is not None else []
-        nll = em.op("NegativeLogLikelihoodLoss", [log_probs, labels, *weights],
-                    ignore_index=self.ignore_index, reduction=self.reduction)
+        # one SoftmaxCrossEntropyLoss node: its derivative rule is the compact
+        # (softmax - onehot) * coefficient and reuses the log-probabilities it outputs
+        log_probs = em.unique("loss/log_prob")
+        nll = em.unique("loss/SoftmaxCrossEntropyLoss")
+        em.nodes.append(helper.make_node(
+            "SoftmaxCrossEntropyLoss", [logits, labels, *weights], [nll, log_probs], name=nll,
+            ignore_index=self.ignore_index, reduction=self.reduction))
         if not self.label_smoothing:
             return nll
         return self._smoothed(em, nll, log_probs, labels, rank)

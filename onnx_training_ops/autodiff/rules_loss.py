@@ -11,16 +11,27 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx import TensorProto
+
 from .emitter import Emitter
 from .registry import RuleContext, RuleError, register
 
 
 def _onehot(em: Emitter, labels: str, scores: str, rank: int) -> str:
-    """``onehot[i, c] = (labels[i] == c)`` as scores' type, class axis 1, shape [N, C, ...]."""
+    """``onehot[i, c] = (labels[i] == c)`` as scores' type, class axis 1, shape [N, C, ...].
+
+    float32: one ``OneHot`` node (an ignored label such as -100 may land on a class or
+    nowhere; its sample's coefficient is 0 either way). onnxruntime has no float64 OneHot:
+    there, labels are compared with a class range."""
+    if em.dtype(scores) == TensorProto.FLOAT:
+        values = em.const(np.array([0, 1], dtype=np.float32))
+        labels64 = labels if em.dtype(labels) == TensorProto.INT64 else em.op(
+            "Cast", [labels], to=TensorProto.INT64)
+        return em.op("OneHot", [labels64, em.dims_of(scores, 1, 2), values], "onehot", axis=1)
     classes = em.squeeze(em.dims_of(scores, 1, 2), [0])
     rng = em.op("Range", [em.const(np.int64(0)), classes, em.const(np.int64(1))])
     rng = em.op("Reshape", [rng, em.ints([1, -1] + [1] * (rank - 2))])
-    lab = em.unsqueeze(em.op("Cast", [labels], to=7), [1])
+    lab = em.unsqueeze(em.op("Cast", [labels], to=TensorProto.INT64), [1])
     return em.cast_like(em.op("Equal", [lab, rng]), scores)
 
 
