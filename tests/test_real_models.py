@@ -75,7 +75,7 @@ def _torch_grads(name, module, inputs, targets) -> tuple[float, dict[str, np.nda
     module.zero_grad()
     loss = _torch_loss(name, module(*inputs.values()), targets)
     loss.backward()
-    return float(loss), {n: p.grad.numpy().copy() for n, p in module.named_parameters()
+    return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in module.named_parameters()
                          if p.grad is not None}
 
 
