@@ -157,3 +157,15 @@ def test_loss_arguments_are_checked():
         ot.CrossEntropyLoss(label_smoothing=1.5)
     with pytest.raises(ot.TrainingOpError, match="loss must be"):
         ot.build_training_model(_linear_model((2, 3), 2, np.float32)[0], 3.0, ot.Adam())
+
+
+def test_cross_entropy_without_ignore_index_equals_torch_on_valid_labels():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    labels = np.array([0, 1, 2, 3, 2], np.int64)
+    model, w, b = _linear_model(x.shape, 4, np.float32)
+    theirs = _torch_step(w, b, x, lambda out: F.cross_entropy(out, torch.tensor(labels),
+                                                              label_smoothing=0.1), 0.5)
+    ours = _ours(model, ot.CrossEntropyLoss(ignore_index=None, label_smoothing=0.1),
+                 {"x": x, "labels": labels}, 0.5)
+    _compare(ours, theirs, np.float32)
