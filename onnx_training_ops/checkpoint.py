@@ -8,10 +8,18 @@ resumes bit for bit: initializers are stored as raw little-endian bytes, the exa
 :func:`atomic_write` writes to a temporary file in the target's directory, flushes and
 fsyncs it, then ``os.replace``-s it over the target (and fsyncs the directory): a reader
 sees the old file or the new one, never a torn one, even when the process dies mid-write.
+Temporary files left by a writer that died are removed by the next save to the same path.
+
+**Integrity**: :func:`write_state` stores SHA-256 checksums of every initializer and of the
+rest of the model in ``metadata_props`` (``onnx_training_ops.checksums``); :func:`verify`
+(run by TrainingSession on load) names the first tensor that no longer matches. A checkpoint
+without checksums (written before they existed) loads unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from typing import Mapping
@@ -20,13 +28,19 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .errors import TrainingOpError
+
+CHECKSUM_KEY = "onnx_training_ops.checksums"
+
 
 def atomic_write(path: str | os.PathLike, data: bytes) -> str:
     """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace); returns the path."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    prefix = f".{os.path.basename(path)}."
+    _remove_stale_temporaries(directory, prefix)
+    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}.", suffix=".tmp", dir=directory)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -53,6 +67,93 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> str:
     return path
 
 
+def _remove_stale_temporaries(directory: str, prefix: str) -> None:
+    """Delete ``<prefix><pid>.*.tmp`` files whose writer process no longer exists."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid = name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue
+        if pid.isdigit() and int(pid) == os.getpid():
+            continue  # another thread of this process may be writing it
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    graphs = [model.graph]
+    for info in model.training_info:
+        graphs += [info.initialization, info.algorithm]
+    return graphs
+
+
+def checksums(model: onnx.ModelProto) -> dict:
+    """SHA-256 of every initializer (by name) and of the model without them."""
+    tensors = {}
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model)
+    kept = [m for m in skeleton.metadata_props if m.key != CHECKSUM_KEY]
+    del skeleton.metadata_props[:]
+    skeleton.metadata_props.extend(kept)
+    for graph in _graphs(model):
+        for tensor in graph.initializer:
+            tensors[tensor.name] = hashlib.sha256(tensor.SerializeToString()).hexdigest()
+    for graph in _graphs(skeleton):
+        del graph.initializer[:]
+    return {"tensors": tensors,
+            "model": hashlib.sha256(skeleton.SerializeToString()).hexdigest()}
+
+
+def add_checksums(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (in place) with its checksums in metadata_props."""
+    kept = [m for m in model.metadata_props if m.key != CHECKSUM_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=CHECKSUM_KEY, value=json.dumps(checksums(model)))
+    return model
+
+
+def verify(model: onnx.ModelProto, path=None) -> None:
+    """Raise TrainingOpError naming the file and the first tensor that does not match the
+    stored checksums (nothing to check when there are none)."""
+    stored = next((m.value for m in model.metadata_props if m.key == CHECKSUM_KEY), None)
+    if stored is None:
+        return
+    where = f"checkpoint {os.fspath(path)!r}" if path is not None else "the model"
+    try:
+        expected = json.loads(stored)
+        want_tensors, want_model = dict(expected["tensors"]), expected["model"]
+    except (ValueError, KeyError, TypeError):
+        raise TrainingOpError(f"{where}: its checksum record is damaged") from None
+    got = checksums(model)
+    for name, digest in got["tensors"].items():
+        if want_tensors.pop(name, None) != digest:
+            raise TrainingOpError(f"{where}: tensor {name!r} does not match its checksum: the "
+                                  "file is damaged (restore it from a copy)")
+    if want_tensors:
+        raise TrainingOpError(f"{where}: tensor(s) {sorted(want_tensors)} are missing")
+    if got["model"] != want_model:
+        raise TrainingOpError(f"{where}: the graph (not a tensor) does not match its checksum: "
+                              "the file is damaged")
+
+
 def set_initializer(tensor: onnx.TensorProto, value: np.ndarray) -> None:
     """Overwrite ``tensor`` (in place, keeping its name) with ``value``'s exact bytes."""
     name = tensor.name
@@ -69,7 +170,7 @@ def write_state(model: onnx.ModelProto, state: Mapping[str, np.ndarray]) -> onnx
         for tensor in graph.initializer:
             if tensor.name in state:
                 set_initializer(tensor, state[tensor.name])
-    return out
+    return add_checksums(out)
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> str:

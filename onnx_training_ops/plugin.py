@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import deque
 from functools import lru_cache
 
 import numpy as np
@@ -35,17 +36,35 @@ _previous_hook = None
 _log = logging.getLogger(__name__)
 
 # A Python exception must never leave the hook: the bridge would terminate the process.
-# A failing kernel instead logs the error, records it here and returns NaN outputs;
-# onnx_training_ops.InferenceSession turns the record into an exception after run().
-_kernel_errors: list[Exception] = []
-_kernel_errors_lock = threading.Lock()
+# A failing kernel instead logs the error, records it for the calling thread (onnxruntime runs
+# the kernel on the thread that called run()) and returns NaN outputs;
+# onnx_training_ops.InferenceSession turns the record into an exception after run(). A
+# KeyboardInterrupt (Ctrl-C) arriving inside a kernel is recorded the same way and re-raised
+# after run() returns. Records are per thread and bounded: a plain onnxruntime session that
+# never collects them cannot make them grow.
+MAX_RECORDS = 16
+_records = threading.local()
+
+
+class Interrupted(Exception):
+    """Marks a KeyboardInterrupt caught inside a kernel, re-raised after the run."""
+
+
+def _thread_records() -> deque:
+    records = getattr(_records, "errors", None)
+    if records is None:
+        records = _records.errors = deque(maxlen=MAX_RECORDS)
+    return records
 
 
 def take_kernel_errors() -> list[Exception]:
-    """The kernel errors recorded since the last call (and forget them)."""
-    with _kernel_errors_lock:
-        errors = list(_kernel_errors)
-        _kernel_errors.clear()
+    """The kernel errors recorded on this thread since the last call (and forget them).
+
+    After a plain ``onnxruntime.InferenceSession.run`` on a prepared model (whose failed
+    kernels return NaN and log the error), this is how the caller learns what failed."""
+    records = _thread_records()
+    errors = list(records)
+    records.clear()
     return errors
 
 
@@ -81,9 +100,17 @@ def _hook(k_id, feed, attributes):
 
     opdef = Opdef._odlist[k_id]
     try:
-        outputs = opdef.body(*feed, **opdef.cast_attributes(attributes))
-    except Exception as error:  # noqa: BLE001 - anything escaping here kills the process
-        outputs = _failed_outputs(opdef, feed, attributes, error)
+        try:
+            outputs = opdef.body(*feed, **opdef.cast_attributes(attributes))
+        except Exception as error:  # noqa: BLE001 - anything escaping here kills the process
+            outputs = _failed_outputs(opdef, feed, attributes, error)
+        return _packed(k_id, outputs)
+    except KeyboardInterrupt:  # Ctrl-C landed in Python code here: re-raised after the run
+        return _packed(k_id, _failed_outputs(opdef, feed, attributes,
+                                             Interrupted("KeyboardInterrupt")))
+
+
+def _packed(k_id, outputs) -> tuple:
     result = [k_id]
     for out in outputs:
         out = np.asarray(out)
@@ -99,11 +126,11 @@ def _failed_outputs(opdef, feed, attributes: dict, error: Exception) -> list[np.
         node = decode_attributes(attributes[EXACT_ATTRIBUTE]).get("node", "")
     except Exception:  # noqa: BLE001
         node = ""
-    detail = str(error).removeprefix(f"{op_type}: ")
-    error = TrainingOpError(f"{op_type} node {node!r}: {detail}")
-    _log.error("%s", error)
-    with _kernel_errors_lock:
-        _kernel_errors.append(error)
+    if not isinstance(error, Interrupted):
+        detail = str(error).removeprefix(f"{op_type}: ")
+        error = TrainingOpError(f"{op_type} node {node!r}: {detail}")
+        _log.error("%s", error)
+    _thread_records().append(error)
     x = np.asarray(feed[2]) if len(feed) > 2 else np.zeros(())
     dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.float32
     return [np.full(x.shape, np.nan, dtype) for _ in range(OPTIMIZERS[op_type].n_groups_out)]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+from contextlib import contextmanager
 from typing import Any, Sequence
 
+import numpy as np
 import onnxruntime as ort
 
 from .passes import ModelLike, prepare
 from .errors import TrainingOpError
-from .plugin import session_options, take_kernel_errors
+from .plugin import Interrupted, session_options, take_kernel_errors
 
 
 class InferenceSession(ort.InferenceSession):
@@ -37,22 +41,57 @@ class InferenceSession(ort.InferenceSession):
         )
 
     def run(self, output_names, input_feed, run_options=None):
-        """``onnxruntime.InferenceSession.run``; a failing training kernel raises TrainingOpError."""
+        """``onnxruntime.InferenceSession.run``; a failing training kernel raises TrainingOpError.
+        Arrays in a non-native byte order (``'>f4'``) are converted first: onnxruntime would
+        read their bytes as native."""
+        input_feed = {k: _native(v) for k, v in input_feed.items()}
         take_kernel_errors()
-        outputs = super().run(output_names, input_feed, run_options)
+        with sigint_held():
+            outputs = super().run(output_names, input_feed, run_options)
         raise_kernel_errors()
         return outputs
 
     def run_with_iobinding(self, iobinding, run_options=None):
         """``onnxruntime.InferenceSession.run_with_iobinding`` with kernel errors raised."""
         take_kernel_errors()
-        super().run_with_iobinding(iobinding, run_options)
+        with sigint_held():
+            super().run_with_iobinding(iobinding, run_options)
         raise_kernel_errors()
 
 
+@contextmanager
+def sigint_held():
+    """While onnxruntime runs the Python kernels, Ctrl-C only takes note (a KeyboardInterrupt
+    leaving a kernel would terminate the process: the bridge is C++); it is raised when the
+    run is over. Python delivers signals to the main thread only: elsewhere nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, None)  # default_int_handler raises KeyboardInterrupt
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+
+def _native(value):
+    if isinstance(value, np.ndarray) and not value.dtype.isnative:
+        return value.astype(value.dtype.newbyteorder("="))
+    return value
+
+
 def raise_kernel_errors() -> None:
-    """Raise the first kernel error recorded during the last run, if any."""
+    """Raise the first kernel error recorded on this thread during the last run, if any; a
+    Ctrl-C caught inside a kernel comes out as KeyboardInterrupt."""
     errors = take_kernel_errors()
+    if any(isinstance(e, Interrupted) for e in errors):
+        raise KeyboardInterrupt
     if errors:
         first = errors[0]
         if isinstance(first, TrainingOpError):

@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 from typing import Callable, Union
 
-import onnx
 from onnx import ModelProto
+
+from ..errors import TrainingOpError
 
 from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient
@@ -42,8 +43,31 @@ def load_model(model: ModelLike) -> ModelProto:
         copy.CopyFrom(model)
         return copy
     if isinstance(model, (bytes, bytearray)):
-        return onnx.load_from_string(bytes(model))
-    return onnx.load(os.fspath(model))
+        return _parsed(bytes(model), "the model bytes")
+    if not isinstance(model, (str, os.PathLike)):
+        raise TrainingOpError(f"expected an onnx.ModelProto, a path or bytes, found {type(model).__name__}")
+    path = os.fspath(model)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as error:
+        raise TrainingOpError(f"cannot read {path!r}: {error.strerror or error}") from None
+    model = _parsed(data, repr(path))
+    if data and len(data) > 0 and model.graph.ByteSize() == 0 and not model.training_info:
+        raise TrainingOpError(f"{path!r} holds no ONNX model (no graph)")
+    return model
+
+
+def _parsed(data: bytes, where: str) -> ModelProto:
+    if not data:
+        raise TrainingOpError(f"{where} is empty (0 bytes): not an ONNX model")
+    model = ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as error:  # noqa: BLE001  protobuf's DecodeError and friends
+        raise TrainingOpError(f"{where} is not an ONNX model (protobuf could not parse it: "
+                              f"{error})") from None
+    return model
 
 
 def prepare(model: ModelLike) -> ModelProto:

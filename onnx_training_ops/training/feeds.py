@@ -51,6 +51,8 @@ def check_feed_names(feeds: Mapping[str, Any], required: set[str], optional: set
 def feed_array(spec: FeedSpec, value) -> np.ndarray:
     """``value`` as a C-contiguous array of the spec's dtype and shape (raises if it is not one)."""
     array = value if type(value) is np.ndarray else np.asarray(value)
+    if not array.dtype.isnative:  # e.g. '>f4' from a big-endian file: onnxruntime would misread it
+        array = array.astype(array.dtype.newbyteorder("="))
     if array.dtype != spec.dtype:
         raise TrainingOpError(
             f"step: feed {spec.name!r} must be {dtype_name(spec.dtype)}, found {dtype_name(array.dtype)}"

@@ -16,7 +16,9 @@ onnxruntime; both agree bit for bit. ``on_nonfinite`` says what a NaN or infinit
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -42,6 +44,31 @@ from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
 
 
+def _locked(method):
+    """Run ``method`` holding the session's lock (see the class docstring)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def checked_learning_rate(lr) -> float:
+    """``lr`` as a float, or a TrainingOpError: a finite real number >= 0, as the optimizers'
+    own ``lr``."""
+    if isinstance(lr, (bool, str, bytes)) or np.ndim(lr) != 0:
+        raise TrainingOpError(f"step: lr must be a real number, found {lr!r}")
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise TrainingOpError(f"step: lr must be a real number, found {lr!r}") from None
+    if not np.isfinite(value) or value < 0:
+        raise TrainingOpError(f"step: lr must be finite and >= 0, found {value}")
+    return value
+
+
 class TrainingSession:
     """Run an ONNX training model: ``initialize()``, ``step(feeds)``, ``run(...)``, checkpoints.
 
@@ -50,6 +77,11 @@ class TrainingSession:
     spec). The state starts at the model's initializers, so a checkpoint written by
     :meth:`save` resumes where it stopped; call :meth:`initialize` to reset the state and run
     the initialization graphs (a model fresh from the builder is already in that state).
+
+    Threads: a session may be shared. ``step``, ``run``, ``save``, ``state_dict``,
+    ``load_state_dict``, ``initialize`` and the exports hold one lock, so concurrent calls
+    run one after the other (no step is lost, no checkpoint is torn); for parallel training,
+    use one session per thread.
     """
 
     def __init__(
@@ -64,6 +96,8 @@ class TrainingSession:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
         model = load_model(model_or_path)
+        checkpoint.verify(model, model_or_path if isinstance(model_or_path, (str, os.PathLike))
+                          else None)
         if not model.training_info:
             raise TrainingOpError(
                 "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
@@ -102,6 +136,8 @@ class TrainingSession:
         }
         self._required_set = set(self._required_feeds)
         self._init_sessions = None
+        # one step, save, run or state change at a time: concurrent callers wait their turn
+        self._lock = threading.RLock()
 
     @classmethod
     def from_graph(
@@ -139,10 +175,12 @@ class TrainingSession:
         """Names of the state variables (parameters, optimizer state, update count)."""
         return list(self._state)
 
+    @_locked
     def state_dict(self) -> dict[str, np.ndarray]:
         """A copy of every state variable."""
         return {name: value.copy() for name, value in self._state.items()}
 
+    @_locked
     def load_state_dict(self, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
         """Copy values into the state variables (same dtype and shape required).
 
@@ -172,6 +210,7 @@ class TrainingSession:
         for name, value in checked.items():
             np.copyto(self._state[name], value)
 
+    @_locked
     def initialize(self) -> None:
         """Reset every state variable to its initializer, then run the initialization graphs."""
         for name, proto in self._state_protos.items():
@@ -212,6 +251,7 @@ class TrainingSession:
     def learning_rate_names(self) -> list[str]:
         return list(self._rate_names)
 
+    @_locked
     def step(self, feeds: Mapping[str, Any], lr: float | None = None) -> dict[str, np.ndarray]:
         """One training step: run each algorithm, assign its outputs by ``update_binding``.
 
@@ -220,7 +260,12 @@ class TrainingSession:
         the learning-rate input). Returns the outputs not consumed by ``update_binding``
         (the loss, ...).
         """
+        if not isinstance(feeds, Mapping):
+            raise TrainingOpError(f"step: feeds must be a mapping of input name to array, found "
+                                  f"{type(feeds).__name__}; inputs: {sorted(self._required_set)}")
         check_feed_names(feeds, self._required_set, self._optional_feeds)
+        if lr is not None:
+            lr = checked_learning_rate(lr)
         if lr is not None and not self._rate_names:
             raise TrainingOpError(
                 "step: lr was given but no optimizer of this model takes its learning rate from a graph input "
@@ -236,6 +281,7 @@ class TrainingSession:
 
     # ------------------------------------------------------------------ inference, export
 
+    @_locked
     def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
         """Run the main (inference) graph with the current state; like ``InferenceSession.run``."""
         if self._inference is None:
@@ -253,14 +299,17 @@ class TrainingSession:
         except Exception as error:
             raise TrainingOpError(f"run: {error}") from error
 
+    @_locked
     def training_model(self) -> onnx.ModelProto:
         """The training model with the current state as initializers (what :meth:`save` writes)."""
         return checkpoint.write_state(self._model, self._state)
 
+    @_locked
     def save(self, path: str | os.PathLike) -> str:
         """Write the training model with the current state, atomically; reloading resumes bit-exact."""
         return checkpoint.save_model(self.training_model(), path)
 
+    @_locked
     def export_inference_model(self, path: str | os.PathLike | None = None) -> onnx.ModelProto:
         """The main graph with the trained weights and no training_info (written to ``path`` if given)."""
         model = inference_model(self._model, self._state, with_state_values=True)

@@ -10,6 +10,8 @@ does the same without raising (the step is dropped, the returned dict has the lo
 
 from __future__ import annotations
 
+import signal
+from contextlib import contextmanager
 from typing import Any, Mapping
 
 import numpy as np
@@ -27,6 +29,27 @@ class NonFiniteLossError(TrainingOpError):
     """The loss of a step was NaN or infinite; the step was not applied (state unchanged)."""
 
 
+_SIGINT = {signal.SIGINT}
+
+
+@contextmanager
+def deferred_interrupts():
+    """Block Ctrl-C (SIGINT) while the state is written, so a step is applied whole or not
+    at all (about 2 us a step). A Ctrl-C that came before the write began cancels the step
+    (KeyboardInterrupt, state as before); one that lands during the write is delivered when
+    it ends: the step counts (T says so), and the state is never partial."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
+    try:
+        if signal.SIGINT in signal.sigpending() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.sigtimedwait(_SIGINT, 0)  # take it: raised here, before anything is written
+            raise KeyboardInterrupt
+        yield
+    finally:
+        if signal.SIGINT not in previous:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGINT)
+
+
 def run_program(
     program: Program,
     feeds: Mapping[str, Any],
@@ -37,7 +60,7 @@ def run_program(
     """Run one program's step; returns its outputs not bound to state, and whether the step was skipped."""
     io = program.io
     raw = io._iobinding
-    _bound = bind_feeds(program, feeds)  # onnxruntime reads these arrays: keep them until it has run
+    bound = bind_feeds(program, feeds)  # onnxruntime reads these arrays: keep them until it has run
     set_learning_rates(program, feeds, lr)
     try:
         if program.run is None:
@@ -48,6 +71,13 @@ def run_program(
         raise
     except Exception as error:  # onnxruntime's own errors: name what failed
         raise TrainingOpError(f"step: onnxruntime failed on training_info[{program.index}]: {error}") from error
+    del bound
+    with deferred_interrupts():  # from here on the state is written: all of it, or none
+        return _commit(program, raw, feeds, state, on_nonfinite)
+
+
+def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np.ndarray],
+            on_nonfinite: str) -> tuple[dict[str, np.ndarray], bool]:
     if program.copy_plan is None:
         finish_binding(program, state)
     result = {}

@@ -1,0 +1,282 @@
+"""Faults and rough edges (issue 9): Ctrl-C, errors owned by the run that raised them, one
+session shared by threads, damaged checkpoints, bad learning rates, big-endian feeds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+from model_factory import optimizer_model
+from onnx_training_ops import (Adam, InferenceSession, TrainingOpError, TrainingSession,
+                               build_training_model, checkpoint)
+from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.plugin import MAX_RECORDS, take_kernel_errors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _training_model():
+    return build_training_model(make_mlp((16, 32, 4), seed=7), "cross_entropy", Adam(lr=5e-3))
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"input": rng.standard_normal((8, 16)).astype(np.float32),
+            "labels": rng.integers(0, 4, 8).astype(np.int64)}
+
+
+# ------------------------------------------------------------------ Ctrl-C
+CHILD = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, {tests!r})
+    import onnx_training_ops as ot
+    from model_factory import optimizer_model
+    from onnx_training_ops.demo import make_mlp
+    kind = sys.argv[1]
+    if kind == "graph":
+        model = optimizer_model("Adam", shapes=[[1_000_000]])
+        session = ot.InferenceSession(model)
+        feed = {{"R": np.array(0.1, np.float32), "T": np.array(0, np.int64)}}
+        feed.update({{k: np.ones(1_000_000, np.float32) for k in ("X0", "G0", "V0", "H0")}})
+        def work():
+            session.run(None, feed)
+        def check():
+            out = session.run(None, feed)[0]
+            assert np.isfinite(out).all()
+    else:
+        training = ot.build_training_model(make_mlp((256, 1024, 4), seed=1), "cross_entropy",
+                                           ot.Adam(lr=1e-3))
+        session = ot.TrainingSession(training, fast=(kind == "fast"))
+        rng = np.random.default_rng(0)
+        batch = {{"input": rng.standard_normal((64, 256)).astype(np.float32),
+                 "labels": rng.integers(0, 4, 64).astype(np.int64)}}
+        done = [0]
+        def work():
+            session.step(batch)
+            done[0] += 1
+        def check():
+            state = session.state_dict()
+            t = int(next(v for k, v in state.items() if k.endswith("optimizer.T")))
+            # a Ctrl-C landing while the state is written lets that step complete (and count)
+            assert done[0] <= t <= done[0] + 3, (t, done[0])
+            assert all(np.isfinite(v).all() for v in state.values())
+            work()
+    print("ready", flush=True)
+    interrupts = 0
+    while interrupts < 3:
+        try:
+            work()
+        except KeyboardInterrupt:
+            interrupts += 1
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent may still be sending
+    check()
+    print("interrupted", interrupts, flush=True)
+""")
+
+
+@pytest.mark.parametrize("kind", ["graph", "plugin", "fast"])
+def test_ctrl_c_raises_keyboard_interrupt_and_the_session_stays_usable(kind):
+    script = CHILD.format(tests=os.path.join(ROOT, "tests"))
+    proc = subprocess.Popen([sys.executable, "-c", script, kind], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline().strip() == "ready"
+    try:
+        for _ in range(60):
+            time.sleep(0.15)
+            if proc.poll() is not None:
+                break
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, (proc.returncode, err[-2000:])
+    assert "interrupted 3" in out
+
+
+# ------------------------------------------------------------------ errors belong to their run
+def _failing_feed():
+    """X has 3 elements, G 4: the kernel cannot broadcast them (declared shapes are dynamic)."""
+    feed = {"R": np.array(0.1, np.float32), "T": np.array(0, np.int64), "X0": np.ones(3, np.float32),
+            "G0": np.ones(4, np.float32), "V0": np.ones(3, np.float32),
+            "H0": np.ones(3, np.float32)}
+    good = dict(feed, G0=np.ones(3, np.float32))
+    return optimizer_model("Adam", shapes=[None]), feed, good
+
+
+def test_kernel_errors_belong_to_the_thread_and_run_that_raised_them():
+    model, bad, good = _failing_feed()
+    outcomes = {"bad_raised": 0, "good_raised": 0}
+    lock = threading.Lock()
+
+    def worker(feed, key, n=60):
+        session = InferenceSession(model)
+        for _ in range(n):
+            try:
+                session.run(None, feed)
+            except TrainingOpError:
+                with lock:
+                    outcomes[key] += 1
+
+    threads = [threading.Thread(target=worker, args=(bad, "bad_raised")),
+               threading.Thread(target=worker, args=(good, "good_raised"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes == {"bad_raised": 60, "good_raised": 0}
+
+
+def test_plain_onnxruntime_sessions_report_through_take_kernel_errors_and_never_pile_up():
+    import onnxruntime as ort
+
+    from onnx_training_ops import prepare, session_options
+    model, bad, good = _failing_feed()
+    session = ort.InferenceSession(prepare(model).SerializeToString(), session_options(),
+                                   providers=["CPUExecutionProvider"])
+    take_kernel_errors()
+    out = session.run(None, bad)[0]
+    assert np.isnan(out).all()
+    errors = take_kernel_errors()
+    assert len(errors) == 1 and "node 'opt'" in str(errors[0])
+    for _ in range(3 * MAX_RECORDS):
+        session.run(None, bad)
+    assert len(take_kernel_errors()) == MAX_RECORDS
+    session.run(None, good)
+    assert take_kernel_errors() == []
+
+
+# ------------------------------------------------------------------ one session, many threads
+def test_a_shared_training_session_loses_no_step_and_saves_no_torn_checkpoint(tmp_path):
+    session = TrainingSession(_training_model())
+    paths = []
+
+    def stepper():
+        for i in range(150):
+            session.step(_batch(i))
+
+    def saver():
+        for i in range(8):
+            path = tmp_path / f"c{i}.onnx"
+            session.save(path)
+            paths.append(path)
+
+    threads = [threading.Thread(target=stepper), threading.Thread(target=stepper),
+               threading.Thread(target=saver)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert int(session.state_dict()["optimizer.T"]) == 300
+    for path in paths:
+        resumed = TrainingSession(str(path))  # verifies the checksums
+        state = resumed.state_dict()
+        assert 0 <= int(state["optimizer.T"]) <= 300
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_every_single_bit_flip_of_a_checkpoint_is_caught(tmp_path):
+    session = TrainingSession(_training_model())
+    session.step(_batch())
+    path = tmp_path / "ckpt.onnx"
+    session.save(path)
+    data = path.read_bytes()
+    rng = np.random.default_rng(0)
+    for k, position in enumerate(rng.choice(len(data), 24, replace=False)):
+        damaged = bytearray(data)
+        damaged[position] ^= 1 << int(rng.integers(0, 8))
+        target = tmp_path / f"flip{k}.onnx"
+        target.write_bytes(bytes(damaged))
+        with pytest.raises(TrainingOpError) as info:
+            TrainingSession(str(target))
+        assert str(target) in str(info.value) or "not an ONNX model" in str(info.value) \
+            or "training_info" in str(info.value), str(info.value)
+
+
+def test_a_damaged_tensor_is_named(tmp_path):
+    session = TrainingSession(_training_model())
+    model = session.training_model()
+    tensor = next(t for t in model.graph.initializer if t.name == "W1")
+    raw = bytearray(tensor.raw_data)
+    raw[5] ^= 0x10
+    tensor.raw_data = bytes(raw)
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(TrainingOpError, match=r"bad.onnx.*tensor 'W1' does not match its checksum"):
+        TrainingSession(str(path))
+
+
+def test_empty_and_garbage_files_get_a_clear_error(tmp_path):
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    with pytest.raises(TrainingOpError, match="empty.onnx.*is empty"):
+        TrainingSession(str(empty))
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\xff\xfe not a model \x00\x01" * 10)
+    with pytest.raises(TrainingOpError, match="garbage.onnx"):
+        TrainingSession(str(garbage))
+    with pytest.raises(TrainingOpError, match="cannot read"):
+        TrainingSession(str(tmp_path / "missing.onnx"))
+
+
+def test_a_killed_saves_temporary_file_is_removed_by_the_next_save(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".ckpt.onnx.{dead.pid}.abcd.tmp"
+    stale.write_bytes(b"partial")
+    alive = tmp_path / f".ckpt.onnx.{os.getppid()}.efgh.tmp"  # a live writer's file stays
+    alive.write_bytes(b"partial")
+    TrainingSession(_training_model()).save(tmp_path / "ckpt.onnx")
+    assert not stale.exists() and alive.exists()
+    assert (tmp_path / "ckpt.onnx").exists()
+
+
+def test_checkpoints_without_checksums_still_load(tmp_path):
+    model = TrainingSession(_training_model()).training_model()
+    kept = [m for m in model.metadata_props if m.key != checkpoint.CHECKSUM_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    path = tmp_path / "old.onnx"
+    onnx.save(model, path)
+    TrainingSession(str(path)).step(_batch())
+
+
+# ------------------------------------------------------------------ bad step arguments
+@pytest.mark.parametrize("lr", [-1.0, "0.01", float("nan"), float("inf"), np.array([0.1, 0.2]),
+                                True])
+def test_step_lr_is_validated_and_the_state_is_untouched(lr):
+    session = TrainingSession(_training_model())
+    before = session.state_dict()
+    with pytest.raises(TrainingOpError, match="lr must be"):
+        session.step(_batch(), lr=lr)
+    for name, value in session.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])
+
+
+def test_step_with_a_list_says_feeds_must_be_a_mapping():
+    session = TrainingSession(_training_model())
+    with pytest.raises(TrainingOpError, match="feeds must be a mapping"):
+        session.step([1, 2])
+
+
+def test_big_endian_feeds_are_read_as_their_values():
+    a, b = TrainingSession(_training_model()), TrainingSession(_training_model())
+    batch = _batch()
+    swapped = {"input": batch["input"].astype(">f4"), "labels": batch["labels"].astype(">i8")}
+    assert a.step(batch)["loss"] == b.step(swapped)["loss"]
+    model, _, good = _failing_feed()
+    session = InferenceSession(model)
+    want = session.run(None, good)
+    got = session.run(None, {k: v.astype(v.dtype.newbyteorder(">")) for k, v in good.items()})
+    for x, y in zip(want, got):
+        np.testing.assert_array_equal(x, y)
