@@ -280,3 +280,27 @@ def test_big_endian_feeds_are_read_as_their_values():
     got = session.run(None, {k: v.astype(v.dtype.newbyteorder(">")) for k, v in good.items()})
     for x, y in zip(want, got):
         np.testing.assert_array_equal(x, y)
+
+
+# ------------------------------------------------------------------ fork safety
+def _child_loss(model_bytes):
+    session = TrainingSession(model_bytes)
+    return float(session.step(_batch())["loss"])
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_process_pools_work_after_training(method):
+    """The parallel fused kernels ran in the parent (GNU OpenMP would kill fork children)."""
+    import multiprocessing
+
+    model = build_training_model(make_mlp((256, 1024, 4), seed=1), "cross_entropy", Adam())
+    session = TrainingSession(model)
+    rng = np.random.default_rng(0)
+    big = {"input": rng.standard_normal((64, 256)).astype(np.float32),
+           "labels": rng.integers(0, 4, 64).astype(np.int64)}
+    for _ in range(3):
+        session.step(big)
+    small = _training_model().SerializeToString()
+    with multiprocessing.get_context(method).Pool(2) as pool:
+        losses = pool.map_async(_child_loss, [small, small]).get(timeout=120)
+    assert losses[0] == losses[1] and np.isfinite(losses[0])

@@ -16,14 +16,25 @@ dispatchers of one function would load each other's code.
 The GIL stays held during a call (no ``nogil``): the workqueue threading layer aborts
 on concurrent parallel launches from several Python threads, and holding the GIL
 rules that out whatever layer numba picks.
+
+Threading layer: ``workqueue`` unless ``NUMBA_THREADING_LAYER`` says otherwise. GNU OpenMP
+(numba's first choice where it exists) makes every ``fork()`` child of a process that used
+it die ("fork() called from a process already using GNU OpenMP"), which breaks
+``multiprocessing`` pools; workqueue forks cleanly and measured as fast or faster here
+(Adam at 1e7 float32, parallel loop: 4.9-5.1 ms vs 8.0 ms with omp, same run).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
+import numba
 import numpy as np
 from numba import njit, prange
+
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
 
 _WARNED = False
 _OPTIONS = dict(fastmath=False, error_model="numpy", boundscheck=False)
