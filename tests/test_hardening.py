@@ -304,3 +304,58 @@ def test_process_pools_work_after_training(method):
     with multiprocessing.get_context(method).Pool(2) as pool:
         losses = pool.map_async(_child_loss, [small, small]).get(timeout=120)
     assert losses[0] == losses[1] and np.isfinite(losses[0])
+
+
+# ------------------------------------------------------------------ valid models accepted
+MODELS = os.path.join(ROOT, "models")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(MODELS) if f.endswith(".onnx")))
+def test_prepare_handles_our_own_training_models(name):
+    """The algorithm graph may read main-graph values (the IR concatenates the graphs); its
+    optimizer nodes are split and carry exact attributes like the main graph's."""
+    from onnx_training_ops import prepare
+    from onnx_training_ops.plugin import EXACT_ATTRIBUTE
+    model = onnx.load(os.path.join(MODELS, name))
+    prepared = prepare(model)
+    algorithm = prepared.training_info[0].algorithm
+    domain = [n for n in algorithm.node if n.domain == "ai.onnx.preview.training"]
+    assert domain and all(n.op_type != "Gradient" for n in domain)
+    assert all(len(n.input) in (5, 6) for n in domain)  # one tensor per node
+    assert all(any(a.name == EXACT_ATTRIBUTE for a in n.attribute) for n in domain)
+    onnx.checker.check_model(prepared)
+
+
+def test_multi_tensor_optimizer_inside_an_if_branch_runs():
+    from onnx import TensorProto, helper
+    inner = optimizer_model("Momentum", n=2, shapes=[[3], [2]]).graph
+    then_branch = helper.make_graph(list(inner.node), "then", [], list(inner.output))
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", [i.name], [o.name])
+         for i, o in zip(list(inner.input)[2:4] + list(inner.input)[6:8], inner.output)],
+        "else", [], list(inner.output))
+    cond = helper.make_tensor_value_info("cond", TensorProto.BOOL, [])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], [o.name for o in inner.output],
+                          then_branch=then_branch, else_branch=else_branch)],
+        "g", [cond] + list(inner.input), list(inner.output))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("ai.onnx.preview.training", 1)])
+    rng = np.random.default_rng(0)
+    feed = {"cond": np.array(True), "R": np.array(0.1, np.float32), "T": np.array(0, np.int64)}
+    for i in list(inner.input)[2:]:
+        shape = [3] if i.name.endswith("0") else [2]
+        feed[i.name] = rng.standard_normal(shape).astype(np.float32)
+    got = InferenceSession(model).run(None, feed)
+    flat = InferenceSession(optimizer_model("Momentum", n=2, shapes=[[3], [2]])).run(
+        None, {k: v for k, v in feed.items() if k != "cond"})
+    for a, b in zip(got, flat):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_algorithm_outputs_declared_without_shape_are_accepted():
+    model = _training_model()
+    for out in model.training_info[0].algorithm.output:
+        out.type.tensor_type.ClearField("shape")
+    session = TrainingSession(model)
+    assert np.isfinite(session.step(_batch())["loss"])

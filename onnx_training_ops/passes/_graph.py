@@ -28,6 +28,23 @@ def all_graphs(graph: GraphProto) -> Iterator[GraphProto]:
             yield from all_graphs(sub)
 
 
+def model_graphs(model: ModelProto) -> Iterator[GraphProto]:
+    """Every graph of ``model``: the main graph, the training_info initialization and
+    algorithm graphs, and all their subgraphs."""
+    yield from all_graphs(model.graph)
+    for info in model.training_info:
+        yield from all_graphs(info.initialization)
+        yield from all_graphs(info.algorithm)
+
+
+def model_training_nodes(model: ModelProto) -> Iterator[tuple[GraphProto, NodeProto]]:
+    """(graph, node) for every node of the training domain in any graph of ``model``."""
+    for g in model_graphs(model):
+        for node in g.node:
+            if node.domain == DOMAIN:
+                yield g, node
+
+
 def training_nodes(graph: GraphProto) -> Iterator[tuple[GraphProto, NodeProto]]:
     """(graph, node) for every node of the training domain, subgraphs included."""
     for g in all_graphs(graph):

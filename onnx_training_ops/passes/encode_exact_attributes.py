@@ -14,7 +14,7 @@ from onnx import ModelProto
 
 from ..plugin import EXACT_ATTRIBUTE, encode_attributes
 from ..schema import OPTIMIZERS
-from ._graph import training_nodes
+from ._graph import model_training_nodes
 
 
 def node_attributes(node: onnx.NodeProto) -> dict:
@@ -30,7 +30,7 @@ def node_attributes(node: onnx.NodeProto) -> dict:
 
 def encode_exact_attributes(model: ModelProto) -> ModelProto:
     """(Re)write ``exact_attributes`` on every optimizer node (in place; returns model)."""
-    for _, node in training_nodes(model.graph):
+    for _, node in model_training_nodes(model):
         if node.op_type not in OPTIMIZERS:
             continue
         text = encode_attributes({**node_attributes(node), "node": node.name or node.output[0]})

@@ -383,12 +383,46 @@ def expand_gradient(model: ModelProto) -> ModelProto:
         out.graph.CopyFrom(new)
     main_inits = list(model.graph.initializer)
     for ti in out.training_info:
-        for g in (ti.algorithm, ti.initialization):
-            if not _has_gradient(g):
-                continue
+        if _has_gradient(ti.algorithm):
+            _expand_algorithm(ti.algorithm, model.graph, opset, imports, out.ir_version, taken)
+        g = ti.initialization
+        if _has_gradient(g):
             meta = _infer(g, imports, out.ir_version, main_inits)
             consts = _Constants(_Constants(None, model.graph), g)
             new = _expand_graph(g, opset, meta, consts, taken, refresh(g, main_inits),
                                 outer=frozenset(t.name for t in main_inits))
             g.CopyFrom(new)
     return out
+
+
+def _expand_algorithm(algorithm: GraphProto, main: GraphProto, opset: int, imports,
+                      ir_version: int, taken: set[str]) -> None:
+    """Expand an algorithm graph's Gradient nodes in place. The IR runs the algorithm on the
+    main graph and the algorithm graph concatenated, so y may depend on xs through the main
+    graph's nodes (a loss reading the model's logits): differentiate the concatenation, then
+    keep only what is not the main graph's (the emitted nodes read main values by name)."""
+    combined = GraphProto()
+    combined.CopyFrom(algorithm)
+    del combined.node[:]
+    combined.node.extend(main.node)
+    combined.node.extend(algorithm.node)
+    seen = {v.name for v in combined.input}
+    combined.input.extend(v for v in main.input if v.name not in seen)
+    own = {t.name for t in combined.initializer}
+    combined.initializer.extend(t for t in main.initializer if t.name not in own)
+    combined.value_info.extend(main.value_info)
+
+    def run(nodes):
+        g = GraphProto()
+        g.CopyFrom(combined)
+        del g.node[:]
+        g.node.extend(nodes)
+        return _infer(g, imports, ir_version)
+
+    meta = _infer(combined, imports, ir_version)
+    consts = _Constants(None, combined)
+    new = _expand_graph(combined, opset, meta, consts, taken, run)
+    main_outputs = {o for n in main.node for o in n.output if o}
+    nodes = [n for n in new.node if not (n.output and all(o in main_outputs for o in n.output if o))]
+    del algorithm.node[:]
+    algorithm.node.extend(nodes)

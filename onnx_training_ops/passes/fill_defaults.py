@@ -6,12 +6,12 @@ import onnx
 from onnx import ModelProto
 
 from ..schema import OPTIMIZERS
-from ._graph import training_nodes
+from ._graph import model_training_nodes
 
 
 def fill_default_attributes(model: ModelProto) -> ModelProto:
     """Add the schema's default for every attribute a node leaves out (in place; returns model)."""
-    for _, node in training_nodes(model.graph):
+    for _, node in model_training_nodes(model):
         spec = OPTIMIZERS.get(node.op_type)
         if spec is None:
             continue

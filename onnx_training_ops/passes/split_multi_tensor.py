@@ -12,7 +12,7 @@ import onnx
 from onnx import GraphProto, ModelProto
 
 from ..schema import DOMAIN, OPTIMIZERS
-from ._graph import all_graphs, all_names, unique_name
+from ._graph import all_names, model_graphs, unique_name
 
 
 def _split_graph(graph: GraphProto, taken: set[str]) -> None:
@@ -43,8 +43,14 @@ def _split_graph(graph: GraphProto, taken: set[str]) -> None:
 
 
 def split_multi_tensor_nodes(model: ModelProto) -> ModelProto:
-    """Rewrite multi-tensor optimizer nodes as per-tensor nodes, subgraphs included (in place)."""
-    taken = all_names(model.graph)
-    for graph in list(all_graphs(model.graph)):
+    """Rewrite multi-tensor optimizer nodes as per-tensor nodes in every graph (subgraphs and
+    training_info included; in place)."""
+    graphs = list(model_graphs(model))
+    taken: set[str] = set()
+    for graph in graphs:
+        taken |= all_names(graph)
+    # bodies before the graphs that hold them: rewriting a graph's node list copies its nodes,
+    # which would detach a body fetched before
+    for graph in reversed(graphs):
         _split_graph(graph, taken)
     return model

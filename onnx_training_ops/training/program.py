@@ -115,6 +115,8 @@ def combined_graph(
         n.domain == DOMAIN for n in algo.node
     ):
         combined.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    _complete_output_shapes(combined, {e.value: list(state_protos[e.key].dims)
+                                       for e in info.update_binding if e.key in state_protos})
     try:
         onnx.checker.check_model(combined)
     except onnx.checker.ValidationError as error:
@@ -123,6 +125,30 @@ def combined_graph(
             f"graph (the spec runs them concatenated): {str(error).splitlines()[0]}"
         ) from error
     return combined
+
+
+def _complete_output_shapes(model: onnx.ModelProto, bound: Mapping[str, list]) -> None:
+    """Outputs declared without a shape (the spec allows it; the checker wants one for the
+    combined graph) get their state variable's shape (``bound``) or what shape inference
+    finds (unknown dims named)."""
+    missing = [o for o in model.graph.output
+               if o.type.HasField("tensor_type") and not o.type.tensor_type.HasField("shape")]
+    if not missing:
+        return
+    types = value_types(model)
+    for out in missing:
+        known = types.get(out.name)
+        shape = bound.get(out.name, known.shape if known is not None else None)
+        if shape is None:
+            continue
+        out.type.tensor_type.shape.SetInParent()  # a scalar has a shape with no dims
+        dims = out.type.tensor_type.shape.dim
+        for i, d in enumerate(shape):
+            dim = dims.add()
+            if isinstance(d, int):
+                dim.dim_value = d
+            else:
+                dim.dim_param = d if isinstance(d, str) else f"{out.name}_dim{i}"
 
 
 def check_binding_types(
