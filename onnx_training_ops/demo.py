@@ -14,6 +14,7 @@ Needs the ``demo`` extra: scikit-learn, tqdm, matplotlib.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -138,7 +139,11 @@ def train(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=epochs * steps_per_epoch, desc=f"training ({type(opt).__name__})", unit="step")
+        # a log file or CI gets plain lines every few seconds, not carriage-return updates
+        interactive = sys.stderr.isatty()
+        bar = tqdm(total=epochs * steps_per_epoch, desc=f"training ({type(opt).__name__})",
+                   unit="step", mininterval=0.1 if interactive else 5.0,
+                   ascii=not interactive, dynamic_ncols=interactive)
     start = time.perf_counter()
     feeds = {}
     for epoch in range(epochs):

@@ -45,13 +45,21 @@ import json
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from .errors import TrainingOpError
 
 
 def _check_nonnegative(cls: str, **values: float) -> None:
     for name, value in values.items():
-        if not (float(value) >= 0.0):
-            raise TrainingOpError(f"{cls}: {name} must be >= 0, found {value!r}")
+        if isinstance(value, (bool, str, bytes)) or value is None or np.ndim(value) != 0:
+            raise TrainingOpError(f"{cls}: {name} must be a real number, found {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise TrainingOpError(f"{cls}: {name} must be a real number, found {value!r}") from None
+        if not (np.isfinite(number) and number >= 0.0):
+            raise TrainingOpError(f"{cls}: {name} must be finite and >= 0, found {value!r}")
 
 
 @dataclass(frozen=True)
@@ -73,8 +81,12 @@ class Adam:
     t_offset: ClassVar[int] = 1  # the op receives T + 1: bias correction from the first step
 
     def __post_init__(self):
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise TrainingOpError(f"Adam: betas must be two values in [0, 1), found {self.betas!r}")
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2 or \
+                not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+                        for b in betas):
+            raise TrainingOpError(f"Adam: betas must be two numbers in [0, 1) (as torch's "
+                                  f"(0.9, 0.999)), found {betas!r}")
         _check_nonnegative("Adam", lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
                            post_weight_decay=self.post_weight_decay)
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))

@@ -57,7 +57,9 @@ def _jit(parallel: bool):
         except RuntimeError as exc:  # "cannot cache function ...: no locator available"
             if not _WARNED:
                 _WARNED = True
-                warnings.warn(f"numba cannot cache the fused kernels ({exc}); compiling them once per process")
+                warnings.warn(f"numba cannot cache the fused kernels ({exc}); compiling them once "
+                              "per process (about 5 s). Set NUMBA_CACHE_DIR to a writable "
+                              "directory to keep them between runs")
             return njit(parallel=parallel, cache=False, **_OPTIONS)(func)
 
     return decorate
