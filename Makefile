@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 DEMO_OUT ?= out/demo
 
-.PHONY: demo test conformance bench clean
+.PHONY: demo test test-min conformance bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,17 @@ demo: $(VENV)/.demo-installed
 test: $(VENV)/.test-installed
 	$(PY) -m pytest
 
+# the declared minimum versions (pyproject.toml) in a venv of their own: conformance + a
+# training smoke test (a few minutes; not part of `make test`)
+MIN_VENV := .venv-min
+MIN_PINS := onnx==1.22.0 onnxruntime==1.17.0 onnxruntime-extensions==0.12.0 numpy==1.26.4 numba==0.60.0
+test-min:
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip --disable-pip-version-check install -q $(MIN_PINS)
+	$(MIN_VENV)/bin/python -m pip --disable-pip-version-check install -q --no-deps -e .
+	cd /tmp && $(CURDIR)/$(MIN_VENV)/bin/python -m onnx_training_ops conformance
+	cd /tmp && $(CURDIR)/$(MIN_VENV)/bin/python $(CURDIR)/.ci/min_versions_smoke.py
+
 conformance: $(VENV)/.demo-installed
 	$(PY) -m onnx_training_ops conformance
 
@@ -33,4 +44,4 @@ bench: $(VENV)/.test-installed
 	$(PY) benchmarks/bench_optimizers.py
 
 clean:
-	rm -rf $(VENV) out build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(MIN_VENV) out build *.egg-info .pytest_cache .hypothesis

@@ -1,4 +1,9 @@
-"""Command line: ``python -m onnx_training_ops {prepare,conformance,train,bench} ...`` (also ``onnx-training-ops``)."""
+"""Command line: ``python -m onnx_training_ops {prepare,conformance,train,bench} ...`` (also ``onnx-training-ops``).
+
+Exit status: 0 success; 1 the command ran and reports a failure (a conformance case
+failed, the demo's accuracy is below ``--min-accuracy``); 2 bad usage or input (argparse's
+own errors, an unreadable or invalid model, a missing extra); 130 interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,39 @@ import sys
 from typing import Sequence
 
 
-def _prepare(args: argparse.Namespace) -> int:
-    import onnx
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
+
+class MissingExtra(Exception):
+    """A command needs an optional dependency that is not installed."""
+
+
+def _require(module: str, extra: str) -> None:
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtra(f"this command needs {module!r}: pip install 'onnx-training-ops[{extra}]'")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    import os
+
+    from .checkpoint import save_model
+    from .errors import TrainingOpError
     from .passes import prepare
 
+    if os.path.isdir(args.output):
+        raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
     model = prepare(args.input)
-    onnx.save(model, args.output)
+    save_model(model, args.output)
     print(f"prepared {args.input} -> {args.output}")
-    return 0
+    return EXIT_OK
 
 
 def _conformance(args: argparse.Namespace) -> int:
@@ -27,52 +56,79 @@ def _conformance(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    for module in ("sklearn", "matplotlib") + (() if args.no_progress else ("tqdm",)):
+        _require(module, "demo")
     from .demo import train
 
     result = train(
         out_dir=args.out, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
         batch_size=args.batch_size, progress=not args.no_progress,
     )
-    return 0 if result.accuracy >= args.min_accuracy else 1
+    if result.accuracy < args.min_accuracy:
+        print(f"held-out accuracy {result.accuracy:.3f} is below --min-accuracy "
+              f"{args.min_accuracy:.3f}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if not any(a in ("-h", "--help") for a in args.bench_args):
+        for module in ("torch", "matplotlib"):
+            _require(module, "test")
     from .bench import main as bench_main
 
     return bench_main(args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
-        prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime."
+        prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime.",
+        epilog="exit status: 0 ok, 1 failure reported (conformance, --min-accuracy), "
+               "2 usage or input error, 130 interrupted",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="rewrite a model so that onnxruntime runs it")
-    p.add_argument("input", help="input .onnx file")
-    p.add_argument("output", help="output .onnx file")
+    p = commands.add_parser(
+        "prepare", help="rewrite a model so that onnxruntime runs it",
+        description="Validate a model of the ai.onnx.preview.training domain and write the "
+                    "onnxruntime-ready form: Gradient expanded, recurrent ops unrolled where "
+                    "differentiated, multi-tensor optimizer nodes split, exact attributes "
+                    "encoded, IR/opset fitted (training_info graphs included).")
+    p.add_argument("input", help="the model to prepare: an .onnx file (a training model or any "
+                                 "graph using the training domain)")
+    p.add_argument("output", help="where to write the prepared .onnx file (written atomically)")
     p.set_defaults(func=_prepare)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
     c.set_defaults(func=_conformance)
-    t = commands.add_parser(
-        "train", aliases=["demo"],  # `make demo` runs `python -m onnx_training_ops demo --out out/demo`
-        help="demo: train an MLP on scikit-learn's digits with a training model in onnxruntime",
-    )
-    t.add_argument("--out", default="out/", help="output folder (default: out/)")
-    t.add_argument("--epochs", type=int, default=30, help="epochs (default: 30)")
-    t.add_argument("--optimizer", choices=("adam", "momentum", "adagrad"), default="adam")
-    t.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--batch-size", type=int, default=64)
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument("--min-accuracy", type=float, default=0.0,
-                   help="exit with status 1 when the held-out accuracy is below this")
-    t.set_defaults(func=_train)
+    for name in ("train", "demo"):  # `make demo` runs `python -m onnx_training_ops demo --out out/demo`
+        t = commands.add_parser(
+            name, help="demo: train an MLP on scikit-learn's digits with a training model in "
+                       "onnxruntime (needs the demo extra)",
+            description="Train an MLP on scikit-learn's digits (shipped with the package, no "
+                        "download) through a training model in onnxruntime; writes the models, "
+                        "a loss plot and a summary to --out.")
+        _train_arguments(t)
     b = commands.add_parser(
         "bench", add_help=False,  # every argument, --help included, goes to onnx_training_ops.bench.main
         help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`",
     )
     b.set_defaults(func=_bench)
     return parser
+
+
+def _train_arguments(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--out", default="out/", help="output folder (default: out/)")
+    t.add_argument("--epochs", type=_positive_int, default=30, help="epochs (default: 30)")
+    t.add_argument("--optimizer", choices=("adam", "momentum", "adagrad"), default="adam")
+    t.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--batch-size", type=_positive_int, default=64)
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--min-accuracy", type=float, default=0.0,
+                   help="exit with status 1 when the held-out accuracy is below this")
+    t.set_defaults(func=_train)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,9 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
-    except (TrainingOpError, FileNotFoundError) as error:
+    except MissingExtra as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except (TrainingOpError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
