@@ -145,8 +145,15 @@ def test_optimizer_validation_and_mapping():
         Adam(betas=(1.0, 0.9))
     with pytest.raises(TrainingOpError, match="nesterov"):
         Momentum(momentum=0.0, nesterov=True)
-    with pytest.raises(TrainingOpError, match="lr must be >= 0"):
+    with pytest.raises(TrainingOpError, match="lr must be finite and >= 0"):
         Adagrad(lr=-1)
+    # what a user types by mistake gets our message, not a raw TypeError
+    for bad, match in [(dict(betas=0.9), "betas must be two numbers"),
+                       (dict(lr=None), "lr must be a real number"),
+                       (dict(lr="0.01"), "lr must be a real number"),
+                       (dict(eps=float("nan")), "eps must be finite")]:
+        with pytest.raises(TrainingOpError, match=match):
+            Adam(**bad)
 
 
 def test_newest_opset_is_fitted_to_onnxruntime():

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import onnx
 from model_factory import optimizer_model
 
@@ -36,3 +38,47 @@ def test_conformance_prints_a_table_and_exits_zero():
     result = run_cli("conformance")
     assert "test_adam_multiple" in result.stdout and "test_nesterov_momentum" in result.stdout
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cli_exit_codes_and_clear_errors(tmp_path, capsys):
+    from onnx_training_ops.cli import main
+    assert main(["prepare", str(tmp_path / "missing.onnx"), str(tmp_path / "o.onnx")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "text.onnx").write_text("not a model")
+    assert main(["prepare", str(tmp_path / "text.onnx"), str(tmp_path / "o.onnx")]) == 2
+    assert "not an ONNX model" in capsys.readouterr().err
+    model = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "models" /
+                "linear_regression_adam.onnx")
+    assert main(["prepare", model, str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    for bad in (["train", "--epochs", "0"], ["demo", "--batch-size", "-1"]):
+        with pytest.raises(SystemExit) as info:
+            main(bad)
+        assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and "onnx-training-ops" in capsys.readouterr().out
+
+
+def test_train_below_min_accuracy_says_so(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    from onnx_training_ops.cli import main
+    code = main(["train", "--out", str(tmp_path), "--epochs", "1", "--no-progress",
+                 "--min-accuracy", "1.01"])
+    assert code == 1 and "below --min-accuracy" in capsys.readouterr().err
+
+
+def test_missing_extra_is_a_one_line_hint(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    from onnx_training_ops.cli import main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("sklearn", "torch") else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--no-progress"]) == 2
+    assert main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: this command needs 'sklearn': pip install 'onnx-training-ops[demo]'",
+                   "error: this command needs 'torch': pip install 'onnx-training-ops[test]'"]
+    assert not (tmp_path / "benchmarks").exists()
