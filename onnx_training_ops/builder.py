@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .autodiff.coverage import missing_rules, reaching
 from .errors import TrainingOpError
-from .losses import NAMED, Emit, Loss, resolve
+from .losses import NAMED, CrossEntropyLoss, Emit, Loss, resolve
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
@@ -123,6 +123,23 @@ def _check_differentiable(model: onnx.ModelProto, loss_nodes, loss_name: str,
             f"{sum(m.count for m in missing)} node(s) between the trainables and the loss "
             f"{loss_name!r} have no derivative rule: "
             + "; ".join(m.describe() for m in missing))
+
+
+def _label_range(spec, types, outputs, output) -> str:
+    """'C,ignore_index' when the loss takes class labels and C is static, else ''."""
+    if not isinstance(spec, CrossEntropyLoss):
+        return ""
+    name = output or next(iter(outputs), None)
+    vt = types.get(name) if name else None
+    if vt is None or vt.shape is None:
+        return ""
+    try:
+        classes = vt.shape[spec.axis(vt.shape)]
+    except TrainingOpError:
+        return ""
+    if not isinstance(classes, int):
+        return ""
+    return f"{classes},{'' if spec.ignore_index is None else spec.ignore_index}"
 
 
 def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labels, taken,
@@ -371,6 +388,7 @@ def build_training_model(
         "optimizer": to_json(optimizer),
         "loss": loss_name,
         "labels": target,
+        "label_range": _label_range(spec, types, outputs, output),
         "learning_rate": learning_rate,
         "trainable": ",".join(p_names),
         "mode": mode,

@@ -359,3 +359,71 @@ def test_algorithm_outputs_declared_without_shape_are_accepted():
         out.type.tensor_type.ClearField("shape")
     session = TrainingSession(model)
     assert np.isfinite(session.step(_batch())["loss"])
+
+
+# ------------------------------------------------------------------ our errors, not raw ones
+def test_bad_labels_are_named_once(capfd):
+    session = TrainingSession(_training_model())
+    batch = _batch()
+    with pytest.raises(TrainingOpError, match=r"feed 'labels' holds class 7, outside \[0, 4\)"):
+        session.step(dict(batch, labels=np.full(8, 7, np.int64)))
+    with pytest.raises(TrainingOpError, match="'labels' has 5 rows, input 'input' has 8"):
+        session.step(dict(batch, labels=np.ones(5, np.int64)))
+    session.step(dict(batch, labels=np.where(np.arange(8) < 2, -100, batch["labels"])))
+    assert "onnxruntime" not in capfd.readouterr().err  # no second copy in the log
+
+
+def test_gradient_of_an_integer_tensor_is_refused():
+    from onnx import TensorProto, helper
+
+    from onnx_training_ops import prepare
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["i"], ["f"], to=TensorProto.FLOAT),
+         helper.make_node("Gradient", ["i"], ["di"], domain="ai.onnx.preview.training",
+                          xs=["i"], y="f", name="grad_of_int")],
+        "g", [helper.make_tensor_value_info("i", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("di", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("ai.onnx.preview.training", 1)])
+    with pytest.raises(TrainingOpError, match="'grad_of_int'.*xs 'i' is .*INT64.*floating-point"):
+        prepare(model)
+
+
+def test_adam_alpha_of_one_names_the_attribute():
+    with pytest.raises(TrainingOpError, match="attribute 'alpha' must be < 1"):
+        InferenceSession(optimizer_model("Adam", attributes={"alpha": 1.0}))
+
+
+def test_a_state_tensor_whose_data_does_not_fit_its_shape_is_named():
+    model = _training_model()
+    tensor = next(t for t in model.graph.initializer if t.name == "W0")
+    tensor.raw_data = tensor.raw_data[:-4]
+    with pytest.raises(TrainingOpError, match="state variable 'W0'"):
+        TrainingSession(model)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda g: g.node.append(onnx.helper.make_node("Relu", ["nowhere"], ["r"], name="dangling")),
+     "'dangling'.*'nowhere' is produced by no node"),
+    (lambda g: g.node.append(onnx.helper.make_node("Relu", ["X0"], ["X0_new"], name="twice")),
+     "'twice'.*'X0_new' is already produced"),
+    (lambda g: g.node.insert(0, onnx.helper.make_node("Relu", ["late"], ["early"], name="first"))
+     or g.node.append(onnx.helper.make_node("Relu", ["early"], ["late"], name="second")),
+     "'first'.*'late' is produced only by a later node"),
+])
+def test_prepare_names_the_node_of_a_broken_graph(mutate, match):
+    from onnx_training_ops import prepare
+    model = optimizer_model("Adam")
+    mutate(model.graph)
+    with pytest.raises(TrainingOpError, match=match):
+        prepare(model)
+
+
+def test_an_unknown_version_of_the_domain_is_refused():
+    from onnx_training_ops import prepare
+    model = optimizer_model("Adam")
+    for imp in model.opset_import:
+        if imp.domain == "ai.onnx.preview.training":
+            imp.version = 2
+    with pytest.raises(TrainingOpError, match="version 2; only version 1 exists"):
+        prepare(model)

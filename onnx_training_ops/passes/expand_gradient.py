@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
+from ..autodiff.emitter import FLOAT_TYPES
 from ..autodiff import Emitter, ValueMeta, backprop, topological_sort
 from ..autodiff.graph import ancestors, node_reads, producer_map
 from ..errors import TrainingOpError, node_label
@@ -190,6 +191,12 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
             if unknown:
                 raise TrainingOpError(f"{label}: {kind} {unknown} not a value of the graph "
                                       "(no input, initializer or node output has that name)")
+    for x in xs:
+        dtype = meta.get(x, ValueMeta()).dtype
+        if dtype is not None and dtype not in FLOAT_TYPES:
+            raise TrainingOpError(
+                f"{label}: xs {x!r} is {onnx.helper.tensor_dtype_to_string(dtype)}; only "
+                "floating-point tensors have gradients")
     cut = set(xs) | set(zs)
     producers = producer_map(nodes)
     _check_independent(label, nodes, producers, xs, zs, cut)

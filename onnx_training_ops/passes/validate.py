@@ -12,7 +12,7 @@ from onnx import AttributeProto, ModelProto
 
 from ..errors import TrainingOpError, node_label
 from ..plugin import EXACT_ATTRIBUTE
-from ..schema import MOMENTUM_MODES, OPTIMIZERS, TRAINING_OPS
+from ..schema import DOMAIN, MOMENTUM_MODES, OPTIMIZERS, TRAINING_OPS
 from ._graph import ValueType, training_nodes, value_types
 
 FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
@@ -61,6 +61,10 @@ def _check_attributes(node, label: str) -> None:
             mode = attr.s.decode(errors="replace")
             if mode not in MOMENTUM_MODES:
                 raise TrainingOpError(f"{label}: attribute 'mode' must be 'standard' or 'nesterov', found {mode!r}")
+        if node.op_type == "Adam" and attr.name == "alpha" and attr.f >= 1.0:
+            # the bias correction divides by 1 - alpha**T
+            raise TrainingOpError(f"{label}: attribute 'alpha' must be < 1 (Adam divides by "
+                                  f"1 - alpha^T), found {attr.f}")
 
 
 def _check_counts(node, label: str) -> int:
@@ -113,11 +117,55 @@ def _check_group_types(node, label: str, n: int, types: dict[str, ValueType]) ->
             )
 
 
+def _check_structure(graph: onnx.GraphProto, outer: set[str], where: str) -> None:
+    """What onnxruntime would reject with a less helpful message: a value produced twice, an
+    input nothing produces, nodes out of order (or in a cycle). Subgraphs see ``outer``."""
+    defined = set(outer) | {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined |= {t.name for t in graph.sparse_initializer}
+    producers: dict[str, str] = {}
+    all_outputs = {o for n in graph.node for o in n.output if o}
+    for node in graph.node:
+        label = node_label(node)
+        for name in node.input:
+            if name and name not in defined:
+                later = "produced only by a later node (nodes out of order, or a cycle)" \
+                    if name in all_outputs else "produced by no node, graph input or initializer"
+                raise TrainingOpError(f"{where}node {label}: input {name!r} is {later}")
+        for sub in _subgraphs(node):
+            _check_structure(sub, defined, f"{where}{label} body: ")
+        for name in node.output:
+            if not name:
+                continue
+            if name in producers:
+                raise TrainingOpError(f"{where}node {label}: output {name!r} is already produced "
+                                      f"by node {producers[name]}")
+            if name in {v.name for v in graph.input} or name in \
+                    {t.name for t in graph.initializer}:
+                raise TrainingOpError(f"{where}node {label}: output {name!r} overwrites a graph "
+                                      "input or initializer")
+            producers[name] = label
+            defined.add(name)
+
+
+def _subgraphs(node):
+    for attr in node.attribute:
+        if attr.type == AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
 def validate(model: ModelProto) -> ModelProto:
-    """Raise TrainingOpError for the first invalid node of the domain; return ``model`` unchanged."""
+    """Raise TrainingOpError for the first invalid node of the domain, the domain's opset
+    version, or a main graph onnxruntime would reject structurally; return ``model``."""
     nodes = list(training_nodes(model.graph))
     if not nodes:
         return model
+    for imp in model.opset_import:
+        if imp.domain == DOMAIN and imp.version != 1:
+            raise TrainingOpError(f"the model imports {DOMAIN} version {imp.version}; only "
+                                  "version 1 exists")
+    _check_structure(model.graph, set(), "")
     types = value_types(model)
     for _, node in nodes:
         label = node_label(node)

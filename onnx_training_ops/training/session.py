@@ -44,6 +44,45 @@ from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
 
 
+def _label_checker(meta: Mapping[str, str], batch_input: str | None):
+    """For the builder's cross-entropy: a check that class labels lie in [0, C) (or equal
+    ignore_index) and come in as many rows as the model's first input, so a bad label is our
+    error naming the feed, not a kernel's."""
+    spec = meta.get("label_range", "")
+    name = meta.get("labels", "")
+    if not spec or not name:
+        return None
+    classes_text, ignore_text = spec.split(",")
+    classes, ignore = int(classes_text), (int(ignore_text) if ignore_text else None)
+
+    def check(feeds: Mapping[str, Any]) -> None:
+        labels = np.asarray(feeds.get(name))
+        if labels.dtype.kind not in "iu" or labels.size == 0:
+            return  # the feed check names a wrong dtype
+        rows = np.shape(feeds[batch_input]) if batch_input in feeds else ()
+        if rows and labels.ndim and labels.shape[0] != rows[0]:
+            raise TrainingOpError(f"step: feed {name!r} has {labels.shape[0]} rows, input "
+                                  f"{batch_input!r} has {rows[0]}: one label per example")
+        bad = (labels < 0) | (labels >= classes)
+        if ignore is not None:
+            bad &= labels != ignore
+        if bad.any():
+            value = labels[bad].reshape(-1)[0]
+            raise TrainingOpError(
+                f"step: feed {name!r} holds class {value}, outside [0, {classes})"
+                + (f" and not ignore_index {ignore}" if ignore is not None else ""))
+
+    return check
+
+
+def _state_array(name: str, proto: onnx.TensorProto) -> np.ndarray:
+    try:
+        return numpy_helper.to_array(proto)
+    except (ValueError, TypeError) as error:  # e.g. raw data of the wrong size for its dims
+        raise TrainingOpError(f"state variable {name!r}: its stored data does not match its "
+                              f"type and shape {list(proto.dims)}: {error}") from None
+
+
 def _locked(method):
     """Run ``method`` holding the session's lock (see the class docstring)."""
 
@@ -113,7 +152,7 @@ class TrainingSession:
         self._inference = None
         self._state_protos: dict[str, onnx.TensorProto] = collect_state_protos(model)
         self._state: dict[str, np.ndarray] = {
-            name: owned(numpy_helper.to_array(proto)) for name, proto in self._state_protos.items()
+            name: owned(_state_array(name, proto)) for name, proto in self._state_protos.items()
         }
         analyses = [
             build_program(model, i, self._state, self._state_protos, self._meta, self.fast)
@@ -136,6 +175,8 @@ class TrainingSession:
         }
         self._required_set = set(self._required_feeds)
         self._init_sessions = None
+        self._label_check = _label_checker(
+            self._meta, model.graph.input[0].name if model.graph.input else None)
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
 
@@ -160,7 +201,10 @@ class TrainingSession:
 
     def _session_options(self) -> ort.SessionOptions | None:
         if self._sess_options is None:
-            return None
+            # errors come back as our exception; onnxruntime's own log line would repeat them
+            so = ort.SessionOptions()
+            so.log_severity_level = 4
+            return so
         # InferenceSession registers the kernel library in the options it gets: give each its own copy.
         so = ort.SessionOptions()
         for attr in ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
@@ -264,6 +308,8 @@ class TrainingSession:
             raise TrainingOpError(f"step: feeds must be a mapping of input name to array, found "
                                   f"{type(feeds).__name__}; inputs: {sorted(self._required_set)}")
         check_feed_names(feeds, self._required_set, self._optional_feeds)
+        if self._label_check is not None:
+            self._label_check(feeds)
         if lr is not None:
             lr = checked_learning_rate(lr)
         if lr is not None and not self._rate_names:
