@@ -115,6 +115,7 @@ def _dropout_outputs(p: float, steps: list[int], seed: int = 7, shape=(200, 500)
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
+    from onnx_training_ops.passes._graph import unique_name
     from onnx_training_ops.train_mode import training_forward
     graph = helper.make_graph(
         [helper.make_node("Dropout", ["x", "ratio"], ["y"], name="drop")], "d",
@@ -122,15 +123,8 @@ def _dropout_outputs(p: float, steps: list[int], seed: int = 7, shape=(200, 500)
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))],
         [numpy_helper.from_array(np.array(p, np.float32), "ratio")])
     taken: set = set()
-
-    def unique(base):
-        name, i = base, 0
-        while name in taken:
-            i += 1
-            name = f"{base}_{i}"
-        taken.add(name)
-        return name
-    nodes, renamed, _ = training_forward(graph, {}, 17, "T", seed, unique)
+    nodes, renamed, _ = training_forward(graph, {}, 17, "T", seed,
+                                         lambda base: unique_name(taken, base))
     model = helper.make_model(helper.make_graph(
         nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape)),
                      helper.make_tensor_value_info("T", TensorProto.INT64, [])],

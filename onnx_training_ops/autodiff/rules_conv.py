@@ -167,16 +167,21 @@ def _weight_grad(em: Emitter, x: str, g: str, w: str, kernel: Ints, strides, dil
 
 
 # ----------------------------------------------------------------------- Conv
+def _geometry(ctx: RuleContext) -> tuple:
+    """(x, w, kernel, spatial rank, strides, dilations, group) of a Conv/ConvTranspose."""
+    x, w = ctx.node.input[:2]
+    kernel = _kernel(ctx, w)
+    n = len(kernel) if isinstance(kernel, list) else ctx.rank(x) - 2
+    strides, dilations = _window(ctx, n)
+    return x, w, kernel, n, strides, dilations, int(ctx.attr("group", 1))
+
+
 @register("Conv")
 def _conv(ctx: RuleContext) -> list:
     if ctx.opset < 11:
         raise RuleError(f"the Conv gradient needs opset >= 11 (graph has {ctx.opset})")
     em, g = ctx.em, ctx.grad(0)
-    x, w = ctx.node.input[:2]
-    kernel = _kernel(ctx, w)
-    n = len(kernel) if isinstance(kernel, list) else ctx.rank(x) - 2
-    strides, dilations = _window(ctx, n)
-    group = int(ctx.attr("group", 1))
+    x, w, kernel, n, strides, dilations, group = _geometry(ctx)
     pb, pe = _pads(ctx, x, kernel, strides, dilations)
     out = ctx.empty()
     if ctx.need(0):
@@ -223,11 +228,7 @@ def _conv_transpose(ctx: RuleContext) -> list:
     """ConvTranspose is the adjoint of Conv with the same W, strides, pads and dilations:
     dx = Conv(g, W); dW is Conv's weight gradient with input g and output gradient x."""
     em, g = ctx.em, ctx.grad(0)
-    x, w = ctx.node.input[:2]
-    kernel = _kernel(ctx, w)
-    n = len(kernel) if isinstance(kernel, list) else ctx.rank(x) - 2
-    strides, dilations = _window(ctx, n)
-    group = int(ctx.attr("group", 1))
+    x, w, kernel, n, strides, dilations, group = _geometry(ctx)
     pb, pe = _transpose_pads(ctx, x, kernel, strides, dilations)
     pads = list(pb) + list(pe)
     out = ctx.empty()
