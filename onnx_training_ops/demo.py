@@ -136,14 +136,14 @@ def train(
     except ImportError:  # pragma: no cover - without numba the reference kernels run
         pass
     bar = None
-    if progress:
+    # a terminal gets a tqdm bar; a log file or CI plain lines, one per epoch (tqdm's
+    # carriage-return redraws would pile up there)
+    interactive = progress and sys.stderr.isatty()
+    if interactive:
         from tqdm import tqdm
 
-        # a log file or CI gets plain lines every few seconds, not carriage-return updates
-        interactive = sys.stderr.isatty()
         bar = tqdm(total=epochs * steps_per_epoch, desc=f"training ({type(opt).__name__})",
-                   unit="step", mininterval=0.1 if interactive else 5.0,
-                   ascii=not interactive, dynamic_ncols=interactive)
+                   unit="step")
     start = time.perf_counter()
     feeds = {}
     for epoch in range(epochs):
@@ -160,6 +160,9 @@ def train(
                 bar.update(1)
         if bar is not None:
             bar.set_postfix(epoch=epoch + 1, loss=f"{epoch_loss / steps_per_epoch:.4f}")
+        elif progress:
+            print(f"training ({type(opt).__name__}): epoch {epoch + 1}/{epochs}, "
+                  f"loss {epoch_loss / steps_per_epoch:.4f}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - start
     if bar is not None:
         bar.close()
