@@ -1,18 +1,17 @@
-"""Feeds of a training step: what each program takes, checked and bound every step."""
+"""Feeds of a training step: what each program takes, and the checks every step runs.
+
+Binding them to a program happens in :mod:`.step` (this module knows no Program)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import onnx
 
 from ..errors import TrainingOpError
 from .arrays import dtype_name, np_dtype
-
-if TYPE_CHECKING:
-    from .program import Program
 
 
 @dataclass
@@ -67,38 +66,3 @@ def feed_array(spec: FeedSpec, value) -> np.ndarray:
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array
-
-
-def bind_feeds(program: Program, feeds: Mapping[str, Any]) -> list[np.ndarray]:
-    """Bind the program's inputs to ``feeds`` (optional ones to their default if not fed).
-
-    Returns the bound arrays: the caller keeps them alive until onnxruntime has run.
-    """
-    raw = program.io._iobinding
-    arrays = []
-    for spec in program.feeds:
-        array = feed_array(spec, feeds[spec.name])
-        arrays.append(array)
-        raw.bind_input(spec.name, array)
-    for spec, default in program.optional_feeds:
-        value = feeds.get(spec.name)
-        array = default if value is None else feed_array(spec, value)
-        arrays.append(array)
-        raw.bind_input(spec.name, array)
-    return arrays
-
-
-def set_learning_rates(program: Program, feeds: Mapping[str, Any], lr: float | None) -> None:
-    """Write each learning-rate input's buffer: the fed value, else ``lr``, else the model's default."""
-    for name, buf in program.rate_inputs.items():
-        if name in feeds:
-            value = np.asarray(feeds[name])
-            if value.size != 1:
-                raise TrainingOpError(f"step: learning rate {name!r} must be a scalar, found shape {list(value.shape)}")
-            buf[...] = value.reshape(buf.shape)
-        elif lr is not None:
-            buf[...] = lr
-        elif program.rate_defaults[name] is not None:
-            buf[...] = program.rate_defaults[name]
-        else:
-            raise TrainingOpError(f"step: learning rate {name!r} has no default; pass lr=... or feed it")

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import TrainingOpError
 from .binding import finish_binding
 from .fast_path import apply_plan, apply_step_with_feeds
-from .feeds import bind_feeds, set_learning_rates
+from .feeds import feed_array
 from .program import Program
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
@@ -106,3 +106,38 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
     for array, buf in program.copy_plan:
         np.copyto(array, buf)
     return result, False
+
+
+def bind_feeds(program: Program, feeds: Mapping[str, Any]) -> list[np.ndarray]:
+    """Bind the program's inputs to ``feeds`` (optional ones to their default if not fed).
+
+    Returns the bound arrays: the caller keeps them alive until onnxruntime has run.
+    """
+    raw = program.io._iobinding
+    arrays = []
+    for spec in program.feeds:
+        array = feed_array(spec, feeds[spec.name])
+        arrays.append(array)
+        raw.bind_input(spec.name, array)
+    for spec, default in program.optional_feeds:
+        value = feeds.get(spec.name)
+        array = default if value is None else feed_array(spec, value)
+        arrays.append(array)
+        raw.bind_input(spec.name, array)
+    return arrays
+
+
+def set_learning_rates(program: Program, feeds: Mapping[str, Any], lr: float | None) -> None:
+    """Write each learning-rate input's buffer: the fed value, else ``lr``, else the model's default."""
+    for name, buf in program.rate_inputs.items():
+        if name in feeds:
+            value = np.asarray(feeds[name])
+            if value.size != 1:
+                raise TrainingOpError(f"step: learning rate {name!r} must be a scalar, found shape {list(value.shape)}")
+            buf[...] = value.reshape(buf.shape)
+        elif lr is not None:
+            buf[...] = lr
+        elif program.rate_defaults[name] is not None:
+            buf[...] = program.rate_defaults[name]
+        else:
+            raise TrainingOpError(f"step: learning rate {name!r} has no default; pass lr=... or feed it")
