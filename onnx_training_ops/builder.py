@@ -175,6 +175,58 @@ def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labe
     return renamed, target, pred_type, em.nodes, label_vi
 
 
+def _output_loss_type(loss: str, outputs, types) -> int:
+    """The element type of a model output used as the loss (a float scalar), else an error."""
+    if loss not in outputs:
+        raise TrainingOpError(
+            f"loss {loss!r} is neither one of {sorted(NAMED)} nor an output of the model; "
+            f"outputs: {', '.join(outputs) or 'none'}"
+        )
+    vt = types.get(loss)
+    if vt is not None and (vt.elem_type not in FLOAT_TYPES or (vt.shape is not None and
+                                                              any(d != 1 for d in vt.shape))):
+        raise TrainingOpError(
+            f"loss output {loss!r} must be a float scalar, found {vt.dtype_name} of shape {list(vt.shape or [])}"
+        )
+    return vt.elem_type if vt else TensorProto.FLOAT
+
+
+def _initialization(params, state_names, optimizer, t_name: str, taken: set[str],
+                    algo_inits: list) -> tuple[onnx.GraphProto, list[tuple[str, str]]]:
+    """The initialization graph (V/H at their initial value, T = 0) and its binding; the
+    state initializers (same values) are appended to ``algo_inits``."""
+    p_names = [p.name for p in params]
+    init_nodes, init_outputs, init_binding = [], [], []
+    init_t = unique_name(taken, "optimizer.T.init")
+    init_nodes.append(
+        helper.make_node("Constant", [], [init_t], value=numpy_helper.from_array(np.array(0, np.int64)),
+                         name=unique_name(taken, "init/T"))
+    )
+    init_outputs.append(_tensor_vi(init_t, TensorProto.INT64, []))
+    init_binding.append((t_name, init_t))
+    for p in params:
+        dtype = helper.tensor_dtype_to_np_dtype(p.data_type)
+        shape_name = unique_name(taken, f"{p.name}.shape")
+        init_nodes.append(
+            helper.make_node("Constant", [], [shape_name], value=numpy_helper.from_array(np.array(p.dims, np.int64)),
+                             name=unique_name(taken, f"init/{p.name}.shape"))
+        )
+        for s, names in state_names.items():
+            state = names[p_names.index(p.name)]
+            value = optimizer.initial_value(s)
+            algo_inits.append(numpy_helper.from_array(np.full(tuple(p.dims), value, dtype), state))
+            out = unique_name(taken, f"{state}.init")
+            init_nodes.append(
+                helper.make_node(
+                    "ConstantOfShape", [shape_name], [out], name=unique_name(taken, f"init/{state}"),
+                    value=numpy_helper.from_array(np.array([value], dtype)),
+                )
+            )
+            init_outputs.append(_tensor_vi(out, p.data_type, p.dims))
+            init_binding.append((state, out))
+    return helper.make_graph(init_nodes, "initialization", [], init_outputs), init_binding
+
+
 def build_training_model(
     model,
     loss: str,
@@ -262,19 +314,7 @@ def build_training_model(
         nodes += loss_nodes
         algo_inputs.append(label_vi)
     else:
-        if loss not in outputs:
-            raise TrainingOpError(
-                f"loss {loss!r} is neither one of {sorted(NAMED)} nor an output of the model; "
-                f"outputs: {', '.join(outputs) or 'none'}"
-            )
-        vt = types.get(loss)
-        if vt is not None and (vt.elem_type not in FLOAT_TYPES or (vt.shape is not None and
-                                                                  any(d != 1 for d in vt.shape))):
-            raise TrainingOpError(
-                f"loss output {loss!r} must be a float scalar, found {vt.dtype_name} of shape {list(vt.shape or [])}"
-            )
-        loss_name, target = loss, ""
-        loss_type = vt.elem_type if vt else TensorProto.FLOAT
+        loss_name, target, loss_type = loss, "", _output_loss_type(loss, outputs, types)
 
     params = _trainables(model, trainable, nodes, loss_name, elem_types)
     _check_differentiable(model, nodes, loss_name, params, elem_types)
@@ -322,35 +362,8 @@ def build_training_model(
     )
 
     # ---- state initializers (algorithm graph) and the initialization graph
-    init_nodes, init_outputs, init_binding = [], [], []
-    init_t = unique_name(taken, "optimizer.T.init")
-    init_nodes.append(
-        helper.make_node("Constant", [], [init_t], value=numpy_helper.from_array(np.array(0, np.int64)),
-                         name=unique_name(taken, "init/T"))
-    )
-    init_outputs.append(_tensor_vi(init_t, TensorProto.INT64, []))
-    init_binding.append((t_name, init_t))
-    for p in params:
-        dtype = helper.tensor_dtype_to_np_dtype(p.data_type)
-        shape_name = unique_name(taken, f"{p.name}.shape")
-        init_nodes.append(
-            helper.make_node("Constant", [], [shape_name], value=numpy_helper.from_array(np.array(p.dims, np.int64)),
-                             name=unique_name(taken, f"init/{p.name}.shape"))
-        )
-        for s, names in state_names.items():
-            state = names[p_names.index(p.name)]
-            value = optimizer.initial_value(s)
-            algo_inits.append(numpy_helper.from_array(np.full(tuple(p.dims), value, dtype), state))
-            out = unique_name(taken, f"{state}.init")
-            init_nodes.append(
-                helper.make_node(
-                    "ConstantOfShape", [shape_name], [out], name=unique_name(taken, f"init/{state}"),
-                    value=numpy_helper.from_array(np.array([value], dtype)),
-                )
-            )
-            init_outputs.append(_tensor_vi(out, p.data_type, p.dims))
-            init_binding.append((state, out))
-    initialization = helper.make_graph(init_nodes, "initialization", [], init_outputs)
+    initialization, init_binding = _initialization(params, state_names, optimizer, t_name, taken,
+                                                   algo_inits)
 
     # ---- algorithm graph outputs and update binding
     algo_outputs = [_tensor_vi(loss_name, loss_type, [])] if spec is not None else []
