@@ -50,14 +50,24 @@ import numpy as np
 from .errors import TrainingOpError
 
 
+def _real(cls: str, name: str, value) -> float:
+    if isinstance(value, (bool, str, bytes)) or value is None or np.ndim(value) != 0:
+        raise TrainingOpError(f"{cls}: {name} must be a real number, found {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TrainingOpError(f"{cls}: {name} must be a real number, found {value!r}") from None
+
+
+def _check_finite(cls: str, **values: float) -> None:
+    for name, value in values.items():
+        if not np.isfinite(_real(cls, name, value)):
+            raise TrainingOpError(f"{cls}: {name} must be finite, found {value!r}")
+
+
 def _check_nonnegative(cls: str, **values: float) -> None:
     for name, value in values.items():
-        if isinstance(value, (bool, str, bytes)) or value is None or np.ndim(value) != 0:
-            raise TrainingOpError(f"{cls}: {name} must be a real number, found {value!r}")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise TrainingOpError(f"{cls}: {name} must be a real number, found {value!r}") from None
+        number = _real(cls, name, value)
         if not (np.isfinite(number) and number >= 0.0):
             raise TrainingOpError(f"{cls}: {name} must be finite and >= 0, found {value!r}")
 
@@ -124,6 +134,9 @@ class Momentum:
 
     def __post_init__(self):
         _check_nonnegative("Momentum", lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        _check_finite("Momentum", dampening=self.dampening)
+        if not isinstance(self.nesterov, (bool, np.bool_)):
+            raise TrainingOpError(f"Momentum: nesterov must be True or False, found {self.nesterov!r}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise TrainingOpError("Momentum: nesterov requires momentum > 0 and dampening == 0 (as in torch)")
 

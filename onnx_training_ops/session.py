@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -44,6 +44,9 @@ class InferenceSession(ort.InferenceSession):
         """``onnxruntime.InferenceSession.run``; a failing training kernel raises TrainingOpError.
         Arrays in a non-native byte order (``'>f4'``) are converted first: onnxruntime would
         read their bytes as native."""
+        if not isinstance(input_feed, Mapping):
+            raise TrainingOpError(f"run: input_feed must be a dict of input name to array, found "
+                                  f"{type(input_feed).__name__}")
         input_feed = {k: _native(v) for k, v in input_feed.items()}
         take_kernel_errors()
         with sigint_held():

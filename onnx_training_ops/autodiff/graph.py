@@ -127,8 +127,8 @@ def backprop(nodes: Sequence[onnx.NodeProto], y: str, leaves: Sequence[str], cut
     active: set[str] = set(leaves)
     for idx in needed:
         node = nodes[idx]
-        if node.domain not in ("", "ai.onnx") or node.op_type in NON_DIFFERENTIABLE:
-            continue
+        if node.domain in ("", "ai.onnx") and node.op_type in NON_DIFFERENTIABLE:
+            continue  # other domains' float outputs stay active: no rule is an error below
         if any(i in active for i in node_reads(node)):
             active.update(o for o in node.output if o and _is_float(em, o))
     if y not in active:

@@ -37,6 +37,23 @@ def model_graphs(model: ModelProto) -> Iterator[GraphProto]:
         yield from all_graphs(info.algorithm)
 
 
+def concatenated(main: GraphProto, algorithm: GraphProto) -> GraphProto:
+    """The graph the IR runs for a training algorithm: the main graph's nodes, then the
+    algorithm's; inputs, initializers and value_info of both (the algorithm's outputs)."""
+    combined = GraphProto()
+    combined.CopyFrom(algorithm)
+    del combined.node[:]
+    combined.node.extend(main.node)
+    combined.node.extend(algorithm.node)
+    seen = {v.name for v in combined.input}
+    combined.input.extend(v for v in main.input if v.name not in seen)
+    own = {t.name for t in combined.initializer}
+    combined.initializer.extend(t for t in main.initializer if t.name not in own)
+    combined.sparse_initializer.extend(main.sparse_initializer)
+    combined.value_info.extend(main.value_info)
+    return combined
+
+
 def model_training_nodes(model: ModelProto) -> Iterator[tuple[GraphProto, NodeProto]]:
     """(graph, node) for every node of the training domain in any graph of ``model``."""
     for g in model_graphs(model):

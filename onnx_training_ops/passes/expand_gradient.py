@@ -28,7 +28,7 @@ from ..autodiff.emitter import FLOAT_TYPES
 from ..autodiff import Emitter, ValueMeta, backprop, topological_sort
 from ..autodiff.graph import ancestors, node_reads, producer_map
 from ..errors import TrainingOpError, node_label
-from ._graph import all_graphs, all_names
+from ._graph import all_graphs, all_names, concatenated
 
 DOMAIN = "ai.onnx.preview.training"
 
@@ -408,16 +408,7 @@ def _expand_algorithm(algorithm: GraphProto, main: GraphProto, opset: int, impor
     main graph and the algorithm graph concatenated, so y may depend on xs through the main
     graph's nodes (a loss reading the model's logits): differentiate the concatenation, then
     keep only what is not the main graph's (the emitted nodes read main values by name)."""
-    combined = GraphProto()
-    combined.CopyFrom(algorithm)
-    del combined.node[:]
-    combined.node.extend(main.node)
-    combined.node.extend(algorithm.node)
-    seen = {v.name for v in combined.input}
-    combined.input.extend(v for v in main.input if v.name not in seen)
-    own = {t.name for t in combined.initializer}
-    combined.initializer.extend(t for t in main.initializer if t.name not in own)
-    combined.value_info.extend(main.value_info)
+    combined = concatenated(main, algorithm)
 
     def run(nodes):
         g = GraphProto()

@@ -13,7 +13,7 @@ from onnx import AttributeProto, ModelProto
 from ..errors import TrainingOpError, node_label
 from ..plugin import EXACT_ATTRIBUTE
 from ..schema import DOMAIN, MOMENTUM_MODES, OPTIMIZERS, TRAINING_OPS
-from ._graph import ValueType, training_nodes, value_types
+from ._graph import ValueType, concatenated, training_nodes, value_types
 
 FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
 
@@ -130,18 +130,18 @@ def _check_structure(graph: onnx.GraphProto, outer: set[str], where: str) -> Non
             if name and name not in defined:
                 later = "produced only by a later node (nodes out of order, or a cycle)" \
                     if name in all_outputs else "produced by no node, graph input or initializer"
-                raise TrainingOpError(f"{where}node {label}: input {name!r} is {later}")
+                raise TrainingOpError(f"{where}{label}: input {name!r} is {later}")
         for sub in _subgraphs(node):
             _check_structure(sub, defined, f"{where}{label} body: ")
         for name in node.output:
             if not name:
                 continue
             if name in producers:
-                raise TrainingOpError(f"{where}node {label}: output {name!r} is already produced "
-                                      f"by node {producers[name]}")
+                raise TrainingOpError(f"{where}{label}: output {name!r} is already produced "
+                                      f"by {producers[name]}")
             if name in {v.name for v in graph.input} or name in \
                     {t.name for t in graph.initializer}:
-                raise TrainingOpError(f"{where}node {label}: output {name!r} overwrites a graph "
+                raise TrainingOpError(f"{where}{label}: output {name!r} overwrites a graph "
                                       "input or initializer")
             producers[name] = label
             defined.add(name)
@@ -155,20 +155,20 @@ def _subgraphs(node):
             yield from attr.graphs
 
 
-def validate(model: ModelProto) -> ModelProto:
-    """Raise TrainingOpError for the first invalid node of the domain, the domain's opset
-    version, or a main graph onnxruntime would reject structurally; return ``model``."""
-    nodes = list(training_nodes(model.graph))
+def check_structure(graph: onnx.GraphProto, where: str = "", outer: set[str] = frozenset()) -> None:
+    """Raise TrainingOpError naming the first node of ``graph`` (subgraphs included) that
+    reads a value nothing produced before it, or produces a value already defined."""
+    _check_structure(graph, set(outer), where)
+
+
+def _check_nodes(model: ModelProto, graph: onnx.GraphProto, where: str) -> None:
+    """The spec's checks for every node of the domain in ``graph`` (types inferred in ``model``)."""
+    nodes = list(training_nodes(graph))
     if not nodes:
-        return model
-    for imp in model.opset_import:
-        if imp.domain == DOMAIN and imp.version != 1:
-            raise TrainingOpError(f"the model imports {DOMAIN} version {imp.version}; only "
-                                  "version 1 exists")
-    _check_structure(model.graph, set(), "")
+        return
     types = value_types(model)
     for _, node in nodes:
-        label = node_label(node)
+        label = where + node_label(node)
         if node.op_type not in TRAINING_OPS:
             raise TrainingOpError(
                 f"{label}: unknown op of domain ai.onnx.preview.training; it has {', '.join(TRAINING_OPS)}"
@@ -180,4 +180,38 @@ def validate(model: ModelProto) -> ModelProto:
         _check_scalar(label, "R", node.input[0], types.get(node.input[0]), FLOAT_TYPES, "a float or double scalar")
         _check_scalar(label, "T", node.input[1], types.get(node.input[1]), (onnx.TensorProto.INT64,), "an int64 scalar")
         _check_group_types(node, label, n, types)
+
+
+def _with_graph(model: ModelProto, graph: onnx.GraphProto) -> ModelProto:
+    """``model``'s opsets and functions around another graph (for shape inference)."""
+    other = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
+    other.ir_version = model.ir_version
+    other.functions.extend(model.functions)
+    return other
+
+
+def validate(model: ModelProto) -> ModelProto:
+    """Raise TrainingOpError for the first invalid node of the domain, the domain's opset
+    version, or a graph onnxruntime would reject structurally; return ``model``.
+
+    Covers the main graph and, for a training model, every ``training_info`` graph: the
+    initialization graph on its own (it may read the main graph's initializers) and the
+    algorithm graph as the IR runs it, concatenated after the main graph."""
+    if not model.training_info and not any(True for _ in training_nodes(model.graph)):
+        return model
+    for imp in model.opset_import:
+        if imp.domain == DOMAIN and imp.version != 1:
+            raise TrainingOpError(f"the model imports {DOMAIN} version {imp.version}; only "
+                                  "version 1 exists")
+    _check_structure(model.graph, set(), "")
+    _check_nodes(model, model.graph, "")
+    main_initializers = {t.name for t in model.graph.initializer}
+    for i, info in enumerate(model.training_info):
+        init = info.initialization
+        _check_structure(init, set(main_initializers), f"training_info[{i}].initialization: ")
+        _check_nodes(_with_graph(model, init), init, f"training_info[{i}].initialization: ")
+        algorithm = concatenated(model.graph, info.algorithm)
+        _check_structure(algorithm, set(), f"training_info[{i}].algorithm: ")
+        _check_nodes(_with_graph(model, algorithm), info.algorithm,
+                     f"training_info[{i}].algorithm: ")
     return model

@@ -18,6 +18,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
 from ..passes._graph import all_graphs, value_types
+from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
 from .fast_path import CutStep, cut_sources, cuttable_nodes
@@ -117,6 +118,10 @@ def combined_graph(
         combined.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     _complete_output_shapes(combined, {e.value: list(state_protos[e.key].dims)
                                        for e in info.update_binding if e.key in state_protos})
+    try:  # the spec's checks with our messages, before the fast path may cut optimizer nodes
+        validate(combined)
+    except TrainingOpError as error:
+        raise TrainingOpError(f"training_info[{index}] (main graph + algorithm): {error}") from None
     try:
         onnx.checker.check_model(combined)
     except onnx.checker.ValidationError as error:

@@ -1,0 +1,145 @@
+"""Issue 9, second pass: errors that still came out raw or misleading, and valid models that
+must run (training_info graphs validated like the main graph, Loop bodies, other domains on
+a gradient path, optimizer arguments, non-mapping feeds)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+from model_factory import optimizer_model
+from onnx_training_ops import (Adam, InferenceSession, Momentum, TrainingOpError, TrainingSession,
+                               build_training_model, prepare)
+from onnx_training_ops.demo import make_mlp
+
+TRAINING = "ai.onnx.preview.training"
+
+
+def _training_model():
+    return build_training_model(make_mlp((16, 8, 4), seed=1), "cross_entropy", Adam())
+
+
+def _set_attribute(node, name, value):
+    for a in node.attribute:
+        if a.name == name:
+            a.f = value
+
+
+def _adam(graph):
+    return next(n for n in graph.node if n.op_type == "Adam")
+
+
+ALGORITHM_DAMAGE = [
+    ("dangling", lambda g: g.node.append(helper.make_node("Relu", ["nowhere"], ["r"], name="dangling")),
+     r"algorithm.*Relu node 'dangling': input 'nowhere' is produced by no node"),
+    # the IR concatenates main and algorithm graphs: producing a main-graph value again breaks SSA
+    ("shadows_main", lambda g: g.node.append(helper.make_node("Relu", ["input"], ["logits"], name="shadow")),
+     r"algorithm.*Relu node 'shadow': output 'logits' is already produced by Gemm node"),
+    ("cycle", lambda g: (g.node.insert(0, helper.make_node("Relu", ["late"], ["early"], name="first")),
+                         g.node.append(helper.make_node("Relu", ["early"], ["late"], name="second"))),
+     r"algorithm.*Relu node 'first': input 'late' is produced only by a later node"),
+    ("alpha_one", lambda g: _set_attribute(_adam(g), "alpha", 1.0),
+     r"algorithm.*Adam node 'optimizer/Adam': attribute 'alpha' must be < 1"),
+    ("unknown_attribute", lambda g: _adam(g).attribute.append(helper.make_attribute("surprise", 1.0)),
+     r"algorithm.*Adam node 'optimizer/Adam': unknown attribute 'surprise'"),
+    ("arity", lambda g: _adam(g).input.append(_adam(g).input[-1]),
+     r"algorithm.*Adam node 'optimizer/Adam': expected 2 \+ 4\*N inputs"),
+]
+
+
+@pytest.mark.parametrize("kind,damage,match", ALGORITHM_DAMAGE, ids=[c[0] for c in ALGORITHM_DAMAGE])
+def test_prepare_and_training_session_validate_the_algorithm_graph(kind, damage, match):
+    """prepare() accepted these training models (the algorithm graph was never validated) and
+    TrainingSession answered with onnx.checker's message or a misleading "not reachable"."""
+    model = _training_model()
+    damage(model.training_info[0].algorithm)
+    with pytest.raises(TrainingOpError, match=r"training_info\[0\]\." + match):
+        prepare(model)
+    with pytest.raises(TrainingOpError, match=r"training_info\[0\]" + match.removeprefix("algorithm")):
+        TrainingSession(model)
+
+
+def test_prepare_validates_the_initialization_graph():
+    model = _training_model()
+    model.training_info[0].initialization.node.append(
+        helper.make_node("Relu", ["nowhere"], ["r"], name="init_dangling"))
+    with pytest.raises(TrainingOpError, match=r"training_info\[0\]\.initialization: Relu node "
+                                              r"'init_dangling': input 'nowhere'"):
+        prepare(model)
+
+
+def test_a_gradient_through_another_domains_op_names_the_missing_rule():
+    """A float op of another domain on the path used to make y "not reachable" (and, beside
+    a differentiable path, silently dropped its share of the gradient)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    nodes = [helper.make_node("Gelu", ["x"], ["g"], domain="com.microsoft", name="ms_gelu"),
+             helper.make_node("Add", ["g", "x"], ["s"]),
+             helper.make_node("ReduceSum", ["s"], ["y"], keepdims=0),
+             helper.make_node("Gradient", ["x"], ["dx"], domain=TRAINING, xs=["x"], y="y", name="grad")]
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(TRAINING, 1),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    with pytest.raises(TrainingOpError, match=r"'grad': no derivative rule for com.microsoft::Gelu node 'ms_gelu'"):
+        prepare(model)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dampening="0.1"), "dampening must be a real number"),
+    (dict(dampening=None), "dampening must be a real number"),
+    (dict(dampening=float("nan")), "dampening must be finite"),
+    (dict(nesterov="yes"), "nesterov must be True or False"),
+])
+def test_momentum_arguments(kwargs, match):
+    with pytest.raises(TrainingOpError, match=match):
+        Momentum(lr=0.1, **kwargs)
+
+
+def test_inference_session_run_with_a_list_says_what_it_takes():
+    session = InferenceSession(optimizer_model("Adam"))
+    with pytest.raises(TrainingOpError, match="input_feed must be a dict of input name to array, found list"):
+        session.run(None, [np.ones(3, np.float32)])
+
+
+def _shape(name):
+    return [3] if name[1] == "0" else [2]
+
+
+def test_multi_tensor_optimizer_inside_a_loop_body_matches_the_reference():
+    """Two tensors' Momentum in a Loop body, three iterations, against onnx.reference."""
+    inner = optimizer_model("Momentum", n=2, shapes=[[3], [2]]).graph  # R T X0 X1 G0 G1 V0 V1
+    carried = {"X0": "X0_in", "X1": "X1_in", "V0": "V0_in", "V1": "V1_in"}
+    node = onnx.NodeProto()
+    node.CopyFrom(inner.node[0])
+    for i, name in enumerate(node.input):
+        node.input[i] = carried.get(name, name)
+    body = helper.make_graph(
+        [node, helper.make_node("Identity", ["cond"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("iter", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, [])]
+        + [helper.make_tensor_value_info(v, TensorProto.FLOAT, _shape(v)) for v in carried.values()],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])]
+        + [helper.make_tensor_value_info(o.name, TensorProto.FLOAT, _shape(o.name)) for o in inner.output])
+    outputs = ["X0_out", "X1_out", "V0_out", "V1_out"]
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "", "X0", "X1", "V0", "V1"], outputs, body=body, name="loop")],
+        "g", list(inner.input), [helper.make_tensor_value_info(o, TensorProto.FLOAT, _shape(o)) for o in outputs],
+        [helper.make_tensor("trips", TensorProto.INT64, [], [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(TRAINING, 1)])
+    onnx.checker.check_model(model)
+    rng = np.random.default_rng(0)
+    feed = {"R": np.array(0.1, np.float32), "T": np.array(0, np.int64)}
+    for vi in list(inner.input)[2:]:
+        feed[vi.name] = rng.standard_normal(3 if vi.name.endswith("0") else 2).astype(np.float32)
+    got = InferenceSession(model).run(None, feed)
+    # onnx.reference's Loop returns the carried values unchanged here (it does not run the
+    # domain's ops in a body), so the reference is its flat node applied three times
+    reference, state = ReferenceEvaluator(optimizer_model("Momentum", n=2, shapes=[[3], [2]])), dict(feed)
+    for _ in range(3):
+        state.update(zip(["X0", "X1", "V0", "V1"], reference.run(None, state)))
+    want = [state[k] for k in ("X0", "X1", "V0", "V1")]
+    assert not np.array_equal(got[0], feed["X0"])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
