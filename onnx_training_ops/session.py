@@ -47,7 +47,7 @@ class InferenceSession(ort.InferenceSession):
         if not isinstance(input_feed, Mapping):
             raise TrainingOpError(f"run: input_feed must be a dict of input name to array, found "
                                   f"{type(input_feed).__name__}")
-        input_feed = {k: _native(v) for k, v in input_feed.items()}
+        input_feed = {k: _native(k, v) for k, v in input_feed.items()}
         take_kernel_errors()
         with sigint_held():
             outputs = super().run(output_names, input_feed, run_options)
@@ -83,7 +83,10 @@ def sigint_held():
                 raise KeyboardInterrupt
 
 
-def _native(value):
+def _native(name, value):
+    if value is None:  # would reach a kernel as an unconstructed value and abort the process
+        raise TrainingOpError(f"run: feed {name!r} is None; feed an array (or leave the "
+                              "name out for an optional input)")
     if isinstance(value, np.ndarray) and not value.dtype.isnative:
         return value.astype(value.dtype.newbyteorder("="))
     return value

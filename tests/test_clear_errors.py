@@ -143,3 +143,12 @@ def test_multi_tensor_optimizer_inside_a_loop_body_matches_the_reference():
     assert not np.array_equal(got[0], feed["X0"])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_an_empty_batch_is_named_not_an_onnxruntime_reshape_error():
+    session = TrainingSession(_training_model())
+    before = session.state_dict()
+    with pytest.raises(TrainingOpError, match="feed 'labels' is empty: a batch needs at least one example"):
+        session.step({"input": np.zeros((0, 16), np.float32), "labels": np.zeros(0, np.int64)})
+    for name, value in session.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])

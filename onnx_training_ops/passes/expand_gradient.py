@@ -167,6 +167,47 @@ def _check_independent(label: str, nodes, producers, xs: list[str], zs: list[str
                 "xs and zs must be independent inputs of the differentiated computation")
 
 
+def _check_substitutes(label: str, subst: Mapping[str, str], meta: Mapping[str, ValueMeta]) -> None:
+    """Each input of the node is the value of its xs/zs name: same dtype, same rank."""
+    for name, value in subst.items():
+        want, got = meta.get(name, ValueMeta()), meta.get(value, ValueMeta())
+        if want.dtype is not None and got.dtype is not None and want.dtype != got.dtype:
+            raise TrainingOpError(
+                f"{label}: input {value!r} stands for {name!r} but is "
+                f"{onnx.helper.tensor_dtype_to_string(got.dtype)}, {name!r} is "
+                f"{onnx.helper.tensor_dtype_to_string(want.dtype)}")
+        if want.shape is not None and got.shape is not None and len(want.shape) != len(got.shape):
+            # dims may differ (the spec's example evaluates at another batch size); ranks not
+            raise TrainingOpError(f"{label}: input {value!r} stands for {name!r} but has rank "
+                                  f"{len(got.shape)} (shape {list(got.shape)}), {name!r} has "
+                                  f"rank {len(want.shape)} (shape {list(want.shape)})")
+
+
+def _check_forward_accepts(label: str, copies: list[NodeProto], meta: Mapping[str, ValueMeta],
+                           opset: int) -> None:
+    """Shape-infer the forward nodes re-evaluated at the node's inputs: values that do not fit
+    them (a [2, 3] fed for a [3, 2] weight) are this node's error, not onnxruntime's later."""
+    if not copies or any(n.domain not in ("", "ai.onnx") for n in copies):
+        return
+    produced = {o for n in copies for o in n.output if o}
+    inputs = []
+    for name in dict.fromkeys(i for n in copies for i in n.input if i and i not in produced):
+        m = meta.get(name, ValueMeta())
+        if m.dtype is None:
+            return  # too little is known to judge
+        inputs.append(helper.make_tensor_value_info(name, m.dtype, None if m.shape is None else list(m.shape)))
+    graph = helper.make_graph(list(copies), "forward", inputs,
+                              [helper.make_tensor_value_info(o, 0, None) for o in produced])
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    try:
+        onnx.shape_inference.infer_shapes(probe, check_type=True, strict_mode=True)
+    except onnx.shape_inference.InferenceError as error:
+        raise TrainingOpError(f"{label}: the forward graph, re-evaluated at this node's inputs, "
+                              f"does not accept them: {str(error).splitlines()[0]}") from None
+    except Exception:  # noqa: BLE001 - inference itself is a help, not a requirement
+        return
+
+
 def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: int,
                  meta: dict[str, ValueMeta], constants: Mapping, taken: set[str],
                  visible: frozenset | None = None) -> list[NodeProto]:
@@ -208,6 +249,7 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
         fwd_nodes, leaves, y_name, leaf_cut = nodes, list(xs), y, cut
     else:
         subst = dict(zip(xs + zs, gnode.input))
+        _check_substitutes(label, subst, meta)
         same = all(meta.get(k, ValueMeta()).shape == meta.get(v, ValueMeta()).shape
                    and meta.get(k, ValueMeta()).shape is not None for k, v in subst.items())
         rename: dict[str, str] = {}
@@ -236,6 +278,7 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
                         m.dtype, None if m.shape is None else (None,) * len(m.shape))
                 copy.output.append(rename.get(o, "") if o else "")
             copies.append(copy)
+        _check_forward_accepts(label, copies, meta, opset)
         fwd_nodes = copies
         leaves = [subst[x] for x in xs]
         y_name = subst.get(y, rename.get(y, y))

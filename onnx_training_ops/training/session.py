@@ -57,8 +57,11 @@ def _label_checker(meta: Mapping[str, str], batch_input: str | None):
 
     def check(feeds: Mapping[str, Any]) -> None:
         labels = np.asarray(feeds.get(name))
-        if labels.dtype.kind not in "iu" or labels.size == 0:
+        if labels.dtype.kind not in "iu":
             return  # the feed check names a wrong dtype
+        if labels.size == 0:
+            raise TrainingOpError(f"step: feed {name!r} is empty: a batch needs at least one "
+                                  "example (the mean loss of none is undefined)")
         rows = np.shape(feeds[batch_input]) if batch_input in feeds else ()
         if rows and labels.ndim and labels.shape[0] != rows[0]:
             raise TrainingOpError(f"step: feed {name!r} has {labels.shape[0]} rows, input "
