@@ -2,7 +2,8 @@
 
 Exit status: 0 success; 1 the command ran and reports a failure (a conformance case
 failed, the demo's accuracy is below ``--min-accuracy``); 2 bad usage or input (argparse's
-own errors, an unreadable or invalid model, a missing extra); 130 interrupted (Ctrl-C).
+own errors, an unreadable or invalid model, a missing extra); 3 an internal error (a bug of
+this package: the traceback is printed, please report it); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from typing import Sequence
 
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class MissingExtra(Exception):
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime.",
         epilog="exit status: 0 ok, 1 failure reported (conformance, --min-accuracy), "
-               "2 usage or input error, 130 interrupted",
+               "2 usage or input error, 3 internal error (a bug: please report), 130 interrupted",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception:  # noqa: BLE001 - not a reported failure: a bug, told apart by its status
+        import traceback
+
+        from . import __version__
+        traceback.print_exc()
+        print(f"internal error of onnx-training-ops {__version__}: please report it with the "
+              "traceback above", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

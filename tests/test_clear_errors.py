@@ -152,3 +152,18 @@ def test_an_empty_batch_is_named_not_an_onnxruntime_reshape_error():
         session.step({"input": np.zeros((0, 16), np.float32), "labels": np.zeros(0, np.int64)})
     for name, value in session.state_dict().items():
         np.testing.assert_array_equal(value, before[name])
+
+
+def test_the_cli_tells_an_internal_error_from_a_reported_failure(monkeypatch, capsys, tmp_path):
+    """A bug used to exit 1 with a bare traceback, like a failed conformance case."""
+    from onnx_training_ops import cli
+
+    def broken(model):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("onnx_training_ops.passes.prepare", broken)
+    source = tmp_path / "m.onnx"
+    onnx.save(optimizer_model("Adam"), source)
+    assert cli.main(["prepare", str(source), str(tmp_path / "out.onnx")]) == 3
+    err = capsys.readouterr().err
+    assert "KeyError: 'a bug'" in err and "internal error of onnx-training-ops" in err

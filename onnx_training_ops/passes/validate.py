@@ -155,12 +155,6 @@ def _subgraphs(node):
             yield from attr.graphs
 
 
-def check_structure(graph: onnx.GraphProto, where: str = "", outer: set[str] = frozenset()) -> None:
-    """Raise TrainingOpError naming the first node of ``graph`` (subgraphs included) that
-    reads a value nothing produced before it, or produces a value already defined."""
-    _check_structure(graph, set(outer), where)
-
-
 def _check_nodes(model: ModelProto, graph: onnx.GraphProto, where: str) -> None:
     """The spec's checks for every node of the domain in ``graph`` (types inferred in ``model``)."""
     nodes = list(training_nodes(graph))
