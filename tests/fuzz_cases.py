@@ -15,8 +15,10 @@ on (SEED, i). An outcome is
   that changed the state, a damaged checkpoint loading different values.
 
 Categories: ``graphs`` (optimizer nodes), ``gradients`` (Gradient nodes and the graph they
-differentiate), ``training_feeds`` (TrainingSession.step), ``inference_feeds``
-(InferenceSession.run), ``checkpoints`` (damaged checkpoint bytes).
+differentiate), ``training_models`` (a built training model's Adam/Gradient nodes, state and
+bindings, one step against the spec's pseudo-code on finite-difference gradients),
+``training_feeds`` (TrainingSession.step), ``inference_feeds`` (InferenceSession.run),
+``checkpoints`` (damaged checkpoint bytes).
 """
 
 from __future__ import annotations
@@ -373,7 +375,8 @@ FEED_KINDS = [("big_endian", True), ("fortran", True), ("strided", True), ("labe
               ("lr", True), ("dtype", False), ("shape", False), ("nan", False), ("inf", False),
               ("missing", False), ("extra", False), ("list", False), ("empty", False),
               ("labels_float", False), ("labels_out_of_range", False), ("labels_rows", False),
-              ("scalar", False), ("none", False), ("string", False), ("bad_lr", False)]
+              ("scalar", False), ("none", False), ("string", False), ("bad_lr", False),
+              ("lr_feed", True), ("bad_lr_feed", False)]
 
 
 def _training_feed(kind: str, batch: dict, rng: np.random.Generator):
@@ -423,6 +426,12 @@ def _training_feed(kind: str, batch: dict, rng: np.random.Generator):
         return dict(batch, input=None), lr
     if kind == "string":
         return dict(batch, input="0.5"), lr
+    if kind == "lr_feed":  # the twin gets the same rate as step(lr=...)
+        rate = float(rng.choice([0.0, 1e-3, 0.5]))
+        return dict(batch, learning_rate=np.array(rate, np.float32)), rate
+    if kind == "bad_lr_feed":
+        rate = [np.nan, -1.0, np.inf][int(rng.integers(3))]
+        return dict(batch, learning_rate=np.array(rate, np.float32)), lr
     bad_rates = [-1.0, np.nan, np.inf, "0.01", np.array([0.1, 0.2]), True, None]
     return batch, bad_rates[int(rng.integers(len(bad_rates) - 1))]
 
@@ -437,7 +446,7 @@ def training_feed_case(ctx, rng: np.random.Generator, i: int) -> Outcome:
     feeds, lr = _training_feed(kind, batch, rng)
     before = session.state_dict()
     try:
-        loss = session.step(feeds, lr=lr)["loss"]
+        loss = session.step(feeds, lr=None if kind == "lr_feed" else lr)["loss"]
     except CLEAN as error:
         changed = [k for k, v in session.state_dict().items()
                    if not np.array_equal(v, before[k], equal_nan=True)]
@@ -570,12 +579,139 @@ def checkpoint_case(ctx, rng: np.random.Generator, i: int) -> Outcome:
     return "wrong", kind, "loaded with different values"
 
 
+# ------------------------------------------------------------------ training models
+ADAM_DEFAULTS = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-6, "norm_coefficient": 0.0,
+                 "norm_coefficient_post": 0.0}
+
+
+def _mutate_training_model(model: onnx.ModelProto, rng: np.random.Generator) -> str:
+    info = model.training_info[0]
+    algorithm = info.algorithm
+    adam = next(n for n in algorithm.node if n.op_type == "Adam")
+    inits = {t.name: t for t in algorithm.initializer}
+    kind = str(rng.choice(["attr_value", "attr_unknown", "attr_type", "drop_input", "extra_input",
+                           "state_dtype", "state_shape", "binding_value", "binding_key",
+                           "gradient_xs", "lr_value", "t_dtype"]))
+    if kind == "attr_value":
+        name = str(rng.choice(sorted(ADAM_DEFAULTS)))
+        _set_attr(adam, helper.make_attribute(name, float(rng.choice(
+            [np.nan, np.inf, -1.0, 0.0, 0.5, 0.99, 1.0, 2.0]))))
+    elif kind == "attr_unknown":
+        adam.attribute.append(helper.make_attribute("surprise", 1.0))
+    elif kind == "attr_type":
+        _set_attr(adam, helper.make_attribute(str(rng.choice(sorted(ADAM_DEFAULTS))), "text"))
+    elif kind == "drop_input":
+        del adam.input[int(rng.integers(len(adam.input)))]
+    elif kind == "extra_input":
+        adam.input.append(adam.input[-1])
+    elif kind in ("state_dtype", "state_shape"):
+        name = str(rng.choice(["W0.V", "b1.H"]))
+        value = numpy_helper.to_array(inits[name])
+        value = value.astype(np.float64) if kind == "state_dtype" else value.reshape(-1, 1)
+        inits[name].CopyFrom(numpy_helper.from_array(value, name))
+    elif kind == "binding_value":
+        info.update_binding[int(rng.integers(len(info.update_binding)))].value = "nowhere"
+    elif kind == "binding_key":
+        info.update_binding.add(key="nope", value="W0.new")
+    elif kind == "gradient_xs":
+        grad = next(n for n in algorithm.node if n.op_type == "Gradient")
+        _set_attr(grad, helper.make_attribute("xs", ["W0", "b0", "W1"]))
+        del grad.input[3:]
+        del grad.output[3:]
+    elif kind == "lr_value":
+        inits["learning_rate"].CopyFrom(numpy_helper.from_array(
+            np.array(rng.choice([np.nan, -1.0, 0.5]), np.float32), "learning_rate"))
+    elif kind == "t_dtype":
+        inits["optimizer.T"].CopyFrom(numpy_helper.from_array(np.array(0, np.int32), "optimizer.T"))
+    return kind
+
+
+def _reference_adam_step(model: onnx.ModelProto, batch: dict) -> tuple[float, dict]:
+    """One step by the spec: the loss of main graph + loss nodes in float64 (onnx.reference),
+    its gradient by central differences, then Adam's pseudo-code with the node's attributes."""
+    info = model.training_info[0]
+    algorithm = info.algorithm
+    adam = next(n for n in algorithm.node if n.op_type == "Adam")
+    grad = next(n for n in algorithm.node if n.op_type == "Gradient")
+    xs = [x.decode() for x in helper.get_attribute_value(next(a for a in grad.attribute if a.name == "xs"))]
+    attrs = dict(ADAM_DEFAULTS, **{a.name: a.f for a in adam.attribute if a.name in ADAM_DEFAULTS})
+    state = {t.name: numpy_helper.to_array(t) for t in (*model.graph.initializer, *algorithm.initializer)}
+    loss_nodes = [n for n in algorithm.node if n.op_type in ("SoftmaxCrossEntropyLoss", "Identity")]
+    graph = helper.make_graph(
+        list(model.graph.node) + loss_nodes, "loss",
+        [helper.make_tensor_value_info("input", TensorProto.DOUBLE, None),
+         helper.make_tensor_value_info("labels", TensorProto.INT64, None)]
+        + [helper.make_tensor_value_info(x, TensorProto.DOUBLE, None) for x in xs],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, None)],
+        [numpy_helper.from_array(v.astype(np.float64), k) for k, v in state.items()
+         if k in {i for n in model.graph.node for i in n.input} and k not in xs])
+    evaluator = ReferenceEvaluator(helper.make_model(graph, opset_imports=list(model.opset_import)))
+    values = {"input": batch["input"].astype(np.float64), "labels": batch["labels"],
+              **{x: state[x].astype(np.float64) for x in xs}}
+
+    def loss(v):
+        return float(evaluator.run(None, v)[0])
+
+    r = float(state["learning_rate"])
+    t = int(state["optimizer.T"]) + 1
+    n = len(xs)
+    new = {}
+    for i, x in enumerate(xs):
+        g = np.zeros_like(values[x])
+        for idx in np.ndindex(g.shape):
+            plus, minus = dict(values), dict(values)
+            plus[x], minus[x] = values[x].copy(), values[x].copy()
+            plus[x][idx] += 1e-6
+            minus[x][idx] -= 1e-6
+            g[idx] = (loss(plus) - loss(minus)) / 2e-6
+        v_name, h_name = adam.input[2 + 2 * n + i], adam.input[2 + 3 * n + i]
+        v, h, xv = state[v_name].astype(np.float64), state[h_name].astype(np.float64), values[x]
+        with np.errstate(all="ignore"):
+            g_reg = attrs["norm_coefficient"] * xv + g
+            v_new = attrs["alpha"] * v + (1 - attrs["alpha"]) * g_reg
+            h_new = attrs["beta"] * h + (1 - attrs["beta"]) * g_reg * g_reg
+            rate = r * np.sqrt(1 - attrs["beta"] ** t) / (1 - attrs["alpha"] ** t) if t > 0 else r
+            x_new = (1 - attrs["norm_coefficient_post"]) * (xv - rate * v_new / (np.sqrt(h_new) + attrs["epsilon"]))
+        new.update({x: x_new, v_name: v_new, h_name: h_new})
+    return loss(values), new
+
+
+def training_model_case(ctx, rng: np.random.Generator, i: int) -> Outcome:
+    model = ot.build_training_model(make_mlp((4, 3, 2), seed=1), "cross_entropy", ot.Adam(lr=0.1))
+    kind = "none" if i % 4 == 0 else _mutate_training_model(model, rng)
+    batch = {"input": rng.standard_normal((5, 4)).astype(np.float32),
+             "labels": rng.integers(0, 2, 5).astype(np.int64)}
+    session = None
+    try:
+        session = ot.TrainingSession(model, fast=bool(i % 2))
+        before = session.state_dict()
+        loss = float(session.step(batch)["loss"])
+    except CLEAN as error:
+        if session is not None and any(not np.array_equal(v, before[k], equal_nan=True)
+                                       for k, v in session.state_dict().items()):
+            return "wrong", kind, f"failed step changed the state: {error}"
+        return ("clean" if _clean(error) else "wrong"), kind, str(error)
+    except Exception as error:  # noqa: BLE001
+        return "wrong", kind, f"raw {type(error).__name__}: {error}"
+    try:
+        want_loss, want = _reference_adam_step(model, batch)
+    except Exception as error:  # noqa: BLE001
+        return "wrong", kind, f"ran although the reference refuses it: {type(error).__name__}: {error}"
+    got = session.state_dict()
+    if np.isclose(loss, want_loss, rtol=1e-5) and all(
+            np.allclose(got[k], v, rtol=2e-3, atol=1e-5, equal_nan=True) for k, v in want.items()):
+        return "ran", kind, ""
+    off = [k for k, v in want.items() if not np.allclose(got[k], v, rtol=2e-3, atol=1e-5, equal_nan=True)]
+    return "wrong", kind, f"differs from the spec's step (loss {loss} vs {want_loss}; {off[:3]})"
+
+
 CATEGORIES: dict[str, Callable[[dict, np.random.Generator, int], Outcome]] = {
     "graphs": graph_case,
     "gradients": gradient_case,
     "training_feeds": training_feed_case,
     "inference_feeds": inference_feed_case,
     "checkpoints": checkpoint_case,
+    "training_models": training_model_case,
 }
 
 

@@ -167,3 +167,26 @@ def test_the_cli_tells_an_internal_error_from_a_reported_failure(monkeypatch, ca
     assert cli.main(["prepare", str(source), str(tmp_path / "out.onnx")]) == 3
     err = capsys.readouterr().err
     assert "KeyError: 'a bug'" in err and "internal error of onnx-training-ops" in err
+
+
+@pytest.mark.parametrize("lr", [np.nan, -1.0, np.inf, "0.01"])
+def test_a_fed_learning_rate_is_checked_like_step_lr(lr):
+    """Feeding 'learning_rate' bypassed step(lr=...)'s check: NaN went into every parameter."""
+    session = TrainingSession(_training_model())
+    before = session.state_dict()
+    rng = np.random.default_rng(0)
+    batch = {"input": rng.standard_normal((6, 16)).astype(np.float32),
+             "labels": rng.integers(0, 4, 6).astype(np.int64),
+             "learning_rate": np.array(lr) if isinstance(lr, str) else np.array(lr, np.float32)}
+    with pytest.raises(TrainingOpError, match="learning rate feed 'learning_rate' must be"):
+        session.step(batch)
+    for name, value in session.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])
+
+
+def test_a_models_default_learning_rate_is_checked_at_load():
+    model = _training_model()
+    rate = next(t for t in model.training_info[0].algorithm.initializer if t.name == "learning_rate")
+    rate.CopyFrom(onnx.numpy_helper.from_array(np.array(np.nan, np.float32), "learning_rate"))
+    with pytest.raises(TrainingOpError, match="the default of learning rate 'learning_rate' must be finite"):
+        TrainingSession(model)

@@ -1,5 +1,5 @@
 """The fuzz suite (issue 9): seeded mutations of optimizer graphs, Gradient graphs, training
-and inference feeds, and checkpoint bytes (cases in tests/fuzz_cases.py).
+models, training and inference feeds, and checkpoint bytes (cases in tests/fuzz_cases.py).
 
 Each category runs in a subprocess that reports every case as it finishes; a case that
 kills the process (crash) or reports nothing within CASE_TIMEOUT (hang) is counted, and a
@@ -25,7 +25,7 @@ SEED = 20261122
 STARTUP_TIMEOUT = 120.0  # imports, numba's cached kernels, the first session (a loaded machine)
 CASE_TIMEOUT = 30.0
 SIZES = {"graphs": 300, "gradients": 200, "training_feeds": 250, "inference_feeds": 250,
-         "checkpoints": 210}
+         "checkpoints": 210, "training_models": 100}
 
 
 def run_category(category: str, n: int, seed: int = SEED) -> dict:

@@ -66,3 +66,18 @@ def feed_array(spec: FeedSpec, value) -> np.ndarray:
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array
+
+
+def checked_learning_rate(lr, what: str = "step: lr") -> float:
+    """``lr`` as a float, or a TrainingOpError: a finite real number >= 0, as the optimizers'
+    own ``lr`` (``what`` names it in the message)."""
+    if isinstance(lr, (bool, str, bytes)) or np.ndim(lr) != 0 or \
+            (isinstance(lr, np.ndarray) and lr.dtype.kind not in "iuf"):
+        raise TrainingOpError(f"{what} must be a real number, found {lr!r}")
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise TrainingOpError(f"{what} must be a real number, found {lr!r}") from None
+    if not np.isfinite(value) or value < 0:
+        raise TrainingOpError(f"{what} must be finite and >= 0, found {value}")
+    return value

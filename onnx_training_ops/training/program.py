@@ -22,7 +22,7 @@ from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
 from .fast_path import CutStep, cut_sources, cuttable_nodes
-from .feeds import FeedSpec
+from .feeds import FeedSpec, checked_learning_rate
 
 
 @dataclass
@@ -198,6 +198,8 @@ def learning_rate_inputs(
                 dtype = np_dtype(tt.elem_type) if tt.elem_type else np.dtype(np.float32)
                 shape = tuple(d.dim_value for d in tt.shape.dim) if tt.HasField("shape") else ()
                 default = numpy_helper.to_array(init_values[r]) if r in init_values else None
+                if default is not None and default.size == 1:  # (other sizes: the binding check)
+                    checked_learning_rate(default.reshape(()), f"the default of learning rate {r!r}")
                 buf = np.zeros(shape, dtype) if default is None else owned(default.astype(dtype).reshape(shape))
                 rate_inputs[r] = buf
                 rate_defaults[r] = None if default is None else buf.copy()

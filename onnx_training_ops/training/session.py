@@ -34,7 +34,7 @@ from ..session import InferenceSession
 from .arrays import dtype_name, owned
 from .binding import open_program
 from .fast_path import flatten_cut_state
-from .feeds import check_feed_names
+from .feeds import check_feed_names, checked_learning_rate
 from .from_graph import graph_to_training_model
 from .inference import inference_model, inference_session
 from .program import build_program
@@ -95,20 +95,6 @@ def _locked(method):
             return method(self, *args, **kwargs)
 
     return wrapper
-
-
-def checked_learning_rate(lr) -> float:
-    """``lr`` as a float, or a TrainingOpError: a finite real number >= 0, as the optimizers'
-    own ``lr``."""
-    if isinstance(lr, (bool, str, bytes)) or np.ndim(lr) != 0:
-        raise TrainingOpError(f"step: lr must be a real number, found {lr!r}")
-    try:
-        value = float(lr)
-    except (TypeError, ValueError):
-        raise TrainingOpError(f"step: lr must be a real number, found {lr!r}") from None
-    if not np.isfinite(value) or value < 0:
-        raise TrainingOpError(f"step: lr must be finite and >= 0, found {value}")
-    return value
 
 
 class TrainingSession:

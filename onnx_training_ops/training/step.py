@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import TrainingOpError
 from .binding import finish_binding
 from .fast_path import apply_plan, apply_step_with_feeds
-from .feeds import feed_array
+from .feeds import checked_learning_rate, feed_array
 from .program import Program
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
@@ -134,7 +134,7 @@ def set_learning_rates(program: Program, feeds: Mapping[str, Any], lr: float | N
             value = np.asarray(feeds[name])
             if value.size != 1:
                 raise TrainingOpError(f"step: learning rate {name!r} must be a scalar, found shape {list(value.shape)}")
-            buf[...] = value.reshape(buf.shape)
+            buf[...] = checked_learning_rate(value.reshape(()), f"step: learning rate feed {name!r}")
         elif lr is not None:
             buf[...] = lr
         elif program.rate_defaults[name] is not None:
