@@ -190,3 +190,20 @@ def test_a_models_default_learning_rate_is_checked_at_load():
     rate.CopyFrom(onnx.numpy_helper.from_array(np.array(np.nan, np.float32), "learning_rate"))
     with pytest.raises(TrainingOpError, match="the default of learning rate 'learning_rate' must be finite"):
         TrainingSession(model)
+
+
+def test_algorithm_outputs_declared_without_a_type_are_accepted():
+    """onnx.checker accepts them in a training model; the session used to refuse ('Field
+    'type' of 'value_info' is required but missing') — like outputs without a shape."""
+    model = _training_model()
+    for out in model.training_info[0].algorithm.output:
+        out.ClearField("type")
+    onnx.checker.check_model(model)
+    rng = np.random.default_rng(0)
+    batch = {"input": rng.standard_normal((6, 16)).astype(np.float32),
+             "labels": rng.integers(0, 4, 6).astype(np.int64)}
+    for fast in (True, False):
+        untyped, typed = TrainingSession(model, fast=fast), TrainingSession(_training_model(), fast=fast)
+        assert untyped.step(batch)["loss"] == typed.step(batch)["loss"]
+        for name, value in untyped.state_dict().items():
+            np.testing.assert_array_equal(value, typed.state_dict()[name])

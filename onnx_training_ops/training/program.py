@@ -116,7 +116,7 @@ def combined_graph(
         n.domain == DOMAIN for n in algo.node
     ):
         combined.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    _complete_output_shapes(combined, {e.value: list(state_protos[e.key].dims)
+    _complete_output_shapes(combined, {e.value: state_protos[e.key]
                                        for e in info.update_binding if e.key in state_protos})
     try:  # the spec's checks with our messages, before the fast path may cut optimizer nodes
         validate(combined)
@@ -132,18 +132,26 @@ def combined_graph(
     return combined
 
 
-def _complete_output_shapes(model: onnx.ModelProto, bound: Mapping[str, list]) -> None:
-    """Outputs declared without a shape (the spec allows it; the checker wants one for the
-    combined graph) get their state variable's shape (``bound``) or what shape inference
-    finds (unknown dims named)."""
-    missing = [o for o in model.graph.output
-               if o.type.HasField("tensor_type") and not o.type.tensor_type.HasField("shape")]
+def _complete_output_shapes(model: onnx.ModelProto, bound: Mapping[str, onnx.TensorProto]) -> None:
+    """Outputs declared without a type or a shape (the spec allows it; the checker wants both
+    for the combined graph) get their state variable's (``bound``: output name -> the state's
+    tensor) or what shape inference finds (unknown dims named)."""
+    missing = [o for o in model.graph.output if not o.type.HasField("tensor_type")
+               or not o.type.tensor_type.elem_type or not o.type.tensor_type.HasField("shape")]
     if not missing:
         return
     types = value_types(model)
     for out in missing:
         known = types.get(out.name)
-        shape = bound.get(out.name, known.shape if known is not None else None)
+        state = bound.get(out.name)
+        if not out.type.tensor_type.elem_type:
+            elem_type = state.data_type if state is not None else (known.elem_type if known else 0)
+            if not elem_type:
+                continue
+            out.type.tensor_type.elem_type = elem_type
+        if out.type.tensor_type.HasField("shape"):
+            continue
+        shape = list(state.dims) if state is not None else (known.shape if known is not None else None)
         if shape is None:
             continue
         out.type.tensor_type.shape.SetInParent()  # a scalar has a shape with no dims
