@@ -207,3 +207,19 @@ def test_algorithm_outputs_declared_without_a_type_are_accepted():
         assert untyped.step(batch)["loss"] == typed.step(batch)["loss"]
         for name, value in untyped.state_dict().items():
             np.testing.assert_array_equal(value, typed.state_dict()[name])
+
+
+def test_models_with_external_data_load_from_their_path(tmp_path):
+    """onnxruntime loads a path's external data; prepare/InferenceSession/TrainingSession read
+    the bytes and lost the directory ('External data path ... escapes working directory')."""
+    path = tmp_path / "model.onnx"
+    onnx.save(_training_model(), path, save_as_external_data=True, location="model.data",
+              size_threshold=0)
+    rng = np.random.default_rng(0)
+    batch = {"input": rng.standard_normal((6, 16)).astype(np.float32),
+             "labels": rng.integers(0, 4, 6).astype(np.int64)}
+    assert TrainingSession(str(path)).step(batch)["loss"] == TrainingSession(_training_model()).step(batch)["loss"]
+    assert InferenceSession(str(path)).run(None, {"input": batch["input"]})[0].shape == (6, 4)
+    (tmp_path / "model.data").rename(tmp_path / "elsewhere.data")
+    with pytest.raises(TrainingOpError, match="tensor 'W0': cannot read its external data"):
+        prepare(str(path))

@@ -20,6 +20,7 @@ from .lower_recurrent import lower_recurrent
 from .split_multi_tensor import split_multi_tensor_nodes
 from .split_sequences import split_sequences
 from .validate import validate
+from ._graph import model_graphs
 
 ModelLike = Union[ModelProto, str, os.PathLike, bytes]
 Pass = Callable[[ModelProto], ModelProto]
@@ -55,7 +56,31 @@ def load_model(model: ModelLike) -> ModelProto:
     model = _parsed(data, repr(path))
     if data and len(data) > 0 and model.graph.ByteSize() == 0 and not model.training_info:
         raise TrainingOpError(f"{path!r} holds no ONNX model (no graph)")
+    _load_external_data(model, os.path.dirname(os.path.abspath(path)))
     return model
+
+
+def _load_external_data(model: ModelProto, base_dir: str) -> None:
+    """Read the tensors stored beside the model file (``onnx.save(..., save_as_external_data=True)``)
+    into the model, in every graph (training_info included, which onnx's own loader skips)."""
+    from onnx import AttributeProto
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    for graph in model_graphs(model):
+        tensors = list(graph.initializer)
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == AttributeProto.TENSOR:
+                    tensors.append(attr.t)
+                elif attr.type == AttributeProto.TENSORS:
+                    tensors.extend(attr.tensors)
+        for tensor in tensors:
+            if uses_external_data(tensor):
+                try:
+                    load_external_data_for_tensor(tensor, base_dir)
+                except Exception as error:  # noqa: BLE001 - onnx's ValidationError, OSError...
+                    raise TrainingOpError(f"tensor {tensor.name!r}: cannot read its external data "
+                                          f"(relative to {base_dir!r}): {error}") from None
 
 
 def _parsed(data: bytes, where: str) -> ModelProto:
