@@ -223,3 +223,18 @@ def test_models_with_external_data_load_from_their_path(tmp_path):
     (tmp_path / "model.data").rename(tmp_path / "elsewhere.data")
     with pytest.raises(TrainingOpError, match="tensor 'W0': cannot read its external data"):
         prepare(str(path))
+
+
+def test_an_algorithm_graph_may_declare_main_graph_values_as_its_inputs():
+    """Declaring 'logits' as an algorithm input (so the algorithm graph is valid on its own;
+    onnx.checker accepts the model) names the main graph's value under the IR's concatenation;
+    it used to break SSA ('logits' a graph input and a node output)."""
+    model = _training_model()
+    model.training_info[0].algorithm.input.append(
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4]))
+    onnx.checker.check_model(model)
+    prepare(model)
+    rng = np.random.default_rng(0)
+    batch = {"input": rng.standard_normal((6, 16)).astype(np.float32),
+             "labels": rng.integers(0, 4, 6).astype(np.int64)}
+    assert TrainingSession(model).step(batch)["loss"] == TrainingSession(_training_model()).step(batch)["loss"]

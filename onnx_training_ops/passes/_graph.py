@@ -39,12 +39,17 @@ def model_graphs(model: ModelProto) -> Iterator[GraphProto]:
 
 def concatenated(main: GraphProto, algorithm: GraphProto) -> GraphProto:
     """The graph the IR runs for a training algorithm: the main graph's nodes, then the
-    algorithm's; inputs, initializers and value_info of both (the algorithm's outputs)."""
+    algorithm's; inputs, initializers and value_info of both (the algorithm's outputs). An
+    algorithm input naming a value the main graph computes is that value, not an input."""
     combined = GraphProto()
     combined.CopyFrom(algorithm)
     del combined.node[:]
     combined.node.extend(main.node)
     combined.node.extend(algorithm.node)
+    computed = {o for n in main.node for o in n.output if o}
+    inputs = [v for v in combined.input if v.name not in computed]
+    del combined.input[:]
+    combined.input.extend(inputs)
     seen = {v.name for v in combined.input}
     combined.input.extend(v for v in main.input if v.name not in seen)
     own = {t.name for t in combined.initializer}

@@ -86,8 +86,10 @@ def combined_graph(
     used = used_names(algo) | used_names(model.graph)
     used |= {e.value for e in info.update_binding}
     inputs = {}
+    computed = {o for n in model.graph.node for o in n.output if o}
     for vi in (*model.graph.input, *algo.input):
-        inputs.setdefault(vi.name, vi)
+        if vi.name not in computed:  # an algorithm input naming a main-graph value reads it
+            inputs.setdefault(vi.name, vi)
     for name in state_protos:
         if name in used and name not in inputs:
             proto = state_protos[name]
