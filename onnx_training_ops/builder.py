@@ -25,7 +25,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .autodiff.coverage import missing_rules, reaching
+from .autodiff.coverage import missing_rules, trainable_names
+from .autodiff.registry import describe_missing
 from .errors import TrainingOpError
 from .losses import NAMED, CrossEntropyLoss, Emit, Loss, resolve
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
@@ -77,9 +78,11 @@ def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
     """The initializers torch would call parameters: float, not scalars (constants the
     exporters fold into initializers), not BatchNormalization running statistics, and with a
     differentiable path to the loss."""
-    reached = reaching(list(model.graph.node) + list(loss_nodes), loss_name, elem_types)
-    chosen = [t for t in model.graph.initializer
-              if t.data_type in FLOAT_TYPES and len(t.dims) > 0 and t.name in reached]
+    candidates = [t for t in model.graph.initializer
+                  if t.data_type in FLOAT_TYPES and len(t.dims) > 0]
+    reached = trainable_names(list(model.graph.node) + list(loss_nodes), loss_name,
+                              [t.name for t in candidates], elem_types)
+    chosen = [t for t in candidates if t.name in reached]
     if not chosen:
         raise TrainingOpError("the model has no float initializers that reach the loss; pass "
                               "trainable=[...]")
@@ -116,13 +119,11 @@ def _check_differentiable(model: onnx.ModelProto, loss_nodes, loss_name: str,
                           params: list[onnx.TensorProto], elem_types) -> None:
     """Every op between the trainables and the loss has a derivative rule: else one error
     listing all the missing ones."""
-    missing = missing_rules(list(model.graph.node) + list(loss_nodes), loss_name,
+    missing = missing_rules(model.graph, list(model.graph.node) + list(loss_nodes), loss_name,
                             [p.name for p in params], elem_types)
     if missing:
-        raise TrainingOpError(
-            f"{sum(m.count for m in missing)} node(s) between the trainables and the loss "
-            f"{loss_name!r} have no derivative rule: "
-            + "; ".join(m.describe() for m in missing))
+        raise TrainingOpError(describe_missing(missing, f"from the trainables to the loss "
+                                                        f"{loss_name!r}"))
 
 
 def _label_range(spec, types, outputs, output) -> str:
