@@ -39,6 +39,7 @@ from .train_mode import to_inference, training_forward
 META_PREFIX = "onnx_training_ops."
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
 MIN_OPSET = 13
+TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"  # dynamo=True value_info
 
 
 def _value_info_from(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
@@ -73,13 +74,22 @@ def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def _exported_kinds(graph: onnx.GraphProto) -> dict[str, str]:
+    """What ``torch.onnx.export(dynamo=True)`` recorded about each initializer:
+    ``PARAMETER`` or ``BUFFER`` (values it folded carry nothing)."""
+    return {v.name: p.value for v in [*graph.input, *graph.value_info]
+            for p in v.metadata_props if p.key == TORCH_INPUT_KIND}
+
+
 def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
                         elem_types) -> list[onnx.TensorProto]:
     """The initializers torch would call parameters: float, not scalars (constants the
-    exporters fold into initializers), not BatchNormalization running statistics, and with a
-    differentiable path to the loss."""
+    exporters fold into initializers), not buffers (when the exporter says so), not
+    BatchNormalization running statistics, and with a differentiable path to the loss."""
+    kinds = _exported_kinds(model.graph)
     candidates = [t for t in model.graph.initializer
-                  if t.data_type in FLOAT_TYPES and len(t.dims) > 0]
+                  if t.data_type in FLOAT_TYPES and len(t.dims) > 0
+                  and kinds.get(t.name, "PARAMETER") == "PARAMETER"]
     reached = trainable_names(list(model.graph.node) + list(loss_nodes), loss_name,
                               [t.name for t in candidates], elem_types)
     chosen = [t for t in candidates if t.name in reached]
