@@ -17,15 +17,25 @@ optimizer's ``lr`` as default, so schedules just feed it).
 
 Optimizer state lives in the algorithm graph's initializers (``<param>.V``, ``<param>.H``,
 ``optimizer.T``); the spec lets update bindings name them, and the main graph stays as it was.
+
+:func:`build_training_model` runs named steps in order: ``_forward`` (the forward pass the
+loss reads: the main graph in ``mode="eval"``, a training-mode copy in ``mode="train"``),
+``_loss``, ``_trainables`` and ``_check_differentiable`` (every op without a derivative rule
+listed at once, :mod:`.autodiff.coverage`), ``_learning_rate``, ``_update`` (T + 1, one
+Gradient, one optimizer node, their bindings), ``_initialization``, ``_finish`` (versions,
+metadata).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .autodiff.coverage import missing_rules, reaching
+from .autodiff.coverage import missing_rules, trainable_names
+from .autodiff.registry import describe_missing
 from .errors import TrainingOpError
 from .losses import NAMED, CrossEntropyLoss, Emit, Loss, resolve
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
@@ -38,6 +48,7 @@ from .train_mode import to_inference, training_forward
 META_PREFIX = "onnx_training_ops."
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
 MIN_OPSET = 13
+TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"  # dynamo=True value_info
 
 
 def _value_info_from(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
@@ -72,14 +83,25 @@ def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def _exported_kinds(graph: onnx.GraphProto) -> dict[str, str]:
+    """What ``torch.onnx.export(dynamo=True)`` recorded about each initializer:
+    ``PARAMETER`` or ``BUFFER`` (values it folded carry nothing)."""
+    return {v.name: p.value for v in [*graph.input, *graph.value_info]
+            for p in v.metadata_props if p.key == TORCH_INPUT_KIND}
+
+
 def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
                         elem_types) -> list[onnx.TensorProto]:
     """The initializers torch would call parameters: float, not scalars (constants the
-    exporters fold into initializers), not BatchNormalization running statistics, and with a
-    differentiable path to the loss."""
-    reached = reaching(list(model.graph.node) + list(loss_nodes), loss_name, elem_types)
-    chosen = [t for t in model.graph.initializer
-              if t.data_type in FLOAT_TYPES and len(t.dims) > 0 and t.name in reached]
+    exporters fold into initializers), not buffers (when the exporter says so), not
+    BatchNormalization running statistics, and with a differentiable path to the loss."""
+    kinds = _exported_kinds(model.graph)
+    candidates = [t for t in model.graph.initializer
+                  if t.data_type in FLOAT_TYPES and len(t.dims) > 0
+                  and kinds.get(t.name, "PARAMETER") == "PARAMETER"]
+    reached = trainable_names(list(model.graph.node) + list(loss_nodes), loss_name,
+                              [t.name for t in candidates], elem_types)
+    chosen = [t for t in candidates if t.name in reached]
     if not chosen:
         raise TrainingOpError("the model has no float initializers that reach the loss; pass "
                               "trainable=[...]")
@@ -116,13 +138,11 @@ def _check_differentiable(model: onnx.ModelProto, loss_nodes, loss_name: str,
                           params: list[onnx.TensorProto], elem_types) -> None:
     """Every op between the trainables and the loss has a derivative rule: else one error
     listing all the missing ones."""
-    missing = missing_rules(list(model.graph.node) + list(loss_nodes), loss_name,
+    missing = missing_rules(model.graph, list(model.graph.node) + list(loss_nodes), loss_name,
                             [p.name for p in params], elem_types)
     if missing:
-        raise TrainingOpError(
-            f"{sum(m.count for m in missing)} node(s) between the trainables and the loss "
-            f"{loss_name!r} have no derivative rule: "
-            + "; ".join(m.describe() for m in missing))
+        raise TrainingOpError(describe_missing(missing, f"from the trainables to the loss "
+                                                        f"{loss_name!r}"))
 
 
 def _label_range(spec, types, outputs, output) -> str:
@@ -175,8 +195,8 @@ def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labe
     return renamed, target, pred_type, em.nodes, label_vi
 
 
-def _output_loss_type(loss: str, outputs, types) -> int:
-    """The element type of a model output used as the loss (a float scalar), else an error."""
+def _check_output_loss(loss: str, outputs, types) -> None:
+    """A model output used as the loss must be a float scalar."""
     if loss not in outputs:
         raise TrainingOpError(
             f"loss {loss!r} is neither one of {sorted(NAMED)} nor an output of the model; "
@@ -188,7 +208,6 @@ def _output_loss_type(loss: str, outputs, types) -> int:
         raise TrainingOpError(
             f"loss output {loss!r} must be a float scalar, found {vt.dtype_name} of shape {list(vt.shape or [])}"
         )
-    return vt.elem_type if vt else TensorProto.FLOAT
 
 
 def _initialization(params, state_names, optimizer, t_name: str, taken: set[str],
@@ -225,6 +244,144 @@ def _initialization(params, state_names, optimizer, t_name: str, taken: set[str]
             init_outputs.append(_tensor_vi(out, p.data_type, p.dims))
             init_binding.append((state, out))
     return helper.make_graph(init_nodes, "initialization", [], init_outputs), init_binding
+
+
+@dataclass
+class _Algorithm:
+    """The algorithm graph as the steps build it, and its update binding."""
+
+    taken: set[str]
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    inits: list[onnx.TensorProto] = field(default_factory=list)
+    outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    binding: list[tuple[str, str]] = field(default_factory=list)
+
+    def name(self, base: str) -> str:
+        return unique_name(self.taken, base)
+
+    def bind(self, state: str, new: str, elem_type: int, shape) -> None:
+        """``new`` is an output; the next step reads it as ``state``."""
+        self.outputs.append(_tensor_vi(new, elem_type, shape))
+        self.binding.append((state, new))
+
+
+def _check_choices(mode: str, optimizer) -> None:
+    if mode not in ("eval", "train"):
+        raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
+    if not isinstance(optimizer, (Adam, Momentum, Adagrad)):
+        raise TrainingOpError(
+            f"optimizer must be onnx_training_ops.Adam, Momentum or Adagrad, found {type(optimizer).__name__}"
+        )
+
+
+def _forward(model: onnx.ModelProto, mode: str, seed: int, t_name: str, types,
+             algo: _Algorithm) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The forward pass the loss reads. ``"eval"``: the main graph itself (nothing to add).
+    ``"train"``: a training-mode copy in the algorithm graph (:mod:`.train_mode`); returns
+    the copy's names of main-graph values and the running-statistic updates."""
+    if mode == "eval":
+        return {}, []
+    to_inference(model.graph)
+    ranks = {name: len(vt.shape) for name, vt in types.items() if vt.shape is not None}
+    forward, renamed, stat_updates = training_forward(
+        model.graph, ranks, _default_opset(model), t_name, seed, algo.name)
+    algo.nodes += forward
+    return renamed, stat_updates
+
+
+def _loss(model: onnx.ModelProto, loss, output, labels, types, renamed,
+          algo: _Algorithm) -> tuple[Loss | None, str, str]:
+    """(the loss spec or None, loss name, label input name or ""): the loss nodes, their
+    label input and the loss as an output, or a scalar output of the model used as it is."""
+    outputs = {o.name: o for o in model.graph.output}
+    spec = resolve(loss)
+    if spec is None:
+        _check_output_loss(loss, outputs, types)
+        return None, loss, ""
+    loss_name, target, loss_type, loss_nodes, label_vi = _loss_nodes(
+        spec, model.graph, types, outputs, output, labels, algo.taken, renamed)
+    algo.nodes += loss_nodes
+    algo.inputs.append(label_vi)
+    algo.outputs.append(_tensor_vi(loss_name, loss_type, []))
+    return spec, loss_name, target
+
+
+def _learning_rate(name: str, optimizer: Optimizer, params, algo: _Algorithm) -> None:
+    """R: a scalar input whose initializer holds ``optimizer.lr`` (schedules feed it);
+    double when every trainable is double (exact float64 learning rates), else float."""
+    if name in algo.taken:
+        raise TrainingOpError(f"the learning-rate input name {name!r} is already used in the model")
+    algo.taken.add(name)
+    r_double = all(p.data_type == TensorProto.DOUBLE for p in params)
+    r_type, r_dtype = (TensorProto.DOUBLE, np.float64) if r_double else (TensorProto.FLOAT, np.float32)
+    algo.inputs.append(_tensor_vi(name, r_type, []))
+    algo.inits.append(numpy_helper.from_array(np.array(optimizer.lr, r_dtype), name))
+
+
+def _update(params, optimizer: Optimizer, loss_name: str, learning_rate: str, t_name: str,
+            algo: _Algorithm) -> dict[str, list[str]]:
+    """T <- T + 1, one Gradient node for all ``params`` and one multi-tensor optimizer node;
+    every new value bound to its state. Returns the optimizer state names per state."""
+    t_new, one = algo.name("optimizer.T.new"), algo.name("optimizer.one")
+    algo.inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
+    algo.inits.append(numpy_helper.from_array(np.array(1, np.int64), one))
+    algo.nodes.append(helper.make_node("Add", [t_name, one], [t_new],
+                                       name=algo.name("optimizer/T_increment")))
+
+    p_names = [p.name for p in params]
+    grads = [algo.name(f"{p}.grad") for p in p_names]
+    algo.nodes.append(helper.make_node("Gradient", p_names, grads, domain=DOMAIN, xs=p_names,
+                                       y=loss_name, name=algo.name("gradient")))
+
+    state_names = {s: [algo.name(f"{p}.{s}") for p in p_names] for s in optimizer.states}
+    new_params = [algo.name(f"{p}.new") for p in p_names]
+    new_states = {s: [algo.name(f"{p}.{s}.new") for p in p_names] for s in optimizer.states}
+    t_input = t_new if optimizer.t_offset else t_name
+    inputs, outputs = [learning_rate, t_input, *p_names, *grads], list(new_params)
+    for s in optimizer.states:
+        inputs += state_names[s]
+        outputs += new_states[s]
+    algo.nodes.append(helper.make_node(
+        optimizer.op_type, inputs, outputs, domain=DOMAIN,
+        name=algo.name(f"optimizer/{optimizer.op_type}"), **optimizer.attributes()))
+
+    for p, new in zip(params, new_params):
+        algo.bind(p.name, new, p.data_type, p.dims)
+    for s in optimizer.states:
+        for p, state, new in zip(params, state_names[s], new_states[s]):
+            algo.bind(state, new, p.data_type, p.dims)
+    algo.bind(t_name, t_new, TensorProto.INT64, [])
+    return state_names
+
+
+def _training_info(algo: _Algorithm, initialization: onnx.GraphProto,
+                   init_binding) -> onnx.TrainingInfoProto:
+    info = onnx.TrainingInfoProto()
+    info.initialization.CopyFrom(initialization)
+    info.algorithm.CopyFrom(helper.make_graph(algo.nodes, "algorithm", algo.inputs,
+                                              algo.outputs, initializer=algo.inits))
+    for key, value in init_binding:
+        info.initialization_binding.add(key=key, value=value)
+    for key, value in algo.binding:
+        info.update_binding.add(key=key, value=value)
+    return info
+
+
+def _finish(model: onnx.ModelProto, meta: dict[str, str]) -> onnx.ModelProto:
+    """Versions the installed onnxruntime loads (IR >= 7 for training_info), the training
+    domain's opset, and the builder's metadata (replacing an earlier build's)."""
+    max_ir, _ = runtime_limits()
+    model = fit_runtime(model)
+    model.ir_version = max(min(model.ir_version or max_ir, max_ir), 7)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    kept = [m for m in model.metadata_props if not m.key.startswith(META_PREFIX)]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in meta.items():
+        model.metadata_props.add(key=META_PREFIX + key, value=value)
+    return model
 
 
 def build_training_model(
@@ -275,144 +432,40 @@ def build_training_model(
     seed:
         the dropout masks' seed (``mode="train"``): same seed, same masks.
     """
-    if mode not in ("eval", "train"):
-        raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
-    if not isinstance(optimizer, (Adam, Momentum, Adagrad)):
-        raise TrainingOpError(
-            f"optimizer must be onnx_training_ops.Adam, Momentum or Adagrad, found {type(optimizer).__name__}"
-        )
+    _check_choices(mode, optimizer)
     model = _fit_opset(load_model(model))
-    max_ir, _ = runtime_limits()
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
-    graph = model.graph
-    taken = all_names(graph)
     types = value_types(model)
     elem_types = {name: vt.elem_type for name, vt in types.items()}
-    outputs = {o.name: o for o in graph.output}
+    algo = _Algorithm(all_names(model.graph))
 
-    nodes: list[onnx.NodeProto] = []
-    algo_inputs: list[onnx.ValueInfoProto] = []
-    algo_inits: list[onnx.TensorProto] = []
+    t_name = algo.name("optimizer.T")  # the update count, also the dropout masks' counter
+    renamed, stat_updates = _forward(model, mode, seed, t_name, types, algo)
+    spec, loss_name, target = _loss(model, loss, output, labels, types, renamed, algo)
+    params = _trainables(model, trainable, algo.nodes, loss_name, elem_types)
+    _check_differentiable(model, algo.nodes, loss_name, params, elem_types)
 
-    # ---- the update count T (the dropout masks' counter too) and the training-mode forward
-    t_name = unique_name(taken, "optimizer.T")
-    renamed: dict[str, str] = {}
-    stat_updates: list[tuple[str, str]] = []
-    if mode == "train":
-        to_inference(graph)
-        ranks = {name: len(vt.shape) for name, vt in types.items() if vt.shape is not None}
-        forward, renamed, stat_updates = training_forward(
-            graph, ranks, _default_opset(model), t_name, seed, lambda b: unique_name(taken, b))
-        nodes += forward
-
-    # ---- loss
-    spec = resolve(loss)
-    if spec is not None:
-        loss_name, target, loss_type, loss_nodes, label_vi = _loss_nodes(
-            spec, graph, types, outputs, output, labels, taken, renamed)
-        nodes += loss_nodes
-        algo_inputs.append(label_vi)
-    else:
-        loss_name, target, loss_type = loss, "", _output_loss_type(loss, outputs, types)
-
-    params = _trainables(model, trainable, nodes, loss_name, elem_types)
-    _check_differentiable(model, nodes, loss_name, params, elem_types)
-
-    # ---- learning rate (input with a default) and the update count T
-    if learning_rate in taken:
-        raise TrainingOpError(f"the learning-rate input name {learning_rate!r} is already used in the model")
-    taken.add(learning_rate)
-    # R is double when every trainable is double (exact float64 learning rates), else float
-    r_double = all(p.data_type == TensorProto.DOUBLE for p in params)
-    r_type, r_dtype = (TensorProto.DOUBLE, np.float64) if r_double else (TensorProto.FLOAT, np.float32)
-    algo_inputs.append(_tensor_vi(learning_rate, r_type, []))
-    algo_inits.append(numpy_helper.from_array(np.array(optimizer.lr, r_dtype), learning_rate))
-    t_new = unique_name(taken, "optimizer.T.new")
-    one = unique_name(taken, "optimizer.one")
-    algo_inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
-    algo_inits.append(numpy_helper.from_array(np.array(1, np.int64), one))
-    nodes.append(helper.make_node("Add", [t_name, one], [t_new], name=unique_name(taken, "optimizer/T_increment")))
-
-    # ---- gradients
-    p_names = [p.name for p in params]
-    grads = [unique_name(taken, f"{p}.grad") for p in p_names]
-    nodes.append(
-        helper.make_node(
-            "Gradient", p_names, grads, domain=DOMAIN, xs=p_names, y=loss_name,
-            name=unique_name(taken, "gradient"),
-        )
-    )
-
-    # ---- one multi-tensor optimizer node
-    state_names = {s: [unique_name(taken, f"{p}.{s}") for p in p_names] for s in optimizer.states}
-    new_params = [unique_name(taken, f"{p}.new") for p in p_names]
-    new_states = {s: [unique_name(taken, f"{p}.{s}.new") for p in p_names] for s in optimizer.states}
-    t_input = t_new if optimizer.t_offset else t_name
-    opt_inputs = [learning_rate, t_input, *p_names, *grads]
-    opt_outputs = list(new_params)
-    for s in optimizer.states:
-        opt_inputs += state_names[s]
-        opt_outputs += new_states[s]
-    nodes.append(
-        helper.make_node(
-            optimizer.op_type, opt_inputs, opt_outputs, domain=DOMAIN,
-            name=unique_name(taken, f"optimizer/{optimizer.op_type}"), **optimizer.attributes(),
-        )
-    )
-
-    # ---- state initializers (algorithm graph) and the initialization graph
-    initialization, init_binding = _initialization(params, state_names, optimizer, t_name, taken,
-                                                   algo_inits)
-
-    # ---- algorithm graph outputs and update binding
-    algo_outputs = [_tensor_vi(loss_name, loss_type, [])] if spec is not None else []
-    update_binding = []
-    for p, new in zip(params, new_params):
-        algo_outputs.append(_tensor_vi(new, p.data_type, p.dims))
-        update_binding.append((p.name, new))
-    for s in optimizer.states:
-        for p, state, new in zip(params, state_names[s], new_states[s]):
-            algo_outputs.append(_tensor_vi(new, p.data_type, p.dims))
-            update_binding.append((state, new))
-    algo_outputs.append(_tensor_vi(t_new, TensorProto.INT64, []))
-    update_binding.append((t_name, t_new))
-    inits = {t.name: t for t in graph.initializer}
+    _learning_rate(learning_rate, optimizer, params, algo)
+    state_names = _update(params, optimizer, loss_name, learning_rate, t_name, algo)
+    initialization, init_binding = _initialization(params, state_names, optimizer, t_name,
+                                                   algo.taken, algo.inits)
+    inits = {t.name: t for t in model.graph.initializer}
     for stat, new in stat_updates:  # running statistics (mode="train"): state, not trained
-        algo_outputs.append(_tensor_vi(new, inits[stat].data_type, inits[stat].dims))
-        update_binding.append((stat, new))
-    algorithm = helper.make_graph(nodes, "algorithm", algo_inputs, algo_outputs, initializer=algo_inits)
+        algo.bind(stat, new, inits[stat].data_type, inits[stat].dims)
+    model.training_info.append(_training_info(algo, initialization, init_binding))
 
-    info = onnx.TrainingInfoProto()
-    info.initialization.CopyFrom(initialization)
-    info.algorithm.CopyFrom(algorithm)
-    for key, value in init_binding:
-        info.initialization_binding.add(key=key, value=value)
-    for key, value in update_binding:
-        info.update_binding.add(key=key, value=value)
-    model.training_info.append(info)
-
-    # ---- versions and metadata: what the installed onnxruntime loads (IR >= 7 for training_info)
-    model = fit_runtime(model)
-    model.ir_version = max(min(model.ir_version or max_ir, max_ir), 7)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
-    meta = {
+    outputs = {o.name: o for o in model.graph.output}
+    return _finish(model, {
         "optimizer": to_json(optimizer),
         "loss": loss_name,
         "labels": target,
         "label_range": _label_range(spec, types, outputs, output),
         "learning_rate": learning_rate,
-        "trainable": ",".join(p_names),
+        "trainable": ",".join(p.name for p in params),
         "mode": mode,
         "seed": str(seed),
-    }
-    kept = [m for m in model.metadata_props if not m.key.startswith(META_PREFIX)]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    for key, value in meta.items():
-        model.metadata_props.add(key=META_PREFIX + key, value=value)
-    return model
+    })
 
 
 def metadata(model: onnx.ModelProto) -> dict[str, str]:

@@ -214,3 +214,86 @@ def test_build_lists_every_op_without_a_rule_at_once():
         build_training_model(model, "mse", Adam())
     msg = str(info.value)
     assert "Hardmax x2 (first: 'hardmax0')" in msg and "Det x1 (first: 'det0')" in msg, msg
+
+
+def test_training_mode_ops_are_refused_at_build_time_with_a_hint():
+    """torch's training-mode BatchNormalization and Dropout have no rule: the builder says so
+    (with the way out) instead of TrainingSession failing later."""
+    model = _conv_bn_model()
+    bn = model.graph.node[1]
+    bn.attribute.append(helper.make_attribute("training_mode", 1))
+    bn.output.extend(["bn_mean", "bn_var"])
+    bn.name = "bn0"
+    model.graph.node[2].input[0] = "dropped"
+    model.graph.node.insert(2, helper.make_node("Dropout", ["bn", "", "train"], ["dropped"],
+                                                name="drop0"))
+    model.graph.initializer.append(nh.from_array(np.array(True), "train"))
+    with pytest.raises(TrainingOpError) as info:
+        build_training_model(model, "mse", Adam())
+    msg = str(info.value)
+    assert "BatchNormalization x1 (first: 'bn0')" in msg and "Dropout x1 (first: 'drop0')" in msg
+    assert msg.count("model.eval()") == 2 and "mode='train'" in msg, msg
+
+
+class _Tiny:
+    """A torch module with every kind of initializer an export can hold: parameters,
+    BatchNorm running statistics, a registered float buffer, a folded scalar constant."""
+
+    @staticmethod
+    def make():
+        import math
+        torch = pytest.importorskip("torch")
+
+        class Tiny(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = torch.nn.Conv2d(1, 2, 3)
+                self.bn = torch.nn.BatchNorm2d(2)
+                self.fc = torch.nn.Linear(8, 3)
+                self.norm = torch.nn.LayerNorm(3)
+                self.register_buffer("offset", torch.tensor([0.1, 0.2, 0.3]))
+
+            def forward(self, x):
+                h = torch.relu(self.bn(self.conv(x))).flatten(1)
+                return self.norm(self.fc(h)) / math.sqrt(3.0) + self.offset
+
+        torch.manual_seed(0)
+        module = Tiny().eval()
+        with torch.no_grad():  # statistics unlike any parameter: the TorchScript exporter
+            module.bn.running_mean.uniform_(-1.0, 1.0)  # merges equal initializers
+            module.bn.running_var.uniform_(0.5, 2.0)
+        return torch, module
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_default_trainables_of_torch_exports(dynamo, tmp_path):
+    """Both exporters, BatchNorm kept (no folding): the default trainables are torch's
+    named_parameters(); one Adam step leaves the running statistics as they were. The
+    TorchScript exporter does not record which initializers are buffers, so a float buffer
+    on the loss path (``offset``) is trained there unless ``trainable=`` says otherwise."""
+    import warnings
+    torch, module = _Tiny.make()
+    x = torch.randn(2, 1, 4, 4)
+    path = tmp_path / "tiny.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(module, (x,), str(path), dynamo=True, optimize=False,
+                              input_names=["x"], output_names=["y"])
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17,
+                              do_constant_folding=False, input_names=["x"], output_names=["y"])
+    exported = onnx.load(str(path))
+    names = {t.name for t in exported.graph.initializer}
+    assert {"bn.running_mean", "bn.running_var", "offset"} <= names
+    training = build_training_model(exported, "mse", Adam(lr=0.1))
+    chosen = set(metadata(training)["trainable"].split(","))
+    expected = {n for n, _ in module.named_parameters()} | ({"offset"} if not dynamo else set())
+    assert chosen == expected
+    session = TrainingSession(training)
+    before = session.state_dict()
+    y = module(x).detach().numpy()
+    session.step({"x": x.numpy(), "target": y + 1.0})
+    after = session.state_dict()
+    assert "bn.running_var" not in after  # a constant of the model, not state
+    assert not np.array_equal(before["conv.weight"], after["conv.weight"])

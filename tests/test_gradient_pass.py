@@ -408,7 +408,30 @@ def test_error_op_without_rule():
              helper.make_node("Relu", ["e"], ["y"])]
     msg = _error(gradient_model(nodes, feeds, "y", ["x"]))
     assert "Gradient node 'grad'" in msg and "Det" in msg and "'my_det'" in msg
-    assert "supported ops:" in msg and "MatMul" in msg and "Conv" in msg
+    assert "Det x1 (first: 'my_det')" in msg and "supported_ops()" in msg
+
+
+def test_error_lists_every_op_without_rule_at_once():
+    """All rule-less ops on the path in one error (count, first node), not the first one
+    met; a custom-domain op on the path is one of them, not a silent constant."""
+    feeds = {"x": np.eye(2)}
+    nodes = [helper.make_node("Det", ["x"], ["d"], name="det_a"),
+             helper.make_node("Hardmax", ["x"], ["h"], name="hm_a"),
+             helper.make_node("Hardmax", ["h"], ["h2"], name="hm_b"),
+             helper.make_node("Custom", ["x"], ["c"], name="mine", domain="my.ops"),
+             helper.make_node("Sum", ["d", "h2", "c", "x"], ["y"])]
+    msg = _error(gradient_model(nodes, feeds, "y", ["x"]))
+    assert "4 node(s) on the path from xs to y" in msg, msg
+    for part in ("Hardmax x2 (first: 'hm_a')", "Det x1 (first: 'det_a')",
+                 "my.ops::Custom x1 (first: 'mine')"):
+        assert part in msg, msg
+
+
+def test_error_hints_an_opset_that_avoids_the_op():
+    feeds = {"x": np.ones((2, 3)), "s": np.ones(3)}
+    nodes = [helper.make_node("RMSNormalization", ["x", "s"], ["y"], name="rms")]
+    msg = _error(gradient_model(nodes, feeds, "y", ["x"], opset=23))
+    assert "RMSNormalization x1 (first: 'rms')" in msg and "opset_version <= 22" in msg, msg
 
 
 def test_error_wrong_input_count():

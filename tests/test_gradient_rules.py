@@ -356,6 +356,16 @@ def test_losses(op, case, extra_dims):
     check([node], inputs, ["scores"], opset=18)
 
 
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+def test_losses_with_int32_labels(op):
+    """int32 labels (the rules compare and gather them as int64)."""
+    rng = np.random.default_rng(19)
+    inputs = {"scores": rand(rng, (5, 4), -2, 2), "labels": np.asarray([1, 3, 0, 1, 2], np.int32),
+              "w": rng.uniform(0.5, 1.5, (4,))}
+    node = helper.make_node(op, ["scores", "labels", "w"], ["z"], ignore_index=1)
+    check([node], inputs, ["scores"], opset=18)
+
+
 def test_softmax_cross_entropy_log_prob_output():
     rng = np.random.default_rng(16)
     nodes = [helper.make_node("SoftmaxCrossEntropyLoss", ["s", "l"], ["loss", "logp"]),

@@ -169,3 +169,47 @@ def test_cross_entropy_without_ignore_index_equals_torch_on_valid_labels():
     ours = _ours(model, ot.CrossEntropyLoss(ignore_index=None, label_smoothing=0.1),
                  {"x": x, "labels": labels}, 0.5)
     _compare(ours, theirs, np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["N,C,d1,d2", "N,T,C"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_over_extra_axes_with_every_option(layout, reduction, dtype):
+    """[N, C, d1, d2] (class_axis=1) and [N, T, C] with T == C (class_axis=-1), with an
+    ignored label present, label smoothing and class weights, against torch."""
+    rng = np.random.default_rng(7)
+    classes = 3
+    shape_in = (2, 3, 2, 4) if layout == "N,C,d1,d2" else (2, 3, 4)
+    x = rng.standard_normal(shape_in).astype(dtype)
+    model, w, b = _linear_model(x.shape, classes, dtype, class_axis_last=layout == "N,T,C")
+    labels = rng.integers(0, classes, shape_in[:-1]).astype(np.int64)
+    labels.reshape(-1)[[1, 4]] = -100
+    weight = (0.5, 2.0, 1.25)
+    tt = torch.float64 if dtype == np.float64 else torch.float32
+    opts = dict(label_smoothing=0.15, reduction=reduction)
+
+    def theirs_fn(out):
+        if layout == "N,C,d1,d2":  # torch's own layout: out is [N, d1, d2, C] here
+            out = out.permute(0, 3, 1, 2)
+        else:
+            out = out.permute(0, 2, 1)  # [N, C, T]
+        return F.cross_entropy(out, torch.tensor(labels), weight=torch.tensor(weight, dtype=tt),
+                               **opts)
+    theirs = _torch_step(w, b, x, theirs_fn, 0.3)
+    spec = ot.CrossEntropyLoss(class_axis=1 if layout == "N,C,d1,d2" else -1, weight=weight,
+                               **opts)
+    _compare(_ours(model, spec, {"x": x, "labels": labels}, 0.3), theirs, dtype)
+
+
+def test_bce_with_logits_pos_weight_and_weight_together():
+    rng = np.random.default_rng(8)
+    x = (2 * rng.standard_normal((5, 3))).astype(np.float64)
+    target = rng.uniform(0, 1, (5, 2))  # soft targets, as torch allows
+    model, w, b = _linear_model(x.shape, 2, np.float64)
+    pw, wt = (1.5, 0.25), (0.7, 1.3)
+    theirs = _torch_step(w, b, x, lambda out: F.binary_cross_entropy_with_logits(
+        out, torch.tensor(target), pos_weight=torch.tensor(pw, dtype=torch.float64),
+        weight=torch.tensor(wt, dtype=torch.float64), reduction="sum"), 0.1)
+    ours = _ours(model, ot.BCEWithLogitsLoss(pos_weight=pw, weight=wt, reduction="sum"),
+                 {"x": x, "target": target}, 0.1)
+    _compare(ours, theirs, np.float64)

@@ -1,18 +1,24 @@
 """Before differentiating: which parameters reach the loss, and which ops on the way lack a
 derivative rule (all of them at once, with hints), so the builder can say so up front.
+
+The walk is :mod:`.graph`'s (activity forward from the trainables, the gradient path back
+from the loss) and the rules are the registry's; what this module adds is what holds
+*before* the prepare passes run: values the builder just added have no inferred type yet,
+the recurrent/sequence ops are rewritten into ops with rules later, and torch's training-
+mode ops are refused by their rules.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from .emitter import FLOAT_TYPES
-from .graph import NON_DIFFERENTIABLE, node_reads, producer_map
-from .registry import RULES
+from .graph import active_values, gradient_path, node_reads
+from .registry import Missing, has_rule, missing_rules_of
 
 # unrolled or rewritten into ops with rules by the prepare passes before differentiation
 LOWERED_BY_PASSES = frozenset({"LSTM", "GRU", "RNN", "SplitToSequence", "SequenceAt"})
@@ -20,85 +26,61 @@ LOWERED_BY_PASSES = frozenset({"LSTM", "GRU", "RNN", "SplitToSequence", "Sequenc
 # inputs that never carry a gradient to a parameter even when float
 NOT_TRAINED_INPUTS = {"BatchNormalization": (3, 4)}  # running mean / variance: statistics
 
-# outputs are bool or int whatever the inputs: never on a gradient path (the types of values
-# the builder itself adds are not known to shape inference yet)
-NON_FLOAT_OUTPUTS = frozenset({"Less", "Greater", "Equal", "LessOrEqual", "GreaterOrEqual",
-                               "Not", "And", "Or", "Xor", "IsNaN", "IsInf"})
-
-HINTS = {
-    "Dropout": "export after model.eval() (inference-mode Dropout is the identity)",
-    "BatchNormalization": "export after model.eval()",
-    "Loop": "control flow is not differentiated; export with static shapes so the exporter "
-            "unrolls it",
-    "If": "control flow is not differentiated; export in eval mode with static shapes",
-    "Scan": "control flow is not differentiated",
-}
-
-
-@dataclass(frozen=True)
-class Missing:
-    """One op type without a rule on the path: how many nodes, the first one's name."""
-
-    op_type: str
-    count: int
-    first: str
-
-    def describe(self) -> str:
-        hint = HINTS.get(self.op_type)
-        return (f"{self.op_type} x{self.count} (first: {self.first!r})"
-                + (f" — hint: {hint}" if hint else ""))
-
 
 def _is_float(elem_types: Mapping[str, int], name: str) -> bool:
     t = elem_types.get(name)
     return t is None or t in FLOAT_TYPES
 
 
-def reaching(nodes: Sequence[onnx.NodeProto], y: str, elem_types: Mapping[str, int]) -> set[str]:
-    """Names from which ``y`` depends through float values and differentiable ops."""
-    producers = producer_map(nodes)
-    seen: set[str] = set()
-    stack = [y]
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        idx = producers.get(name)
-        if idx is None:
-            continue
-        node = nodes[idx]
-        if node.op_type in NON_DIFFERENTIABLE or node.op_type in NON_FLOAT_OUTPUTS:
-            continue
-        skip = NOT_TRAINED_INPUTS.get(node.op_type, ())
-        for i, inp in enumerate(node.input):
-            if inp and i not in skip and _is_float(elem_types, inp):
-                stack.append(inp)
-        stack.extend(r for r in node_reads(node)[len(node.input):] if _is_float(elem_types, r))
-    return seen
+def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    values = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            values[node.output[0]] = node.attribute[0].t
+    return values
 
 
-def missing_rules(nodes: Sequence[onnx.NodeProto], y: str, leaves: Iterable[str],
-                  elem_types: Mapping[str, int]) -> list[Missing]:
-    """Ops between ``leaves`` and ``y`` that no rule (nor a lowering pass) differentiates."""
-    backward = reaching(nodes, y, elem_types)
-    active = set(leaves)
-    counts: Counter = Counter()
-    first: dict[str, str] = {}
-    for node in nodes:  # graph order is topological
-        if not any(i in active for i in node_reads(node)):
-            continue
-        outs = [o for o in node.output if o and _is_float(elem_types, o)]
-        if node.op_type in NON_DIFFERENTIABLE or node.op_type in NON_FLOAT_OUTPUTS or not outs:
-            continue
-        active.update(outs)
-        if not any(o in backward for o in outs):
-            continue
-        known = node.domain in ("", "ai.onnx") and (node.op_type in RULES or
-                                                   node.op_type in LOWERED_BY_PASSES)
-        if not known:
-            key = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") \
-                else node.op_type
-            counts[key] += 1
-            first.setdefault(key, node.name or node.output[0])
-    return [Missing(op, n, first[op]) for op, n in counts.most_common()]
+def _training_mode(node: onnx.NodeProto, constants: Mapping) -> bool:
+    """torch's training-mode BatchNormalization / Dropout, which the rules refuse."""
+    if node.op_type == "BatchNormalization":
+        return any(a.name == "training_mode" and a.i for a in node.attribute)
+    if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
+        flag = constants.get(node.input[2])
+        return flag is None or bool(numpy_helper.to_array(flag).reshape(-1)[0])
+    return False
+
+
+def _path(nodes: Sequence[onnx.NodeProto], y: str, leaves: Iterable[str],
+          elem_types: Mapping[str, int]) -> tuple[list[int], set[str]]:
+    order = range(len(nodes))  # graph order is topological
+    active = active_values(nodes, order, leaves, lambda n: _is_float(elem_types, n))
+    return gradient_path(nodes, order, y, active)
+
+
+def trainable_names(nodes: Sequence[onnx.NodeProto], y: str, candidates: Iterable[str],
+                    elem_types: Mapping[str, int]) -> set[str]:
+    """The ``candidates`` from which ``y`` depends through float values and differentiable
+    ops, never read only as BatchNormalization's running statistics."""
+    candidates = set(candidates)
+    _, reached = _path(nodes, y, candidates, elem_types)
+    statistics = {node.input[i] for node in nodes for i in NOT_TRAINED_INPUTS.get(node.op_type, ())
+                  if i < len(node.input)}
+    other_reads = {r for node in nodes for i, r in enumerate(node_reads(node))
+                   if i not in NOT_TRAINED_INPUTS.get(node.op_type, ())}
+    return {c for c in candidates & reached if c not in statistics or c in other_reads}
+
+
+def missing_rules(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto], y: str,
+                  leaves: Iterable[str], elem_types: Mapping[str, int]) -> list[Missing]:
+    """Ops between ``leaves`` and ``y`` that no rule (nor a lowering pass) differentiates;
+    ``graph`` gives the constants (Dropout's training_mode input)."""
+    path, reached = _path(nodes, y, leaves, elem_types)
+    constants = _constants(graph)
+
+    def covered(node: onnx.NodeProto) -> bool:
+        if node.domain in ("", "ai.onnx") and node.op_type in LOWERED_BY_PASSES:
+            return True
+        bodies_read_active = any(i in reached for i in node_reads(node)[len(node.input):])
+        return has_rule(node) and not bodies_read_active and not _training_mode(node, constants)
+
+    return missing_rules_of(nodes[i] for i in path if not covered(nodes[i]))

@@ -236,6 +236,8 @@ class Emitter:
             if decided:
                 if not axes:
                     return g
+                if axes == list(range(lead)):  # leading axes only: one node
+                    return self.reduce_sum(g, axes, keepdims=False)
                 r = self.reduce_sum(g, axes, keepdims=True)
                 return self.squeeze(r, list(range(lead))) if lead else r
         if self.opset < 13:

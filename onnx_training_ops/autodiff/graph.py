@@ -6,7 +6,10 @@
 2. *Activity*: forward over those nodes, a value is active when it is an xs or a
    floating-point output of a node with an active input. Integer/bool values, outputs of
    shape-only ops (``Shape``, ``Size``...) and everything not downstream of xs are
-   constants.
+   constants. The *gradient path* is the active nodes with an output from which ``y``
+   depends through active values; every one of them needs a derivative rule (checked
+   before anything is emitted, all missing ones listed at once; the builder runs the same
+   check through :mod:`.coverage`).
 3. *Accumulation*: backward over the ancestors, each node whose active outputs received a
    gradient applies its rule; contributions to a value are summed (``Sum``) when its
    producer is reached (or at the end, for the xs).
@@ -15,20 +18,23 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
 
 from ..errors import TrainingOpError
 from .emitter import FLOAT_TYPES, Emitter
-from .registry import RULES, RuleContext, RuleError, supported_ops
+from .registry import RULES, RuleContext, RuleError, describe_missing, has_rule, missing_rules_of
 
-# Ops whose outputs never carry a gradient even when their inputs are float.
+# Ops whose outputs never carry a gradient even when their inputs are float (comparisons
+# and logic give bool whatever their inputs, also where a value's type is not known yet).
 NON_DIFFERENTIABLE = frozenset({
     "Shape", "Size", "Floor", "Ceil", "Round", "Sign", "RandomNormalLike", "RandomUniformLike",
     "EyeLike", "ConstantOfShape", "Range", "NonZero", "ArgMax", "ArgMin", "OneHot",
     "Bernoulli", "Multinomial",
+    "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+    "IsNaN", "IsInf",
 })
 
 
@@ -105,9 +111,46 @@ def topological_sort(nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
     return [nodes[i] for i in order]
 
 
+def active_values(nodes: Sequence[onnx.NodeProto], order: Iterable[int], leaves: Iterable[str],
+                  is_float: Callable[[str], bool]) -> set[str]:
+    """Activity (step 2): ``leaves`` plus the float outputs of every node of ``order`` that
+    reads an active value, except the :data:`NON_DIFFERENTIABLE` ops."""
+    active = set(leaves)
+    for idx in order:
+        node = nodes[idx]
+        if node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
+            continue
+        if any(i in active for i in node_reads(node)):
+            active.update(o for o in node.output if o and is_float(o))
+    return active
+
+
+def gradient_path(nodes: Sequence[onnx.NodeProto], order: Sequence[int], y: str,
+                  active: set[str]) -> tuple[list[int], set[str]]:
+    """The nodes of ``order`` a gradient of ``y`` flows through (ascending) and the active
+    names it reaches: backward from ``y`` over active nodes, through active values only."""
+    wanted = {y} if y in active else set()
+    path: list[int] = []
+    for idx in reversed(order):
+        node = nodes[idx]
+        if not any(o in wanted for o in node.output if o):
+            continue
+        reads = [i for i in node_reads(node) if i in active]
+        if reads and not (node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx")):
+            path.append(idx)
+            wanted.update(reads)
+    return path[::-1], wanted
+
+
 def _is_float(em: Emitter, name: str) -> bool:
     dt = em.dtype(name)
     return dt is None or dt in FLOAT_TYPES
+
+
+def _differentiable(node: onnx.NodeProto, active: set[str]) -> bool:
+    """A rule exists and no control-flow body reads an active value (bodies are not
+    differentiated)."""
+    return has_rule(node) and not any(i in active for i in node_reads(node)[len(node.input):])
 
 
 def _total(em: Emitter, parts: list[str]) -> str:
@@ -124,17 +167,15 @@ def backprop(nodes: Sequence[onnx.NodeProto], y: str, leaves: Sequence[str], cut
     """
     producers = producer_map(nodes)
     needed = ancestors(nodes, producers, [y], cut)
-    active: set[str] = set(leaves)
-    for idx in needed:
-        node = nodes[idx]
-        if node.domain in ("", "ai.onnx") and node.op_type in NON_DIFFERENTIABLE:
-            continue  # other domains' float outputs stay active: no rule is an error below
-        if any(i in active for i in node_reads(node)):
-            active.update(o for o in node.output if o and _is_float(em, o))
+    active = active_values(nodes, needed, leaves, lambda name: _is_float(em, name))
     if y not in active:
         raise TrainingOpError(
             f"{label}: y {y!r} is not reachable from xs {list(leaves)} "
             "(it does not depend on any of them through differentiable values)")
+    path, _ = gradient_path(nodes, needed, y, active)
+    missing = missing_rules_of(nodes[i] for i in path if not _differentiable(nodes[i], active))
+    if missing:
+        raise TrainingOpError(f"{label}: {describe_missing(missing, 'from xs to y')}")
 
     acc: dict[str, list[str]] = defaultdict(list)
     try:
@@ -150,12 +191,7 @@ def backprop(nodes: Sequence[onnx.NodeProto], y: str, leaves: Sequence[str], cut
         reads = node_reads(node)
         if not any(i in active for i in reads):
             continue
-        rule = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        if rule is None or any(i in active for i in reads[len(node.input):]):
-            where = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
-            raise TrainingOpError(
-                f"{label}: no derivative rule for {where} node {node.name or node.output[0]!r} "
-                f"on the path from xs to y; supported ops: {', '.join(supported_ops())}")
+        rule = RULES[node.op_type]  # the path check above found one for every node here
         needs = [bool(i) and i in active for i in node.input]
         ctx = RuleContext(node, grads, needs, em, constants)
         try:

@@ -14,8 +14,10 @@ naming the Gradient node.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from functools import lru_cache
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -44,6 +46,76 @@ def register(*op_types: str) -> Callable[[Rule], Rule]:
 
 def supported_ops() -> list[str]:
     return sorted(RULES)
+
+
+def has_rule(node: onnx.NodeProto) -> bool:
+    """A rule is registered for the op of ``node`` (default domain only)."""
+    return node.domain in ("", "ai.onnx") and node.op_type in RULES
+
+
+# ------------------------------------------------------------------ ops without a rule
+HINTS = {
+    "Dropout": "export after model.eval() (inference-mode Dropout is the identity) or build "
+               "with mode='train'",
+    "BatchNormalization": "export after model.eval() or build with mode='train'",
+    "Loop": "control flow is not differentiated; export with static shapes so the exporter "
+            "unrolls it",
+    "If": "control flow is not differentiated; export in eval mode with static shapes",
+    "Scan": "control flow is not differentiated",
+}
+RECENT_OPSET = 17  # ops added from here on are decomposed by exporters at lower opsets
+
+
+@lru_cache(maxsize=None)
+def _introduced(op_type: str) -> int | None:
+    """The ai.onnx opset that added ``op_type`` (None: not a standard op)."""
+    versions = [s.since_version for s in onnx.defs.get_all_schemas_with_history()
+                if s.name == op_type and s.domain == ""]
+    return min(versions) if versions else None
+
+
+def hint(op_type: str) -> str | None:
+    """What avoids an op without a rule: a mode, or an opset before the op existed."""
+    if op_type in HINTS:
+        return HINTS[op_type]
+    since = _introduced(op_type)
+    if since is not None and since >= RECENT_OPSET:
+        return (f"ai.onnx added {op_type} in opset {since}; an export with opset_version "
+                f"<= {since - 1} avoids it where the exporter decomposes it into older ops")
+    return None
+
+
+@dataclass(frozen=True)
+class Missing:
+    """One op type without a rule on a gradient path: how many nodes, the first one's name."""
+
+    op_type: str
+    count: int
+    first: str
+
+    def describe(self) -> str:
+        tip = hint(self.op_type)
+        return f"{self.op_type} x{self.count} (first: {self.first!r})" + (
+            f" — hint: {tip}" if tip else "")
+
+
+def missing_rules_of(nodes: Iterable[onnx.NodeProto]) -> list[Missing]:
+    """``nodes`` grouped by op type (``domain::op`` outside ai.onnx), most frequent first."""
+    counts: Counter = Counter()
+    first: dict[str, str] = {}
+    for node in nodes:
+        key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+        counts[key] += 1
+        first.setdefault(key, node.name or node.output[0])
+    return [Missing(op, n, first[op]) for op, n in counts.most_common()]
+
+
+def describe_missing(missing: list[Missing], where: str) -> str:
+    """One message for all of ``missing`` (``where``: the path, e.g. "from xs to y")."""
+    return (f"{sum(m.count for m in missing)} node(s) on the path {where} have no derivative "
+            f"rule: " + "; ".join(m.describe() for m in missing)
+            + f" (onnx_training_ops.autodiff.supported_ops() lists the {len(RULES)} ops with "
+              "rules)")
 
 
 @dataclass

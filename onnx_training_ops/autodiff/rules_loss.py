@@ -17,6 +17,12 @@ from .emitter import Emitter
 from .registry import RuleContext, RuleError, register
 
 
+def _int64(em: Emitter, labels: str) -> str:
+    """``labels`` as int64 (no node when they already are)."""
+    return labels if em.dtype(labels) == TensorProto.INT64 else em.op(
+        "Cast", [labels], to=TensorProto.INT64)
+
+
 def _onehot(em: Emitter, labels: str, scores: str, rank: int) -> str:
     """``onehot[i, c] = (labels[i] == c)`` as scores' type, class axis 1, shape [N, C, ...].
 
@@ -25,13 +31,12 @@ def _onehot(em: Emitter, labels: str, scores: str, rank: int) -> str:
     there, labels are compared with a class range."""
     if em.dtype(scores) == TensorProto.FLOAT:
         values = em.const(np.array([0, 1], dtype=np.float32))
-        labels64 = labels if em.dtype(labels) == TensorProto.INT64 else em.op(
-            "Cast", [labels], to=TensorProto.INT64)
-        return em.op("OneHot", [labels64, em.dims_of(scores, 1, 2), values], "onehot", axis=1)
+        return em.op("OneHot", [_int64(em, labels), em.dims_of(scores, 1, 2), values], "onehot",
+                     axis=1)
     classes = em.squeeze(em.dims_of(scores, 1, 2), [0])
     rng = em.op("Range", [em.const(np.int64(0)), classes, em.const(np.int64(1))])
     rng = em.op("Reshape", [rng, em.ints([1, -1] + [1] * (rank - 2))])
-    lab = em.unsqueeze(em.op("Cast", [labels], to=TensorProto.INT64), [1])
+    lab = em.unsqueeze(_int64(em, labels), [1])
     return em.cast_like(em.op("Equal", [lab, rng]), scores)
 
 
@@ -40,16 +45,16 @@ def _coefficient(ctx: RuleContext, labels: str, weights: str | None, scores: str
     em, g = ctx.em, ctx.grad(0)
     reduction = ctx.attr("reduction", "mean")
     ignore = ctx.attr("ignore_index")
-    lab = em.op("Cast", [labels], to=7)
     w = None
     if ignore is not None:
+        lab = _int64(em, labels)
         ignored = em.op("Equal", [lab, em.const(np.int64(ignore))])
-        w = em.cast_like(em.op("Not", [ignored]), scores)
+        w = em.op("Where", [ignored, em.scalar(0.0, scores), em.scalar(1.0, scores)])
         if weights is not None:
             safe = em.op("Where", [ignored, em.const(np.int64(0)), lab])
             w = em.op("Mul", [w, em.op("Gather", [weights, safe], axis=0)])
     elif weights is not None:
-        w = em.op("Gather", [weights, lab], axis=0)
+        w = em.op("Gather", [weights, _int64(em, labels)], axis=0)
     if reduction == "none":
         return g if w is None else em.op("Mul", [g, w])
     if reduction == "sum":
