@@ -43,7 +43,7 @@ from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
 from .passes.fit_runtime import fit_runtime, runtime_limits
 from .schema import DOMAIN, OPSET_VERSION
-from .train_mode import to_inference, training_forward
+from .train_mode import fit_opset, to_inference, training_forward
 
 META_PREFIX = "onnx_training_ops."
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
@@ -434,6 +434,8 @@ def build_training_model(
     """
     _check_choices(mode, optimizer)
     model = _fit_opset(load_model(model))
+    if mode == "train":
+        model = fit_opset(model)  # Dropout masks need opset 18
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
     types = value_types(model)

@@ -2,62 +2,78 @@
 
 ``build_training_model(..., mode="train")`` keeps the main graph as the eval-mode inference
 graph (:func:`to_inference`) and gives the algorithm graph a *training-mode* copy of the
-forward pass (:func:`training_forward`): every value renamed under ``train/``, parameters and
-graph inputs shared. In that copy:
+forward pass (:func:`training_forward`), built by three named passes:
 
-* **BatchNormalization** normalizes with the batch statistics (biased variance) and updates
-  the running statistics as torch does: ``running = (1 - m) running + m batch`` with torch's
-  momentum ``m = 1 - momentum(ONNX)`` and the *unbiased* batch variance. The new running
-  statistics are algorithm outputs bound to the main graph's running-statistic initializers
-  (state, never trained).
-* **Dropout** (a model exported with ``training=torch.onnx.TrainingMode.TRAINING`` keeps its
-  Dropout nodes) multiplies by a fresh mask each step, scaled by ``1 / (1 - ratio)``. The mask
-  is a counter-based hash of (seed, node, step T, element): the same seed gives the same
-  masks, a resumed checkpoint the same masks as an uninterrupted run, with no RNG state.
+* :func:`copy_forward` — every node copied, every value it computes renamed under ``train/``;
+  initializers and graph inputs keep their names (the parameters are shared).
+* :func:`lower_batch_norm` — BatchNormalization on the batch statistics (mean and biased
+  variance over every axis but 1), written in standard ops, plus torch's running-statistic
+  update ``running = (1 - m) running + m batch`` with ``m = 1 - momentum(ONNX)`` and the
+  *unbiased* batch variance for ``running_var``. The new running statistics are returned
+  for the builder to bind to the main graph's initializers: state, never trained.
+* :func:`lower_dropout` — Dropout as ``x * mask / (1 - ratio)`` with a fresh mask each step:
+  the mask compares a counter-based hash of (seed, Dropout node, step T, element index) with
+  the ratio (:func:`splitmix64`), so masks depend only on the seed and the state T — the
+  same seed gives the same masks, a resumed checkpoint the masks of an uninterrupted run.
 
-Both are written in standard ops that have derivative rules, so the Gradient expansion
-differentiates the training-mode forward pass like any other graph.
+Everything is written in ops with derivative rules, so the Gradient expansion
+differentiates the training-mode pass like any other graph.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import TrainingOpError
+from .passes._graph import all_graphs, all_names, unique_name
 
 PREFIX = "train/"
-MASK_BITS = 2 ** 32
-# odd multipliers below 2**31 keep every product inside int64
-MIX_ROUNDS = ((0x2C1B3C6D, 15), (0x297A2D39, 13), (0x3C6EF373, 16), (0x1B873593, 15),
-              (0x5BD1E995, 13))
-STEP_MULTIPLIER = 0x3504F333
-INDEX_MULTIPLIER = 0x1E3779B1
+STANDARD_DOMAINS = ("", "ai.onnx")
+
+# SplitMix64 (Steele, Lea, Flood 2014; Vigna's splitmix64.c): output n of the generator
+# seeded with s is mix(s + (n + 1) * GAMMA); mix = xorshift-multiply, xorshift-multiply, xorshift
+GAMMA = 0x9E3779B97F4A7C15
+MIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None))
+UINT64 = 2 ** 64
+STEP_STRIDE = 2 ** 32  # counter = T * 2**32 + element index: distinct for < 2**32 elements
+TRAIN_OPSET = 15  # CastLike
+DROPOUT_OPSET = 18  # BitwiseXor
 
 
 class _Emit:
-    def __init__(self, unique: Callable[[str], str], opset: int):
-        self.unique, self.opset, self.nodes = unique, opset, []
+    """Appends nodes named under ``train/<hint>/`` to ``nodes``."""
 
-    def op(self, op_type: str, inputs, hint: str, **attrs) -> str:
-        out = self.unique(f"{PREFIX}{hint}/{op_type}")
+    def __init__(self, unique: Callable[[str], str], opset: int, hint: str):
+        self.unique, self.opset, self.hint, self.nodes = unique, opset, hint, []
+
+    def op(self, op_type: str, inputs, **attrs) -> str:
+        out = self.unique(f"{PREFIX}{self.hint}/{op_type}")
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
         return out
 
-    def const(self, value, hint: str) -> str:
-        out = self.unique(f"{PREFIX}{hint}/const")
+    def const(self, value) -> str:
+        out = self.unique(f"{PREFIX}{self.hint}/const")
         self.nodes.append(helper.make_node("Constant", [], [out], name=out,
                                            value=numpy_helper.from_array(np.asarray(value))))
         return out
 
-    def reduce_mean(self, x: str, axes: list[int], hint: str) -> str:
+    def like(self, value: float, x: str) -> str:
+        """A float32 constant cast to ``x``'s type."""
+        return self.op("CastLike", [self.const(np.float32(value)), x])
+
+    def output(self, op_type: str, inputs, out: str) -> None:
+        """The node writing the lowered node's own output ``out``."""
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out],
+                                           name=self.unique(f"{PREFIX}{self.hint}/output")))
+
+    def reduce_mean(self, x: str, axes: list[int]) -> str:
         if self.opset >= 18:
-            return self.op("ReduceMean", [x, self.const(np.array(axes, np.int64), hint)], hint,
-                           keepdims=1)
-        return self.op("ReduceMean", [x], hint, axes=axes, keepdims=1)
+            return self.op("ReduceMean", [x, self.const(np.array(axes, np.int64))], keepdims=1)
+        return self.op("ReduceMean", [x], axes=axes, keepdims=1)
 
 
 def _attr(node: onnx.NodeProto, name: str, default):
@@ -67,161 +83,380 @@ def _attr(node: onnx.NodeProto, name: str, default):
     return default
 
 
-def _batch_norm(em: _Emit, node: onnx.NodeProto, x: str, y: str, rank: int, inits: set[str]):
-    """Batch-statistics BN; returns [(running stat initializer, its new value)]."""
-    hint = node.name or node.output[0]
-    _, scale, bias, mean, var = node.input[:5]
+def _is(node: onnx.NodeProto, op_type: str) -> bool:
+    return node.op_type == op_type and node.domain in STANDARD_DOMAINS
+
+
+def _label(node: onnx.NodeProto) -> str:
+    """The node's name (without the copy's ``train/`` prefix), else its first output."""
+    name = node.name or node.output[0]
+    return name[len(PREFIX):] if name.startswith(PREFIX) else name
+
+
+# ---------------------------------------------------------------- copy forward
+
+def copy_forward(graph: onnx.GraphProto, unique: Callable[[str], str]
+                 ) -> tuple[list[onnx.NodeProto], dict[str, str]]:
+    """A copy of ``graph``'s nodes computing every value under a new name (``train/<name>``);
+    initializers and graph inputs keep theirs. Subgraphs read the renamed outer values.
+    Returns (nodes, {original value name: its name in the copy})."""
+    renamed: dict[str, str] = {}
+    nodes = []
+    for node in graph.node:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = unique(PREFIX + _label(node))
+        _set(copy.input, [renamed.get(i, i) for i in node.input])
+        for sub in (a.g for a in copy.attribute if a.HasField("g")):
+            _rename_outer_reads(sub, renamed)
+        for sub_list in (a.graphs for a in copy.attribute if len(a.graphs)):
+            for sub in sub_list:
+                _rename_outer_reads(sub, renamed)
+        for i, o in enumerate(node.output):
+            if o:
+                renamed[o] = unique(PREFIX + o)
+                copy.output[i] = renamed[o]
+        nodes.append(copy)
+    return nodes, renamed
+
+
+def _rename_outer_reads(graph: onnx.GraphProto, renamed: Mapping[str, str]) -> None:
+    for g in all_graphs(graph):
+        for node in g.node:
+            _set(node.input, [renamed.get(i, i) for i in node.input])
+
+
+def _set(field, values) -> None:
+    del field[:]
+    field.extend(values)
+
+
+def _replace(nodes: list[onnx.NodeProto], op_type: str, lower) -> list[onnx.NodeProto]:
+    """``nodes`` with each standard ``op_type`` node replaced by ``lower(node, ordinal)``."""
+    out, ordinal = [], 0
+    for node in nodes:
+        if _is(node, op_type):
+            out += lower(node, ordinal)
+            ordinal += 1
+        else:
+            out.append(node)
+    return out
+
+
+# ---------------------------------------------------------------- BatchNormalization
+
+def lower_batch_norm(nodes: list[onnx.NodeProto], ranks: Mapping[str, int], opset: int,
+                     running: set[str], unique: Callable[[str], str]
+                     ) -> tuple[list[onnx.NodeProto], list[tuple[str, str]]]:
+    """Every BatchNormalization of ``nodes`` on batch statistics. ``ranks``: the rank of
+    each BN input; ``running``: the initializers whose running update is emitted.
+    Returns (nodes, [(running-statistic initializer, its new value)])."""
+    updates: list[tuple[str, str]] = []
+
+    def lower(node, _):
+        if opset < TRAIN_OPSET:
+            raise TrainingOpError(
+                f"BatchNormalization node {_label(node)!r}: mode='train' needs ai.onnx opset >= "
+                f"{TRAIN_OPSET} (CastLike), found {opset} (see fit_opset)")
+        rank = ranks.get(node.input[0])
+        if rank is None or rank < 2:
+            raise TrainingOpError(
+                f"BatchNormalization node {_label(node)!r}: mode='train' needs the rank (>= 2) "
+                f"of its input {node.input[0]!r}, found {rank}")
+        em = _Emit(unique, opset, _label(node))
+        updates.extend(_batch_norm(em, node, rank, running))
+        return em.nodes
+
+    return _replace(nodes, "BatchNormalization", lower), updates
+
+
+def _batch_norm(em: _Emit, node: onnx.NodeProto, rank: int, running: set[str]):
+    x, scale, bias, mean, var = node.input[:5]
     axes = [0] + list(range(2, rank))
-    per_channel = [1, -1] + [1] * (rank - 2)
-    shape = em.const(np.array(per_channel, np.int64), hint)
-    batch_mean = em.reduce_mean(x, axes, hint)
-    centered = em.op("Sub", [x, batch_mean], hint)
-    batch_var = em.reduce_mean(em.op("Mul", [centered, centered], hint), axes, hint)
-    eps = em.op("CastLike", [em.const(np.float32(_attr(node, "epsilon", 1e-5)), hint), x], hint)
-    inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [batch_var, eps], hint)], hint)], hint)
-    normalized = em.op("Mul", [centered, inv], hint)
-    scaled = em.op("Mul", [normalized, em.op("Reshape", [scale, shape], hint)], hint)
-    em.nodes.append(helper.make_node("Add", [scaled, em.op("Reshape", [bias, shape], hint)], [y],
-                                     name=f"{PREFIX}{hint}/output"))
-    if mean not in inits or var not in inits:
+    per_channel = em.const(np.array([1, -1] + [1] * (rank - 2), np.int64))
+    batch_mean = em.reduce_mean(x, axes)
+    centered = em.op("Sub", [x, batch_mean])
+    batch_var = em.reduce_mean(em.op("Mul", [centered, centered]), axes)  # biased, as torch
+    eps = em.like(_attr(node, "epsilon", 1e-5), x)
+    inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [batch_var, eps])])])
+    scaled = em.op("Mul", [em.op("Mul", [centered, inv_std]),
+                           em.op("Reshape", [scale, per_channel])])
+    em.output("Add", [scaled, em.op("Reshape", [bias, per_channel])], node.output[0])
+    if mean not in running or var not in running:
         return []
-    # torch: running = (1 - m) running + m batch, m = 1 - ONNX momentum; unbiased variance
+    # torch: running = (1 - m) running + m batch, m = 1 - momentum(ONNX); running_var takes
+    # the unbiased variance n / (n - 1) * biased, n = elements per channel
     m = 1.0 - float(_attr(node, "momentum", 0.9))
-    size = em.op("Size", [x], hint)
-    channels = em.op("Gather", [em.op("Shape", [x], hint), em.const(np.int64(1), hint)], hint,
-                     axis=0)
-    n = em.op("CastLike", [em.op("Div", [size, channels], hint), x], hint)
-    one = em.op("CastLike", [em.const(np.float32(1.0), hint), x], hint)
-    bessel = em.op("Div", [n, em.op("Sub", [n, one], hint)], hint)
-    flat = em.const(np.array([-1], np.int64), hint)
-    new_stats = []
-    for stat, batch in ((mean, batch_mean), (var, em.op("Mul", [batch_var, bessel], hint))):
-        keep = em.op("CastLike", [em.const(np.float32(1.0 - m), hint), x], hint)
-        take = em.op("CastLike", [em.const(np.float32(m), hint), x], hint)
-        new = em.op("Add", [em.op("Mul", [stat, keep], hint),
-                            em.op("Mul", [em.op("Reshape", [batch, flat], hint), take], hint)],
-                    hint)
-        new_stats.append((stat, new))
-    return new_stats
+    channels = em.op("Gather", [em.op("Shape", [x]), em.const(np.int64(1))], axis=0)
+    n = em.op("CastLike", [em.op("Div", [em.op("Size", [x]), channels]), x])
+    bessel = em.op("Div", [n, em.op("Sub", [n, em.like(1.0, x)])])
+    flat = em.const(np.array([-1], np.int64))
+    updates = []
+    for stat, batch in ((mean, batch_mean), (var, em.op("Mul", [batch_var, bessel]))):
+        new = em.op("Add", [em.op("Mul", [stat, em.like(1.0 - m, x)]),
+                            em.op("Mul", [em.op("Reshape", [batch, flat]), em.like(m, x)])])
+        updates.append((stat, new))
+    return updates
 
 
-def _mix(em: _Emit, h: str, hint: str) -> str:
-    """Rounds of h += (h >> s)^2; h *= m (mod 2**32): an xorshift-multiply hash written with
-    int64 Div/Mul/Add/Mod only (no bitwise ops before opset 18). Every product stays below
-    2**63."""
-    modulus = em.const(np.int64(MASK_BITS), hint)
-    for multiplier, shift in MIX_ROUNDS:
-        high = em.op("Div", [h, em.const(np.int64(2 ** shift), hint)], hint)
-        square = em.op("Mod", [em.op("Mul", [high, high], hint), modulus], hint)
-        h = em.op("Mod", [em.op("Add", [h, square], hint), modulus], hint)
-        h = em.op("Mod", [em.op("Mul", [h, em.const(np.int64(multiplier), hint)], hint),
-                          modulus], hint)
-    return h
+# ---------------------------------------------------------------- Dropout
+
+def splitmix64(em: _Emit, counter: str, key: str) -> str:
+    """SplitMix64's output for the uint64 ``counter`` of the stream ``key``:
+    ``mix(key + counter * GAMMA)`` in wrapping uint64 arithmetic (onnxruntime's CPU kernels
+    take uint64 for Mul, Add, BitShift and, from opset 18, BitwiseXor)."""
+    z = em.op("Add", [em.op("Mul", [counter, em.const(np.uint64(GAMMA))]), key])
+    for shift, multiplier in MIX:
+        z = em.op("BitwiseXor", [z, em.op("BitShift", [z, em.const(np.uint64(shift))],
+                                          direction="RIGHT")])
+        if multiplier is not None:
+            z = em.op("Mul", [z, em.const(np.uint64(multiplier))])
+    return z
 
 
-def _uniform(em: _Emit, x: str, step: str, stream: int, hint: str) -> str:
-    """A float in [0, 1) per element of ``x``: hash(element index + hash(step, stream)).
-    Consecutive steps, streams (seed, node) and neighbouring elements are uncorrelated within
-    sampling error (tests/test_train_mode.py)."""
-    modulus = em.const(np.int64(MASK_BITS), hint)
-    salt = em.op("Add", [em.op("Mul", [em.op("Cast", [step], hint, to=TensorProto.INT64),
-                                       em.const(np.int64(STEP_MULTIPLIER), hint)], hint),
-                         em.const(np.int64((stream * 0x1B873593 + 0x6A09E667) % MASK_BITS),
-                                  hint)], hint)
-    salt = _mix(em, em.op("Mod", [salt, modulus], hint), hint)
-    size = em.op("Size", [x], hint)
-    index = em.op("Range", [em.const(np.int64(0), hint), size, em.const(np.int64(1), hint)],
-                  hint)
-    index = em.op("Reshape", [index, em.op("Shape", [x], hint)], hint)
-    spread = em.op("Mod", [em.op("Mul", [index, em.const(np.int64(INDEX_MULTIPLIER), hint)],
-                                 hint), modulus], hint)
-    h = _mix(em, em.op("Mod", [em.op("Add", [spread, salt], hint), modulus], hint), hint)
-    return em.op("Div", [em.op("Cast", [h], hint, to=TensorProto.DOUBLE),
-                         em.const(np.float64(MASK_BITS), hint)], hint)
+def stream_key(seed: int, ordinal: int) -> int:
+    """The SplitMix64 stream of the ``ordinal``-th Dropout node for ``seed``: two mixes of
+    (seed, ordinal) in Python, so neighbouring seeds and nodes get unrelated streams."""
+    def mix(z: int) -> int:
+        for shift, multiplier in MIX:
+            z ^= z >> shift
+            if multiplier is not None:
+                z = z * multiplier % UINT64
+        return z
+    return mix((mix((seed + GAMMA) % UINT64) + (ordinal + 1) * GAMMA) % UINT64)
 
 
-def _dropout(em: _Emit, node: onnx.NodeProto, x: str, outputs: list[str], step: str,
-             stream: int, constants: dict) -> None:
-    hint = node.name or node.output[0]
-    ratio_name = node.input[1] if len(node.input) > 1 and node.input[1] else None
-    ratio = float(np.asarray(constants[ratio_name])) if ratio_name in constants else \
-        float(_attr(node, "ratio", 0.5))
-    if ratio_name and ratio_name not in constants:
-        raise TrainingOpError(f"Dropout node {hint!r}: ratio {ratio_name!r} must be a constant")
+def dropout_keep(em: _Emit, x: str, step: str, key: int, ratio: float) -> str:
+    """A bool tensor shaped like ``x``: True with probability 1 - ratio, independently per
+    element, a function of (key, step, element index) only."""
+    index = em.op("Range", [em.const(np.int64(0)), em.op("Size", [x]), em.const(np.int64(1))])
+    index = em.op("Cast", [em.op("Reshape", [index, em.op("Shape", [x])])], to=TensorProto.UINT64)
+    # per step: the stream's key advanced by T * 2**32 counters (a scalar)
+    step_u64 = em.op("Cast", [step], to=TensorProto.UINT64)
+    base = em.op("Add", [em.op("Mul", [step_u64, em.const(np.uint64(STEP_STRIDE * GAMMA % UINT64))]),
+                         em.const(np.uint64(key))])
+    threshold = min(int(round(ratio * UINT64)), UINT64 - 1)
+    return em.op("GreaterOrEqual", [splitmix64(em, index, base), em.const(np.uint64(threshold))])
+
+
+def lower_dropout(nodes: list[onnx.NodeProto], step: str, seed: int, opset: int,
+                  constants: Mapping[str, np.ndarray], unique: Callable[[str], str]
+                  ) -> list[onnx.NodeProto]:
+    """Every Dropout of ``nodes`` in training mode: ``x * mask / (1 - ratio)`` (torch's
+    scaling) with the mask of :func:`dropout_keep` for the int64 update count ``step``; the
+    k-th Dropout draws from stream ``stream_key(seed, k)``. ``constants``: known values
+    (the ratio must be one)."""
+
+    def lower(node, ordinal):
+        if opset < DROPOUT_OPSET:
+            raise TrainingOpError(
+                f"Dropout node {_label(node)!r}: mode='train' draws its masks with BitwiseXor, "
+                f"which needs ai.onnx opset >= {DROPOUT_OPSET}, found {opset} (see fit_opset)")
+        em = _Emit(unique, opset, _label(node))
+        ratio = _dropout_ratio(node, constants)
+        x = node.input[0]
+        keep = dropout_keep(em, x, step, stream_key(seed, ordinal), ratio)
+        kept = em.op("Where", [keep, x, em.like(0.0, x)])
+        em.output("Mul", [kept, em.like(1.0 / (1.0 - ratio), x)], node.output[0])
+        if len(node.output) > 1 and node.output[1]:
+            em.output("Identity", [keep], node.output[1])
+        return em.nodes
+
+    return _replace(nodes, "Dropout", lower)
+
+
+def _dropout_ratio(node: onnx.NodeProto, constants: Mapping[str, np.ndarray]) -> float:
+    name = node.input[1] if len(node.input) > 1 and node.input[1] else None
+    if name is None:
+        ratio = float(_attr(node, "ratio", 0.5))  # opset < 12: an attribute
+    elif name in constants:
+        ratio = float(np.asarray(constants[name]).reshape(-1)[0])
+    else:
+        raise TrainingOpError(f"Dropout node {_label(node)!r}: mode='train' needs its ratio "
+                              f"{name!r} to be a constant (an initializer or Constant node)")
     if not 0.0 <= ratio < 1.0:
-        raise TrainingOpError(f"Dropout node {hint!r}: ratio must be in [0, 1), found {ratio}")
-    keep = em.op("GreaterOrEqual", [_uniform(em, x, step, stream, hint),
-                                    em.const(np.float64(ratio), hint)], hint)
-    scale = em.op("CastLike", [em.const(np.float32(1.0 / (1.0 - ratio)), hint), x], hint)
-    zero = em.op("CastLike", [em.const(np.float32(0.0), hint), x], hint)
-    kept = em.op("Where", [keep, x, zero], hint)
-    em.nodes.append(helper.make_node("Mul", [kept, scale], [outputs[0]],
-                                     name=f"{PREFIX}{hint}/output"))
-    if len(outputs) > 1 and outputs[1]:
-        em.nodes.append(helper.make_node("Identity", [keep], [outputs[1]],
-                                         name=f"{PREFIX}{hint}/mask"))
+        raise TrainingOpError(f"Dropout node {_label(node)!r}: ratio must be in [0, 1), found "
+                              f"{ratio}")
+    return ratio
 
 
-def _constants(graph: onnx.GraphProto) -> dict:
+def _constants(graph: onnx.GraphProto, nodes) -> dict[str, np.ndarray]:
     values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    for n in graph.node:
-        if n.op_type == "Constant" and n.attribute:
-            v = helper.get_attribute_value(n.attribute[0])
-            values[n.output[0]] = numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) \
-                else np.asarray(v)
+    for n in nodes:
+        if _is(n, "Constant") and n.attribute and n.attribute[0].name == "value":
+            values[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
     return values
 
 
-def training_forward(graph: onnx.GraphProto, ranks: dict[str, int], opset: int, step: str,
+# ---------------------------------------------------------------- the two graphs
+
+def training_forward(graph: onnx.GraphProto, ranks: Mapping[str, int], opset: int, step: str,
                      seed: int, unique: Callable[[str], str]):
-    """The training-mode copy of ``graph``'s nodes.
+    """The training-mode copy of ``graph``'s forward pass (call :func:`to_inference` on
+    ``graph`` first). ``ranks``: known ranks of values; ``step``: the int64 update count T.
 
     Returns (nodes, {eval value name: train value name}, [(running stat, new value)]).
-    ``step`` names the int64 update count (a fresh dropout mask each step), ``ranks`` the
-    known ranks of BatchNormalization inputs.
     """
-    inits = {t.name for t in graph.initializer}
-    constants = _constants(graph)
-    renamed: dict[str, str] = {}
-    em = _Emit(unique, opset)
-    updates = []
-    for index, node in enumerate(graph.node):
-        inputs = [renamed.get(i, i) for i in node.input]
-        outputs = []
-        for o in node.output:
-            if o:
-                renamed[o] = unique(PREFIX + o)
-            outputs.append(renamed.get(o, ""))
-        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
-            rank = ranks.get(node.input[0])
-            if rank is None:
-                raise TrainingOpError(f"BatchNormalization node {node.name or node.output[0]!r}: "
-                                      "the rank of its input is unknown; mode='train' needs it")
-            updates += _batch_norm(em, node, inputs[0], outputs[0], rank, inits)
-        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
-            _dropout(em, node, inputs[0], outputs, step, seed * 1000003 + index, constants)
-        else:
-            copy = onnx.NodeProto()
-            copy.CopyFrom(node)
-            copy.name = unique(PREFIX + (node.name or node.output[0]))
-            del copy.input[:]
-            copy.input.extend(inputs)
-            del copy.output[:]
-            copy.output.extend(outputs)
-            em.nodes.append(copy)
-    return em.nodes, renamed, updates
+    nodes, renamed = copy_forward(graph, unique)
+    copy_ranks = {renamed.get(name, name): r for name, r in ranks.items()}
+    running = {t.name for t in graph.initializer}
+    nodes, updates = lower_batch_norm(nodes, copy_ranks, opset, running, unique)
+    nodes = lower_dropout(nodes, step, seed, opset, _constants(graph, nodes), unique)
+    return nodes, renamed, updates
+
+
+def fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` at the ai.onnx opset the lowered nodes need, converted by
+    ``onnx.version_converter`` if it is older (its main graph in eval mode first,
+    :func:`eval_mode_nodes`): 15 (CastLike), 18 with Dropout (BitwiseXor for the masks).
+    Otherwise ``model`` itself."""
+    opset = next((o.version for o in model.opset_import if o.domain in STANDARD_DOMAINS), 0)
+    needed = DROPOUT_OPSET if any(_is(n, "Dropout") for n in model.graph.node) else TRAIN_OPSET
+    if opset >= needed:
+        return model
+    eval_mode_nodes(model.graph)  # the converter refuses BatchNormalization's 5 outputs
+    try:
+        return onnx.version_converter.convert_version(model, needed)
+    except Exception as error:  # noqa: BLE001
+        raise TrainingOpError(
+            f"mode='train' needs ai.onnx opset >= {needed} (CastLike, and BitwiseXor for "
+            f"Dropout masks); the model imports opset {opset} and onnx.version_converter "
+            f"failed: {error}. Export with opset_version={needed} or later") from error
 
 
 def to_inference(graph: onnx.GraphProto) -> None:
-    """Eval mode in place: Dropout without training_mode, BatchNormalization with
-    training_mode=0 and its single output (a model exported in training mode)."""
+    """The main graph of a ``mode="train"`` model, in place: eval-mode nodes
+    (:func:`eval_mode_nodes`) and one running-statistic initializer per BatchNormalization
+    (:func:`untie_running_statistics`)."""
+    eval_mode_nodes(graph)
+    untie_running_statistics(graph)
+
+
+def eval_mode_nodes(graph: onnx.GraphProto) -> None:
+    """A model exported in training mode, turned to eval mode: Dropout without its
+    ``training_mode`` input, BatchNormalization without ``training_mode`` and with its one
+    output (opset >= 14 says training by the attribute, older opsets by 5 outputs)."""
+    read = _read_names(graph)
     for node in graph.node:
-        if node.domain not in ("", "ai.onnx"):
-            continue
-        if node.op_type == "Dropout" and len(node.input) > 2:
+        if _is(node, "Dropout") and len(node.input) > 2:
             del node.input[2:]
-        if node.op_type == "BatchNormalization" and _attr(node, "training_mode", 0):
+        if _is(node, "BatchNormalization"):
             kept = [a for a in node.attribute if a.name != "training_mode"]
             del node.attribute[:]
             node.attribute.extend(kept)
+            used = [o for o in node.output[1:] if o and o in read]
+            if used:
+                raise TrainingOpError(
+                    f"BatchNormalization node {_label(node)!r}: its training-mode output(s) "
+                    f"{used} are read; mode='train' computes the running statistics itself")
             del node.output[1:]
+
+
+def untie_running_statistics(graph: onnx.GraphProto) -> None:
+    """Give every BatchNormalization its own running mean and variance initializers.
+
+    torch's TorchScript exporter merges equal tensors: a fresh model's running statistics
+    reach its BatchNorms through ``Identity`` nodes from *one* initializer (another BN's
+    statistics, or even a BN weight of ones or a bias of zeros). Training updates each BN's
+    statistics separately, so each gets an initializer of its own. A statistic that only
+    BatchNorms read keeps its name (``bn2.running_var``, torch's buffer name) for the first
+    of them; the Identity or Constant that produced it goes.
+    """
+    taken = all_names(graph)
+    inits = {t.name: t for t in graph.initializer}
+
+    def own_copy(node, slot, value):
+        what = "running_mean" if slot == 3 else "running_var"
+        name = unique_name(taken, f"{_label(node)}.{what}")
+        graph.initializer.append(numpy_helper.from_array(value.copy(), name))
+        inits[name] = graph.initializer[-1]
+        node.input[slot] = name
+
+    # produced values (Identity chains, Constants) become initializers
+    slots = _stat_slots(graph)
+    producers = {o: n for n in graph.node for o in n.output if o}
+    read, stat_read = _read_counts(graph), _stat_read_counts(slots)
+    for node, slot in slots:
+        name = node.input[slot]
+        value = None if name in inits else _constant_source(name, producers, inits)
+        if value is None:
+            continue
+        if read.get(name, 0) == stat_read[name]:  # only statistics read it: it becomes one
+            graph.initializer.append(numpy_helper.from_array(value.copy(), name))
+            inits[name] = graph.initializer[-1]
+        else:
+            own_copy(node, slot, value)
+    _drop_unread(graph, set(inits))
+
+    # an initializer read by several statistics, or by anything else too, is copied
+    slots = _stat_slots(graph)  # _drop_unread rebuilt the node list
+    read, stat_read = _read_counts(graph), _stat_read_counts(slots)
+    kept: set[str] = set()
+    for node, slot in slots:
+        name = node.input[slot]
+        if name not in inits or read.get(name, 0) == 1:
+            continue
+        if read[name] == stat_read[name] and name not in kept:
+            kept.add(name)
+        else:
+            own_copy(node, slot, numpy_helper.to_array(inits[name]))
+
+
+def _stat_slots(graph: onnx.GraphProto) -> list[tuple[onnx.NodeProto, int]]:
+    """(BatchNormalization node, input index) of every running mean and variance."""
+    return [(node, slot) for node in graph.node if _is(node, "BatchNormalization")
+            for slot in (3, 4)]
+
+
+def _stat_read_counts(slots) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node, slot in slots:
+        counts[node.input[slot]] = counts.get(node.input[slot], 0) + 1
+    return counts
+
+
+def _constant_source(name: str, producers, sources) -> np.ndarray | None:
+    """The value ``name`` holds if it is an initializer or an Identity chain / Constant."""
+    while name not in sources:
+        node = producers.get(name)
+        if node is None:
+            return None
+        if _is(node, "Identity"):
+            name = node.input[0]
+        elif _is(node, "Constant") and node.attribute and node.attribute[0].name == "value":
+            return numpy_helper.to_array(node.attribute[0].t)
+        else:
+            return None
+    return numpy_helper.to_array(sources[name])
+
+
+def _read_names(graph: onnx.GraphProto) -> set[str]:
+    return set(_read_counts(graph))
+
+
+def _read_counts(graph: onnx.GraphProto) -> dict[str, int]:
+    """How many times each name is read: node inputs (subgraphs included) and graph outputs."""
+    counts: dict[str, int] = {}
+    for g in all_graphs(graph):
+        for node in g.node:
+            for name in node.input:
+                if name:
+                    counts[name] = counts.get(name, 0) + 1
+    for o in graph.output:
+        counts[o.name] = counts.get(o.name, 0) + 1
+    return counts
+
+
+def _drop_unread(graph: onnx.GraphProto, now_initializers: set[str]) -> None:
+    """Remove Identity/Constant nodes that produce a name now held by an initializer, then
+    those whose outputs nobody reads any more."""
+    keep = [n for n in graph.node if not any(o in now_initializers for o in n.output)]
+    while True:
+        del graph.node[:]
+        graph.node.extend(keep)
+        read = _read_counts(graph)
+        pruned = [n for n in keep if not ((_is(n, "Identity") or _is(n, "Constant"))
+                                         and not any(read.get(o) for o in n.output))]
+        if len(pruned) == len(keep):
+            return
+        keep = pruned

@@ -17,7 +17,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..passes._graph import all_graphs, value_types
+from ..passes._graph import all_graphs, subgraphs, value_types
 from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
@@ -73,6 +73,39 @@ def used_names(graph: onnx.GraphProto) -> set[str]:
     return used
 
 
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """What ``node`` reads: its inputs, the outer values its subgraphs read, and a Gradient's
+    ``y`` and ``zs`` (attributes, not inputs)."""
+    names = list(node.input)
+    for sub in subgraphs(node):
+        names += used_names(sub)
+    if node.domain == DOMAIN and node.op_type == "Gradient":
+        for a in node.attribute:
+            if a.name == "y":
+                names.append(helper.get_attribute_value(a).decode())
+            elif a.name == "zs":
+                names += [z.decode() for z in helper.get_attribute_value(a)]
+    return names
+
+
+def prune_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Keep only the nodes some output of ``graph`` depends on. onnxruntime runs every node
+    of a graph, even one nothing reads: in a ``mode="train"`` model the main graph's
+    eval-mode forward pass would run in every step for nothing."""
+    producer = {o: i for i, node in enumerate(graph.node) for o in node.output if o}
+    live: set[int] = set()
+    pending = [o.name for o in graph.output]
+    while pending:
+        i = producer.get(pending.pop())
+        if i is not None and i not in live:
+            live.add(i)
+            pending += _reads(graph.node[i])
+    if len(live) < len(graph.node):
+        kept = [node for i, node in enumerate(graph.node) if i in live]
+        del graph.node[:]
+        graph.node.extend(kept)
+
+
 def combined_graph(
     model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str]
 ) -> onnx.ModelProto:
@@ -111,6 +144,7 @@ def combined_graph(
         if name in main_outputs and name not in outputs:
             outputs[name] = main_outputs[name]
     g.output.extend(outputs.values())
+    prune_dead_nodes(g)
     combined = helper.make_model(g, opset_imports=list(model.opset_import))
     combined.ir_version = model.ir_version
     combined.functions.extend(model.functions)
