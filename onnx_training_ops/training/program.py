@@ -144,7 +144,6 @@ def combined_graph(
         if name in main_outputs and name not in outputs:
             outputs[name] = main_outputs[name]
     g.output.extend(outputs.values())
-    prune_dead_nodes(g)
     combined = helper.make_model(g, opset_imports=list(model.opset_import))
     combined.ir_version = model.ir_version
     combined.functions.extend(model.functions)
@@ -165,6 +164,7 @@ def combined_graph(
             f"training_info[{index}]: the main graph and the algorithm graph together do not form a valid "
             f"graph (the spec runs them concatenated): {str(error).splitlines()[0]}"
         ) from error
+    prune_dead_nodes(combined.graph)  # after validation: a broken node nobody reads is still an error
     return combined
 
 
