@@ -129,14 +129,29 @@ def cut_sources(
     return sources, extra_outputs
 
 
+def _already_flat(arrays: list[np.ndarray], offsets) -> np.ndarray | None:
+    """The one buffer ``arrays`` are consecutive views of (at ``offsets``), or None."""
+    base = arrays[0].base
+    if base is None or base.ndim != 1 or base.size != offsets[-1] or not base.flags.c_contiguous:
+        return None
+    start = base.__array_interface__["data"][0]
+    for a, offset in zip(arrays, offsets[:-1]):
+        if a.base is not base or a.__array_interface__["data"][0] != start + int(offset) * base.itemsize:
+            return None
+    return base
+
+
 def flatten_cut_state(
-    cut_nodes: list[onnx.NodeProto], sources: Mapping[str, Any], state: dict[str, np.ndarray]
+    cut_nodes: list[onnx.NodeProto], sources: Mapping[str, Any], state: dict[str, np.ndarray],
+    rehome: bool = True,
 ) -> dict[int, tuple]:
     """Re-home the X, V, H state of each cut node as views into one flat buffer per role,
     so the fast path updates all of a node's tensors with one fused kernel call.
 
     Replaces the arrays in ``state``; returns id(node) -> (flat buffers per role, shapes,
-    offsets, G names, dtype) for the nodes laid out flat.
+    offsets, G names, dtype) for the nodes laid out flat. With ``rehome=False`` (a program
+    opened after others bound the state) the arrays stay where they are: a node is laid out
+    flat only if its state already is.
     """
     flat_nodes = {}
     for node in cut_nodes:
@@ -155,6 +170,12 @@ def flatten_cut_state(
         sizes = [x.size for x in xs]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         flat = {}
+        if not rehome:
+            found = {role: _already_flat([state[name] for name in names], offsets)
+                     for role, names in roles.items() if role != "G"}
+            if all(buf is not None for buf in found.values()):
+                flat_nodes[id(node)] = (found, [x.shape for x in xs], offsets, roles["G"], dtype)
+            continue
         for role, names in roles.items():
             if role == "G":
                 continue

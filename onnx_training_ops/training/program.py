@@ -106,8 +106,17 @@ def prune_dead_nodes(graph: onnx.GraphProto) -> None:
         graph.node.extend(kept)
 
 
+def prune_unused_inputs(graph: onnx.GraphProto) -> None:
+    """Drop the graph inputs no node reads (a stage program takes only the feeds it needs)."""
+    used = used_names(graph)
+    kept = [vi for vi in graph.input if vi.name in used]
+    del graph.input[:]
+    graph.input.extend(kept)
+
+
 def combined_graph(
-    model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str]
+    model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str],
+    prune_inputs: bool = False,
 ) -> onnx.ModelProto:
     """Main graph + algorithm graph of training_info[index], state initializers as inputs."""
     info = model.training_info[index]
@@ -165,6 +174,8 @@ def combined_graph(
             f"graph (the spec runs them concatenated): {str(error).splitlines()[0]}"
         ) from error
     prune_dead_nodes(combined.graph)  # after validation: a broken node nobody reads is still an error
+    if prune_inputs:
+        prune_unused_inputs(combined.graph)
     return combined
 
 
@@ -273,10 +284,12 @@ def build_program(
     state_protos: Mapping[str, onnx.TensorProto],
     meta: Mapping[str, str],
     fast: bool,
+    prune_inputs: bool = False,
 ) -> Program:
-    """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs."""
+    """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs
+    (``prune_inputs``: inputs nothing reads are dropped, for the stage programs)."""
     info = model.training_info[index]
-    combined = combined_graph(model, index, state_protos, meta)
+    combined = combined_graph(model, index, state_protos, meta, prune_inputs)
     check_binding_types(model, index, combined, state)
     graph = combined.graph
     binding = {e.key: e.value for e in info.update_binding}

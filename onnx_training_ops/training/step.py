@@ -53,7 +53,7 @@ def deferred_interrupts():
 def run_program(
     program: Program,
     feeds: Mapping[str, Any],
-    lr: float | None,
+    lr: float | Mapping[str, float] | None,
     state: dict[str, np.ndarray],
     on_nonfinite: str,
 ) -> tuple[dict[str, np.ndarray], bool]:
@@ -127,16 +127,19 @@ def bind_feeds(program: Program, feeds: Mapping[str, Any]) -> list[np.ndarray]:
     return arrays
 
 
-def set_learning_rates(program: Program, feeds: Mapping[str, Any], lr: float | None) -> None:
-    """Write each learning-rate input's buffer: the fed value, else ``lr``, else the model's default."""
+def set_learning_rates(program: Program, feeds: Mapping[str, Any],
+                       lr: float | Mapping[str, float] | None) -> None:
+    """Write each learning-rate input's buffer: the fed value, else ``lr`` (one value for
+    all, or per input name), else the model's default."""
     for name, buf in program.rate_inputs.items():
+        given = lr.get(name) if isinstance(lr, Mapping) else lr
         if name in feeds:
             value = np.asarray(feeds[name])
             if value.size != 1:
                 raise TrainingOpError(f"step: learning rate {name!r} must be a scalar, found shape {list(value.shape)}")
             buf[...] = checked_learning_rate(value.reshape(()), f"step: learning rate feed {name!r}")
-        elif lr is not None:
-            buf[...] = lr
+        elif given is not None:
+            buf[...] = given
         elif program.rate_defaults[name] is not None:
             buf[...] = program.rate_defaults[name]
         else:
