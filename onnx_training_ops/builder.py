@@ -271,6 +271,7 @@ class _Algorithm:
     inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
     inits: list[onnx.TensorProto] = field(default_factory=list)
     outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    value_info: list[onnx.ValueInfoProto] = field(default_factory=list)
     binding: list[tuple[str, str]] = field(default_factory=list)
 
     def name(self, base: str) -> str:
@@ -323,6 +324,8 @@ def _loss(model: onnx.ModelProto, loss, output, labels, types, renamed,
     algo.nodes += loss_nodes
     algo.inputs.append(label_vi)
     algo.outputs.append(_tensor_vi(loss_name, loss_type, []))
+    if eval_name != loss_name:
+        algo.value_info.append(_tensor_vi(eval_name, loss_type, []))
     return spec, loss_name, eval_name, target
 
 
@@ -430,8 +433,8 @@ def _training_info(algo: _Algorithm, initialization: onnx.GraphProto,
                    init_binding) -> onnx.TrainingInfoProto:
     info = onnx.TrainingInfoProto()
     info.initialization.CopyFrom(initialization)
-    info.algorithm.CopyFrom(helper.make_graph(algo.nodes, "algorithm", algo.inputs,
-                                              algo.outputs, initializer=algo.inits))
+    info.algorithm.CopyFrom(helper.make_graph(algo.nodes, "algorithm", algo.inputs, algo.outputs,
+                                              initializer=algo.inits, value_info=algo.value_info))
     for key, value in init_binding:
         info.initialization_binding.add(key=key, value=value)
     for key, value in algo.binding:

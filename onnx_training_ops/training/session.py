@@ -427,6 +427,9 @@ class TrainingSession:
         required, optional = _program_feeds(program)
         self._check_feeds(feeds, {f.name for f in required}, {f.name for f in optional})
         result, _ = run_program(program, feeds, None, self._state, "ignore")
+        eval_loss, loss = self._meta.get("eval_loss"), self._meta.get("loss")
+        if eval_loss in result and loss not in outputs:  # the eval-mode loss, under the loss's name
+            result[loss] = result.pop(eval_loss)
         return result
 
     def _eval_program(self, outputs: tuple[str, ...]) -> Program:
