@@ -379,7 +379,9 @@ def test_adamw_matches_torch_adamw(fast):
     model = _model()
     tm = build_training_model(model, "cross_entropy", AdamW(lr=1e-2, eps=0.0, weight_decay=0.1))
     batches = _batches(100)
-    ours, _, _ = _ours(tm, batches, fast)
+    ours, _, session = _ours(tm, batches, fast)
+    # the fast path folds the decay (X * (1 - lr*wd)) into its in-place Adam update
+    assert session.fast_path_nodes == (["Adam node 'optimizer/Adam'"] if fast else [])
     theirs, _ = _torch(model, lambda net: torch.optim.AdamW(net.parameters(), lr=1e-2, eps=0.0,
                                                             weight_decay=0.1), batches)
     assert _max_relative_error(ours, theirs) < 1e-6

@@ -112,5 +112,6 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
                 f"{dtype_name(buf.dtype)} {list(buf.shape)}"
             )
         copies.append((array, buf))
-    program.plan = cut_plan(program.cut_nodes, program.flat_nodes, program.cut_sources, program.fixed_buffers, state)
+    program.plan = cut_plan(program.cut_nodes, program.flat_nodes, program.cut_sources, program.fixed_buffers, state,
+                            program.prescale)
     program.copy_plan = copies

@@ -52,6 +52,7 @@ class Program:
     binding: dict = field(default_factory=dict)
     cut_outputs: set = field(default_factory=set)
     flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
+    prescale: dict = field(default_factory=dict)  # state X -> its folded decay factor (AdamW)
     # set when the session opens / after the first run
     uses_plugin: bool = False
     run: Any = None
@@ -309,8 +310,9 @@ def build_program(
         graph.initializer.extend(kept_inits)
 
     cut_nodes: list[onnx.NodeProto] = []
+    prescale: dict[str, str] = {}
     if fast:
-        cut_nodes = cuttable_nodes(graph, binding, state_inputs)
+        cut_nodes, prescale = cuttable_nodes(graph, binding, state_inputs)
     cut_outputs = {o for n in cut_nodes for o in n.output if o}
     if cut_nodes:
         keep = [n for n in graph.node if not any(n is c for c in cut_nodes)]
@@ -318,7 +320,8 @@ def build_program(
         graph.node.extend(keep)
 
     # what the graph onnxruntime runs must output
-    sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types)
+    sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types,
+                                         prescale)
     old_outputs = list(graph.output)
     del graph.output[:]
     graph.output.extend(o for o in old_outputs if o.name not in cut_outputs)
@@ -349,4 +352,5 @@ def build_program(
     program.input_defaults = program_defaults
     program.binding = binding
     program.cut_outputs = cut_outputs
+    program.prescale = prescale
     return program

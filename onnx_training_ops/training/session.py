@@ -172,7 +172,8 @@ class TrainingSession:
             for i in range(len(model.training_info))
         ]
         for program in analyses:  # before anything binds a state array: lay the cut state out flat
-            program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state)
+            program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state,
+                                                   prescale=program.prescale)
         self._programs = [
             open_program(p, self._state, self._session_options(), self._providers) for p in analyses
         ]
@@ -458,7 +459,7 @@ class TrainingSession:
             for derived in (stages.backward, stages.apply):
                 program = build_program(derived, 0, state, protos, self._meta, self.fast, prune_inputs=True)
                 program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
-                                                       rehome=False)
+                                                       rehome=False, prescale=program.prescale)
                 programs.append(open_program(program, state, self._session_options(), self._providers))
             self._stages = (programs[0], programs[1], stages.accumulators, state)
         return self._stages
