@@ -191,6 +191,47 @@ def adagrad_(x, g, h, rate, epsilon, norm_coefficient) -> None:
     _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
 
 
+def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post):
+    """:func:`adam_` for arrays used again and again: the scalars and flat views are built
+    once; returns ``run(rate)``. The arrays must pass :func:`supports` and stay alive."""
+    s = np.array((0.0, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient,
+                  1.0 - norm_coefficient_post), dtype=x.dtype)
+    args, n, serial, parallel = (_flat(x), _flat(g), _flat(v), _flat(h), s), x.size, _k.adam_serial, _k.adam_parallel
+
+    def run(rate: float) -> None:
+        s[0] = rate
+        _dispatch("adam", serial, parallel, n, *args)
+
+    return run
+
+
+def momentum_prepared(x, g, v, alpha, norm_coefficient, nesterov: bool):
+    """:func:`momentum_` prepared once; returns ``run(rate, beta_adjusted)``."""
+    s = np.array((0.0, alpha, 0.0, norm_coefficient), dtype=x.dtype)
+    op = "nesterov" if nesterov else "momentum"
+    serial, parallel = ((_k.nesterov_serial, _k.nesterov_parallel) if nesterov
+                        else (_k.momentum_serial, _k.momentum_parallel))
+    args, n = (_flat(x), _flat(g), _flat(v), s), x.size
+
+    def run(rate: float, beta_adjusted: float) -> None:
+        s[0], s[2] = rate, beta_adjusted
+        _dispatch(op, serial, parallel, n, *args)
+
+    return run
+
+
+def adagrad_prepared(x, g, h, epsilon, norm_coefficient):
+    """:func:`adagrad_` prepared once; returns ``run(rate)``."""
+    s = np.array((0.0, epsilon, norm_coefficient), dtype=x.dtype)
+    args, n, serial, parallel = (_flat(x), _flat(g), _flat(h), s), x.size, _k.adagrad_serial, _k.adagrad_parallel
+
+    def run(rate: float) -> None:
+        s[0] = rate
+        _dispatch("adagrad", serial, parallel, n, *args)
+
+    return run
+
+
 def warm_up() -> float:
     """Compile, or load from numba's disk cache, every specialization (serial and
     parallel, float32 and float64) and start numba's thread pool; returns the seconds

@@ -20,7 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import TrainingOpError, node_label
-from ..kernels.apply import STEPS
+from ..kernels.apply import STEPS, prepare
 from ..passes._graph import all_graphs, subgraphs
 from ..passes.encode_exact_attributes import node_attributes
 from ..passes.fill_defaults import fill_default_attributes
@@ -40,6 +40,7 @@ class CutStep:
     tensors: list  # per input role (X, G, V[, H]): ndarray or ("feed", name)
     targets: list  # per output role: the state array it must end up in
     prescale: Any = None  # AdamW's decay factor: X *= prescale before the update (a 0-d array)
+    run: Any = None  # the update checked once (kernels.apply.prepare), when every input is a buffer
 
 
 def _decayed_inputs(graph: onnx.GraphProto, state: set[str], consumed: dict[str, int]) -> dict:
@@ -306,11 +307,21 @@ def cut_plan(
     return plan
 
 
+def prepare_plan(plan: list[CutStep]) -> None:
+    """Check each update once: those whose inputs are all buffers get a prepared ``run``."""
+    for s in plan:
+        in_place = all(t is x for t, x in zip(s.targets, s.tensors[:1] + s.tensors[2:]))
+        s.run = prepare(s.op_type, s.r, s.t, s.tensors, s.attributes) if in_place else None
+
+
 def apply_plan(plan: list[CutStep]) -> None:
     """Run the cut updates in place (no input of theirs is a feed)."""
     for s in plan:
         if s.prescale is not None:  # the folded Mul, as onnxruntime computes it (float multiply)
             np.multiply(s.tensors[0], s.prescale, out=s.tensors[0])
+        if s.run is not None:
+            s.run()
+            continue
         outs = STEPS[s.op_type](s.r, s.t, *s.tensors, s.attributes, inplace=True)
         for target, out in zip(s.targets, outs):
             if out is not target:

@@ -69,6 +69,8 @@ def _label_checker(meta: Mapping[str, str], batch_input: str | None):
         if rows and labels.ndim and labels.shape[0] != rows[0]:
             raise TrainingOpError(f"step: feed {name!r} has {labels.shape[0]} rows, input "
                                   f"{batch_input!r} has {rows[0]}: one label per example")
+        if labels.size and 0 <= labels.min() and labels.max() < classes:
+            return  # the common case: two reductions
         bad = (labels < 0) | (labels >= classes)
         if ignore is not None:
             bad &= labels != ignore
@@ -110,6 +112,21 @@ def _state_array(name: str, proto: onnx.TensorProto) -> np.ndarray:
                               f"type and shape {list(proto.dims)}: {error}") from None
 
 
+# every settable SessionOptions attribute (intra_op_num_threads, enable_profiling, ...)
+_OPTION_ATTRIBUTES = [name for name, value in vars(ort.SessionOptions).items()
+                      if isinstance(value, property) and value.fset is not None]
+# config entries copied from a given SessionOptions (onnxruntime cannot list them; pass any
+# other through ``session_config``)
+CONFIG_KEYS = (
+    "session.intra_op.allow_spinning", "session.inter_op.allow_spinning",
+    "session.force_spinning_stop", "session.set_denormal_as_zero", "session.use_env_allocators",
+    "session.disable_prepacking", "session.intra_op_thread_affinities", "session.dynamic_block_base",
+    "session.disable_cpu_ep_fallback", "session.use_device_allocator_for_initializers",
+    "session.disable_aot_function_inlining", "optimization.enable_gelu_approximation",
+    "optimization.disable_specified_optimizers", "session.qdqisint8allowed",
+)
+
+
 def _locked(method):
     """Run ``method`` holding the session's lock (see the class docstring)."""
 
@@ -144,6 +161,7 @@ class TrainingSession:
         fast: bool = True,
         on_nonfinite: str = "raise",
         sess_options: ort.SessionOptions | None = None,
+        session_config: Mapping[str, str] | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
@@ -160,6 +178,7 @@ class TrainingSession:
         self.skipped_steps = 0
         self._providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
         self._sess_options = sess_options
+        self._session_config = {str(k): str(v) for k, v in (session_config or {}).items()}
         self._model = model
         self._meta = metadata(model)
         self._inference = None
@@ -222,17 +241,25 @@ class TrainingSession:
         """
         return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
 
-    def _session_options(self) -> ort.SessionOptions | None:
+    def _session_options(self) -> ort.SessionOptions:
+        """A fresh SessionOptions per onnxruntime session (InferenceSession registers the
+        kernel library in the options it gets): every attribute of ``sess_options``, the
+        config entries it holds among :data:`CONFIG_KEYS`, and ``session_config``."""
+        so = ort.SessionOptions()
         if self._sess_options is None:
             # errors come back as our exception; onnxruntime's own log line would repeat them
-            so = ort.SessionOptions()
             so.log_severity_level = 4
-            return so
-        # InferenceSession registers the kernel library in the options it gets: give each its own copy.
-        so = ort.SessionOptions()
-        for attr in ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
-                     "execution_mode", "enable_mem_pattern", "enable_cpu_mem_arena", "log_severity_level"):
-            setattr(so, attr, getattr(self._sess_options, attr))
+        else:
+            for attr in _OPTION_ATTRIBUTES:
+                setattr(so, attr, getattr(self._sess_options, attr))
+            for key in CONFIG_KEYS:
+                try:
+                    value = self._sess_options.get_session_config_entry(key)
+                except Exception:  # not set
+                    continue
+                so.add_session_config_entry(key, value)
+        for key, value in self._session_config.items():
+            so.add_session_config_entry(key, value)
         return so
 
     # ------------------------------------------------------------------ state
@@ -350,7 +377,7 @@ class TrainingSession:
         return result
 
     def _check_feeds(self, feeds: Mapping[str, Any], required: set[str], optional: set[str]) -> None:
-        if not isinstance(feeds, Mapping):
+        if type(feeds) is not dict and not isinstance(feeds, Mapping):
             raise TrainingOpError(f"step: feeds must be a mapping of input name to array, found "
                                   f"{type(feeds).__name__}; inputs: {sorted(required)}")
         check_feed_names(feeds, required, optional)
@@ -580,6 +607,18 @@ class TrainingSession:
     def fast_path_nodes(self) -> list[str]:
         """Labels of the optimizer nodes the fast path applies in place."""
         return [node_label(n) for p in self._programs for n in p.cut_nodes]
+
+    @_locked
+    def end_profiling(self) -> list[str]:
+        """With ``sess_options.enable_profiling``: end profiling in every onnxruntime session
+        this session opened (step programs, stages, evaluation, inference) and return the
+        trace files onnxruntime wrote."""
+        sessions = [p.session for p in self._programs] + [p.session for p in self._eval_programs.values()]
+        if self._stages is not None:
+            sessions += [self._stages[0].session, self._stages[1].session]
+        if self._inference is not None:
+            sessions.append(self._inference[0])
+        return [path for path in (s.end_profiling() for s in sessions) if path]
 
     @property
     def metadata(self) -> dict[str, str]:
