@@ -44,11 +44,14 @@ PARALLEL_THRESHOLD = min(PARALLEL_THRESHOLDS.values())  # the smallest switch po
 # running (EWMA) cost per element; it leaves it after two calls in a row cost 1.5x the
 # other's last measured cost. Every 16 calls it probes the other variant with a burst of
 # 3 calls (the first may wake a sleeping thread pool, so the burst's best counts) and
-# switches if that beats the running cost, backing off to every 1024 calls while probes
-# keep losing. Both variants compute every element identically: the choice changes
+# switches if that beats the running cost, backing off to every 1024 calls (at most
+# _PROBE_SECONDS of kernel time) while probes keep losing. Both variants compute every element identically: the choice changes
 # time, never results.
 ADAPTIVE = True
 _PROBE_MIN, _PROBE_MAX, _PROBE_LEN, _EWMA, _SLACK = 16, 1024, 3, 0.25, 1.5
+# a probe that lost backs off at most to this much kernel time between probes: a pick made
+# while the other core was busy is revisited within ~0.25 s, not 1024 calls (5 s at 1e7)
+_PROBE_SECONDS = 0.25
 _INF = float("inf")
 
 
@@ -100,8 +103,10 @@ def _dispatch(op: str, serial, parallel, n: int, *args) -> None:
                 c.use = use
             elif c.probe_best < other:
                 c.use, c.strikes, c.interval = use, 0, _PROBE_MIN
-            else:
-                c.interval = min(2 * c.interval, _PROBE_MAX)
+            else:  # back off, but probe again within _PROBE_SECONDS of kernel time
+                running = cost[1 - use] * n
+                cap = _PROBE_MAX if running <= 0 else max(_PROBE_MIN, min(_PROBE_MAX, int(_PROBE_SECONDS / running)))
+                c.interval = min(2 * c.interval, cap)
             c.countdown = min(c.countdown, c.interval) if other == _INF else c.interval
     else:
         cost[use] += _EWMA * (per_element - cost[use])
