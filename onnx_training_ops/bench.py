@@ -53,6 +53,8 @@ from typing import Callable
 
 import numpy as np
 
+from .bench_mlp import DEFAULT_SHAPES, MLP_CONTENDERS, format_mlp, measure_mlp, mlp_worker, parse_shape
+
 OPS = ("adam", "momentum", "nesterov", "adagrad")
 SIZES = (10**4, 10**5, 10**6, 10**7)
 ONNX_OP = {"adam": "Adam", "momentum": "Momentum", "nesterov": "Momentum", "adagrad": "Adagrad"}
@@ -544,107 +546,7 @@ def format_breakdown(b: dict) -> str:
 
 
 # ---------------------------------------------------------------- end to end: MLP training steps/s
-
-MLP_CONTENDERS = {
-    "training_session_fast": "TrainingSession fast path (in-place fused Adam)",
-    "training_session_graph": "TrainingSession full graph (fast=False, Adam via PyOp)",
-    "torch_eager": "torch eager, torch.optim.Adam (default impl)",
-    "torch_eager_fused": "torch eager, torch.optim.Adam(fused=True)",
-}
-
-
-def mlp_runner(name: str) -> Callable[[int], None]:
-    """``run(steps)`` for one MLP contender: 64-128-10 (ReLU), batch 64, cross-entropy, Adam lr 1e-3."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 64)).astype(np.float32)
-    y = rng.integers(0, 10, 64).astype(np.int64)
-    if name.startswith("training_session"):
-        from .builder import build_training_model
-        from .demo import make_mlp
-        from .optimizers import Adam
-        from .training import TrainingSession
-
-        session = TrainingSession(build_training_model(make_mlp((64, 128, 10)), "cross_entropy", Adam(lr=1e-3)),
-                                  fast=name.endswith("fast"))  # fmt: skip
-        feeds = {"input": x, "labels": y}
-        step = session.step
-
-        def run(steps):
-            for _ in range(steps):
-                step(feeds)
-
-        return run
-    import torch
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3, **({"fused": True} if name.endswith("fused") else {}))
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def run(steps):
-        for _ in range(steps):
-            opt.zero_grad()
-            loss_fn(net(tx), ty).backward()
-            opt.step()
-
-    return run
-
-
-def mlp_worker(name: str) -> None:
-    """Serve ``run N`` requests on stdin with ``{"seconds": ...}`` on stdout."""
-    run = mlp_runner(name)
-    run(50)  # warm-up
-    print(json.dumps({"ready": name}), flush=True)
-    for line in sys.stdin:
-        steps = int(line)
-        t0 = time.perf_counter()
-        run(steps)
-        print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
-
-
-def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | None = None, settle: float = 0.2) -> dict:
-    """Steps/s per MLP contender: each in its own long-lived process, run in interleaved
-    rounds (each round runs every contender once, one at a time, so load hits all alike);
-    the best round is kept."""
-    procs = {}
-    out = {}
-    try:
-        for name in names:
-            procs[name] = subprocess.Popen(_worker_command(worker_script) + ["--mlp-worker", name],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-        for name, p in list(procs.items()):
-            line = p.stdout.readline()
-            if not line:
-                out[name] = {"n/a": f"worker exited with {p.wait()}"}
-                del procs[name]
-        rates = {name: [] for name in procs}
-        for _ in range(rounds):
-            for name, p in procs.items():
-                time.sleep(settle)  # let the previous contender's thread pools stop spinning
-                p.stdin.write(f"{steps}\n")
-                p.stdin.flush()
-                rates[name].append(steps / json.loads(p.stdout.readline())["seconds"])
-        for name, r in rates.items():
-            out[name] = {"steps_per_s": max(r), "median_steps_per_s": statistics.median(r), "rounds": r,
-                         "steps_per_round": steps, "label": MLP_CONTENDERS.get(name, name)}  # fmt: skip
-    finally:
-        for p in procs.values():
-            p.stdin.close()
-            p.wait()
-    return out
-
-
-def format_mlp(mlp: dict) -> str:
-    ref = mlp.get("torch_eager", {}).get("steps_per_s")
-    lines = ["MLP 64-128-10, batch 64, Adam: training steps/s (best round; interleaved, own processes)"]
-    for name, r in mlp.items():
-        if "n/a" in r:
-            lines.append(f"  {MLP_CONTENDERS.get(name, name):55s}      n/a  {r['n/a']}")
-            continue
-        ratio = f"{r['steps_per_s'] / ref:5.2f}x torch eager" if ref else ""
-        lines.append(f"  {r['label']:55s} {r['steps_per_s']:8.0f}  {ratio}")
-    return "\n".join(lines)
+# (in .bench_mlp)
 
 
 # ---------------------------------------------------------------- the run, table, plot
@@ -763,7 +665,9 @@ def plot(report: dict, path: str, stat: str = "median_s") -> None:
     import matplotlib.pyplot as plt
 
     ops = list(dict.fromkeys(r["op"] for r in report["results"]))
-    mlp = {k: v for k, v in report.get("mlp", {}).items() if "steps_per_s" in v}
+    shapes = report.get("mlp", {})
+    shape = next(iter(shapes), "")
+    mlp = {k: v for k, v in shapes.get(shape, {}).items() if "steps_per_s" in v}
     ncols = len(ops) + bool(mlp)
     fig, axes = plt.subplots(1, ncols, figsize=(4.5 * ncols, 4), squeeze=False)
     for ax, op in zip(axes[0], ops):
@@ -781,7 +685,7 @@ def plot(report: dict, path: str, stat: str = "median_s") -> None:
     if mlp:
         ax = axes[0][-1]
         ax.barh(list(mlp), [v["steps_per_s"] for v in mlp.values()])
-        ax.set_title("MLP 64-128-10, batch 64, Adam")
+        ax.set_title(f"MLP {shape}, Adam")
         ax.set_xlabel("training steps/s")
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
@@ -812,6 +716,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"MLP contenders, comma list of {', '.join(MLP_CONTENDERS)}; 'none' to skip")  # fmt: skip
     ap.add_argument("--mlp-steps", type=int, default=None, help="steps per round (default 1000)")
     ap.add_argument("--mlp-rounds", type=int, default=None, help="rounds (default 5)")
+    ap.add_argument("--mlp-shapes", default=";".join(DEFAULT_SHAPES),
+                    help="MLP layer sizes x batch, ';'-separated (default %(default)s)")
+    ap.add_argument("--ortt-python", default=None,
+                    help="a Python with onnxruntime-training (its own virtualenv: numpy<2, onnx<=1.16, torch): "
+                         "adds onnxruntime-training's AdamW step to the MLP table")
+    ap.add_argument("--mlp-shape", help=argparse.SUPPRESS)
     ap.add_argument("--no-breakdown", action="store_true", help="skip the graph-path time breakdown")
     ap.add_argument("--same-process", action="store_true",
                     help="measure all contenders in this process (default: each in its own)")  # fmt: skip
@@ -842,7 +752,7 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
         print(json.dumps(measure(args.worker, ops, sizes, min_time, max_reps)))
         return 0
     if args.mlp_worker:
-        mlp_worker(args.mlp_worker)
+        mlp_worker(args.mlp_worker, parse_shape(args.mlp_shape or DEFAULT_SHAPES[0]))
         return 0
     if args.breakdown_worker:
         op, n = args.breakdown_worker.split("/")
@@ -868,8 +778,12 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
         print("measuring the MLP training loop (interleaved rounds, each contender in its own process) ...")
         steps = args.mlp_steps or (20 if args.quick else 1000)
         rounds = args.mlp_rounds or (2 if args.quick else 5)
-        report["mlp"] = measure_mlp(mlp_names, steps, rounds, worker_script)
-        print(format_mlp(report["mlp"]))
+        report["mlp"] = {}
+        shapes = args.mlp_shapes.split(";")
+        for shape in shapes[:1] if args.quick and args.mlp_shapes == ";".join(DEFAULT_SHAPES) else shapes:
+            result = measure_mlp(mlp_names, steps, rounds, worker_script, parse_shape(shape), args.ortt_python)
+            report["mlp"][shape] = result
+            print(format_mlp(result, shape))
     report["loadavg_end"] = _loadavg()
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -39,7 +39,16 @@ def test_quick_bench_writes_json_and_png(tmp_path):
     breakdown = report["graph_breakdown"]
     assert breakdown["op"] == "adam" and breakdown["n"] == 10**5
     assert breakdown["total_s"] > 0 and breakdown["kernel_s"] > 0
-    assert report["mlp"]["training_session_fast"]["steps_per_s"] > 0
+    assert report["mlp"]["64,128,10x64"]["training_session_fast"]["steps_per_s"] > 0
+
+
+def test_mlp_bench_takes_shapes_and_reports_an_unusable_ortt_python():
+    """--ortt-python names a Python with onnxruntime-training; one without it is an n/a row."""
+    result = bench.measure_mlp(["training_session_fast"], steps=3, rounds=1, shape=((8, 16, 4), 4),
+                               ortt_python=sys.executable)
+    assert result["training_session_fast"]["steps_per_s"] > 0
+    assert "n/a" in result["onnxruntime_training"]
+    assert "onnxruntime-training" in bench.format_mlp(result, "8,16,4x4")
 
 
 @pytest.mark.parametrize("op", bench.OPS)

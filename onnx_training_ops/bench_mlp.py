@@ -1,0 +1,158 @@
+"""End to end: MLP training steps/s, each contender in its own long-lived process.
+
+Contenders: TrainingSession (fast path and full graph), torch eager (Adam, default and
+fused), and — with ``--ortt-python PATH``, a Python whose environment has
+onnxruntime-training — onnxruntime-training's on-device API (``_ortt_worker.py``, AdamW).
+Rounds are interleaved (each round runs every contender once, one at a time, so load hits
+all alike); the table gives the best round and, against onnxruntime-training, the median of
+the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+
+MLP_CONTENDERS = {
+    "training_session_fast": "TrainingSession fast path (in-place fused Adam)",
+    "training_session_graph": "TrainingSession full graph (fast=False, Adam via PyOp)",
+    "torch_eager": "torch eager, torch.optim.Adam (default impl)",
+    "torch_eager_fused": "torch eager, torch.optim.Adam(fused=True)",
+}
+ORTT = "onnxruntime_training"
+ORTT_LABEL = "onnxruntime-training 1.19 on-device API (AdamW)"
+DEFAULT_SHAPES = ("64,128,10x64", "784,1024,1024,10x128")
+
+
+def parse_shape(text: str) -> tuple[tuple[int, ...], int]:
+    """``"64,128,10x64"`` -> ((64, 128, 10), 64): layer sizes and batch."""
+    sizes, batch = text.split("x")
+    return tuple(int(s) for s in sizes.split(",")), int(batch)
+
+
+def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int], None]:
+    """``run(steps)`` for one contender: ReLU MLP, cross-entropy, Adam lr 1e-3."""
+    sizes, batch = shape
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
+    y = rng.integers(0, sizes[-1], batch).astype(np.int64)
+    if name.startswith("training_session"):
+        from .builder import build_training_model
+        from .demo import make_mlp
+        from .optimizers import Adam
+        from .training import TrainingSession
+
+        session = TrainingSession(build_training_model(make_mlp(sizes), "cross_entropy", Adam(lr=1e-3)),
+                                  fast=name.endswith("fast"))
+        feeds = {"input": x, "labels": y}
+        step = session.step
+
+        def run(steps):
+            for _ in range(steps):
+                step(feeds)
+
+        return run
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    net = torch.nn.Sequential(*layers[:-1])
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, **({"fused": True} if name.endswith("fused") else {}))
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def run(steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            loss_fn(net(tx), ty).backward()
+            opt.step()
+
+    return run
+
+
+def mlp_worker(name: str, shape: tuple[tuple[int, ...], int]) -> None:
+    """Serve ``N`` requests on stdin with ``{"seconds": ...}`` on stdout."""
+    run = mlp_runner(name, shape)
+    run(50)  # warm-up
+    print(json.dumps({"ready": name}), flush=True)
+    for line in sys.stdin:
+        steps = int(line)
+        t0 = time.perf_counter()
+        run(steps)
+        print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+
+
+def _command(name: str, shape, worker_script: str | None, ortt_python: str | None) -> list[str]:
+    sizes, batch = shape
+    if name == ORTT:
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ortt_worker.py")
+        return [ortt_python, worker, ",".join(map(str, sizes)), str(batch)]
+    base = [sys.executable, worker_script] if worker_script else [sys.executable, "-m", "onnx_training_ops.bench"]
+    return base + ["--mlp-worker", name, "--mlp-shape", f"{','.join(map(str, sizes))}x{batch}"]
+
+
+def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | None = None,
+                shape=((64, 128, 10), 64), ortt_python: str | None = None, settle: float = 0.2) -> dict:
+    """Steps/s per contender (best round, median round, every round) and, with
+    onnxruntime-training, each contender's median per-round ratio to it."""
+    names = list(names) + ([ORTT] if ortt_python else [])
+    procs, logs, out = {}, {}, {}
+    try:
+        for name in names:
+            logs[name] = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill and stall the worker
+            procs[name] = subprocess.Popen(_command(name, shape, worker_script, ortt_python), stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=logs[name], text=True)
+        for name, p in list(procs.items()):
+            line = p.stdout.readline()
+            if not line:
+                code = p.wait()
+                logs[name].seek(0)
+                err = logs[name].read().strip().splitlines()
+                out[name] = {"n/a": f"worker exited with {code}: {err[-1] if err else ''}"}
+                del procs[name]
+        rates = {name: [] for name in procs}
+        for _ in range(rounds):
+            for name, p in procs.items():
+                time.sleep(settle)  # let the previous contender's thread pools stop spinning
+                p.stdin.write(f"{steps}\n")
+                p.stdin.flush()
+                rates[name].append(steps / json.loads(p.stdout.readline())["seconds"])
+        for name, r in rates.items():
+            out[name] = {"steps_per_s": max(r), "median_steps_per_s": statistics.median(r), "rounds": r,
+                         "steps_per_round": steps, "label": ORTT_LABEL if name == ORTT else MLP_CONTENDERS[name]}
+        if ORTT in rates:
+            for name, r in rates.items():
+                out[name]["vs_ortt"] = statistics.median(a / b for a, b in zip(r, rates[ORTT]))
+    finally:
+        for p in procs.values():
+            p.stdin.close()
+            p.wait()
+        for log in logs.values():
+            log.close()
+    return out
+
+
+def format_mlp(mlp: dict, shape: str = DEFAULT_SHAPES[0]) -> str:
+    ref = mlp.get("torch_eager", {}).get("steps_per_s")
+    sizes, batch = parse_shape(shape)
+    lines = [f"MLP {'-'.join(map(str, sizes))}, batch {batch}, Adam: training steps/s "
+             "(best round; interleaved, own processes)"]
+    for name, r in mlp.items():
+        if "n/a" in r:
+            lines.append(f"  {(ORTT_LABEL if name == ORTT else MLP_CONTENDERS.get(name, name)):55s}      n/a  {r['n/a']}")
+            continue
+        ratio = f"{r['steps_per_s'] / ref:5.2f}x torch eager" if ref else ""
+        if "vs_ortt" in r:
+            ratio += f"  {r['vs_ortt']:5.2f}x onnxruntime-training (median of round ratios)"
+        lines.append(f"  {r['label']:55s} {r['steps_per_s']:8.0f}  {ratio}")
+    return "\n".join(lines)
