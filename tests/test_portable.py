@@ -276,3 +276,32 @@ def test_a_training_model_trains_the_same_in_portable_form():
     assert sorted(want) == sorted(got)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_x_of_unknown_dtype_gets_castlike_constants():
+    """X from an op without a schema (so no inferred type): the constants are CastLike'd to X."""
+    from onnx.reference.op_run import OpRun
+
+    class Passthrough(OpRun):
+        op_domain = "test.custom"
+
+        def _run(self, x):
+            return (x,)
+
+    model = optimizer_model("Adam", n=1, shapes=[[5]], attributes=ATTRIBUTES["Adam"],
+                            opsets=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1),
+                                    helper.make_opsetid("test.custom", 1)])
+    feeds = feeds_for(model, np.float64, 4)
+    want = kernel_outputs("Adam", model, feeds, ATTRIBUTES["Adam"])
+    graph = model.graph
+    for value in graph.input[2:]:
+        graph.node.insert(0, helper.make_node("Passthrough", [value.name + "_raw"], [value.name], domain="test.custom"))
+        feeds[value.name + "_raw"] = feeds.pop(value.name)
+        value.name += "_raw"
+        value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    lowered = prepare(model, portable=True)
+    assert any(n.op_type == "CastLike" for n in lowered.graph.node)
+    got = ReferenceEvaluator(lowered, new_ops=[Passthrough]).run(None, feeds)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-12)
