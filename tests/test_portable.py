@@ -305,3 +305,15 @@ def test_x_of_unknown_dtype_gets_castlike_constants():
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         np.testing.assert_allclose(g, w, rtol=1e-12)
+
+
+@pytest.mark.parametrize("attributes", [dict(alpha=0.5, beta=6.2e-10), dict(alpha=1e-9, beta=0.5, norm_coefficient_post=1e-9)])
+def test_float64_constants_that_round_to_one_in_float32_survive_onnxruntimes_optimizer(attributes):
+    """onnxruntime's NoopElimination drops Mul(x, c) when float(c) == 1, also for double c:
+    (1 - 6.2e-10) * G² became G² (found by the property test)."""
+    groups = [(np.array(0.0), np.array(1.0), np.array(0.0), np.array(0.0)), (np.zeros((2, 2)),) * 4]
+    model, feed, outputs = single_node_model("Adam", np.array(1.0, np.float32), np.array(3), groups, attributes)
+    got = portable_session(model).run(outputs, feed)
+    want = ot.kernels.adam(feed["R"], feed["T"], *list(feed.values())[2:], **f32_attributes(attributes))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

@@ -117,7 +117,27 @@ def _constant(e: _Emitter, value: float, dtype: int | str, what: str, base: str)
     """``value`` (a Python float, as the kernels hold it) in the tensors' dtype."""
     if isinstance(dtype, str):  # dtype unknown: CastLike a float64 constant to X
         return e.op("CastLike", [e.const(value, TensorProto.DOUBLE, f"portable/{what}_f64"), dtype], f"{base}/{what}")
-    return e.const(value, dtype, f"portable/{what}_{'f32' if dtype == TensorProto.FLOAT else 'f64'}")
+    return e.const(value, dtype, f"portable/{what}_{_suffix(dtype)}")
+
+
+def _scaled(e: _Emitter, x: str, c: float, dtype, what: str, base: str) -> str:
+    """``x * c`` for a computed constant ``c`` (``1 - attribute``), in the tensors' dtype.
+
+    onnxruntime's NoopElimination drops ``Mul(x, c)`` when ``static_cast<float>(c) == 1``,
+    also for a double ``c`` (1 - 6e-10 is 1 in float32): for float64 tensors such a ``c`` is
+    applied as ``(x * 2) * (c / 2)``, the same rounded value (doubling and halving are exact;
+    only |x| > 8.9e307 would overflow), which the rule leaves alone."""
+    if dtype == TensorProto.DOUBLE and c != 1.0 and float(np.float32(c)) == 1.0:
+        doubled = e.op("Mul", [x, e.const(2.0, dtype, "portable/two_f64")], f"{base}_doubled")
+        return e.op("Mul", [doubled, _constant(e, c / 2, dtype, f"half_{what}", base)], base)
+    return e.op("Mul", [x, _constant(e, c, dtype, what, base)], base)
+
+
+def _suffix(dtype: int | str) -> str:
+    """A name suffix for the tensors' dtype: f32, f64, or like_X when it is not known."""
+    if isinstance(dtype, str):
+        return f"like_{dtype}"
+    return "f32" if dtype == TensorProto.FLOAT else "f64"
 
 
 def _regularized(e, x, g, nc: float, dtype, same_shape: bool, base: str) -> str:
@@ -190,26 +210,26 @@ def _lower_node(e: _Emitter, node: onnx.NodeProto, types: dict[str, ValueType], 
         same = (xt is not None and gt is not None and xt.shape is not None and xt.shape == gt.shape
                 and all(d is not None for d in xt.shape))
         g_reg = _regularized(e, x, g, a["norm_coefficient"], dtype, same, tb)
-        rate_x = s.as_dtype(rate, dtype, "rate_x" if isinstance(dtype, str) else f"rate_{dtype}")
+        rate_x = s.as_dtype(rate, dtype, f"rate_{_suffix(dtype)}")
         if node.op_type == "Adam":
             v, h = state
             v_new = e.op("Add", [e.op("Mul", [v, k(a["alpha"], "alpha")], f"{tb}/alpha_V"),
-                                 e.op("Mul", [g_reg, k(1.0 - a["alpha"], "one_minus_alpha")], f"{tb}/G_scaled")],
+                                 _scaled(e, g_reg, 1.0 - a["alpha"], dtype, "one_minus_alpha", f"{tb}/G_scaled")],
                          f"{tb}/V_new")
             g_sq = e.op("Mul", [g_reg, g_reg], f"{tb}/G_squared")
             h_new = e.op("Add", [e.op("Mul", [h, k(a["beta"], "beta")], f"{tb}/beta_H"),
-                                 e.op("Mul", [g_sq, k(1.0 - a["beta"], "one_minus_beta")], f"{tb}/G_squared_scaled")],
+                                 _scaled(e, g_sq, 1.0 - a["beta"], dtype, "one_minus_beta", f"{tb}/G_squared_scaled")],
                          f"{tb}/H_new")
             h_sqrt = e.op("Add", [e.op("Sqrt", [h_new], f"{tb}/H_sqrt0"), k(a["epsilon"], "epsilon")], f"{tb}/H_sqrt")
             step = e.op("Mul", [rate_x, e.op("Div", [v_new, h_sqrt], f"{tb}/V_over_H")], f"{tb}/step")
             x_new = e.op("Sub", [x, step], f"{tb}/X_new")
             if a["norm_coefficient_post"] != 0.0:
-                x_new = e.op("Mul", [x_new, k(1.0 - a["norm_coefficient_post"], "one_minus_norm_coefficient_post")],
-                             f"{tb}/X_final")
+                x_new = _scaled(e, x_new, 1.0 - a["norm_coefficient_post"], dtype, "one_minus_norm_coefficient_post",
+                                f"{tb}/X_final")
             values = [x_new, v_new, h_new]
         elif node.op_type == "Momentum":
             (v,) = state
-            beta_x = s.as_dtype(one_or_beta, dtype, "beta_x" if isinstance(dtype, str) else f"beta_{dtype}")
+            beta_x = s.as_dtype(one_or_beta, dtype, f"beta_{_suffix(dtype)}")
             v_new = e.op("Add", [e.op("Mul", [v, k(a["alpha"], "alpha")], f"{tb}/alpha_V"),
                                  e.op("Mul", [g_reg, beta_x], f"{tb}/beta_G")], f"{tb}/V_new")
             if nesterov:
