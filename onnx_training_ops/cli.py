@@ -42,7 +42,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
     if os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
-    model = prepare(args.input, portable=args.portable)
+    model = prepare(args.input, portable=True) if args.portable else prepare(args.input)
     save_model(model, args.output)
     print(f"prepared {args.input} -> {args.output}" + (" (portable: standard ONNX ops only)" if args.portable else ""))
     return EXIT_OK
