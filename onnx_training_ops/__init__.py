@@ -9,7 +9,9 @@ kernels are registered with onnxruntime-extensions when first needed (:func:`ses
 * :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` that prepares for you;
 * :func:`build_training_model` — inference model + loss (:mod:`.losses`, torch's names) +
   :class:`Adam`/:class:`Momentum`/:class:`Adagrad` -> one ONNX training model (``training_info``);
-* :class:`TrainingSession` — train any ONNX training model: ``step``, ``run``, ``save``, ``export_inference_model``;
+* :class:`TrainingSession` — train any ONNX training model: ``step``, ``evaluate``,
+  ``backward``/``optimizer_step``, ``run``, ``save``, ``export_inference_model``;
+* :mod:`onnx_training_ops.schedules` — learning-rate schedules with torch's names;
 * :mod:`onnx_training_ops.kernels` — the numpy reference kernels;
 * :mod:`onnx_training_ops.backend` — the onnx backend API, for ``onnx.backend.test``.
 """
@@ -19,7 +21,8 @@ from .builder import build_training_model
 from .errors import TrainingOpError
 from .losses import (BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss,
                      SmoothL1Loss)
-from .optimizers import Adagrad, Adam, Momentum
+from . import schedules
+from .optimizers import Adagrad, Adam, AdamW, Momentum
 from .passes import PASSES, prepare
 from .plugin import session_options
 from .schema import DOMAIN
@@ -33,6 +36,7 @@ __all__ = [
     "PASSES",
     "Adagrad",
     "Adam",
+    "AdamW",
     "BCEWithLogitsLoss",
     "CrossEntropyLoss",
     "HuberLoss",
@@ -47,5 +51,6 @@ __all__ = [
     "build_training_model",
     "kernels",
     "prepare",
+    "schedules",
     "session_options",
 ]

@@ -29,6 +29,7 @@ metadata).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -38,7 +39,9 @@ from .autodiff.coverage import missing_rules, trainable_names
 from .autodiff.registry import describe_missing
 from .errors import TrainingOpError
 from .losses import NAMED, CrossEntropyLoss, Emit, Loss, resolve
+from .grad_clip import checked_limit, clip_by_global_norm, clip_by_value
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
+from .param_groups import Group, groups_to_json, resolve_groups
 from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
 from .passes.fit_runtime import fit_runtime, runtime_limits
@@ -188,11 +191,23 @@ def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labe
         label_vi = _tensor_vi(target, TensorProto.INT64, label_shape)
     else:
         label_vi = _value_info_from(outputs[output], target)
+    loss_name, nodes = _emit_loss(spec, renamed.get(output, output), target, shape, pred_type, taken, "loss")
+    if renamed:  # mode="train": the loss on the eval-mode main graph too, for evaluate()
+        eval_name, eval_nodes = _emit_loss(spec, output, target, shape, pred_type, taken, "loss.eval")
+        nodes += eval_nodes
+    else:
+        eval_name = loss_name
+    return loss_name, eval_name, target, pred_type, nodes, label_vi
+
+
+def _emit_loss(spec: Loss, prediction: str, target: str, shape, pred_type: int, taken,
+               name: str) -> tuple[str, list[onnx.NodeProto]]:
+    """The nodes of ``spec`` on ``prediction`` and ``target``, ending in ``name`` (made unique)."""
     em = Emit(lambda base: unique_name(taken, base), helper.tensor_dtype_to_np_dtype(pred_type))
-    loss_name = spec.emit(em, renamed.get(output, output), target, shape)
-    renamed = unique_name(taken, "loss")
-    em.nodes.append(helper.make_node("Identity", [loss_name], [renamed], name=renamed))
-    return renamed, target, pred_type, em.nodes, label_vi
+    value = spec.emit(em, prediction, target, shape)
+    final = unique_name(taken, name)
+    em.nodes.append(helper.make_node("Identity", [value], [final], name=final))
+    return final, em.nodes
 
 
 def _check_output_loss(loss: str, outputs, types) -> None:
@@ -210,11 +225,10 @@ def _check_output_loss(loss: str, outputs, types) -> None:
         )
 
 
-def _initialization(params, state_names, optimizer, t_name: str, taken: set[str],
-                    algo_inits: list) -> tuple[onnx.GraphProto, list[tuple[str, str]]]:
-    """The initialization graph (V/H at their initial value, T = 0) and its binding; the
-    state initializers (same values) are appended to ``algo_inits``."""
-    p_names = [p.name for p in params]
+def _initialization(params, groups: list[Group], state_names: dict[str, str], t_name: str,
+                    taken: set[str], algo_inits: list) -> tuple[onnx.GraphProto, list[tuple[str, str]]]:
+    """The initialization graph (V/H at their group's initial value, T = 0) and its binding;
+    the state initializers (same values) are appended to ``algo_inits``."""
     init_nodes, init_outputs, init_binding = [], [], []
     init_t = unique_name(taken, "optimizer.T.init")
     init_nodes.append(
@@ -223,15 +237,17 @@ def _initialization(params, state_names, optimizer, t_name: str, taken: set[str]
     )
     init_outputs.append(_tensor_vi(init_t, TensorProto.INT64, []))
     init_binding.append((t_name, init_t))
+    optimizer_of = {p: g.optimizer for g in groups for p in g.params}
     for p in params:
+        optimizer = optimizer_of[p.name]
         dtype = helper.tensor_dtype_to_np_dtype(p.data_type)
         shape_name = unique_name(taken, f"{p.name}.shape")
         init_nodes.append(
             helper.make_node("Constant", [], [shape_name], value=numpy_helper.from_array(np.array(p.dims, np.int64)),
                              name=unique_name(taken, f"init/{p.name}.shape"))
         )
-        for s, names in state_names.items():
-            state = names[p_names.index(p.name)]
+        for s in optimizer.states:
+            state = state_names[f"{p.name}\0{s}"]
             value = optimizer.initial_value(s)
             algo_inits.append(numpy_helper.from_array(np.full(tuple(p.dims), value, dtype), state))
             out = unique_name(taken, f"{state}.init")
@@ -255,6 +271,7 @@ class _Algorithm:
     inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
     inits: list[onnx.TensorProto] = field(default_factory=list)
     outputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    value_info: list[onnx.ValueInfoProto] = field(default_factory=list)
     binding: list[tuple[str, str]] = field(default_factory=list)
 
     def name(self, base: str) -> str:
@@ -271,7 +288,8 @@ def _check_choices(mode: str, optimizer) -> None:
         raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
     if not isinstance(optimizer, (Adam, Momentum, Adagrad)):
         raise TrainingOpError(
-            f"optimizer must be onnx_training_ops.Adam, Momentum or Adagrad, found {type(optimizer).__name__}"
+            f"optimizer must be onnx_training_ops.Adam, AdamW, Momentum or Adagrad, found "
+            f"{type(optimizer).__name__}"
         )
 
 
@@ -291,38 +309,85 @@ def _forward(model: onnx.ModelProto, mode: str, seed: int, t_name: str, types,
 
 
 def _loss(model: onnx.ModelProto, loss, output, labels, types, renamed,
-          algo: _Algorithm) -> tuple[Loss | None, str, str]:
-    """(the loss spec or None, loss name, label input name or ""): the loss nodes, their
-    label input and the loss as an output, or a scalar output of the model used as it is."""
+          algo: _Algorithm) -> tuple[Loss | None, str, str, str]:
+    """(the loss spec or None, loss name, eval-mode loss name, label input name or ""): the
+    loss nodes, their label input and the loss as an output, or a scalar output of the model
+    used as it is. The eval-mode loss (``mode="train"``: on the main graph, an output of no
+    graph, so steps never run it) is what :meth:`TrainingSession.evaluate` computes."""
     outputs = {o.name: o for o in model.graph.output}
     spec = resolve(loss)
     if spec is None:
         _check_output_loss(loss, outputs, types)
-        return None, loss, ""
-    loss_name, target, loss_type, loss_nodes, label_vi = _loss_nodes(
+        return None, loss, loss, ""
+    loss_name, eval_name, target, loss_type, loss_nodes, label_vi = _loss_nodes(
         spec, model.graph, types, outputs, output, labels, algo.taken, renamed)
     algo.nodes += loss_nodes
     algo.inputs.append(label_vi)
     algo.outputs.append(_tensor_vi(loss_name, loss_type, []))
-    return spec, loss_name, target
+    if eval_name != loss_name:
+        algo.value_info.append(_tensor_vi(eval_name, loss_type, []))
+    return spec, loss_name, eval_name, target
 
 
-def _learning_rate(name: str, optimizer: Optimizer, params, algo: _Algorithm) -> None:
-    """R: a scalar input whose initializer holds ``optimizer.lr`` (schedules feed it);
-    double when every trainable is double (exact float64 learning rates), else float."""
-    if name in algo.taken:
-        raise TrainingOpError(f"the learning-rate input name {name!r} is already used in the model")
-    algo.taken.add(name)
+def _learning_rates(groups: list[Group], params, algo: _Algorithm) -> None:
+    """R of each group: a scalar input whose initializer holds the group's ``lr`` (schedules
+    feed it); double when every trainable is double (exact float64 learning rates), else float."""
     r_double = all(p.data_type == TensorProto.DOUBLE for p in params)
     r_type, r_dtype = (TensorProto.DOUBLE, np.float64) if r_double else (TensorProto.FLOAT, np.float32)
-    algo.inputs.append(_tensor_vi(name, r_type, []))
-    algo.inits.append(numpy_helper.from_array(np.array(optimizer.lr, r_dtype), name))
+    for group in groups:
+        if group.learning_rate in algo.taken:
+            raise TrainingOpError(f"the learning-rate input name {group.learning_rate!r} is already "
+                                  "used in the model")
+        algo.taken.add(group.learning_rate)
+        algo.inputs.append(_tensor_vi(group.learning_rate, r_type, []))
+        algo.inits.append(numpy_helper.from_array(np.array(group.optimizer.lr, r_dtype),
+                                                  group.learning_rate))
 
 
-def _update(params, optimizer: Optimizer, loss_name: str, learning_rate: str, t_name: str,
-            algo: _Algorithm) -> dict[str, list[str]]:
-    """T <- T + 1, one Gradient node for all ``params`` and one multi-tensor optimizer node;
-    every new value bound to its state. Returns the optimizer state names per state."""
+def _clip(grads: list[str], params, clip_grad_norm, clip_grad_value, algo: _Algorithm) -> tuple[list[str], str]:
+    """Clipping between the Gradient node and the optimizers (:mod:`.grad_clip`): by value,
+    then by global norm (an output, ``grad_norm``, as torch's return value)."""
+    dtypes = [helper.tensor_dtype_to_np_dtype(p.data_type) for p in params]
+    if clip_grad_value is not None:
+        nodes, grads = clip_by_value(grads, dtypes, clip_grad_value, algo.name)
+        algo.nodes += nodes
+    norm_name = ""
+    if clip_grad_norm is not None:
+        norm_name = algo.name("grad_norm")
+        nodes, grads = clip_by_global_norm(grads, dtypes, clip_grad_norm, algo.name, norm_name)
+        algo.nodes += nodes
+        algo.outputs.append(_tensor_vi(norm_name, params[0].data_type, []))
+    return grads, norm_name
+
+
+def _decoupled_decay(group: Group, params, r_type: int, algo: _Algorithm) -> list[str]:
+    """AdamW: ``X * (1 - R*w)`` for each parameter of ``group`` (the Adam node reads these)."""
+    w = group.optimizer.decoupled_weight_decay
+    r_dtype = helper.tensor_dtype_to_np_dtype(r_type)
+    one, decay = algo.name(f"{group.learning_rate}.one"), algo.name(f"{group.learning_rate}.weight_decay")
+    rw, keep = algo.name(f"{group.learning_rate}.decay"), algo.name(f"{group.learning_rate}.keep")
+    algo.inits += [numpy_helper.from_array(np.array(1.0, r_dtype), one),
+                   numpy_helper.from_array(np.array(w, r_dtype), decay)]
+    algo.nodes += [helper.make_node("Mul", [group.learning_rate, decay], [rw], name=rw),
+                   helper.make_node("Sub", [one, rw], [keep], name=keep)]
+    by_name = {p.name: p for p in params}
+    out = []
+    for p in group.params:
+        factor = keep
+        if by_name[p].data_type != r_type:
+            factor = algo.name(f"{keep}.{p}")
+            algo.nodes.append(helper.make_node("Cast", [keep], [factor], to=by_name[p].data_type, name=factor))
+        decayed = algo.name(f"{p}.decayed")
+        algo.nodes.append(helper.make_node("Mul", [p, factor], [decayed], name=decayed))
+        out.append(decayed)
+    return out
+
+
+def _update(params, groups: list[Group], loss_name: str, t_name: str, clip_grad_norm,
+            clip_grad_value, algo: _Algorithm) -> tuple[dict[str, str], str]:
+    """T <- T + 1, one Gradient node for all ``params``, clipping, and one multi-tensor
+    optimizer node per group; every new value bound to its state. Returns each optimizer
+    state variable's parameter-and-state key (``"W.V"`` -> name) and the clipped norm's name."""
     t_new, one = algo.name("optimizer.T.new"), algo.name("optimizer.one")
     algo.inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
     algo.inits.append(numpy_helper.from_array(np.array(1, np.int64), one))
@@ -330,37 +395,46 @@ def _update(params, optimizer: Optimizer, loss_name: str, learning_rate: str, t_
                                        name=algo.name("optimizer/T_increment")))
 
     p_names = [p.name for p in params]
-    grads = [algo.name(f"{p}.grad") for p in p_names]
-    algo.nodes.append(helper.make_node("Gradient", p_names, grads, domain=DOMAIN, xs=p_names,
+    raw_grads = [algo.name(f"{p}.grad") for p in p_names]
+    algo.nodes.append(helper.make_node("Gradient", p_names, raw_grads, domain=DOMAIN, xs=p_names,
                                        y=loss_name, name=algo.name("gradient")))
+    grads, norm_name = _clip(raw_grads, params, clip_grad_norm, clip_grad_value, algo)
+    grad_of = dict(zip(p_names, grads))
+    by_name = {p.name: p for p in params}
+    r_type = next(vi for vi in algo.inputs if vi.name == groups[0].learning_rate).type.tensor_type.elem_type
 
-    state_names = {s: [algo.name(f"{p}.{s}") for p in p_names] for s in optimizer.states}
-    new_params = [algo.name(f"{p}.new") for p in p_names]
-    new_states = {s: [algo.name(f"{p}.{s}.new") for p in p_names] for s in optimizer.states}
-    t_input = t_new if optimizer.t_offset else t_name
-    inputs, outputs = [learning_rate, t_input, *p_names, *grads], list(new_params)
-    for s in optimizer.states:
-        inputs += state_names[s]
-        outputs += new_states[s]
-    algo.nodes.append(helper.make_node(
-        optimizer.op_type, inputs, outputs, domain=DOMAIN,
-        name=algo.name(f"optimizer/{optimizer.op_type}"), **optimizer.attributes()))
-
-    for p, new in zip(params, new_params):
-        algo.bind(p.name, new, p.data_type, p.dims)
-    for s in optimizer.states:
-        for p, state, new in zip(params, state_names[s], new_states[s]):
-            algo.bind(state, new, p.data_type, p.dims)
+    state_names: dict[str, str] = {}
+    for group in groups:
+        optimizer, names = group.optimizer, group.params
+        xs = _decoupled_decay(group, params, r_type, algo) if optimizer.decoupled_weight_decay else names
+        states = {s: [algo.name(f"{p}.{s}") for p in names] for s in optimizer.states}
+        new_params = [algo.name(f"{p}.new") for p in names]
+        new_states = {s: [algo.name(f"{p}.{s}.new") for p in names] for s in optimizer.states}
+        t_input = t_new if optimizer.t_offset else t_name
+        inputs, outputs = [group.learning_rate, t_input, *xs, *(grad_of[p] for p in names)], list(new_params)
+        for s in optimizer.states:
+            inputs += states[s]
+            outputs += new_states[s]
+        label = "" if len(groups) == 1 else f"/{group.name}"
+        algo.nodes.append(helper.make_node(
+            optimizer.op_type, inputs, outputs, domain=DOMAIN,
+            name=algo.name(f"optimizer/{optimizer.op_type}{label}"), **optimizer.attributes()))
+        for p, new in zip(names, new_params):
+            algo.bind(p, new, by_name[p].data_type, by_name[p].dims)
+        for s in optimizer.states:
+            for p, state, new in zip(names, states[s], new_states[s]):
+                algo.bind(state, new, by_name[p].data_type, by_name[p].dims)
+                state_names[f"{p}\0{s}"] = state
     algo.bind(t_name, t_new, TensorProto.INT64, [])
-    return state_names
+    return state_names, norm_name
 
 
 def _training_info(algo: _Algorithm, initialization: onnx.GraphProto,
                    init_binding) -> onnx.TrainingInfoProto:
     info = onnx.TrainingInfoProto()
     info.initialization.CopyFrom(initialization)
-    info.algorithm.CopyFrom(helper.make_graph(algo.nodes, "algorithm", algo.inputs,
-                                              algo.outputs, initializer=algo.inits))
+    info.algorithm.CopyFrom(helper.make_graph(algo.nodes, "algorithm", algo.inputs, algo.outputs,
+                                              initializer=algo.inits, value_info=algo.value_info))
     for key, value in init_binding:
         info.initialization_binding.add(key=key, value=value)
     for key, value in algo.binding:
@@ -395,6 +469,9 @@ def build_training_model(
     learning_rate: str = "learning_rate",
     mode: str = "eval",
     seed: int = 0,
+    param_groups: Sequence[Mapping] | None = None,
+    clip_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
 ) -> onnx.ModelProto:
     """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
 
@@ -411,8 +488,8 @@ def build_training_model(
         (``labels`` int64 for cross-entropy, ``target`` shaped like the output otherwise),
         or the name of a scalar float output already in the model.
     optimizer:
-        :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.Momentum` or
-        :class:`~onnx_training_ops.Adagrad`.
+        :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.AdamW`,
+        :class:`~onnx_training_ops.Momentum` or :class:`~onnx_training_ops.Adagrad`.
     trainable:
         names of main-graph initializers to train; default: what torch would call the
         parameters — every float/double initializer of rank >= 1 with a differentiable path
@@ -422,7 +499,8 @@ def build_training_model(
     labels:
         name of the new label/target input; default ``"labels"`` (cross_entropy) or ``"target"`` (mse).
     learning_rate:
-        name of the algorithm graph's learning-rate input R (default value ``optimizer.lr``).
+        name of the algorithm graph's learning-rate input R (default value ``optimizer.lr``);
+        other parameter groups get ``<learning_rate>.<group name>``.
     mode:
         ``"eval"`` (default): the loss reads the inference graph as it is. ``"train"``: the
         algorithm graph runs a training-mode copy of the forward pass, like torch's
@@ -431,8 +509,18 @@ def build_training_model(
         :mod:`onnx_training_ops.train_mode`); the main graph stays the eval-mode graph.
     seed:
         the dropout masks' seed (``mode="train"``): same seed, same masks.
+    param_groups:
+        torch-style parameter groups chosen by glob or regex patterns, with per-group
+        optimizer values and ``frozen`` groups (:mod:`onnx_training_ops.param_groups`): one
+        optimizer node and one learning-rate input per group.
+    clip_grad_norm, clip_grad_value:
+        gradient clipping as ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
+        (:mod:`onnx_training_ops.grad_clip`); the norm before clipping is the output
+        ``grad_norm`` that ``step`` returns.
     """
     _check_choices(mode, optimizer)
+    clip_grad_norm = checked_limit("clip_grad_norm", clip_grad_norm)
+    clip_grad_value = checked_limit("clip_grad_value", clip_grad_value)
     model = _fit_opset(load_model(model))
     if mode == "train":
         model = fit_opset(model)  # Dropout masks need opset 18
@@ -444,13 +532,16 @@ def build_training_model(
 
     t_name = algo.name("optimizer.T")  # the update count, also the dropout masks' counter
     renamed, stat_updates = _forward(model, mode, seed, t_name, types, algo)
-    spec, loss_name, target = _loss(model, loss, output, labels, types, renamed, algo)
-    params = _trainables(model, trainable, algo.nodes, loss_name, elem_types)
+    spec, loss_name, eval_loss, target = _loss(model, loss, output, labels, types, renamed, algo)
+    candidates = _trainables(model, trainable, algo.nodes, loss_name, elem_types)
+    groups, frozen = resolve_groups([p.name for p in candidates], param_groups, optimizer, learning_rate)
+    params = [p for p in candidates if p.name not in frozen]
     _check_differentiable(model, algo.nodes, loss_name, params, elem_types)
 
-    _learning_rate(learning_rate, optimizer, params, algo)
-    state_names = _update(params, optimizer, loss_name, learning_rate, t_name, algo)
-    initialization, init_binding = _initialization(params, state_names, optimizer, t_name,
+    _learning_rates(groups, params, algo)
+    state_names, norm_name = _update(params, groups, loss_name, t_name, clip_grad_norm,
+                                     clip_grad_value, algo)
+    initialization, init_binding = _initialization(params, groups, state_names, t_name,
                                                    algo.taken, algo.inits)
     inits = {t.name: t for t in model.graph.initializer}
     for stat, new in stat_updates:  # running statistics (mode="train"): state, not trained
@@ -458,7 +549,7 @@ def build_training_model(
     model.training_info.append(_training_info(algo, initialization, init_binding))
 
     outputs = {o.name: o for o in model.graph.output}
-    return _finish(model, {
+    meta = {
         "optimizer": to_json(optimizer),
         "loss": loss_name,
         "labels": target,
@@ -467,7 +558,14 @@ def build_training_model(
         "trainable": ",".join(p.name for p in params),
         "mode": mode,
         "seed": str(seed),
-    })
+    }
+    if eval_loss != loss_name:
+        meta["eval_loss"] = eval_loss
+    if param_groups is not None:
+        meta["param_groups"] = groups_to_json(groups)
+    if norm_name:
+        meta["grad_norm"] = norm_name
+    return _finish(model, meta)
 
 
 def metadata(model: onnx.ModelProto) -> dict[str, str]:

@@ -160,11 +160,19 @@ def set_initializer(tensor: onnx.TensorProto, value: np.ndarray) -> None:
     tensor.CopyFrom(numpy_helper.from_array(np.array(value, order="C", copy=True), name))  # keeps 0-d
 
 
-def write_state(model: onnx.ModelProto, state: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+def write_state(model: onnx.ModelProto, state: Mapping[str, np.ndarray],
+                metadata: Mapping[str, str] | None = None) -> onnx.ModelProto:
     """A copy of ``model`` whose initializers named in ``state`` (main graph and training_info
-    algorithm graphs) hold the given values."""
+    algorithm graphs) hold the given values, with ``metadata`` entries set (an empty value
+    removes the key)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    if metadata:
+        kept = [m for m in out.metadata_props if m.key not in metadata]
+        del out.metadata_props[:]
+        out.metadata_props.extend(kept)
+        out.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v)
+                                  for k, v in metadata.items() if v)
     graphs = [out.graph] + [info.algorithm for info in out.training_info]
     for graph in graphs:
         for tensor in graph.initializer:

@@ -35,8 +35,9 @@ variable T itself counts the steps done (0 before the first).
 
 ``post_weight_decay`` is ONNX's ``norm_coefficient_post``: ``X_final = (1 - c) * X_new`` after
 the update, not scaled by the learning rate. torch's ``AdamW(weight_decay=w)`` multiplies by
-``1 - lr*w`` *before* the update, so ``post_weight_decay = lr*w`` approximates AdamW (equal
-to first order; not bit-for-bit).
+``1 - lr*w`` *before* the update: :class:`AdamW` does exactly that, with standard ONNX ops
+in front of the Adam node (``X * (1 - R*w)``, R the learning-rate input, so schedules
+scale the decay as torch does); ``post_weight_decay = lr*w`` only approximates it.
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ class Adam:
                            post_weight_decay=self.post_weight_decay)
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
 
+    @property
+    def decoupled_weight_decay(self) -> float:
+        """The weight decay applied before the op as ``X * (1 - R*w)`` (:class:`AdamW`); 0 here."""
+        return 0.0
+
     def attributes(self) -> dict[str, float | str]:
         return {
             "alpha": float(self.betas[0]),
@@ -112,6 +118,22 @@ class Adam:
 
     def initial_value(self, state: str) -> float:
         return 0.0
+
+
+@dataclass(frozen=True)
+class AdamW(Adam):
+    """``torch.optim.AdamW``: decoupled weight decay ``X <- X * (1 - lr*weight_decay)``
+    before the Adam update (default ``weight_decay=1e-2``, as torch). The decay is emitted
+    as standard ONNX ops before the ``Adam`` node, whose own ``norm_coefficient`` stays 0."""
+
+    weight_decay: float = 1e-2
+
+    @property
+    def decoupled_weight_decay(self) -> float:
+        return float(self.weight_decay)
+
+    def attributes(self) -> dict[str, float | str]:
+        return {**super().attributes(), "norm_coefficient": 0.0}
 
 
 @dataclass(frozen=True)
@@ -139,6 +161,10 @@ class Momentum:
             raise TrainingOpError(f"Momentum: nesterov must be True or False, found {self.nesterov!r}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise TrainingOpError("Momentum: nesterov requires momentum > 0 and dampening == 0 (as in torch)")
+
+    @property
+    def decoupled_weight_decay(self) -> float:
+        return 0.0
 
     def attributes(self) -> dict[str, float | str]:
         return {
@@ -174,6 +200,10 @@ class Adagrad:
         _check_nonnegative("Adagrad", lr=self.lr, lr_decay=self.lr_decay, eps=self.eps,
                            weight_decay=self.weight_decay, initial_accumulator_value=self.initial_accumulator_value)
 
+    @property
+    def decoupled_weight_decay(self) -> float:
+        return 0.0
+
     def attributes(self) -> dict[str, float | str]:
         return {
             "decay_factor": float(self.lr_decay),
@@ -185,8 +215,8 @@ class Adagrad:
         return float(self.initial_accumulator_value)
 
 
-Optimizer = Adam | Momentum | Adagrad
-OPTIMIZER_CLASSES = {"Adam": Adam, "Momentum": Momentum, "Adagrad": Adagrad}
+Optimizer = Adam | AdamW | Momentum | Adagrad
+OPTIMIZER_CLASSES = {"Adam": Adam, "AdamW": AdamW, "Momentum": Momentum, "Adagrad": Adagrad}
 
 
 def to_json(optimizer: Optimizer) -> str:

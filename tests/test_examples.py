@@ -42,3 +42,18 @@ def test_finetune_transformer(tmp_path):
     assert result["last"] < result["first"] - 1.0  # from ~log(82) toward the text's entropy
     assert Path(result["plot"]).exists()
     assert result["sample"].startswith("Beautiful is")
+
+
+def test_train_loop(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    history = _load("train_loop").main(str(tmp_path), epochs=4)
+    assert history["accuracy"] >= 0.9
+    assert history["val"][-1] < history["val"][0] / 3
+    assert history["resumed_at"] == 2 and len(history["train"]) == 4
+    assert Path(history["plot"]).exists()
+    from onnx_training_ops import TrainingSession
+
+    final = TrainingSession(history["checkpoint"])
+    assert final.properties["epoch"] == 4
+    assert final.lr_schedule_step == final.lr_schedule.total_steps

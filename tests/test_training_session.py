@@ -548,3 +548,30 @@ def test_from_graph_whose_only_node_is_the_optimizer():
         x, v, h = reference_adam(consts["R"], consts["T"], x, g, v, h)
     np.testing.assert_array_equal(session.state_dict()["X"], x)
     np.testing.assert_array_equal(session.state_dict()["H"], h)
+
+
+def test_session_options_reach_every_onnxruntime_session_and_profiling_works(tmp_path):
+    import json
+
+    import onnxruntime as ort
+
+    from onnx_training_ops import Adam, build_training_model
+    from onnx_training_ops.demo import make_mlp
+
+    so = ort.SessionOptions()
+    so.enable_profiling, so.profile_file_prefix = True, str(tmp_path / "trace")
+    so.intra_op_num_threads, so.use_deterministic_compute = 1, True
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = TrainingSession(build_training_model(make_mlp((8, 16, 4)), "cross_entropy", Adam()),
+                              sess_options=so, session_config={"session.set_denormal_as_zero": "1"})
+    made = session._session_options()
+    assert made is not so and made.intra_op_num_threads == 1 and made.use_deterministic_compute
+    assert made.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert made.get_session_config_entry("session.set_denormal_as_zero") == "1"
+    feeds = {"input": np.ones((4, 8), np.float32), "labels": np.zeros(4, np.int64)}
+    session.step(feeds)
+    session.evaluate(feeds)
+    files = session.end_profiling()
+    assert len(files) == 2  # the step program and the evaluation program
+    events = json.loads(open(files[0]).read())
+    assert any(e.get("cat") == "Node" for e in events)

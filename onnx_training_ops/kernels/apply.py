@@ -6,6 +6,8 @@ run the same math. ``attributes`` are the node's attributes (defaults filled in)
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ._common import check_group, scalar_count, scalar_rate
@@ -64,3 +66,31 @@ def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False):
 
 
 STEPS = {"Adam": adam_step, "Momentum": momentum_step, "Adagrad": adagrad_step}
+
+
+def prepare(op_type: str, r, t, tensors, attributes) -> Callable[[], None] | None:
+    """``STEPS[op_type](r, t, *tensors, attributes, inplace=True)`` for arrays that stay the
+    same objects from call to call (the fast path's buffers): every check runs once, here,
+    and the returned ``run()`` reads R and T and calls the fused kernel. None when the fused
+    kernels do not apply (the caller keeps the checked per-call path)."""
+    arrays = (r, t, *tensors)
+    if _fused is None or not all(type(a) is np.ndarray for a in arrays):
+        return None
+    names = {"Adam": ADAM_NAMES, "Momentum": MOMENTUM_NAMES, "Adagrad": ADAGRAD_NAMES}[op_type]
+    check_group(tensors, names, op_type)
+    scalar_rate(r, op_type), scalar_count(t, op_type)  # dtype and shape: fixed from now on
+    if not _fused.supports(*tensors):
+        return None
+    r0, t0, a = r.reshape(()), t.reshape(()), attributes
+    if op_type == "Adam":
+        alpha, beta = a["alpha"], a["beta"]
+        adam = _fused.adam_prepared(*tensors, alpha, beta, a["epsilon"], a["norm_coefficient"],
+                                    a["norm_coefficient_post"])
+        return lambda: adam(adam_rate(float(r0), int(t0), alpha, beta))
+    if op_type == "Momentum":
+        beta = a["beta"]
+        momentum = _fused.momentum_prepared(*tensors, a["alpha"], a["norm_coefficient"], check_mode(a["mode"]))
+        return lambda: momentum(float(r0), momentum_beta(int(t0), beta))
+    decay = a["decay_factor"]
+    adagrad = _fused.adagrad_prepared(*tensors, a["epsilon"], a["norm_coefficient"])
+    return lambda: adagrad(adagrad_rate(float(r0), int(t0), decay))

@@ -44,11 +44,14 @@ PARALLEL_THRESHOLD = min(PARALLEL_THRESHOLDS.values())  # the smallest switch po
 # running (EWMA) cost per element; it leaves it after two calls in a row cost 1.5x the
 # other's last measured cost. Every 16 calls it probes the other variant with a burst of
 # 3 calls (the first may wake a sleeping thread pool, so the burst's best counts) and
-# switches if that beats the running cost, backing off to every 1024 calls while probes
-# keep losing. Both variants compute every element identically: the choice changes
+# switches if that beats the running cost, backing off to every 1024 calls (at most
+# _PROBE_SECONDS of kernel time) while probes keep losing. Both variants compute every element identically: the choice changes
 # time, never results.
 ADAPTIVE = True
 _PROBE_MIN, _PROBE_MAX, _PROBE_LEN, _EWMA, _SLACK = 16, 1024, 3, 0.25, 1.5
+# a probe that lost backs off at most to this much kernel time between probes: a pick made
+# while the other core was busy is revisited within ~0.25 s, not 1024 calls (5 s at 1e7)
+_PROBE_SECONDS = 0.25
 _INF = float("inf")
 
 
@@ -100,8 +103,10 @@ def _dispatch(op: str, serial, parallel, n: int, *args) -> None:
                 c.use = use
             elif c.probe_best < other:
                 c.use, c.strikes, c.interval = use, 0, _PROBE_MIN
-            else:
-                c.interval = min(2 * c.interval, _PROBE_MAX)
+            else:  # back off, but probe again within _PROBE_SECONDS of kernel time
+                running = cost[1 - use] * n
+                cap = _PROBE_MAX if running <= 0 else max(_PROBE_MIN, min(_PROBE_MAX, int(_PROBE_SECONDS / running)))
+                c.interval = min(2 * c.interval, cap)
             c.countdown = min(c.countdown, c.interval) if other == _INF else c.interval
     else:
         cost[use] += _EWMA * (per_element - cost[use])
@@ -189,6 +194,47 @@ def adagrad_(x, g, h, rate, epsilon, norm_coefficient) -> None:
     """
     s = np.array((rate, epsilon, norm_coefficient), dtype=x.dtype)
     _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
+
+
+def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post):
+    """:func:`adam_` for arrays used again and again: the scalars and flat views are built
+    once; returns ``run(rate)``. The arrays must pass :func:`supports` and stay alive."""
+    s = np.array((0.0, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient,
+                  1.0 - norm_coefficient_post), dtype=x.dtype)
+    args, n, serial, parallel = (_flat(x), _flat(g), _flat(v), _flat(h), s), x.size, _k.adam_serial, _k.adam_parallel
+
+    def run(rate: float) -> None:
+        s[0] = rate
+        _dispatch("adam", serial, parallel, n, *args)
+
+    return run
+
+
+def momentum_prepared(x, g, v, alpha, norm_coefficient, nesterov: bool):
+    """:func:`momentum_` prepared once; returns ``run(rate, beta_adjusted)``."""
+    s = np.array((0.0, alpha, 0.0, norm_coefficient), dtype=x.dtype)
+    op = "nesterov" if nesterov else "momentum"
+    serial, parallel = ((_k.nesterov_serial, _k.nesterov_parallel) if nesterov
+                        else (_k.momentum_serial, _k.momentum_parallel))
+    args, n = (_flat(x), _flat(g), _flat(v), s), x.size
+
+    def run(rate: float, beta_adjusted: float) -> None:
+        s[0], s[2] = rate, beta_adjusted
+        _dispatch(op, serial, parallel, n, *args)
+
+    return run
+
+
+def adagrad_prepared(x, g, h, epsilon, norm_coefficient):
+    """:func:`adagrad_` prepared once; returns ``run(rate)``."""
+    s = np.array((0.0, epsilon, norm_coefficient), dtype=x.dtype)
+    args, n, serial, parallel = (_flat(x), _flat(g), _flat(h), s), x.size, _k.adagrad_serial, _k.adagrad_parallel
+
+    def run(rate: float) -> None:
+        s[0] = rate
+        _dispatch("adagrad", serial, parallel, n, *args)
+
+    return run
 
 
 def warm_up() -> float:

@@ -18,7 +18,7 @@ from ..errors import TrainingOpError
 from ..schema import DOMAIN
 from ..session import InferenceSession
 from .arrays import dtype_name, owned
-from .fast_path import cut_plan, flat_gradient_views
+from .fast_path import cut_plan, flat_gradient_views, prepare_plan
 from .feeds import feed_spec
 from .program import Program
 
@@ -112,5 +112,8 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
                 f"{dtype_name(buf.dtype)} {list(buf.shape)}"
             )
         copies.append((array, buf))
-    program.plan = cut_plan(program.cut_nodes, program.flat_nodes, program.cut_sources, program.fixed_buffers, state)
+    program.plan = cut_plan(program.cut_nodes, program.flat_nodes, program.cut_sources, program.fixed_buffers, state,
+                            program.prescale)
+    if not program.needs_feeds:
+        prepare_plan(program.plan)
     program.copy_plan = copies

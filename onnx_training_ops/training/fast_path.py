@@ -20,7 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import TrainingOpError, node_label
-from ..kernels.apply import STEPS
+from ..kernels.apply import STEPS, prepare
 from ..passes._graph import all_graphs, subgraphs
 from ..passes.encode_exact_attributes import node_attributes
 from ..passes.fill_defaults import fill_default_attributes
@@ -39,10 +39,28 @@ class CutStep:
     t: Any
     tensors: list  # per input role (X, G, V[, H]): ndarray or ("feed", name)
     targets: list  # per output role: the state array it must end up in
+    prescale: Any = None  # AdamW's decay factor: X *= prescale before the update (a 0-d array)
+    run: Any = None  # the update checked once (kernels.apply.prepare), when every input is a buffer
 
 
-def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str], state_inputs: list[str]) -> list:
-    """The optimizer nodes the fast path applies in place instead of onnxruntime."""
+def _decayed_inputs(graph: onnx.GraphProto, state: set[str], consumed: dict[str, int]) -> dict:
+    """``Mul(X, factor)`` of a state variable X read once (AdamW's ``X * (1 - lr*wd)`` in front
+    of its Adam node): product name -> (the Mul node, X, factor)."""
+    found = {}
+    for node in graph.node:
+        if node.op_type == "Mul" and node.domain in ("", "ai.onnx") and len(node.input) == 2 \
+                and node.input[0] in state and node.input[1] not in state \
+                and consumed.get(node.output[0], 0) == 1:
+            found[node.output[0]] = (node, node.input[0], node.input[1])
+    return found
+
+
+def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str],
+                   state_inputs: list[str]) -> tuple[list, dict[str, str]]:
+    """The optimizer nodes the fast path applies in place instead of onnxruntime, and the
+    decay factors folded into them (state X -> factor name): a cut node whose X input is a
+    ``Mul(X, factor)`` of its own state reads X, and the fast path scales X first. The folded
+    Mul nodes leave ``graph``."""
     consumed: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
@@ -56,9 +74,11 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str], state_inputs
     for key, value in binding.items():
         reverse.setdefault(value, []).append(key)
     state = set(state_inputs)
+    decayed = _decayed_inputs(graph, state, consumed)
     written: set[str] = set()
     read: set[str] = set()
     cut = []
+    folded: dict[str, tuple] = {}  # product name -> (Mul node, X, factor) of the cut nodes
     for node in graph.node:
         if node.domain != DOMAIN or node.op_type not in OPTIMIZERS:
             continue
@@ -68,12 +88,16 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str], state_inputs
             continue  # invalid: prepare() reports it
         ok = True
         node_written, node_read = set(), set()
+        node_folds = {}
         for i in range(n):
             for j, role in enumerate(spec.tensor_inputs):
                 name = node.input[2 + j * n + i]
                 if role == "G":
                     node_read.add(name)
                     continue
+                if role == "X" and name in decayed:
+                    node_folds[name] = decayed[name]
+                    name = decayed[name][1]
                 out = node.output[spec.tensor_outputs.index(role + "_new") * n + i]
                 if (
                     name not in state
@@ -85,12 +109,26 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str], state_inputs
                     ok = False
                 node_written.add(name)
         node_read.update(node.input[:2])
+        node_read |= {factor for _, _, factor in node_folds.values()}
         if not ok or node_written & (written | read) or node_read & (written | node_written):
             continue
         written |= node_written
         read |= node_read
         cut.append(node)
-    return cut
+        folded.update(node_folds)
+    prescale = {}
+    for node in cut:
+        for k, name in enumerate(node.input):
+            if name in folded:
+                _, x, factor = folded[name]
+                node.input[k] = x
+                prescale[x] = factor
+    if folded:
+        muls = [m for m, _, _ in folded.values()]
+        kept = [n for n in graph.node if not any(n is m for m in muls)]
+        del graph.node[:]
+        graph.node.extend(kept)
+    return cut, prescale
 
 
 def cut_sources(
@@ -100,8 +138,10 @@ def cut_sources(
     rate_inputs: Mapping[str, np.ndarray],
     init_values: Mapping[str, onnx.TensorProto],
     input_types: Mapping[str, onnx.ValueInfoProto],
+    prescale: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """Where each input of the cut nodes comes from, and the ones ``graph`` must output for them.
+    """Where each input of the cut nodes (and each folded decay factor) comes from, and the
+    ones ``graph`` must output for them.
 
     A source is ``("state", name)``, ``("output", name)``, ``("feed", name)`` or an array
     (a learning-rate buffer or a constant).
@@ -109,8 +149,9 @@ def cut_sources(
     produced = {o for n in graph.node for o in n.output if o}
     sources: dict[str, Any] = {}
     extra_outputs: list[str] = []
+    factors = list(dict.fromkeys((prescale or {}).values()))
     for node in cut_nodes:
-        for name in node.input:
+        for name in [*node.input, *factors]:
             if name in sources:
                 continue
             if name in state:
@@ -129,14 +170,29 @@ def cut_sources(
     return sources, extra_outputs
 
 
+def _already_flat(arrays: list[np.ndarray], offsets) -> np.ndarray | None:
+    """The one buffer ``arrays`` are consecutive views of (at ``offsets``), or None."""
+    base = arrays[0].base
+    if base is None or base.ndim != 1 or base.size != offsets[-1] or not base.flags.c_contiguous:
+        return None
+    start = base.__array_interface__["data"][0]
+    for a, offset in zip(arrays, offsets[:-1]):
+        if a.base is not base or a.__array_interface__["data"][0] != start + int(offset) * base.itemsize:
+            return None
+    return base
+
+
 def flatten_cut_state(
-    cut_nodes: list[onnx.NodeProto], sources: Mapping[str, Any], state: dict[str, np.ndarray]
+    cut_nodes: list[onnx.NodeProto], sources: Mapping[str, Any], state: dict[str, np.ndarray],
+    rehome: bool = True, prescale: Mapping[str, str] | None = None,
 ) -> dict[int, tuple]:
     """Re-home the X, V, H state of each cut node as views into one flat buffer per role,
     so the fast path updates all of a node's tensors with one fused kernel call.
 
     Replaces the arrays in ``state``; returns id(node) -> (flat buffers per role, shapes,
-    offsets, G names, dtype) for the nodes laid out flat.
+    offsets, G names, dtype) for the nodes laid out flat. With ``rehome=False`` (a program
+    opened after others bound the state) the arrays stay where they are: a node is laid out
+    flat only if its state already is.
     """
     flat_nodes = {}
     for node in cut_nodes:
@@ -152,9 +208,17 @@ def flatten_cut_state(
             continue
         if any(sources[g][0] != "output" for g in roles["G"]) or len(set(roles["G"])) != n:
             continue
+        if len({(prescale or {}).get(x) for x in roles["X"]}) != 1:
+            continue  # tensors with different decay factors: per-tensor updates
         sizes = [x.size for x in xs]
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         flat = {}
+        if not rehome:
+            found = {role: _already_flat([state[name] for name in names], offsets)
+                     for role, names in roles.items() if role != "G"}
+            if all(buf is not None for buf in found.values()):
+                flat_nodes[id(node)] = (found, [x.shape for x in xs], offsets, roles["G"], dtype)
+            continue
         for role, names in roles.items():
             if role == "G":
                 continue
@@ -198,6 +262,7 @@ def cut_plan(
     sources: Mapping[str, Any],
     fixed_buffers: Mapping[str, np.ndarray],
     state: Mapping[str, np.ndarray],
+    prescale: Mapping[str, str] | None = None,
 ) -> list[CutStep]:
     """The in-place updates of the cut nodes: one step per flat node, else one per tensor."""
     plan = []
@@ -217,13 +282,17 @@ def cut_plan(
                 return state[src[1]]
             return src
 
+        def factor(x):
+            name = (prescale or {}).get(x)
+            return None if name is None else source(name)
+
         entry = flat_nodes.get(id(node))
         if entry is not None:
             flat = entry[0]
             tensors = [flat[role] for role in spec.tensor_inputs]
             targets = [flat[role[:-4]] for role in spec.tensor_outputs]
             plan.append(CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
-                                source(node.input[1]), tensors, targets))
+                                source(node.input[1]), tensors, targets, factor(node.input[2])))
             continue
         for i in range(n):
             tensors = [source(node.input[2 + j * n + i]) for j in range(spec.n_groups_in)]
@@ -233,14 +302,26 @@ def cut_plan(
                 targets.append(state[node.input[2 + j * n + i]])
             plan.append(
                 CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
-                        source(node.input[1]), tensors, targets)
+                        source(node.input[1]), tensors, targets, factor(node.input[2 + i]))
             )
     return plan
+
+
+def prepare_plan(plan: list[CutStep]) -> None:
+    """Check each update once: those whose inputs are all buffers get a prepared ``run``."""
+    for s in plan:
+        in_place = all(t is x for t, x in zip(s.targets, s.tensors[:1] + s.tensors[2:]))
+        s.run = prepare(s.op_type, s.r, s.t, s.tensors, s.attributes) if in_place else None
 
 
 def apply_plan(plan: list[CutStep]) -> None:
     """Run the cut updates in place (no input of theirs is a feed)."""
     for s in plan:
+        if s.prescale is not None:  # the folded Mul, as onnxruntime computes it (float multiply)
+            np.multiply(s.tensors[0], s.prescale, out=s.tensors[0])
+        if s.run is not None:
+            s.run()
+            continue
         outs = STEPS[s.op_type](s.r, s.t, *s.tensors, s.attributes, inplace=True)
         for target, out in zip(s.targets, outs):
             if out is not target:
@@ -257,6 +338,9 @@ def apply_step_with_feeds(s: CutStep, feeds: Mapping[str, Any]) -> None:
         t = np.asarray(feeds[t[1]])
     if any(type(x) is tuple for x in tensors):
         tensors = [np.asarray(feeds[x[1]]) if type(x) is tuple else x for x in tensors]
+    if s.prescale is not None:
+        factor = np.asarray(feeds[s.prescale[1]]) if type(s.prescale) is tuple else s.prescale
+        np.multiply(tensors[0], factor, out=tensors[0])
     outs = STEPS[s.op_type](r, t, *tensors, s.attributes, inplace=True)
     for target, out in zip(s.targets, outs):
         if out is not target:

@@ -21,6 +21,25 @@ class FeedSpec:
     shape: tuple  # ints, or None for a dynamic/symbolic dim; () for scalars
 
 
+@dataclass(frozen=True)
+class Feed:
+    """One input a session takes, like ``onnxruntime.NodeArg``: ``shape`` holds ints and None
+    for a dimension of any size (None: any rank); ``optional`` inputs have a default."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple | None
+    optional: bool
+
+
+def feed_list(required: list[FeedSpec], optional: list[FeedSpec]) -> list[Feed]:
+    """The feeds of a program, required ones first, each name once."""
+    out: dict[str, Feed] = {}
+    for spec, is_optional in [*((s, False) for s in required), *((s, True) for s in optional)]:
+        out.setdefault(spec.name, Feed(spec.name, spec.dtype, spec.shape, is_optional))
+    return list(out.values())
+
+
 def feed_spec(vi: onnx.ValueInfoProto) -> FeedSpec:
     """The dtype and shape a graph input must be fed with."""
     tt = vi.type.tensor_type

@@ -52,6 +52,7 @@ class Program:
     binding: dict = field(default_factory=dict)
     cut_outputs: set = field(default_factory=set)
     flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
+    prescale: dict = field(default_factory=dict)  # state X -> its folded decay factor (AdamW)
     # set when the session opens / after the first run
     uses_plugin: bool = False
     run: Any = None
@@ -106,8 +107,17 @@ def prune_dead_nodes(graph: onnx.GraphProto) -> None:
         graph.node.extend(kept)
 
 
+def prune_unused_inputs(graph: onnx.GraphProto) -> None:
+    """Drop the graph inputs no node reads (a stage program takes only the feeds it needs)."""
+    used = used_names(graph)
+    kept = [vi for vi in graph.input if vi.name in used]
+    del graph.input[:]
+    graph.input.extend(kept)
+
+
 def combined_graph(
-    model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str]
+    model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str],
+    prune_inputs: bool = False,
 ) -> onnx.ModelProto:
     """Main graph + algorithm graph of training_info[index], state initializers as inputs."""
     info = model.training_info[index]
@@ -165,6 +175,8 @@ def combined_graph(
             f"graph (the spec runs them concatenated): {str(error).splitlines()[0]}"
         ) from error
     prune_dead_nodes(combined.graph)  # after validation: a broken node nobody reads is still an error
+    if prune_inputs:
+        prune_unused_inputs(combined.graph)
     return combined
 
 
@@ -273,10 +285,12 @@ def build_program(
     state_protos: Mapping[str, onnx.TensorProto],
     meta: Mapping[str, str],
     fast: bool,
+    prune_inputs: bool = False,
 ) -> Program:
-    """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs."""
+    """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs
+    (``prune_inputs``: inputs nothing reads are dropped, for the stage programs)."""
     info = model.training_info[index]
-    combined = combined_graph(model, index, state_protos, meta)
+    combined = combined_graph(model, index, state_protos, meta, prune_inputs)
     check_binding_types(model, index, combined, state)
     graph = combined.graph
     binding = {e.key: e.value for e in info.update_binding}
@@ -296,8 +310,9 @@ def build_program(
         graph.initializer.extend(kept_inits)
 
     cut_nodes: list[onnx.NodeProto] = []
+    prescale: dict[str, str] = {}
     if fast:
-        cut_nodes = cuttable_nodes(graph, binding, state_inputs)
+        cut_nodes, prescale = cuttable_nodes(graph, binding, state_inputs)
     cut_outputs = {o for n in cut_nodes for o in n.output if o}
     if cut_nodes:
         keep = [n for n in graph.node if not any(n is c for c in cut_nodes)]
@@ -305,7 +320,8 @@ def build_program(
         graph.node.extend(keep)
 
     # what the graph onnxruntime runs must output
-    sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types)
+    sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types,
+                                         prescale)
     old_outputs = list(graph.output)
     del graph.output[:]
     graph.output.extend(o for o in old_outputs if o.name not in cut_outputs)
@@ -336,4 +352,5 @@ def build_program(
     program.input_defaults = program_defaults
     program.binding = binding
     program.cut_outputs = cut_outputs
+    program.prescale = prescale
     return program

@@ -17,6 +17,7 @@ onnxruntime; both agree bit for bit. ``on_nonfinite`` says what a NaN or infinit
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 from typing import Any, Mapping, Sequence
@@ -27,17 +28,19 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from .. import checkpoint
-from ..builder import metadata
+from .. import schedules as lr_schedules
+from ..builder import META_PREFIX, metadata
 from ..errors import TrainingOpError, node_label
 from ..passes import ModelLike, load_model
 from ..session import InferenceSession
 from .arrays import dtype_name, owned
 from .binding import open_program
 from .fast_path import flatten_cut_state
-from .feeds import check_feed_names, checked_learning_rate
+from .feeds import Feed, FeedSpec, check_feed_names, checked_learning_rate, feed_list
 from .from_graph import graph_to_training_model
 from .inference import inference_model, inference_session
-from .program import build_program
+from .program import Program, build_program
+from .stages import GRAD_SCALE, evaluation_model, split_stages
 from .state import assign, collect_state_protos
 from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 
@@ -66,6 +69,8 @@ def _label_checker(meta: Mapping[str, str], batch_input: str | None):
         if rows and labels.ndim and labels.shape[0] != rows[0]:
             raise TrainingOpError(f"step: feed {name!r} has {labels.shape[0]} rows, input "
                                   f"{batch_input!r} has {rows[0]}: one label per example")
+        if labels.size and 0 <= labels.min() and labels.max() < classes:
+            return  # the common case: two reductions
         bad = (labels < 0) | (labels >= classes)
         if ignore is not None:
             bad &= labels != ignore
@@ -78,12 +83,48 @@ def _label_checker(meta: Mapping[str, str], batch_input: str | None):
     return check
 
 
+def _checked_properties(properties: Mapping[str, Any]) -> str:
+    """``properties`` as JSON, or a TrainingOpError naming the first value that is not a
+    str, int, float or bool (what a checkpoint keeps, as onnxruntime-training's)."""
+    if not isinstance(properties, Mapping):
+        raise TrainingOpError(f"properties must be a dict, found {type(properties).__name__}")
+    for key, value in properties.items():
+        if not isinstance(key, str):
+            raise TrainingOpError(f"properties: keys must be str, found {key!r}")
+        if not isinstance(value, (str, int, float, bool)) or \
+                (isinstance(value, float) and not np.isfinite(value)):
+            raise TrainingOpError(f"properties[{key!r}] must be a str, int, bool or finite float, "
+                                  f"found {value!r} ({type(value).__name__})")
+    return json.dumps(dict(properties), sort_keys=True)
+
+
+def _program_feeds(program: Program) -> tuple[list[FeedSpec], list[FeedSpec]]:
+    """(required, optional) inputs of a program: learning rates and inputs with a default are optional."""
+    rates = [FeedSpec(name, buf.dtype, buf.shape) for name, buf in program.rate_inputs.items()]
+    return list(program.feeds), [*rates, *(spec for spec, _ in program.optional_feeds)]
+
+
 def _state_array(name: str, proto: onnx.TensorProto) -> np.ndarray:
     try:
         return numpy_helper.to_array(proto)
     except (ValueError, TypeError) as error:  # e.g. raw data of the wrong size for its dims
         raise TrainingOpError(f"state variable {name!r}: its stored data does not match its "
                               f"type and shape {list(proto.dims)}: {error}") from None
+
+
+# every settable SessionOptions attribute (intra_op_num_threads, enable_profiling, ...)
+_OPTION_ATTRIBUTES = [name for name, value in vars(ort.SessionOptions).items()
+                      if isinstance(value, property) and value.fset is not None]
+# config entries copied from a given SessionOptions (onnxruntime cannot list them; pass any
+# other through ``session_config``)
+CONFIG_KEYS = (
+    "session.intra_op.allow_spinning", "session.inter_op.allow_spinning",
+    "session.force_spinning_stop", "session.set_denormal_as_zero", "session.use_env_allocators",
+    "session.disable_prepacking", "session.intra_op_thread_affinities", "session.dynamic_block_base",
+    "session.disable_cpu_ep_fallback", "session.use_device_allocator_for_initializers",
+    "session.disable_aot_function_inlining", "optimization.enable_gelu_approximation",
+    "optimization.disable_specified_optimizers", "session.qdqisint8allowed",
+)
 
 
 def _locked(method):
@@ -120,6 +161,7 @@ class TrainingSession:
         fast: bool = True,
         on_nonfinite: str = "raise",
         sess_options: ort.SessionOptions | None = None,
+        session_config: Mapping[str, str] | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
@@ -136,6 +178,7 @@ class TrainingSession:
         self.skipped_steps = 0
         self._providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
         self._sess_options = sess_options
+        self._session_config = {str(k): str(v) for k, v in (session_config or {}).items()}
         self._model = model
         self._meta = metadata(model)
         self._inference = None
@@ -148,7 +191,8 @@ class TrainingSession:
             for i in range(len(model.training_info))
         ]
         for program in analyses:  # before anything binds a state array: lay the cut state out flat
-            program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state)
+            program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state,
+                                                   prescale=program.prescale)
         self._programs = [
             open_program(p, self._state, self._session_options(), self._providers) for p in analyses
         ]
@@ -166,6 +210,15 @@ class TrainingSession:
         self._init_sessions = None
         self._label_check = _label_checker(
             self._meta, model.graph.input[0].name if model.graph.input else None)
+        self._base_rates = {name: float(p.rate_defaults[name].reshape(-1)[0])
+                            for p in self._programs for name in p.rate_inputs
+                            if p.rate_defaults[name] is not None}
+        self._schedule, self._schedule_step = (
+            lr_schedules.from_json(self._meta["lr_schedule"]) if self._meta.get("lr_schedule") else (None, 0))
+        self._properties: dict[str, Any] = json.loads(self._meta.get("properties") or "{}")
+        self._eval_programs: dict[tuple[str, ...], Program] = {}
+        self._stages = None  # (backward program, apply program, accumulators), made by backward()
+        self._accumulated = 0
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
 
@@ -188,17 +241,25 @@ class TrainingSession:
         """
         return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
 
-    def _session_options(self) -> ort.SessionOptions | None:
+    def _session_options(self) -> ort.SessionOptions:
+        """A fresh SessionOptions per onnxruntime session (InferenceSession registers the
+        kernel library in the options it gets): every attribute of ``sess_options``, the
+        config entries it holds among :data:`CONFIG_KEYS`, and ``session_config``."""
+        so = ort.SessionOptions()
         if self._sess_options is None:
             # errors come back as our exception; onnxruntime's own log line would repeat them
-            so = ort.SessionOptions()
             so.log_severity_level = 4
-            return so
-        # InferenceSession registers the kernel library in the options it gets: give each its own copy.
-        so = ort.SessionOptions()
-        for attr in ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
-                     "execution_mode", "enable_mem_pattern", "enable_cpu_mem_arena", "log_severity_level"):
-            setattr(so, attr, getattr(self._sess_options, attr))
+        else:
+            for attr in _OPTION_ATTRIBUTES:
+                setattr(so, attr, getattr(self._sess_options, attr))
+            for key in CONFIG_KEYS:
+                try:
+                    value = self._sess_options.get_session_config_entry(key)
+                except Exception:  # not set
+                    continue
+                so.add_session_config_entry(key, value)
+        for key, value in self._session_config.items():
+            so.add_session_config_entry(key, value)
         return so
 
     # ------------------------------------------------------------------ state
@@ -245,7 +306,9 @@ class TrainingSession:
 
     @_locked
     def initialize(self) -> None:
-        """Reset every state variable to its initializer, then run the initialization graphs."""
+        """Reset every state variable to its initializer, then run the initialization graphs
+        (accumulated gradients are dropped)."""
+        self.zero_grad()
         for name, proto in self._state_protos.items():
             np.copyto(self._state[name], numpy_helper.to_array(proto))
         if self._init_sessions is None:
@@ -285,34 +348,213 @@ class TrainingSession:
         return list(self._rate_names)
 
     @_locked
-    def step(self, feeds: Mapping[str, Any], lr: float | None = None) -> dict[str, np.ndarray]:
+    def step(self, feeds: Mapping[str, Any], lr: float | Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
         """One training step: run each algorithm, assign its outputs by ``update_binding``.
 
         ``feeds``: the algorithm's inputs (the model's inputs and e.g. ``labels``).
-        ``lr``: the learning rate for this step (default: the model's value, or a feed of
-        the learning-rate input). Returns the outputs not consumed by ``update_binding``
-        (the loss, ...).
+        ``lr``: the learning rate for this step, one for all groups or ``{input name: lr}``
+        (default: the schedule's, else the model's value, or a feed of the learning-rate
+        input). Returns the outputs not consumed by ``update_binding`` (the loss, ...).
+        With gradients accumulated by :meth:`backward`, it is ``backward(feeds)`` then
+        :meth:`optimizer_step` (the batch adds to them, as in torch).
         """
-        if not isinstance(feeds, Mapping):
-            raise TrainingOpError(f"step: feeds must be a mapping of input name to array, found "
-                                  f"{type(feeds).__name__}; inputs: {sorted(self._required_set)}")
-        check_feed_names(feeds, self._required_set, self._optional_feeds)
-        if self._label_check is not None:
-            self._label_check(feeds)
-        if lr is not None:
-            lr = checked_learning_rate(lr)
-        if lr is not None and not self._rate_names:
-            raise TrainingOpError(
-                "step: lr was given but no optimizer of this model takes its learning rate from a graph input "
-                "(R is a constant or computed in the graph)"
-            )
+        if self._accumulated:
+            result = self.backward(feeds)
+            result.update(self.optimizer_step(lr))
+            return result
+        self._check_feeds(feeds, self._required_set, self._optional_feeds)
+        rates = self._rates(lr)
         result: dict[str, np.ndarray] = {}
+        applied = True
         for program in self._programs:
-            outputs, skipped = run_program(program, feeds, lr, self._state, self.on_nonfinite)
+            outputs, skipped = run_program(program, feeds, rates, self._state, self.on_nonfinite)
             if skipped:
                 self.skipped_steps += 1
+                applied = False
             result.update(outputs)
+        if applied:
+            self._schedule_step += 1
         return result
+
+    def _check_feeds(self, feeds: Mapping[str, Any], required: set[str], optional: set[str]) -> None:
+        if type(feeds) is not dict and not isinstance(feeds, Mapping):
+            raise TrainingOpError(f"step: feeds must be a mapping of input name to array, found "
+                                  f"{type(feeds).__name__}; inputs: {sorted(required)}")
+        check_feed_names(feeds, required, optional)
+        if self._label_check is not None:
+            self._label_check(feeds)
+
+    def _rates(self, lr) -> float | dict[str, float] | None:
+        """This optimizer step's learning rates: ``lr`` if given, else the schedule's, else None (the defaults)."""
+        if lr is not None:
+            if not self._rate_names:
+                raise TrainingOpError(
+                    "step: lr was given but no optimizer of this model takes its learning rate from a graph "
+                    "input (R is a constant or computed in the graph)")
+            if isinstance(lr, Mapping):
+                unknown = sorted(set(lr) - set(self._rate_names))
+                if unknown:
+                    raise TrainingOpError(f"step: lr names unknown learning-rate input(s) {unknown}; "
+                                          f"the model's: {self._rate_names}")
+                return {name: checked_learning_rate(v, f"step: lr[{name!r}]") for name, v in lr.items()}
+            return checked_learning_rate(lr)
+        if self._schedule is None:
+            return None
+        return {name: lr_schedules.rate(self._schedule, base, self._schedule_step, name)
+                for name, base in self._base_rates.items()}
+
+    # ------------------------------------------------------------------ the training loop
+
+    @property
+    def learning_rates(self) -> dict[str, float]:
+        """The learning rate of each input for the next optimizer step (schedule or default)."""
+        rates = self._rates(None)
+        if isinstance(rates, dict):
+            return rates
+        return dict(self._base_rates)
+
+    @property
+    def lr_schedule(self):
+        """The attached schedule (:mod:`onnx_training_ops.schedules`) or None."""
+        return self._schedule
+
+    @property
+    def lr_schedule_step(self) -> int:
+        """Optimizer steps taken under the schedule (torch's ``scheduler.last_epoch``)."""
+        return self._schedule_step
+
+    @_locked
+    def set_lr_schedule(self, schedule, step: int = 0) -> None:
+        """Drive every learning-rate input by ``schedule`` from optimizer step ``step`` on
+        (each from its own default as base rate, as torch's ``base_lrs``); None detaches it.
+        Saved in checkpoints with its position."""
+        if schedule is not None and type(schedule) not in lr_schedules.SCHEDULES.values():
+            raise TrainingOpError(f"set_lr_schedule: expected one of "
+                                  f"{sorted(lr_schedules.SCHEDULES)}, found {type(schedule).__name__}")
+        if schedule is not None:
+            missing = [n for n in self._rate_names if n not in self._base_rates]
+            if not self._rate_names or missing:
+                raise TrainingOpError("set_lr_schedule: the model has no learning-rate input with a "
+                                      f"default value to schedule ({missing or 'no inputs'})")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TrainingOpError(f"set_lr_schedule: step must be an int >= 0, found {step!r}")
+        self._schedule, self._schedule_step = schedule, step
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        """User values (str, int, float, bool) saved atomically with each checkpoint and
+        restored with it: epoch, best metric, data position (onnxruntime-training's
+        ``CheckpointState`` properties)."""
+        return self._properties
+
+    @_locked
+    def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """The loss (the eval-mode loss of a ``mode="train"`` model: dropout off, BatchNorm
+        running statistics) and ``outputs`` with the current weights; nothing changes."""
+        program = self._eval_program(tuple(outputs))
+        required, optional = _program_feeds(program)
+        self._check_feeds(feeds, {f.name for f in required}, {f.name for f in optional})
+        result, _ = run_program(program, feeds, None, self._state, "ignore")
+        eval_loss, loss = self._meta.get("eval_loss"), self._meta.get("loss")
+        if eval_loss in result and loss not in outputs:  # the eval-mode loss, under the loss's name
+            result[loss] = result.pop(eval_loss)
+        return result
+
+    def _eval_program(self, outputs: tuple[str, ...]) -> Program:
+        if outputs not in self._eval_programs:
+            loss = self._meta.get("eval_loss") or self._meta.get("loss", "")
+            if not loss and not outputs:
+                raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
+            derived = evaluation_model(self._model, loss, list(outputs)) if loss else \
+                evaluation_model(self._model, outputs[0], list(outputs[1:]))
+            program = build_program(derived, 0, self._state, self._state_protos, self._meta, False,
+                                    prune_inputs=True)
+            self._eval_programs[outputs] = open_program(program, self._state, self._session_options(),
+                                                        self._providers)
+        return self._eval_programs[outputs]
+
+    def _stage_programs(self):
+        if self._stages is None:
+            stages = split_stages(self._model)
+            protos = dict(self._state_protos)
+            for t in stages.backward.training_info[0].algorithm.initializer:
+                if any(t.name == acc for acc, _ in stages.accumulators.values()):
+                    protos[t.name] = t
+            self._acc = {acc: numpy_helper.to_array(protos[acc]).copy() for acc, _ in stages.accumulators.values()}
+            state = {**self._state, **self._acc}
+            programs = []
+            for derived in (stages.backward, stages.apply):
+                program = build_program(derived, 0, state, protos, self._meta, self.fast, prune_inputs=True)
+                program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
+                                                       rehome=False, prescale=program.prescale)
+                programs.append(open_program(program, state, self._session_options(), self._providers))
+            self._stages = (programs[0], programs[1], stages.accumulators, state)
+        return self._stages
+
+    @_locked
+    def backward(self, feeds: Mapping[str, Any], scale: float = 1.0) -> dict[str, np.ndarray]:
+        """Add this batch's gradients (times ``scale``) to the accumulated ones; returns the
+        loss. Parameters and optimizer state do not change (BatchNorm running statistics do,
+        as in torch's forward). For the mean over k micro-batches pass ``scale=1/k``, as
+        torch users divide the loss. Non-finite losses follow ``on_nonfinite``."""
+        backward, _, _, state = self._stage_programs()
+        required, optional = _program_feeds(backward)
+        self._check_feeds(feeds, {f.name for f in required} - {GRAD_SCALE}, {f.name for f in optional})
+        scale = checked_learning_rate(scale, "backward: scale")
+        result, skipped = run_program(backward, {**feeds, GRAD_SCALE: np.array(scale, np.float64)}, None,
+                                      state, self.on_nonfinite)
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self._accumulated += 1
+        return result
+
+    @_locked
+    def optimizer_step(self, lr: float | Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
+        """Apply the accumulated gradients (clipping, weight decay, the optimizer, T + 1),
+        then zero them; returns the apply stage's outputs (``grad_norm`` when clipping)."""
+        if not self._accumulated:
+            raise TrainingOpError("optimizer_step: no gradients accumulated since the last optimizer "
+                                  "step; call backward(feeds) first")
+        _, apply, _, state = self._stage_programs()
+        result, _ = run_program(apply, {}, self._rates(lr), state, "ignore")
+        self.zero_grad()
+        self._schedule_step += 1
+        return result
+
+    @_locked
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradients (torch's ``zero_grad(set_to_none=False)``)."""
+        for acc in self._acc.values() if self._stages is not None else ():
+            acc.fill(0)
+        self._accumulated = 0
+
+    @_locked
+    def gradients(self) -> dict[str, np.ndarray]:
+        """A copy of each trainable's accumulated gradient (zeros before any backward)."""
+        _, _, accumulators, state = self._stage_programs()
+        return {param: state[acc].copy() for acc, param in accumulators.values()}
+
+    @property
+    def accumulated_batches(self) -> int:
+        """How many ``backward`` calls the accumulated gradients hold."""
+        return self._accumulated
+
+    @property
+    def feeds(self) -> list[Feed]:
+        """What :meth:`step` takes: name, dtype, shape and whether it is optional, like
+        ``InferenceSession.get_inputs()``."""
+        required, optional = [], []
+        for program in self._programs:
+            r, o = _program_feeds(program)
+            required += r
+            optional += o
+        return feed_list(required, optional)
+
+    @_locked
+    def eval_feeds(self, outputs: Sequence[str] = ()) -> list[Feed]:
+        """What :meth:`evaluate` takes (for the same ``outputs``)."""
+        return feed_list(*_program_feeds(self._eval_program(tuple(outputs))))
 
     # ------------------------------------------------------------------ inference, export
 
@@ -336,8 +578,13 @@ class TrainingSession:
 
     @_locked
     def training_model(self) -> onnx.ModelProto:
-        """The training model with the current state as initializers (what :meth:`save` writes)."""
-        return checkpoint.write_state(self._model, self._state)
+        """The training model with the current state as initializers, the properties and the
+        schedule's position (what :meth:`save` writes)."""
+        schedule = "" if self._schedule is None else lr_schedules.to_json(self._schedule, self._schedule_step)
+        return checkpoint.write_state(self._model, self._state, {
+            META_PREFIX + "properties": _checked_properties(self._properties) if self._properties else "",
+            META_PREFIX + "lr_schedule": schedule,
+        })
 
     @_locked
     def save(self, path: str | os.PathLike) -> str:
@@ -360,6 +607,18 @@ class TrainingSession:
     def fast_path_nodes(self) -> list[str]:
         """Labels of the optimizer nodes the fast path applies in place."""
         return [node_label(n) for p in self._programs for n in p.cut_nodes]
+
+    @_locked
+    def end_profiling(self) -> list[str]:
+        """With ``sess_options.enable_profiling``: end profiling in every onnxruntime session
+        this session opened (step programs, stages, evaluation, inference) and return the
+        trace files onnxruntime wrote."""
+        sessions = [p.session for p in self._programs] + [p.session for p in self._eval_programs.values()]
+        if self._stages is not None:
+            sessions += [self._stages[0].session, self._stages[1].session]
+        if self._inference is not None:
+            sessions.append(self._inference[0])
+        return [path for path in (s.end_profiling() for s in sessions) if path]
 
     @property
     def metadata(self) -> dict[str, str]:

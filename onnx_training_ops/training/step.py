@@ -10,8 +10,8 @@ does the same without raising (the step is dropped, the returned dict has the lo
 
 from __future__ import annotations
 
+import math
 import signal
-from contextlib import contextmanager
 from typing import Any, Mapping
 
 import numpy as np
@@ -32,28 +32,33 @@ class NonFiniteLossError(TrainingOpError):
 _SIGINT = {signal.SIGINT}
 
 
-@contextmanager
-def deferred_interrupts():
+class deferred_interrupts:
     """Block Ctrl-C (SIGINT) while the state is written, so a step is applied whole or not
     at all (about 2 us a step). A Ctrl-C that came before the write began cancels the step
     (KeyboardInterrupt, state as before); one that lands during the write is delivered when
     it ends: the step counts (T says so), and the state is never partial."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
-    try:
-        if signal.SIGINT in signal.sigpending() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> None:
+        self.previous = _sigmask(signal.SIG_BLOCK, _SIGINT)
+        if signal.SIGINT in _sigpending() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.sigtimedwait(_SIGINT, 0)  # take it: raised here, before anything is written
+            self.__exit__()
             raise KeyboardInterrupt
-        yield
-    finally:
-        if signal.SIGINT not in previous:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGINT)
+
+    def __exit__(self, *exc) -> None:
+        if signal.SIGINT not in self.previous:
+            _sigmask(signal.SIG_UNBLOCK, _SIGINT)
+
+
+_sigmask, _sigpending = signal.pthread_sigmask, signal.sigpending
 
 
 def run_program(
     program: Program,
     feeds: Mapping[str, Any],
-    lr: float | None,
+    lr: float | Mapping[str, float] | None,
     state: dict[str, np.ndarray],
     on_nonfinite: str,
 ) -> tuple[dict[str, np.ndarray], bool]:
@@ -90,7 +95,7 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
     if on_nonfinite != "ignore":
         for name in program.loss_names:
             value = result[name]
-            if not np.all(np.isfinite(value)):
+            if not (math.isfinite(value.item()) if value.size == 1 else np.all(np.isfinite(value))):
                 if on_nonfinite == "raise":
                     raise NonFiniteLossError(
                         f"step: loss {name!r} is {value.reshape(-1)[0] if value.size else value} "
@@ -127,16 +132,19 @@ def bind_feeds(program: Program, feeds: Mapping[str, Any]) -> list[np.ndarray]:
     return arrays
 
 
-def set_learning_rates(program: Program, feeds: Mapping[str, Any], lr: float | None) -> None:
-    """Write each learning-rate input's buffer: the fed value, else ``lr``, else the model's default."""
+def set_learning_rates(program: Program, feeds: Mapping[str, Any],
+                       lr: float | Mapping[str, float] | None) -> None:
+    """Write each learning-rate input's buffer: the fed value, else ``lr`` (one value for
+    all, or per input name), else the model's default."""
     for name, buf in program.rate_inputs.items():
+        given = lr.get(name) if type(lr) is dict else lr
         if name in feeds:
             value = np.asarray(feeds[name])
             if value.size != 1:
                 raise TrainingOpError(f"step: learning rate {name!r} must be a scalar, found shape {list(value.shape)}")
             buf[...] = checked_learning_rate(value.reshape(()), f"step: learning rate feed {name!r}")
-        elif lr is not None:
-            buf[...] = lr
+        elif given is not None:
+            buf[...] = given
         elif program.rate_defaults[name] is not None:
             buf[...] = program.rate_defaults[name]
         else:

@@ -1,0 +1,240 @@
+"""Learning-rate schedules with ``torch.optim.lr_scheduler``'s names and semantics.
+
+A schedule is plain data: ``schedule.lr(base_lr, k)`` is the learning rate of optimizer step
+``k`` (0-based) for a parameter group whose own rate is ``base_lr`` — what torch's scheduler
+gives after ``k`` calls of ``scheduler.step()``, in closed form. Attach one with
+``TrainingSession.set_lr_schedule(schedule)``: the session advances it once per optimizer
+step (``step`` or ``optimizer_step``), applies it to every learning-rate input (each group
+from its own base rate, as torch's ``base_lrs``) and saves it, with its position, in
+checkpoints.
+
+``WarmupCosineLR`` / ``WarmupLinearLR`` are the transformers recipe
+(``get_cosine_schedule_with_warmup`` / ``get_linear_schedule_with_warmup``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+from .errors import TrainingOpError
+
+
+def _positive_int(cls: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TrainingOpError(f"{cls}: {name} must be an int > 0, found {value!r}")
+    return value
+
+
+def _nonnegative(cls: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise TrainingOpError(f"{cls}: {name} must be a finite number >= 0, found {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class StepLR:
+    """``base * gamma ** (k // step_size)``."""
+
+    step_size: int
+    gamma: float = 0.1
+
+    def __post_init__(self):
+        _positive_int("StepLR", "step_size", self.step_size)
+        _nonnegative("StepLR", "gamma", self.gamma)
+
+    def lr(self, base: float, k: int) -> float:
+        return base * self.gamma ** (k // self.step_size)
+
+
+@dataclass(frozen=True)
+class MultiStepLR:
+    """``base * gamma ** (number of milestones <= k)``."""
+
+    milestones: tuple[int, ...]
+    gamma: float = 0.1
+
+    def __post_init__(self):
+        milestones = tuple(self.milestones)
+        for m in milestones:
+            _positive_int("MultiStepLR", "milestones", m)
+        object.__setattr__(self, "milestones", tuple(sorted(milestones)))
+        _nonnegative("MultiStepLR", "gamma", self.gamma)
+
+    def lr(self, base: float, k: int) -> float:
+        return base * self.gamma ** bisect.bisect_right(self.milestones, k)
+
+
+@dataclass(frozen=True)
+class ExponentialLR:
+    """``base * gamma ** k``."""
+
+    gamma: float
+
+    def __post_init__(self):
+        _nonnegative("ExponentialLR", "gamma", self.gamma)
+
+    def lr(self, base: float, k: int) -> float:
+        return base * self.gamma ** k
+
+
+@dataclass(frozen=True)
+class CosineAnnealingLR:
+    """``eta_min + (base - eta_min) * (1 + cos(pi * k / T_max)) / 2`` (periodic past T_max, as torch's)."""
+
+    T_max: int
+    eta_min: float = 0.0
+
+    def __post_init__(self):
+        _positive_int("CosineAnnealingLR", "T_max", self.T_max)
+        _nonnegative("CosineAnnealingLR", "eta_min", self.eta_min)
+
+    def lr(self, base: float, k: int) -> float:
+        return self.eta_min + (base - self.eta_min) * (1 + math.cos(math.pi * k / self.T_max)) / 2
+
+
+@dataclass(frozen=True)
+class LinearLR:
+    """``base * factor``, the factor going linearly from ``start_factor`` to ``end_factor`` over ``total_iters`` steps."""
+
+    start_factor: float = 1.0 / 3
+    end_factor: float = 1.0
+    total_iters: int = 5
+
+    def __post_init__(self):
+        if not 0 < self.start_factor <= 1 or not 0 <= self.end_factor <= 1:
+            raise TrainingOpError(f"LinearLR: start_factor must be in (0, 1] and end_factor in [0, 1], "
+                                  f"found {self.start_factor!r}, {self.end_factor!r}")
+        _positive_int("LinearLR", "total_iters", self.total_iters)
+
+    def lr(self, base: float, k: int) -> float:
+        t = min(k, self.total_iters) / self.total_iters
+        return base * (self.start_factor + (self.end_factor - self.start_factor) * t)
+
+
+@dataclass(frozen=True)
+class OneCycleLR:
+    """torch's ``OneCycleLR(max_lr, total_steps, pct_start, anneal_strategy, div_factor,
+    final_div_factor, three_phase)`` with ``cycle_momentum=False``: the rates come from
+    ``max_lr`` (a number, or ``{learning-rate input: max_lr}`` per group), not the base rate.
+    Momentum cycling is not offered: the momentum is an attribute of the optimizer node."""
+
+    max_lr: float | Mapping[str, float]
+    total_steps: int
+    pct_start: float = 0.3
+    anneal_strategy: str = "cos"
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+    three_phase: bool = False
+
+    def __post_init__(self):
+        _positive_int("OneCycleLR", "total_steps", self.total_steps)
+        if self.anneal_strategy not in ("cos", "linear"):
+            raise TrainingOpError(f"OneCycleLR: anneal_strategy must be 'cos' or 'linear', found "
+                                  f"{self.anneal_strategy!r}")
+        if not 0 <= self.pct_start <= 1:
+            raise TrainingOpError(f"OneCycleLR: pct_start must be in [0, 1], found {self.pct_start!r}")
+        if isinstance(self.max_lr, Mapping):
+            object.__setattr__(self, "max_lr", dict(self.max_lr))
+
+    def max_lr_of(self, name: str) -> float:
+        if isinstance(self.max_lr, dict):
+            if name not in self.max_lr:
+                raise TrainingOpError(f"OneCycleLR: max_lr has no entry for learning rate {name!r}")
+            return float(self.max_lr[name])
+        return float(self.max_lr)
+
+    def lr(self, base: float, k: int, name: str = "") -> float:
+        top = self.max_lr_of(name)
+        initial = top / self.div_factor
+        low = initial / self.final_div_factor
+        end = float(self.pct_start * self.total_steps) - 1
+        if self.three_phase:
+            phases = [(end, initial, top), (float(2 * self.pct_start * self.total_steps) - 2, top, initial),
+                      (self.total_steps - 1, initial, low)]
+        else:
+            phases = [(end, initial, top), (self.total_steps - 1, top, low)]
+        if k > self.total_steps:
+            raise TrainingOpError(f"OneCycleLR: step {k + 1} is beyond total_steps={self.total_steps}")
+        start = 0.0
+        for i, (phase_end, a, b) in enumerate(phases):
+            if k <= phase_end or i == len(phases) - 1:
+                pct = (k - start) / (phase_end - start)
+                if self.anneal_strategy == "cos":
+                    return b + (a - b) / 2.0 * (math.cos(math.pi * pct) + 1)
+                return (b - a) * pct + a
+            start = phase_end
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class WarmupCosineLR:
+    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to 0 at ``total_steps``
+    (transformers' ``get_cosine_schedule_with_warmup``, ``num_cycles`` included)."""
+
+    warmup_steps: int
+    total_steps: int
+    num_cycles: float = 0.5
+
+    def __post_init__(self):
+        _positive_int("WarmupCosineLR", "total_steps", self.total_steps)
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise TrainingOpError(f"WarmupCosineLR: warmup_steps must be an int >= 0, found {self.warmup_steps!r}")
+
+    def lr(self, base: float, k: int) -> float:
+        if k < self.warmup_steps:
+            return base * k / max(1, self.warmup_steps)
+        progress = (k - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * self.num_cycles * 2.0 * progress)))
+
+
+@dataclass(frozen=True)
+class WarmupLinearLR:
+    """Linear warm-up from 0 over ``warmup_steps``, then linear decay to 0 at ``total_steps``
+    (transformers' ``get_linear_schedule_with_warmup``)."""
+
+    warmup_steps: int
+    total_steps: int
+
+    def __post_init__(self):
+        _positive_int("WarmupLinearLR", "total_steps", self.total_steps)
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise TrainingOpError(f"WarmupLinearLR: warmup_steps must be an int >= 0, found {self.warmup_steps!r}")
+
+    def lr(self, base: float, k: int) -> float:
+        if k < self.warmup_steps:
+            return base * k / max(1, self.warmup_steps)
+        return base * max(0.0, (self.total_steps - k) / max(1, self.total_steps - self.warmup_steps))
+
+
+Schedule = (StepLR | MultiStepLR | ExponentialLR | CosineAnnealingLR | LinearLR | OneCycleLR
+            | WarmupCosineLR | WarmupLinearLR)
+SCHEDULES = {cls.__name__: cls for cls in (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR,
+                                           LinearLR, OneCycleLR, WarmupCosineLR, WarmupLinearLR)}
+
+
+def rate(schedule: Schedule, base: float, k: int, name: str) -> float:
+    """The learning rate of input ``name`` (base rate ``base``) at optimizer step ``k``."""
+    if isinstance(schedule, OneCycleLR):
+        return schedule.lr(base, k, name)
+    return schedule.lr(base, k)
+
+
+def to_json(schedule: Schedule, k: int) -> str:
+    """The schedule and its position (optimizer steps taken), for a checkpoint."""
+    return json.dumps({"type": type(schedule).__name__, "step": k, "args": asdict(schedule)})
+
+
+def from_json(text: str) -> tuple[Schedule, int]:
+    try:
+        data = json.loads(text)
+        cls = SCHEDULES[data["type"]]
+        args = data["args"]
+        if "milestones" in args:
+            args["milestones"] = tuple(args["milestones"])
+        return cls(**args), int(data["step"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise TrainingOpError(f"the checkpoint's learning-rate schedule cannot be read: {error}") from None
