@@ -42,6 +42,7 @@ test-min:
 
 conformance: $(VENV)/.demo-installed
 	$(PY) -m onnx_training_ops conformance
+	$(PY) -m onnx_training_ops conformance --portable
 
 bench: $(VENV)/.test-installed
 	$(PY) benchmarks/bench_optimizers.py

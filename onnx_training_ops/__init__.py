@@ -1,7 +1,8 @@
 """onnx_training_ops: run ONNX's training domain (ai.onnx.preview.training) in stock onnxruntime.
 
-Importing the package registers the Adam, Momentum and Adagrad kernels with
-onnxruntime-extensions. Main entry points:
+Importing the package is cheap and changes nothing global: the Adam, Momentum and Adagrad
+kernels are registered with onnxruntime-extensions when first needed (:func:`session_options`,
+:func:`prepare`, :class:`InferenceSession`). Main entry points:
 
 * :func:`prepare` — turn a training-domain graph into one onnxruntime accepts;
 * :func:`session_options` — SessionOptions with the kernel library registered;
@@ -23,13 +24,10 @@ from .losses import (BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSE
 from . import schedules
 from .optimizers import Adagrad, Adam, AdamW, Momentum
 from .passes import PASSES, prepare
-from .plugin import register as _register
 from .plugin import session_options
 from .schema import DOMAIN
 from .session import InferenceSession
 from .training import NonFiniteLossError, TrainingSession
-
-_register()
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,9 @@ Use it for conformance runs in any CI::
     backend_test = onnx.backend.test.BackendTest(backend, __name__)
     backend_test.include(r"(test_adam|test_adagrad|test_momentum|test_nesterov_momentum|test_gradient_of)")
     globals().update(backend_test.test_cases)
+
+``PortableBackend`` runs the same cases on the portable form (``prepare(model, portable=True)``:
+standard ONNX ops only) in a plain onnxruntime session, with nothing registered.
 """
 
 from __future__ import annotations
@@ -89,6 +92,23 @@ class TrainingBackend(Backend):
             ],
         )
         return cls.run_model(model, dict(zip(node.input, arrays)), device, **kwargs)
+
+
+class PortableBackend(TrainingBackend):
+    """The portable form in plain onnxruntime: optimizer nodes lowered to standard ops, no plugin."""
+
+    @classmethod
+    def prepare(cls, model: ModelProto | str | bytes, device: str = "CPU", **kwargs: Any) -> TrainingBackendRep:
+        import onnxruntime as ort
+
+        from .passes import prepare as prepare_model
+
+        if not cls.supports_device(device):
+            raise RuntimeError(f"onnx_training_ops runs on CPU only, not on {device!r}")
+        options = kwargs.pop("sess_options", None)
+        portable = prepare_model(model, portable=True)
+        return TrainingBackendRep(ort.InferenceSession(portable.SerializeToString(), sess_options=options,
+                                                       providers=["CPUExecutionProvider"], **kwargs))
 
 
 prepare = TrainingBackend.prepare

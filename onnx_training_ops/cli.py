@@ -42,16 +42,18 @@ def _prepare(args: argparse.Namespace) -> int:
 
     if os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
-    model = prepare(args.input)
+    model = prepare(args.input, portable=True) if args.portable else prepare(args.input)
     save_model(model, args.output)
-    print(f"prepared {args.input} -> {args.output}")
+    print(f"prepared {args.input} -> {args.output}" + (" (portable: standard ONNX ops only)" if args.portable else ""))
     return EXIT_OK
 
 
 def _conformance(args: argparse.Namespace) -> int:
     from .conformance import format_table, run_conformance
 
-    results = run_conformance()
+    results = run_conformance(portable=args.portable)
+    if args.portable:
+        print("portable form (optimizer nodes lowered to standard ONNX ops, plain onnxruntime)")
     print(format_table(results))
     return 0 if all(r.passed for r in results) else 1
 
@@ -100,8 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="the model to prepare: an .onnx file (a training model or any "
                                  "graph using the training domain)")
     p.add_argument("output", help="where to write the prepared .onnx file (written atomically)")
+    p.add_argument("--portable", action="store_true",
+                   help="lower the optimizer nodes to standard ONNX ops instead: the result runs in any "
+                        "onnxruntime (any language binding) or onnx.reference with nothing registered")
     p.set_defaults(func=_prepare)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
+    c.add_argument("--portable", action="store_true",
+                   help="run them on the portable form (prepare --portable) in plain onnxruntime")
     c.set_defaults(func=_conformance)
     for name in ("train", "demo"):  # `make demo` runs `python -m onnx_training_ops demo --out out/demo`
         t = commands.add_parser(

@@ -27,8 +27,9 @@ class CaseResult:
     detail: str = ""
 
 
-def backend_test_cases(module_name: str = __name__) -> dict[str, type[unittest.TestCase]]:
-    """The unittest classes of onnx's BackendTest for the domain's cases, on our backend."""
+def backend_test_cases(module_name: str = __name__, portable: bool = False) -> dict[str, type[unittest.TestCase]]:
+    """The unittest classes of onnx's BackendTest for the domain's cases, on our backend
+    (``portable=True``: on the portable form, :class:`~onnx_training_ops.backend.PortableBackend`)."""
     import warnings
 
     import onnx.backend.test
@@ -37,7 +38,7 @@ def backend_test_cases(module_name: str = __name__) -> dict[str, type[unittest.T
 
     with warnings.catch_warnings():  # building onnx's in-memory cases warns about other ops' data
         warnings.simplefilter("ignore", RuntimeWarning)
-        suite = onnx.backend.test.BackendTest(backend, module_name)
+        suite = onnx.backend.test.BackendTest(backend.PortableBackend if portable else backend, module_name)
     suite.include(PATTERN)
     cases = {}
     for name, case_class in suite.test_cases.items():
@@ -50,10 +51,11 @@ def backend_test_cases(module_name: str = __name__) -> dict[str, type[unittest.T
     return cases
 
 
-def run_conformance() -> list[CaseResult]:
-    """Run every case of :data:`CASES`; one result per case, in that order."""
+def run_conformance(portable: bool = False) -> list[CaseResult]:
+    """Run every case of :data:`CASES`; one result per case, in that order (``portable``: on
+    the portable form, in plain onnxruntime)."""
     results: dict[str, CaseResult] = {}
-    for case_class in backend_test_cases().values():
+    for case_class in backend_test_cases(portable=portable).values():
         for test_name in unittest.defaultTestLoader.getTestCaseNames(case_class):
             name = re.sub(r"_cpu$", "", test_name)
             if name not in CASES:

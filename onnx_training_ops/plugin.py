@@ -32,6 +32,7 @@ EXACT_ATTRIBUTE = "exact_attributes"
 _REGISTERED_MARK = "onnx_training_ops.custom_ops_library"  # a session-config entry marking registered options
 
 _registered_ids: set[int] = set()
+_opdefs: dict = {}  # id -> onnxruntime_extensions' Opdef of our kernels
 _previous_hook = None
 _log = logging.getLogger(__name__)
 
@@ -82,6 +83,45 @@ def decode_attributes(text: str) -> dict:
     return {**{k: float.fromhex(v) for k, v in encoded["floats"].items()}, **encoded["strings"]}
 
 
+_EXTENSIONS = "onnxruntime_extensions"
+
+
+def extensions_pyop_module():
+    """onnxruntime-extensions' PyOp module (``onnxruntime_extensions._ocos``), loaded without
+    running the package's ``__init__`` unless the caller already imported the package.
+
+    The module is imported under a placeholder parent package that is removed right after,
+    so a later ``import onnxruntime_extensions`` runs the real ``__init__``, which finds this
+    same ``_ocos`` (and its compiled ``_extensions_pydll``) in ``sys.modules``: one op list,
+    one invocation hook, shared with the user's own PyOps. (One trace of the trick: on that
+    later package, ``_ocos`` is reached through ``from onnxruntime_extensions import _ocos``
+    or ``sys.modules``, not as an attribute set by the import system.)
+    """
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    name = f"{_EXTENSIONS}._ocos"
+    if name in sys.modules:
+        return sys.modules[name]
+    if _EXTENSIONS in sys.modules:
+        return importlib.import_module(name)
+    spec = importlib.util.find_spec(_EXTENSIONS)
+    if spec is None or not spec.submodule_search_locations:
+        raise TrainingOpError("onnxruntime-extensions is not installed: pip install onnxruntime-extensions "
+                              "(or prepare the model with portable=True, which needs no plugin)")
+    placeholder = types.ModuleType(_EXTENSIONS)
+    placeholder.__path__ = list(spec.submodule_search_locations)
+    placeholder.__package__ = _EXTENSIONS
+    sys.modules[_EXTENSIONS] = placeholder
+    try:
+        return importlib.import_module(name)
+    finally:
+        if sys.modules.get(_EXTENSIONS) is placeholder:
+            del sys.modules[_EXTENSIONS]
+
+
 def _make_kernel(op_type: str):
     step = STEPS[op_type]
 
@@ -96,9 +136,7 @@ def _make_kernel(op_type: str):
 def _hook(k_id, feed, attributes):
     if k_id not in _registered_ids:
         return _previous_hook(k_id, feed, attributes)
-    from onnxruntime_extensions._ocos import Opdef
-
-    opdef = Opdef._odlist[k_id]
+    opdef = _opdefs[k_id]
     try:
         try:
             outputs = opdef.body(*feed, **opdef.cast_attributes(attributes))
@@ -137,12 +175,13 @@ def _failed_outputs(opdef, feed, attributes: dict, error: Exception) -> list[np.
 
 
 def register() -> None:
-    """Register the optimizers with onnxruntime-extensions (idempotent; done on import)."""
+    """Register the optimizers with onnxruntime-extensions (idempotent; done by
+    :func:`session_options`, :func:`library_path` and ``prepare``, not on import)."""
     global _previous_hook
     if _registered_ids:
         return
-    from onnxruntime_extensions import PyCustomOpDef, onnx_op
-    from onnxruntime_extensions import _ocos
+    _ocos = extensions_pyop_module()
+    PyCustomOpDef, onnx_op = _ocos.PyCustomOpDef, _ocos.Opdef.declare
 
     float_types = (PyCustomOpDef.dt_float, PyCustomOpDef.dt_double)
     for op_type, spec in OPTIMIZERS.items():
@@ -155,6 +194,7 @@ def register() -> None:
                     attrs={EXACT_ATTRIBUTE: PyCustomOpDef.dt_string},
                 )(_make_kernel(op_type))
                 _registered_ids.add(id(opdef))
+                _opdefs[id(opdef)] = opdef
     _previous_hook = _ocos._on_pyop_invocation
     PyCustomOpDef.install_hooker(_hook)
 
@@ -184,10 +224,10 @@ def keep_freed_memory(limit_bytes: int = 1 << 30) -> bool:
 
 
 def library_path() -> str:
-    """Path of the onnxruntime-extensions custom-op library that hosts the kernels."""
-    from onnxruntime_extensions import get_library_path
-
-    return get_library_path()
+    """Path of the onnxruntime-extensions custom-op library that hosts the kernels (registered
+    first, so that options which register this path themselves see them)."""
+    register()
+    return extensions_pyop_module().get_library_path()
 
 
 def session_options(so: ort.SessionOptions | None = None) -> ort.SessionOptions:

@@ -23,6 +23,17 @@ def test_prepare_writes_a_prepared_model(tmp_path):
     assert onnx.load(target) == ot.prepare(source)
 
 
+def test_prepare_portable_writes_a_model_of_standard_ops_only(tmp_path):
+    source, target = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(optimizer_model("Adam", n=2), source)
+    result = run_cli("prepare", "--portable", str(source), str(target))
+    assert result.returncode == 0, result.stderr
+    assert "portable" in result.stdout
+    written = onnx.load(target)
+    assert written == ot.prepare(source, portable=True)
+    assert {n.domain for n in written.graph.node} <= {"", "ai.onnx"}
+
+
 def test_prepare_reports_invalid_models_without_a_traceback(tmp_path):
     source = tmp_path / "bad.onnx"
     model = optimizer_model("Momentum", attributes=dict(alpha=0.9, beta=0.1, mode="fast", norm_coefficient=0.0))

@@ -57,6 +57,7 @@ def test_every_dtype_pair_runs_and_keeps_the_parameter_dtype(op_type, x_type, x_
 
 
 def test_hook_hands_back_arrays_not_lists():
+    plugin.register()
     opdef_id = next(iter(plugin._registered_ids))
     from onnxruntime_extensions._ocos import Opdef
 

@@ -16,6 +16,7 @@ from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient
 from .fill_defaults import fill_default_attributes
 from .fit_runtime import fit_runtime
+from .lower_optimizers import lower_optimizers
 from .lower_recurrent import lower_recurrent
 from .split_multi_tensor import split_multi_tensor_nodes
 from .split_sequences import split_sequences
@@ -33,6 +34,17 @@ PASSES: list[tuple[str, Pass]] = [
     ("fill_default_attributes", fill_default_attributes),
     ("split_multi_tensor_nodes", split_multi_tensor_nodes),
     ("encode_exact_attributes", encode_exact_attributes),
+    ("fit_runtime", fit_runtime),
+]
+
+# The portable form: every optimizer node lowered to standard ONNX ops (no plugin needed).
+PORTABLE_PASSES: list[tuple[str, Pass]] = [
+    ("validate", validate),
+    ("split_sequences", split_sequences),
+    ("lower_recurrent", lower_recurrent),
+    ("expand_gradient", expand_gradient),
+    ("fill_default_attributes", fill_default_attributes),
+    ("lower_optimizers", lower_optimizers),
     ("fit_runtime", fit_runtime),
 ]
 
@@ -95,15 +107,24 @@ def _parsed(data: bytes, where: str) -> ModelProto:
     return model
 
 
-def prepare(model: ModelLike) -> ModelProto:
+def prepare(model: ModelLike, portable: bool = False) -> ModelProto:
     """Return a copy of ``model`` that a plain onnxruntime session (with :func:`session_options`) runs.
 
     Validates every node of ai.onnx.preview.training (raising TrainingOpError), expands
     Gradient nodes, fills default attributes, splits multi-tensor optimizer nodes, stores
     exact attribute values for the kernels and fits IR version and opsets to onnxruntime.
-    Idempotent; nodes of other domains are left as they are.
+    Idempotent; nodes of other domains are left as they are. Registers the kernels with
+    onnxruntime-extensions (so that options registering its library see them).
+
+    ``portable=True`` (:data:`PORTABLE_PASSES`) lowers the optimizer nodes to standard ONNX
+    ops instead: the result runs in any onnxruntime, or ``onnx.reference``, with nothing
+    registered.
     """
     result = load_model(model)
-    for _, run_pass in PASSES:
+    for _, run_pass in PORTABLE_PASSES if portable else PASSES:
         result = run_pass(result)
+    if not portable:
+        from ..plugin import register
+
+        register()
     return result

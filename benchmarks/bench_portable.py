@@ -1,0 +1,141 @@
+"""The portable form against the plugin graph path and TrainingSession's fast path (issue 10, part 3).
+
+    python benchmarks/bench_portable.py [--sizes 1e5,1e6,1e7] [--ops adam,momentum,adagrad] [--rounds 3]
+
+One optimizer step on n float32 parameters, median wall time per step; each contender's
+median over ``--rounds`` interleaved rounds. Contenders:
+
+* ``portable``: ``prepare(model, portable=True)`` (standard ONNX ops only) in a plain
+  onnxruntime session, nothing registered, IOBinding with X/V/H bound as one OrtValue in and
+  out (the state is updated in place, as the caller asks);
+* ``portable_swap``: the same, outputs into a second set of buffers swapped every step (as
+  the ``graph`` contender of ``onnx_training_ops.bench`` does);
+* ``graph``: the one-node model in ``onnx_training_ops.InferenceSession`` (the PyOp plugin)
+  with IOBinding, from ``onnx_training_ops.bench``;
+* ``fast_path``: ``TrainingSession`` fast path (the fused kernel in place), from the same module;
+* ``torch_fused``: ``torch.optim`` with ``fused=True`` when torch is installed.
+
+It also prints what onnxruntime's graph optimizer made of the portable model (node counts
+by op type before and after ``ORT_ENABLE_ALL``). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from onnx_training_ops import bench
+from onnx_training_ops.passes import prepare
+
+THREAD_OPTIONS = {"intra_op_num_threads": 0, "allow_spinning": False}
+
+
+def _options(intra: int = 0, spin: bool = False, optimized_path: str | None = None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = intra
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if optimized_path:
+        so.optimized_model_filepath = optimized_path
+    return so
+
+
+def portable_step(op: str, n: int, in_place: bool = True, intra: int = 0, spin: bool = False):
+    model = prepare(bench.step_model(op, n), portable=True)
+    sess = ort.InferenceSession(model.SerializeToString(), _options(intra, spin), providers=["CPUExecutionProvider"])
+    s = bench.make_state(op, n)
+    updated = [k for k in bench.STATE_NAMES[op] if k != "G"]
+    fixed = {"R": np.array(bench.R, np.float32), "T": np.array(bench.T, np.int64), "G": s["G"]}
+    sets = [{k: s[k] for k in updated}] + ([] if in_place else [{k: np.empty_like(s[k]) for k in updated}])
+    bindings = []
+    for i in range(len(sets)):
+        b = sess.io_binding()
+        for k, v in fixed.items():
+            b.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
+        for k in updated:
+            value = ort.OrtValue.ortvalue_from_numpy(sets[i][k])
+            b.bind_ortvalue_input(k, value)
+            target = value if in_place else ort.OrtValue.ortvalue_from_numpy(sets[1 - i][k])
+            b.bind_ortvalue_output(f"{k}_new", target)
+        bindings.append(b)
+    current = [0]
+    run = sess.run_with_iobinding
+
+    def step():
+        run(bindings[current[0]])
+        current[0] = (current[0] + 1) % len(bindings)
+
+    return step
+
+
+CONTENDERS = {
+    "portable": lambda op, n: portable_step(op, n, in_place=True),
+    "portable_swap": lambda op, n: portable_step(op, n, in_place=False),
+    "graph": bench.graph,
+    "fast_path": bench.training_session,
+    "torch_fused": bench.torch_fused,
+}
+
+
+def fusion_report(op: str, n: int = 1000) -> str:
+    """Node counts of the portable model by op type, before and after onnxruntime's optimizer."""
+    model = prepare(bench.step_model(op, n), portable=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "optimized.onnx")
+        so = _options(optimized_path=path)
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(path)
+    count = lambda m: collections.Counter(nd.op_type for nd in m.graph.node)  # noqa: E731
+    before, after = count(model), count(optimized)
+    fmt = lambda c: ", ".join(f"{k} {v}" for k, v in sorted(c.items()))  # noqa: E731
+    return (f"{op}: portable model {sum(before.values())} nodes ({fmt(before)}); after onnxruntime "
+            f"ORT_ENABLE_ALL {sum(after.values())} nodes ({fmt(after)}), "
+            f"{len(optimized.graph.initializer)} initializers")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1e5,1e6,1e7")
+    ap.add_argument("--ops", default="adam")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min-time", type=float, default=0.5, help="seconds per contender and round")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    args = ap.parse_args(argv)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    names = [c for c in args.contenders.split(",") if c]
+    print(f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, {os.cpu_count()} cores")
+    for op in args.ops.split(","):
+        print(fusion_report(op))
+        for n in sizes:
+            steps, results = {}, collections.defaultdict(list)
+            for name in names:
+                try:
+                    steps[name] = CONTENDERS[name](op, n)
+                except bench.NotAvailable as error:
+                    print(f"  {name}: not available ({error})")
+            for _ in range(args.rounds):  # interleaved rounds: load changes hit every contender alike
+                for name, step in steps.items():
+                    results[name].append(bench.time_step(step, args.min_time, max_reps=2000)["median_s"])
+            ms = {name: 1e3 * statistics.median(v) for name, v in results.items()}
+            ref = "graph" if "graph" in ms else next(iter(ms))
+            print(f"\n{op} n={n:.0e}: ms per step (median of {args.rounds} rounds), ratio to {ref}"
+                  + (", to torch_fused" if "torch_fused" in ms else ""))
+            for name, value in ms.items():
+                extra = f"  {value / ms['torch_fused']:6.2f}x torch fused" if "torch_fused" in ms else ""
+                print(f"  {name:<14} {value:9.3f} ms  {value / ms[ref]:6.2f}x {ref}{extra}")
+            del steps
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
