@@ -285,19 +285,42 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
         leaf_cut = set(gnode.input)
 
     grads = backprop(fwd_nodes, y_name, leaves, leaf_cut, em, constants, label)
+    finals = {}
     for i, out in enumerate(gnode.output):
         if not out:
             continue
         try:
-            g = grads[leaves[i]] or em.filled_like(0.0, leaves[i])
+            finals[i] = grads[leaves[i]] or em.filled_like(0.0, leaves[i])
         except LookupError as e:
             raise TrainingOpError(f"{label}: cannot build the zero gradient of "
                                   f"{leaves[i]!r}: {e}") from None
-        em.add_node(helper.make_node("Identity", [g], [out], name=f"{prefix}output_{i}"))
+    # a gradient computed by one node of ours that nothing else reads takes the output's
+    # name; others get an Identity (one node less per parameter on every step)
+    producer = {o: n for n in em.nodes for o in n.output if o}
+    read = {name for n in em.nodes for name in n.input} | {y_name}
+    once = [g for g in finals.values()]
+    for i, g in finals.items():
+        out = gnode.output[i]
+        node = producer.get(g)
+        if node is not None and g not in read and once.count(g) == 1 and not _subgraph_reads(em.nodes, g):
+            node.output[list(node.output).index(g)] = out
+        else:
+            em.add_node(helper.make_node("Identity", [g], [out], name=f"{prefix}output_{i}"))
         meta[out] = meta.get(leaves[i], ValueMeta())
     taken.update(n.output[0] for n in em.nodes if n.output)
     taken.update(n.output[0] for n in copies if n.output)
     return copies + em.nodes
+
+
+def _subgraph_reads(nodes, name: str) -> bool:
+    """Whether a subgraph of ``nodes`` reads ``name`` from the enclosing scope."""
+    for node in nodes:
+        for attr in node.attribute:
+            graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for g in graphs:
+                if any(name in n.input for n in g.node) or _subgraph_reads(g.node, name):
+                    return True
+    return False
 
 
 # ----------------------------------------------------------------------------- graphs

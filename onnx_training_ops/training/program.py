@@ -53,6 +53,7 @@ class Program:
     cut_outputs: set = field(default_factory=set)
     flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
     prescale: dict = field(default_factory=dict)  # state X -> its folded decay factor (AdamW)
+    bound_feeds: dict = field(default_factory=dict)  # feed name -> (array, shape, dtype) bound last step
     # set when the session opens / after the first run
     uses_plugin: bool = False
     run: Any = None
