@@ -49,6 +49,9 @@ MIN_API_VERSION = 17  # KernelContext_ParallelFor
 OP_VERSION = 16  # OrtCustomOp fields read up to KernelComputeV2 (CreateKernelV2/KernelComputeV2 need 16)
 PARALLEL_MIN = 1 << 15  # elements: below, one thread (waking the pool costs more)
 CHUNK = 1 << 16  # elements per ParallelFor task
+# Read shapes with GetTensorElementTypeAndShapeDataReference (API >= 24, no allocation) where
+# the runtime has it; False forces the older GetTensorTypeAndShape route (tests cover both).
+USE_SHAPE_REFERENCE = True
 
 # ONNXTensorElementDataType, OrtCustomOpInputOutputCharacteristic
 _UNDEFINED, _INT64 = 0, 7
@@ -220,6 +223,9 @@ def _state_block(op_type: str, api: int, info: int, calls: _Api) -> int:
     words[nk.ST_FREE] = _free_address()
     words[nk.ST_PARALLEL_MIN] = PARALLEL_MIN
     words[nk.ST_CHUNK] = CHUNK
+    if USE_SHAPE_REFERENCE and _api_version() >= nk.SHAPE_REFERENCE_API:
+        words[nk.ST_SHAPE_REFERENCE] = ctypes.cast(api, ctypes.POINTER(ctypes.c_void_p))[
+            nk.API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE]
     for k, value in enumerate(attrs):
         words[nk.ST_ATTRS + k] = struct.unpack("<q", struct.pack("<d", value))[0]
     memory = _libc().malloc(len(block))

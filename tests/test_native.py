@@ -238,3 +238,21 @@ def test_first_session_in_a_fresh_process_is_quick():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     _, first_session = map(float, out.stdout.split())
     assert first_session < 5.0, first_session  # compiling would take ~15 s
+
+
+@pytest.mark.parametrize("op_type,mode", VARIANTS, ids=VARIANT_IDS)
+def test_shapes_read_through_the_older_api_too(op_type, mode, monkeypatch):
+    """onnxruntime < 1.24 lacks GetTensorElementTypeAndShapeDataReference: the kernels then
+    read shapes with GetTensorTypeAndShape (forced here)."""
+    monkeypatch.setattr(native, "USE_SHAPE_REFERENCE", False)
+    rng = np.random.default_rng(5)
+    k = 4 if op_type == "Adam" else 3
+    groups = [tuple(rng.random((2, 3)) for _ in range(k)),
+              (rng.random((4,)),) + tuple(rng.random(shape) for shape in [(1,), (4,), ()][:k - 1])]
+    attributes = dict(alpha=0.5, beta=0.25, mode=mode, norm_coefficient=0.0) if op_type == "Momentum" else {}
+    r, t = np.array(0.5), np.array(3, np.int64)
+    model, feed, outputs = single_node_model(op_type, r, t, groups, attributes)
+    got = ot.InferenceSession(model, kernels="native").run(outputs, feed)
+    expected = ot.kernels.REFERENCE_KERNELS[op_type](r, t, *[g[j] for j in range(k) for g in groups], **attributes)
+    for name, o, e in zip(outputs, got, expected):
+        np.testing.assert_array_equal(o, e, err_msg=name)

@@ -52,7 +52,9 @@ API_RELEASE_STATUS = 93
 API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99
 API_KERNEL_INFO_GET_NODE_NAME = 244  # since API 15
 API_KERNEL_CONTEXT_PARALLEL_FOR = 274  # since API 17
-API_TABLE_LENGTH = 275  # entries this module reads (the runtime's table is longer)
+API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE = 414  # since API 24: no allocation
+API_TABLE_LENGTH = 275  # entries read through the table (index 414 is read only where it exists)
+SHAPE_REFERENCE_API = 24
 
 ORT_INVALID_ARGUMENT = 2
 ELEM_FLOAT, ELEM_INT64, ELEM_DOUBLE = 1, 7, 11
@@ -63,6 +65,7 @@ GROUPS_OUT = (3, 2, 2, 2)
 
 # kernel state words
 ST_API, ST_KIND, ST_CHUNK_F32, ST_CHUNK_F64, ST_FREE, ST_PARALLEL_MIN, ST_CHUNK = 0, 1, 2, 3, 4, 5, 6
+ST_SHAPE_REFERENCE = 7  # address of GetTensorElementTypeAndShapeDataReference, or 0 (API < 24)
 ST_ATTRS = 8  # 8 float64: adam alpha, beta, epsilon, norm, norm_post; momentum alpha, beta, norm;
 #               adagrad decay_factor, epsilon, norm
 ST_MESSAGES = 16  # ERR_COUNT char* error messages (naming the node)
@@ -129,6 +132,11 @@ def _call2(typingctx, fn, a, b):
 @intrinsic
 def _call3(typingctx, fn, a, b, c):
     return _make_call(3, False)(typingctx, fn, a, b, c)
+
+
+@intrinsic
+def _call4(typingctx, fn, a, b, c, d):
+    return _make_call(4, False)(typingctx, fn, a, b, c, d)
 
 
 @intrinsic
@@ -250,36 +258,45 @@ def _error(fns, state, code):
 
 
 @njit(**_OPTIONS)
-def _tensor(fns, value, out):
+def _tensor(fns, shape_reference, value, out):
     """Element type, dims and data address of an OrtValue tensor.
 
-    Returns ``(status, elem_type, dims, data)``; ``out`` is scratch for the out-parameters."""
+    Returns ``(status, elem_type, dims, data)``; ``out`` is scratch for the out-parameters.
+    With ``shape_reference`` (API >= 24) ``dims`` views onnxruntime's own shape: no allocation."""
     out_addr = out.ctypes.data
-    dims = np.empty(0, np.int64)
-    status = _call2(fns[API_GET_TENSOR_TYPE_AND_SHAPE], value, out_addr)
-    if status != 0:
-        return status, 0, dims, 0
-    info = out[0]
-    status = _call2(fns[API_GET_TENSOR_ELEMENT_TYPE], info, out_addr)
-    elem = out[0]
-    if status == 0:
-        status = _call2(fns[API_GET_DIMENSIONS_COUNT], info, out_addr)
-    if status == 0:
-        dims = np.empty(out[0], np.int64)
-        status = _call3(fns[API_GET_DIMENSIONS], info, dims.ctypes.data, np.int64(dims.size))
-    _call_void1(fns[API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO], info)
-    if status != 0:
-        return status, 0, dims, 0
+    if shape_reference != 0:
+        out[0] = 0
+        status = _call4(shape_reference, value, out_addr, out_addr + 8, out_addr + 16)
+        if status != 0:
+            return status, 0, carray(_ptr(0, _I64), 0), 0
+        elem = out[0] & 0xFFFFFFFF
+        dims = carray(_ptr(out[1], _I64), out[2])
+    else:
+        dims = carray(_ptr(0, _I64), 0)
+        status = _call2(fns[API_GET_TENSOR_TYPE_AND_SHAPE], value, out_addr)
+        if status != 0:
+            return status, 0, dims, 0
+        info = out[0]
+        status = _call2(fns[API_GET_TENSOR_ELEMENT_TYPE], info, out_addr)
+        elem = out[0] & 0xFFFFFFFF
+        if status == 0:
+            status = _call2(fns[API_GET_DIMENSIONS_COUNT], info, out_addr)
+        if status == 0:
+            dims = np.empty(out[0], np.int64)
+            status = _call3(fns[API_GET_DIMENSIONS], info, dims.ctypes.data, np.int64(dims.size))
+        _call_void1(fns[API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO], info)
+        if status != 0:
+            return status, 0, dims, 0
     status = _call2(fns[API_GET_TENSOR_MUTABLE_DATA], value, out_addr)
-    return status, elem & 0xFFFFFFFF, dims, out[0]
+    return status, elem, dims, out[0]
 
 
 @njit(**_OPTIONS)
-def _input(fns, context, index, out):
+def _input(fns, shape_reference, context, index, out):
     status = _call3(fns[API_KERNEL_CONTEXT_GET_INPUT], context, np.int64(index), out.ctypes.data)
     if status != 0:
-        return status, 0, np.empty(0, np.int64), 0
-    return _tensor(fns, out[0], out)
+        return status, 0, carray(_ptr(0, _I64), 0), 0
+    return _tensor(fns, shape_reference, out[0], out)
 
 
 @njit(**_OPTIONS)
@@ -341,6 +358,7 @@ def _compute(state_addr, context):
     attrs = carray(_ptr(state_addr, np.float64(0)), ST_WORDS)[ST_ATTRS:ST_ATTRS + 8]
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
     kind = state[ST_KIND]
+    shape_reference = state[ST_SHAPE_REFERENCE]
     out = np.zeros(4, np.int64)
     status = _call2(fns[API_KERNEL_CONTEXT_GET_INPUT_COUNT], context, out.ctypes.data)
     if status != 0:
@@ -356,7 +374,7 @@ def _compute(state_addr, context):
     if n_in < 2 + k_in or (n_in - 2) % k_in != 0 or n_out != n * k_out:
         return _error(fns, state, ERR_ARITY)
 
-    status, elem, dims, data = _input(fns, context, 0, out)
+    status, elem, dims, data = _input(fns, shape_reference, context, 0, out)
     if status != 0:
         return status
     if dims.size > 1 or _count(dims) != 1:
@@ -367,7 +385,7 @@ def _compute(state_addr, context):
         r = carray(_ptr(data, np.float64(0)), 1)[0]
     else:
         return _error(fns, state, ERR_RATE)
-    status, elem, dims, data = _input(fns, context, 1, out)
+    status, elem, dims, data = _input(fns, shape_reference, context, 1, out)
     if status != 0:
         return status
     if elem != ELEM_INT64 or dims.size > 1 or _count(dims) != 1:
@@ -400,8 +418,10 @@ def _compute(state_addr, context):
         jf[JOB_SCALARS + 2] = attrs[1] if t > 0 else 1.0
         jf[JOB_SCALARS + 3] = attrs[2]
 
+    scratch = np.empty(0, np.uint8)  # broadcast inputs expanded to X's shape, if any
     for i in range(n):
-        status, x_elem, x_dims, x_data = _input(fns, context, 2 + i, out)
+        expanded = False
+        status, x_elem, x_dims, x_data = _input(fns, shape_reference, context, 2 + i, out)
         if status != 0:
             return status
         if x_elem != ELEM_FLOAT and x_elem != ELEM_DOUBLE:
@@ -409,9 +429,8 @@ def _compute(state_addr, context):
         size = 4 if x_elem == ELEM_FLOAT else 8
         count = _count(x_dims)
         job[JOB_IN] = x_data
-        scratch = np.empty(0, np.uint8)  # broadcast inputs expanded to X's shape, if any
         for j in range(1, k_in):
-            status, elem, dims, data = _input(fns, context, 2 + j * n + i, out)
+            status, elem, dims, data = _input(fns, shape_reference, context, 2 + j * n + i, out)
             if status != 0:
                 return status
             if elem != x_elem:
@@ -419,7 +438,8 @@ def _compute(state_addr, context):
             if not _broadcasts_to(dims, x_dims):
                 return _error(fns, state, ERR_SHAPE)
             if _count(dims) != count:
-                if scratch.size == 0:
+                if not expanded:
+                    expanded = True
                     scratch = np.empty(max(count * size * (k_in - 1), 1), np.uint8)
                 part = scratch[(j - 1) * count * size:j * count * size]
                 _expand(data, dims, x_dims, part, size)
@@ -436,7 +456,7 @@ def _compute(state_addr, context):
                 return status
             job[JOB_OUT + j] = out[0]
         job[JOB_N] = count
-        if count >= state[ST_PARALLEL_MIN] and scratch.size == 0:
+        if count >= state[ST_PARALLEL_MIN] and not expanded:
             chunk = state[ST_CHUNK]
             job[JOB_CHUNK] = chunk
             worker = state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64]
