@@ -3,12 +3,15 @@
     python benchmarks/bench_native.py [--sizes 1e5,1e6,1e7] [--rounds 5] [--min-time 0.3]
 
 Table 1: one float32 Adam step (T=10) at each size, median of per-round medians over
-interleaved rounds, and the ratio to ``torch.optim.Adam(fused=True)``:
+interleaved rounds (each contender in its own process), and the median per-round ratio to
+``torch.optim.Adam(fused=True)``:
 
-* ``native t2`` / ``native t1``: the one-node model prepared with ``kernels="native"``,
-  run with IOBinding (inputs zero-copy, outputs bound to preallocated buffers, two
-  bindings swapping X/V/H sets) with 2 intra-op threads (the kernel splits the tensor
-  over onnxruntime's pool) or 1, no spinning; the layout of ``bench.graph_session``;
+* ``native``: the one-node model prepared with ``kernels="native"``, run with IOBinding
+  (inputs zero-copy, outputs bound to preallocated buffers, two bindings swapping X/V/H
+  sets: the layout of ``bench.graph_session``), 2 intra-op threads (the kernel splits the
+  tensor over onnxruntime's pool), no spinning;
+* ``native in-place``: the same, but each of X/V/H bound as both input and output (one
+  OrtValue): the documented way to update state in place;
 * ``pyop``: the same model and binding with ``kernels="pyop"`` (bench's GRAPH_OPTIONS);
 * ``fast path``: ``TrainingSession`` fast path (bench's ``training_session`` contender);
 * ``torch fused``: bench's ``torch_fused`` contender.
@@ -24,6 +27,7 @@ numba cache load, probe, session creation, first run).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -34,30 +38,68 @@ import numpy as np
 from onnx_training_ops import bench, native
 
 
+def native_in_place(n: int, threads: int = 2):
+    """The one-node model, native kernels, each of X/V/H bound as input and output (one
+    OrtValue each): the kernel updates the caller's state buffers in place."""
+    import onnxruntime as ort
+
+    from onnx_training_ops.session import InferenceSession
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = InferenceSession(bench.step_model("adam", n), sess_options=so, kernels="native")
+    s = bench.make_state("adam", n)
+    binding = sess.io_binding()
+    binding.bind_cpu_input("R", np.array(bench.R, np.float32))
+    binding.bind_cpu_input("T", np.array(bench.T, np.int64))
+    for k, a in s.items():
+        value = ort.OrtValue.ortvalue_from_numpy(a)
+        binding.bind_ortvalue_input(k, value)
+        if k != "G":
+            binding.bind_ortvalue_output(f"{k}_new", value)
+    run = sess.run_with_iobinding
+    return lambda: run(binding)
+
+
+NATIVE_OPTIONS = {"intra_op_num_threads": 2, "allow_spinning": False}
 CONTENDERS = {
-    "native t2": lambda n: bench.graph_session("adam", n, {"intra_op_num_threads": 2, "allow_spinning": False},
-                                               kernels="native")[1],
-    "native t1": lambda n: bench.graph_session("adam", n, {"intra_op_num_threads": 1, "allow_spinning": False},
-                                               kernels="native")[1],
+    "native": lambda n: bench.graph_session("adam", n, NATIVE_OPTIONS, kernels="native")[1],
+    "native in-place": lambda n: native_in_place(n),
     "pyop": lambda n: bench.graph_session("adam", n, kernels="pyop")[1],
     "fast path": lambda n: bench.training_session("adam", n),
     "torch fused": lambda n: bench.torch_fused("adam", n),
 }
 
 
+def worker(name: str, sizes, min_time: float) -> None:
+    """Time one contender at each size in this process; print ``{n: median_s}`` as JSON."""
+    result = {}
+    for n in sizes:
+        step = CONTENDERS[name](n)
+        result[n] = bench.time_step(step, min_time, max_reps=2000)["median_s"]
+        del step
+    print(json.dumps(result))
+
+
 def step_table(sizes, rounds: int, min_time: float) -> list[dict]:
+    """Each contender in its own process (no thread pool of one contender spinning while
+    another runs), the contenders interleaved round by round."""
+    per_round = {name: {n: [] for n in sizes} for name in CONTENDERS}
+    for _ in range(rounds):
+        for name in CONTENDERS:
+            out = subprocess.run([sys.executable, __file__, "--worker", name, "--sizes", ",".join(map(str, sizes)),
+                                  "--min-time", str(min_time)], capture_output=True, text=True, check=True)
+            for n, seconds in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                per_round[name][int(n)].append(seconds)
     rows = []
     for n in sizes:
-        steps = {name: make(n) for name, make in CONTENDERS.items()}
-        per_round = {name: [] for name in steps}
-        for _ in range(rounds):
-            for name, step in steps.items():
-                per_round[name].append(bench.time_step(step, min_time, max_reps=2000)["median_s"])
-        median = {name: statistics.median(v) for name, v in per_round.items()}
-        ratio = {name: statistics.median(a / b for a, b in zip(per_round[name], per_round["torch fused"]))
-                 for name in steps}
-        rows.append({"n": n, "median": median, "ratio": ratio})
-        del steps
+        torch_times = per_round["torch fused"][n]
+        rows.append({
+            "n": n,
+            "median": {name: statistics.median(v[n]) for name, v in per_round.items()},
+            "ratio": {name: statistics.median(a / b for a, b in zip(v[n], torch_times)) for name, v in per_round.items()},
+        })
     return rows
 
 
@@ -140,8 +182,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1e5,1e6,1e7")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=0.3)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
+    if args.worker:
+        worker(args.worker, sizes, args.min_time)
+        return 0
     ok, reason = native.availability()
     if not ok:
         print(f"native kernels unavailable: {reason}")
@@ -153,7 +199,7 @@ def main(argv=None) -> int:
     rows = step_table(sizes, args.rounds, args.min_time)
     names = list(CONTENDERS)
     print("float32 Adam, one step: ms (ratio to torch fused)")
-    print(f"{'params':>8} " + " ".join(f"{n:>20}" for n in names))
+    print(f"{'params':>8} " + " ".join(f"{n:>20}" for n in names))  # noqa: E501
     for row in rows:
         cells = [f"{_ms(row['median'][n])} ({row['ratio'][n]:5.2f}x)" for n in names]
         print(f"{row['n']:>8.0e} " + " ".join(f"{c:>20}" for c in cells))
