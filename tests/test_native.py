@@ -132,34 +132,29 @@ def test_large_tensors_split_over_the_thread_pool(op_type, mode, dtype):
         np.testing.assert_array_equal(o, e, err_msg=name)
 
 
-def _adam_binding_model(n: int):
-    names = ["R", "T", "X", "G", "V", "H"]
-    node = helper.make_node("Adam", names, ["X_new", "V_new", "H_new"], domain=DOMAIN, name="step")
-    value = lambda k, t=TensorProto.FLOAT, s=(n,): helper.make_tensor_value_info(k, t, s)  # noqa: E731
-    graph = helper.make_graph([node], "g", [value("R", s=()), value("T", TensorProto.INT64, ())]
-                              + [value(k) for k in names[2:]], [value(k) for k in ("X_new", "V_new", "H_new")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
-
-
 @pytest.mark.parametrize("n", [16, 200_000])
-def test_iobinding_same_value_in_and_out_updates_in_place(n):
+@pytest.mark.parametrize("op_type,mode", VARIANTS, ids=VARIANT_IDS)
+def test_iobinding_same_value_in_and_out_updates_in_place(op_type, mode, n):
     """The documented way to update state in place: bind one OrtValue as input and output."""
-    sess = ot.InferenceSession(_adam_binding_model(n), kernels="native")
+    attributes = dict(alpha=0.5, beta=0.25, mode=mode, norm_coefficient=0.0625) if op_type == "Momentum" else None
+    sess = ot.InferenceSession(optimizer_model(op_type, shapes=[[n]], attributes=attributes), kernels="native")
+    groups = {"Adam": "XGVH", "Momentum": "XGV", "Adagrad": "XGH"}[op_type]
     rng = np.random.default_rng(0)
-    state = {k: rng.random(n, dtype=np.float32) for k in "XGVH"}
+    state = {k: rng.random(n, dtype=np.float32) for k in groups}
     r, t = np.array(0.1, np.float32), np.array(2, np.int64)
-    expected = ot.kernels.adam(r, t, state["X"], state["G"], state["V"], state["H"])
+    expected = ot.kernels.REFERENCE_KERNELS[op_type](r, t, *state.values(), **(attributes or {}))
     values = {k: ort.OrtValue.ortvalue_from_numpy(a) for k, a in state.items()}
     binding = sess.io_binding()
     binding.bind_cpu_input("R", r)
     binding.bind_cpu_input("T", t)
     for k, v in values.items():
-        binding.bind_ortvalue_input(k, v)
-    for k in "XVH":
-        binding.bind_ortvalue_output(f"{k}_new", values[k])
+        binding.bind_ortvalue_input(f"{k}0", v)
+    updated = [k for k in groups if k != "G"]
+    for k in updated:
+        binding.bind_ortvalue_output(f"{k}0_new", values[k])
     sess.run_with_iobinding(binding)
-    for k, e in zip("XVH", expected):
-        np.testing.assert_array_equal(state[k], e)  # the numpy arrays behind the OrtValues
+    for k, e in zip(updated, expected):
+        np.testing.assert_array_equal(state[k], e, err_msg=k)  # the numpy arrays behind the OrtValues
 
 
 @pytest.mark.parametrize("kernels", PATHS)

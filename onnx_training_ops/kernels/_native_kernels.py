@@ -32,6 +32,8 @@ from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
+from . import _numba_kernels as _k
+
 # ---- OrtApi function indices (0-based position in struct OrtApi, onnxruntime_c_api.h) ----
 API_CREATE_STATUS = 0
 API_GET_ERROR_CODE = 1
@@ -225,10 +227,25 @@ def _run_chunk(job_addr, index, like, size):
     s1 = carray(_ptr(job[JOB_IN + 2] + offset, like), m)
     xo = carray(_ptr(job[JOB_OUT] + offset, like), m)
     s1o = carray(_ptr(job[JOB_OUT + 1] + offset, like), m)
+    # Outputs bound onto their inputs (IOBinding, one OrtValue each): the in-place loops. The
+    # out-of-place ones stay correct on aliased memory but LLVM's overlap check then sends
+    # them down a scalar path, ~10x slower.
+    in_place = job[JOB_OUT] == job[JOB_IN] and job[JOB_OUT + 1] == job[JOB_IN + 2] and (
+        kind != KIND_ADAM or job[JOB_OUT + 2] == job[JOB_IN + 3])
     if kind == KIND_ADAM:
         s2 = carray(_ptr(job[JOB_IN + 3] + offset, like), m)
-        s2o = carray(_ptr(job[JOB_OUT + 2] + offset, like), m)
-        _adam(x, g, s1, s2, xo, s1o, s2o, s)
+        if in_place:
+            _k.adam_serial(x, g, s1, s2, s)
+        else:
+            s2o = carray(_ptr(job[JOB_OUT + 2] + offset, like), m)
+            _adam(x, g, s1, s2, xo, s1o, s2o, s)
+    elif in_place:
+        if kind == KIND_MOMENTUM:
+            _k.momentum_serial(x, g, s1, s)
+        elif kind == KIND_NESTEROV:
+            _k.nesterov_serial(x, g, s1, s)
+        else:
+            _k.adagrad_serial(x, g, s1, s)
     elif kind == KIND_MOMENTUM:
         _momentum(x, g, s1, xo, s1o, s)
     elif kind == KIND_NESTEROV:
