@@ -4,7 +4,7 @@
 
 Table 1: one float32 Adam step (T=10) at each size, median of per-round medians over
 interleaved rounds (each contender in its own process), and the median per-round ratio to
-``torch.optim.Adam(fused=True)``:
+``torch.optim.Adam(fused=True)`` (the faster of its 2-thread and 1-thread runs that round):
 
 * ``native``: the one-node model prepared with ``kernels="native"``, run with IOBinding
   (inputs zero-copy, outputs bound to preallocated buffers, two bindings swapping X/V/H
@@ -14,7 +14,8 @@ interleaved rounds (each contender in its own process), and the median per-round
   OrtValue): the documented way to update state in place;
 * ``pyop``: the same model and binding with ``kernels="pyop"`` (bench's GRAPH_OPTIONS);
 * ``fast path``: ``TrainingSession`` fast path (bench's ``training_session`` contender);
-* ``torch fused``: bench's ``torch_fused`` contender.
+* ``torch fused``: bench's ``torch_fused`` contender; ``torch fused t1``: the same with
+  ``torch.set_num_threads(1)``.
 
 Table 2: per-call cost of a 16-element Adam node (native) vs an onnxruntime ``Add`` node of
 16 elements, each the only node of a plain ``onnxruntime.InferenceSession`` run with
@@ -69,7 +70,18 @@ CONTENDERS = {
     "pyop": lambda n: bench.graph_session("adam", n, kernels="pyop")[1],
     "fast path": lambda n: bench.training_session("adam", n),
     "torch fused": lambda n: bench.torch_fused("adam", n),
+    "torch fused t1": lambda n: _torch_one_thread(n),
 }
+BASELINES = ("torch fused", "torch fused t1")
+
+
+def _torch_one_thread(n: int):
+    """torch fused Adam on one thread: on a loaded 2-core machine its 2-thread OpenMP
+    barrier waits for a scheduler slice (8-16 ms per step whatever the size)."""
+    import torch
+
+    torch.set_num_threads(1)
+    return bench.torch_fused("adam", n)
 
 
 def worker(name: str, sizes, min_time: float) -> None:
@@ -94,7 +106,7 @@ def step_table(sizes, rounds: int, min_time: float) -> list[dict]:
                 per_round[name][int(n)].append(seconds)
     rows = []
     for n in sizes:
-        torch_times = per_round["torch fused"][n]
+        torch_times = [min(pair) for pair in zip(*(per_round[b][n] for b in BASELINES))]
         rows.append({
             "n": n,
             "median": {name: statistics.median(v[n]) for name, v in per_round.items()},
@@ -198,7 +210,7 @@ def main(argv=None) -> int:
     print()
     rows = step_table(sizes, args.rounds, args.min_time)
     names = list(CONTENDERS)
-    print("float32 Adam, one step: ms (ratio to torch fused)")
+    print("float32 Adam, one step: ms (median per-round ratio to the faster torch fused, 2 threads or 1)")
     print(f"{'params':>8} " + " ".join(f"{n:>20}" for n in names))  # noqa: E501
     for row in rows:
         cells = [f"{_ms(row['median'][n])} ({row['ratio'][n]:5.2f}x)" for n in names]
