@@ -376,7 +376,9 @@ def _compute(state_addr, context):
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
     kind = state[ST_KIND]
     shape_reference = state[ST_SHAPE_REFERENCE]
-    out = np.zeros(4, np.int64)
+    work = np.zeros(JOB_WORDS + 4, np.int64)  # one allocation: the job, then out-parameter scratch
+    job = work[:JOB_WORDS]
+    out = work[JOB_WORDS:]
     status = _call2(fns[API_KERNEL_CONTEXT_GET_INPUT_COUNT], context, out.ctypes.data)
     if status != 0:
         return status
@@ -409,8 +411,7 @@ def _compute(state_addr, context):
         return _error(fns, state, ERR_COUNT_T)
     t = carray(_ptr(data, _I64), 1)[0]
 
-    job = np.zeros(JOB_WORDS, np.int64)
-    jf = job.view(np.float64)
+    jf = carray(_ptr(job.ctypes.data, np.float64(0)), JOB_WORDS)
     job[JOB_KIND] = kind
     if kind == KIND_ADAM:
         alpha, beta = attrs[0], attrs[1]
@@ -435,7 +436,7 @@ def _compute(state_addr, context):
         jf[JOB_SCALARS + 2] = attrs[1] if t > 0 else 1.0
         jf[JOB_SCALARS + 3] = attrs[2]
 
-    scratch = np.empty(0, np.uint8)  # broadcast inputs expanded to X's shape, if any
+    scratch = carray(_ptr(work.ctypes.data, np.uint8(0)), 0)  # broadcast inputs expanded to X's shape, if any
     for i in range(n):
         expanded = False
         status, x_elem, x_dims, x_data = _input(fns, shape_reference, context, 2 + i, out)
@@ -488,6 +489,7 @@ def _compute(state_addr, context):
             else:
                 _run_chunk(job.ctypes.data, 0, np.float64(0), 8)
         _keep(scratch)  # the expanded inputs live until the update has run
+    _keep(work)
     return 0
 
 
