@@ -110,7 +110,8 @@ def step_table(sizes, rounds: int, min_time: float) -> list[dict]:
         rows.append({
             "n": n,
             "median": {name: statistics.median(v[n]) for name, v in per_round.items()},
-            "ratio": {name: statistics.median(a / b for a, b in zip(v[n], torch_times)) for name, v in per_round.items()},
+            "ratio": {name: statistics.median(a / b for a, b in zip(v[n], torch_times))
+                      for name, v in per_round.items()},
         })
     return rows
 
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
     rows = step_table(sizes, args.rounds, args.min_time)
     names = list(CONTENDERS)
     print("float32 Adam, one step: ms (median per-round ratio to the faster torch fused, 2 threads or 1)")
-    print(f"{'params':>8} " + " ".join(f"{n:>20}" for n in names))  # noqa: E501
+    print(f"{'params':>8} " + " ".join(f"{n:>20}" for n in names))
     for row in rows:
         cells = [f"{_ms(row['median'][n])} ({row['ratio'][n]:5.2f}x)" for n in names]
         print(f"{row['n']:>8.0e} " + " ".join(f"{c:>20}" for c in cells))

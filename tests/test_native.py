@@ -18,12 +18,10 @@ import onnxruntime as ort
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
 
 import onnx_training_ops as ot
 from onnx_training_ops import native
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.kernels import _native_kernels as nk
 from onnx_training_ops.schema import DOMAIN
 
 from model_factory import optimizer_model, single_node_model
