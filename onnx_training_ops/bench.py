@@ -210,11 +210,12 @@ GRAPH_VARIANTS = {
 }
 
 
-def graph_session(op: str, n: int, options: dict | None = None):
+def graph_session(op: str, n: int, options: dict | None = None, kernels: str = "pyop"):
     """``(session, step)``: the one-node model in :class:`onnx_training_ops.InferenceSession`
     run with IOBinding. Inputs are bound zero-copy (``OrtValue.ortvalue_from_numpy``),
     outputs to preallocated buffers; two bindings swap the roles of two sets of X/V/H
-    buffers, so each step's new state is the next step's input without a copy."""
+    buffers, so each step's new state is the next step's input without a copy.
+    ``kernels``: the PyOp path unless told otherwise (``benchmarks/bench_native.py`` times both)."""
     import onnxruntime as ort
 
     from . import plugin
@@ -226,7 +227,7 @@ def graph_session(op: str, n: int, options: dict | None = None):
     so.intra_op_num_threads = options["intra_op_num_threads"]
     if not options["allow_spinning"]:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = InferenceSession(step_model(op, n), sess_options=so)
+    sess = InferenceSession(step_model(op, n), sess_options=so, kernels=kernels)
     s = make_state(op, n)
     updated = [k for k in STATE_NAMES[op] if k != "G"]
     sets = [{k: s[k] for k in updated}, {k: np.empty_like(s[k]) for k in updated}]

@@ -23,7 +23,7 @@ import numpy as np
 
 MLP_CONTENDERS = {
     "training_session_fast": "TrainingSession fast path (in-place fused Adam)",
-    "training_session_graph": "TrainingSession full graph (fast=False, Adam via PyOp)",
+    "training_session_graph": "TrainingSession full graph (fast=False, Adam via the native kernels where they work)",
     "torch_eager": "torch eager, torch.optim.Adam (default impl)",
     "torch_eager_fused": "torch eager, torch.optim.Adam(fused=True)",
 }

@@ -237,6 +237,17 @@ def session_options(so: ort.SessionOptions | None = None) -> ort.SessionOptions:
     try:  # registering twice makes every session of these options fail ("Conflicting ... kernel")
         so.get_session_config_entry(_REGISTERED_MARK)
     except Exception:  # noqa: BLE001 - onnxruntime raises when the entry is absent
+        _register_native()
         so.register_custom_ops_library(library_path())
         so.add_session_config_entry(_REGISTERED_MARK, "1")
     return so
+
+
+def _register_native() -> None:
+    """Add the native kernels (:mod:`.native`) first, unless ``ONNX_TRAINING_OPS_KERNELS=pyop``."""
+    import os
+
+    if os.environ.get("ONNX_TRAINING_OPS_KERNELS", "").strip().lower() != "pyop":
+        from . import native
+
+        native.register()

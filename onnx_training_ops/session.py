@@ -12,13 +12,15 @@ import onnxruntime as ort
 
 from .passes import ModelLike, prepare
 from .errors import TrainingOpError
+from .native import native_error_message
 from .plugin import Interrupted, session_options, take_kernel_errors
 
 
 class InferenceSession(ort.InferenceSession):
     """``onnxruntime.InferenceSession`` for models that use ai.onnx.preview.training.
 
-    Takes a path, serialized bytes or a ModelProto, runs :func:`prepare` on it and
+    Takes a path, serialized bytes or a ModelProto, runs :func:`prepare` on it (``kernels``:
+    ``"native"``, ``"pyop"`` or None for the default, see :func:`prepare`) and
     registers the kernel library in ``sess_options`` (a copy is not made: the options
     object gains the library). Everything else — ``run``, ``get_inputs``,
     ``get_outputs``, ``io_binding`` — is onnxruntime's own.
@@ -29,9 +31,10 @@ class InferenceSession(ort.InferenceSession):
         model: ModelLike,
         sess_options: ort.SessionOptions | None = None,
         providers: Sequence[str | tuple[str, dict]] | None = None,
+        kernels: str | None = None,
         **kwargs: Any,
     ) -> None:
-        prepared = prepare(model)
+        prepared = prepare(model, kernels=kernels)
         self.prepared_model = prepared
         super().__init__(
             prepared.SerializeToString(),
@@ -49,7 +52,7 @@ class InferenceSession(ort.InferenceSession):
                                   f"{type(input_feed).__name__}")
         input_feed = {k: _native(k, v) for k, v in input_feed.items()}
         take_kernel_errors()
-        with sigint_held():
+        with sigint_held(), native_errors_raised():
             outputs = super().run(output_names, input_feed, run_options)
         raise_kernel_errors()
         return outputs
@@ -57,9 +60,21 @@ class InferenceSession(ort.InferenceSession):
     def run_with_iobinding(self, iobinding, run_options=None):
         """``onnxruntime.InferenceSession.run_with_iobinding`` with kernel errors raised."""
         take_kernel_errors()
-        with sigint_held():
+        with sigint_held(), native_errors_raised():
             super().run_with_iobinding(iobinding, run_options)
         raise_kernel_errors()
+
+
+@contextmanager
+def native_errors_raised():
+    """A native kernel's failure (an OrtStatus raised by onnxruntime) as TrainingOpError."""
+    try:
+        yield
+    except Exception as error:
+        message = native_error_message(error)
+        if message is None:
+            raise
+        raise TrainingOpError(message) from error
 
 
 @contextmanager

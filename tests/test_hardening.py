@@ -142,7 +142,9 @@ def test_plain_onnxruntime_sessions_report_through_take_kernel_errors_and_never_
 
     from onnx_training_ops import prepare, session_options
     model, bad, good = _failing_feed()
-    session = ort.InferenceSession(prepare(model).SerializeToString(), session_options(),
+    # PyOp path: a failing kernel returns NaN (a plain session raises nothing); the native
+    # kernels return an OrtStatus instead, which a plain session raises (tests/test_native.py)
+    session = ort.InferenceSession(prepare(model, kernels="pyop").SerializeToString(), session_options(),
                                    providers=["CPUExecutionProvider"])
     take_kernel_errors()
     out = session.run(None, bad)[0]
@@ -317,7 +319,9 @@ def test_prepare_handles_our_own_training_models(name):
     from onnx_training_ops import prepare
     from onnx_training_ops.plugin import EXACT_ATTRIBUTE
     model = onnx.load(os.path.join(MODELS, name))
-    prepared = prepare(model)
+    native = prepare(model, kernels="native").training_info[0].algorithm
+    assert [n.domain for n in native.node if n.op_type.startswith("Training")] == ["ai.onnx.contrib"]
+    prepared = prepare(model, kernels="pyop")
     algorithm = prepared.training_info[0].algorithm
     domain = [n for n in algorithm.node if n.domain == "ai.onnx.preview.training"]
     assert domain and all(n.op_type != "Gradient" for n in domain)

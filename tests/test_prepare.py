@@ -13,19 +13,21 @@ from onnx_training_ops.plugin import EXACT_ATTRIBUTE, decode_attributes
 
 
 def domain_nodes(model):
-    return [n for n in model.graph.node if n.domain == DOMAIN]
+    """The optimizer nodes: in the training domain (PyOp path) or in ai.onnx.contrib (native path)."""
+    return [n for n in model.graph.node if n.domain in (DOMAIN, "ai.onnx.contrib")]
 
 
 def test_multi_tensor_node_is_split_per_tensor():
-    prepared = ot.prepare(optimizer_model("Adam", n=3))
+    prepared = ot.prepare(optimizer_model("Adam", n=3), kernels="pyop")  # native nodes stay whole
     nodes = domain_nodes(prepared)
     assert len(nodes) == 3
     assert list(nodes[1].input) == ["R", "T", "X1", "G1", "V1", "H1"]
     assert list(nodes[1].output) == ["X1_new", "V1_new", "H1_new"]
 
 
-def test_defaults_are_filled_from_the_schema():
-    node = domain_nodes(ot.prepare(optimizer_model("Adagrad")))[0]
+@pytest.mark.parametrize("kernels", ["pyop", "native"])
+def test_defaults_are_filled_from_the_schema(kernels):
+    node = domain_nodes(ot.prepare(optimizer_model("Adagrad"), kernels=kernels))[0]
     attrs = {a.name: h.get_attribute_value(a) for a in node.attribute}
     assert attrs["decay_factor"] == 0.0
     assert attrs["epsilon"] == pytest.approx(1e-6)
@@ -34,7 +36,7 @@ def test_defaults_are_filled_from_the_schema():
 
 def test_exact_attributes_hold_the_float32_values():
     model = optimizer_model("Adam", attributes=dict(alpha=0.123456789))
-    node = domain_nodes(ot.prepare(model))[0]
+    node = domain_nodes(ot.prepare(model, kernels="pyop"))[0]  # the PyOp path's attribute
     exact = decode_attributes(next(a.s.decode() for a in node.attribute if a.name == EXACT_ATTRIBUTE))
     assert exact["alpha"] == float(np.float32(0.123456789))
     assert exact["alpha"] != 0.123457
@@ -51,10 +53,11 @@ def test_ir_version_and_opset_fit_onnxruntime():
     ot.InferenceSession(prepared)  # loads
 
 
-def test_missing_domain_import_is_added():
+@pytest.mark.parametrize("kernels,domain", [("pyop", DOMAIN), ("native", "ai.onnx.contrib")])
+def test_missing_domain_import_is_added(kernels, domain):
     model = optimizer_model("Momentum", opsets=[h.make_opsetid("", 17)])
-    prepared = ot.prepare(model)
-    assert {o.domain: o.version for o in prepared.opset_import}[DOMAIN] == 1
+    prepared = ot.prepare(model, kernels=kernels)
+    assert {o.domain: o.version for o in prepared.opset_import}[domain] == 1
 
 
 def test_prepare_is_idempotent_and_takes_paths_and_bytes(tmp_path):
@@ -85,15 +88,16 @@ def test_other_domains_are_untouched():
     assert prepared.graph.node[-1] == custom
 
 
-def test_empty_output_names_get_fresh_names():
+@pytest.mark.parametrize("kernels", ["pyop", "native"])
+def test_empty_output_names_get_fresh_names(kernels):
     model = optimizer_model("Adam", n=2)
     node = model.graph.node[0]
     node.output[2] = ""  # V0_new unused
     del model.graph.output[2]
-    prepared = ot.prepare(model)
+    prepared = ot.prepare(model, kernels=kernels)
     outputs = [o for n in domain_nodes(prepared) for o in n.output]
     assert all(outputs) and len(set(outputs)) == 6
-    session = ot.InferenceSession(model)
+    session = ot.InferenceSession(model, kernels=kernels)
     feeds = {i.name: np.ones([d.dim_value for d in i.type.tensor_type.shape.dim], np.float32) for i in model.graph.input}
     feeds["T"] = np.array(0, np.int64)
     assert len(session.run(None, feeds)) == 5
@@ -221,17 +225,28 @@ def test_errors_are_value_errors():
     assert issubclass(ot.TrainingOpError, ValueError)
 
 
-def test_run_time_errors_name_the_node_and_do_not_crash():
+# The PyOp path's messages also say what was found; the native kernels' are fixed texts.
+RUN_TIME_ERRORS = {
+    "pyop": (r"Momentum node 'opt': input 'R'.*found float32 of shape \[2\]",
+             r"Momentum node 'opt': tensor 0: shapes must broadcast"),
+    "native": (r"Momentum node 'opt': input 'R' must be a float32/float64 scalar of shape \[\] or \[1\]",
+               r"Momentum node 'opt': the shapes of G, V must broadcast to the shape of 'X'"),
+}
+
+
+@pytest.mark.parametrize("kernels", ["pyop", "native"])
+def test_run_time_errors_name_the_node_and_do_not_crash(kernels):
     model = optimizer_model("Momentum", shapes=[None], r_shape=None)
     model.graph.input[0].type.tensor_type.ClearField("shape")
-    session = ot.InferenceSession(model)
+    session = ot.InferenceSession(model, kernels=kernels)
     feeds = {"R": np.array([0.1, 0.2], np.float32), "T": np.array(1, np.int64),
              "X0": np.ones(3, np.float32), "G0": np.ones(3, np.float32), "V0": np.ones(3, np.float32)}
-    with pytest.raises(ot.TrainingOpError, match=r"Momentum node 'opt': input 'R'.*found float32 of shape \[2\]"):
+    rate_error, shape_error = RUN_TIME_ERRORS[kernels]
+    with pytest.raises(ot.TrainingOpError, match=rate_error):
         session.run(None, feeds)
     feeds["R"] = np.array(0.1, np.float32)
     feeds["G0"] = np.ones(4, np.float32)
-    with pytest.raises(ot.TrainingOpError, match=r"Momentum node 'opt': tensor 0: shapes must broadcast"):
+    with pytest.raises(ot.TrainingOpError, match=shape_error):
         session.run(None, feeds)
     feeds["G0"] = np.ones(3, np.float32)
     np.testing.assert_allclose(session.run(None, feeds)[0], np.full(3, 0.9, np.float32))

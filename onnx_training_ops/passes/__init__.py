@@ -1,6 +1,7 @@
 """The prepare pipeline: named passes that turn a valid training-domain graph into one onnxruntime runs.
 
-``prepare(model)`` = the passes of :data:`PASSES`, in order, on a copy of the model.
+``prepare(model)`` = the passes of :data:`PASSES` (PyOp kernels) or :data:`NATIVE_PASSES`
+(native kernels, see :mod:`onnx_training_ops.native`), in order, on a copy of the model.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .lower_optimizers import lower_optimizers
 from .lower_recurrent import lower_recurrent
 from .split_multi_tensor import split_multi_tensor_nodes
 from .split_sequences import split_sequences
+from .target_native import target_native
 from .validate import validate
 from ._graph import model_graphs
 
@@ -36,6 +38,11 @@ PASSES: list[tuple[str, Pass]] = [
     ("encode_exact_attributes", encode_exact_attributes),
     ("fit_runtime", fit_runtime),
 ]
+# The native kernels take multi-tensor nodes whole and read the attributes themselves.
+NATIVE_PASSES: list[tuple[str, Pass]] = [
+    (name, run_pass) for name, run_pass in PASSES
+    if name not in ("split_multi_tensor_nodes", "encode_exact_attributes", "fit_runtime")
+] + [("target_native", target_native), ("fit_runtime", fit_runtime)]
 
 # The portable form: every optimizer node lowered to standard ONNX ops (no plugin needed).
 PORTABLE_PASSES: list[tuple[str, Pass]] = [
@@ -107,12 +114,15 @@ def _parsed(data: bytes, where: str) -> ModelProto:
     return model
 
 
-def prepare(model: ModelLike, portable: bool = False) -> ModelProto:
+def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False) -> ModelProto:
     """Return a copy of ``model`` that a plain onnxruntime session (with :func:`session_options`) runs.
 
     Validates every node of ai.onnx.preview.training (raising TrainingOpError), expands
-    Gradient nodes, fills default attributes, splits multi-tensor optimizer nodes, stores
-    exact attribute values for the kernels and fits IR version and opsets to onnxruntime.
+    Gradient nodes, fills default attributes, then targets the optimizer kernels: the
+    native ones (nodes become ``ai.onnx.contrib::TrainingAdam`` etc.) or the PyOp ones
+    (multi-tensor nodes split, exact attribute values stored); last, fits IR version and
+    opsets to onnxruntime. ``kernels``: ``"native"``, ``"pyop"`` or ``None``/``"auto"``
+    (the ``ONNX_TRAINING_OPS_KERNELS`` environment variable, else native where it works).
     Idempotent; nodes of other domains are left as they are. Registers the kernels with
     onnxruntime-extensions (so that options registering its library see them).
 
@@ -120,8 +130,14 @@ def prepare(model: ModelLike, portable: bool = False) -> ModelProto:
     ops instead: the result runs in any onnxruntime, or ``onnx.reference``, with nothing
     registered.
     """
+    if portable:
+        passes = PORTABLE_PASSES
+    else:
+        from ..native import select_kernels
+
+        passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
     result = load_model(model)
-    for _, run_pass in PORTABLE_PASSES if portable else PASSES:
+    for _, run_pass in passes:
         result = run_pass(result)
     if not portable:
         from ..plugin import register

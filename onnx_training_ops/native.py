@@ -1,0 +1,478 @@
+"""Native optimizer kernels: numba ``cfunc`` kernels registered as ``OrtCustomOp`` structs
+through onnxruntime-extensions' exported ``AddExternalCustomOp``.
+
+Ops added that way are registered in the ``ai.onnx.contrib`` domain the next time
+``SessionOptions.register_custom_ops_library(get_library_path())`` runs, so
+:func:`onnx_training_ops.prepare` rewrites ``ai.onnx.preview.training::Adam`` into
+``ai.onnx.contrib::TrainingAdam`` (likewise Momentum, Adagrad) when it targets this path.
+The names differ from the PyOps' (``Adam``...) on purpose: the extensions library skips an
+external op whose name a PyOp already has, and in 0.15 that skip loops forever.
+
+Unlike the PyOp bridge, which copies every input into a new numpy array and every output
+back, these kernels read onnxruntime's input buffers and write its output buffers
+directly, run a multi-tensor node in one call (inputs and outputs are variadic) and split
+large tensors over onnxruntime's intra-op thread pool. Errors come back as an
+``OrtStatus`` naming the node; onnxruntime raises it from ``run``.
+
+What is checked before anything is registered (:func:`availability`): a 64-bit POSIX
+platform, the ``AddExternalCustomOp`` symbol, onnxruntime's C API version (>= 17 for
+``KernelContext_ParallelFor``), and a probe session whose result must equal the reference
+kernel's. The ``OrtApi`` table is checked again on the live pointer when the first kernel is
+created (``CreateStatus``/``GetErrorCode``/``GetErrorMessage`` round trip). Any failure:
+one log line, and :func:`onnx_training_ops.prepare` targets the PyOp path.
+
+Everything built here (structs, callbacks, strings) lives in module globals until the
+process ends: onnxruntime keeps pointers to them in every session and every
+``SessionOptions`` the library was registered in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import struct
+import sys
+import threading
+from typing import Callable
+
+import numpy as np
+import onnxruntime as ort
+
+from .schema import OPTIMIZERS
+
+_log = logging.getLogger(__name__)
+
+NATIVE_DOMAIN = "ai.onnx.contrib"  # where onnxruntime-extensions registers external ops
+NATIVE_OP_TYPES = {"Adam": "TrainingAdam", "Momentum": "TrainingMomentum", "Adagrad": "TrainingAdagrad"}
+MIN_API_VERSION = 17  # KernelContext_ParallelFor
+OP_VERSION = 16  # OrtCustomOp fields read up to KernelComputeV2 (CreateKernelV2/KernelComputeV2 need 16)
+PARALLEL_MIN = 1 << 15  # elements: below, one thread (waking the pool costs more)
+CHUNK = 1 << 16  # elements per ParallelFor task
+# Read shapes with GetTensorElementTypeAndShapeDataReference (API >= 24, no allocation) where
+# the runtime has it; False forces the older GetTensorTypeAndShape route (tests cover both).
+USE_SHAPE_REFERENCE = True
+
+# ONNXTensorElementDataType, OrtCustomOpInputOutputCharacteristic
+_UNDEFINED, _INT64 = 0, 7
+_REQUIRED, _VARIADIC = 0, 2
+
+_c_op_p = ctypes.c_void_p
+_FIELDS = (  # struct OrtCustomOp after ``uint32_t version``, in order (onnxruntime_c_api.h)
+    "CreateKernel", "GetName", "GetExecutionProviderType", "GetInputType", "GetInputTypeCount",
+    "GetOutputType", "GetOutputTypeCount", "KernelCompute", "KernelDestroy",
+    "GetInputCharacteristic", "GetOutputCharacteristic",  # version >= 8
+    "GetInputMemoryType",  # 11
+    "GetVariadicInputMinArity", "GetVariadicInputHomogeneity",  # 14
+    "GetVariadicOutputMinArity", "GetVariadicOutputHomogeneity",
+    "CreateKernelV2", "KernelComputeV2",  # 16
+    "InferOutputShapeFn", "GetStartVersion", "GetEndVersion",  # 17
+    "GetMayInplace", "ReleaseMayInplace", "GetAliasMap", "ReleaseAliasMap",  # 18
+)
+
+
+class OrtCustomOp(ctypes.Structure):
+    """``struct OrtCustomOp`` (all callbacks as plain addresses)."""
+
+    _fields_ = [("version", ctypes.c_uint32)] + [(name, ctypes.c_void_p) for name in _FIELDS]
+
+
+_GetName = ctypes.CFUNCTYPE(ctypes.c_void_p, _c_op_p)
+_GetCount = ctypes.CFUNCTYPE(ctypes.c_size_t, _c_op_p)
+_GetAt = ctypes.CFUNCTYPE(ctypes.c_int, _c_op_p, ctypes.c_size_t)
+_GetInt = ctypes.CFUNCTYPE(ctypes.c_int, _c_op_p)
+_CreateKernelV2 = ctypes.CFUNCTYPE(ctypes.c_void_p, _c_op_p, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.POINTER(ctypes.c_void_p))
+# OrtApi entries called from Python (kernel creation only)
+_CreateStatus = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+_GetErrorCode = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_GetErrorMessage = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)
+_ReleaseStatus = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_GetAttrFloat = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float))
+_GetAttrString = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
+                                  ctypes.POINTER(ctypes.c_size_t))
+_GetNodeName = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
+
+_lock = threading.RLock()
+_keepalive: list = []  # structs, callbacks and strings onnxruntime points to: never freed
+_registered = False
+_availability: tuple[bool, str] | None = None
+_checked_apis: set[int] = set()
+
+
+# ---------------------------------------------------------------- the OrtApi table, from Python
+
+
+class _Api:
+    """The few ``OrtApi`` functions kernel creation calls, read from the live table."""
+
+    def __init__(self, address: int) -> None:
+        from .kernels import _native_kernels as nk
+
+        table = ctypes.cast(address, ctypes.POINTER(ctypes.c_void_p))
+        self.create_status = _CreateStatus(table[nk.API_CREATE_STATUS])
+        self.get_error_code = _GetErrorCode(table[nk.API_GET_ERROR_CODE])
+        self.get_error_message = _GetErrorMessage(table[nk.API_GET_ERROR_MESSAGE])
+        self.release_status = _ReleaseStatus(table[nk.API_RELEASE_STATUS])
+        self.get_attr_float = _GetAttrFloat(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT])
+        self.get_attr_string = _GetAttrString(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_STRING])
+        self.get_node_name = _GetNodeName(table[nk.API_KERNEL_INFO_GET_NODE_NAME])
+
+    def check(self) -> None:
+        """Round-trip a status through the table: catches a layout we do not know."""
+        status = self.create_status(2, b"onnx_training_ops probe")
+        try:
+            if self.get_error_code(status) != 2 or self.get_error_message(status) != b"onnx_training_ops probe":
+                raise RuntimeError("the OrtApi table does not have the layout onnx_training_ops expects")
+        finally:
+            self.release_status(status)
+
+    def status(self, message: str) -> int:
+        return self.create_status(2, message.encode(errors="replace"))  # ORT_INVALID_ARGUMENT
+
+    def float_attribute(self, info: int, name: str) -> float | None:
+        value = ctypes.c_float()
+        status = self.get_attr_float(info, name.encode(), ctypes.byref(value))
+        if status:
+            self.release_status(status)
+            return None
+        return float(value.value)
+
+    def string_attribute(self, info: int, name: str) -> str | None:
+        size = ctypes.c_size_t(0)
+        status = self.get_attr_string(info, name.encode(), None, ctypes.byref(size))
+        if status:
+            self.release_status(status)
+            return None
+        buffer = ctypes.create_string_buffer(size.value + 1)
+        status = self.get_attr_string(info, name.encode(), buffer, ctypes.byref(size))
+        if status:
+            self.release_status(status)
+            return None
+        return buffer.value.decode(errors="replace")
+
+    def node_name(self, info: int) -> str:
+        size = ctypes.c_size_t(0)
+        status = self.get_node_name(info, None, ctypes.byref(size))
+        if status:
+            self.release_status(status)
+            return ""
+        buffer = ctypes.create_string_buffer(size.value + 1)
+        status = self.get_node_name(info, buffer, ctypes.byref(size))
+        if status:
+            self.release_status(status)
+            return ""
+        return buffer.value.decode(errors="replace")
+
+
+# ---------------------------------------------------------------- kernel creation
+
+
+_ATTRIBUTES = {  # state attribute slots, in order
+    "Adam": ("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post"),
+    "Momentum": ("alpha", "beta", "norm_coefficient"),
+    "Adagrad": ("decay_factor", "epsilon", "norm_coefficient"),
+}
+
+
+def _messages(op_type: str, node: str) -> list[str]:
+    """The kernel's error messages, indexed by ``ERR_*`` (each names the node)."""
+    spec = OPTIMIZERS[op_type]
+    groups = ", ".join(spec.tensor_inputs)
+    label = f"{op_type} node {node!r}"
+    return [
+        f"{label}: expected R, T and then {spec.n_groups_in}*N tensors ({groups} per optimized tensor) "
+        f"and {spec.n_groups_out}*N outputs",
+        f"{label}: input 'R' must be a float32/float64 scalar of shape [] or [1]",
+        f"{label}: input 'T' must be an int64 scalar of shape [] or [1]",
+        f"{label}: inputs {groups} of each optimized tensor must share one dtype, float32 or float64",
+        f"{label}: the shapes of {', '.join(spec.tensor_inputs[1:])} must broadcast to the shape of "
+        f"{spec.tensor_inputs[0]!r}",
+    ]
+
+
+def _state_block(op_type: str, api: int, info: int, calls: _Api) -> int:
+    """A ``malloc``-ed kernel state for one node (see ``ST_*`` in ``_native_kernels``)."""
+    from .kernels import _native_kernels as nk
+
+    node = calls.node_name(info)
+    spec = OPTIMIZERS[op_type]
+    kind = {"Adam": nk.KIND_ADAM, "Momentum": nk.KIND_MOMENTUM, "Adagrad": nk.KIND_ADAGRAD}[op_type]
+    if op_type == "Momentum":
+        mode = calls.string_attribute(info, "mode")
+        if mode not in ("standard", "nesterov"):
+            raise ValueError(f"Momentum node {node!r}: attribute 'mode' must be 'standard' or 'nesterov', "
+                             f"found {mode!r}")
+        kind = nk.KIND_NESTEROV if mode == "nesterov" else nk.KIND_MOMENTUM
+    attrs = []
+    for name in _ATTRIBUTES[op_type]:
+        value = calls.float_attribute(info, name)
+        if value is None:
+            if name not in spec.defaults:
+                raise ValueError(f"{op_type} node {node!r}: attribute {name!r} is required")
+            value = float(spec.defaults[name])
+        attrs.append(value)
+    messages = [m.encode(errors="replace") + b"\0" for m in _messages(op_type, node)]
+    header = 8 * nk.ST_WORDS
+    block = ctypes.create_string_buffer(header + sum(len(m) for m in messages))
+    words = [0] * nk.ST_WORDS
+    words[nk.ST_API] = api
+    words[nk.ST_KIND] = kind
+    words[nk.ST_CHUNK_F32] = nk.chunk_f32.address
+    words[nk.ST_CHUNK_F64] = nk.chunk_f64.address
+    words[nk.ST_FREE] = _free_address()
+    words[nk.ST_PARALLEL_MIN] = PARALLEL_MIN
+    words[nk.ST_CHUNK] = CHUNK
+    if USE_SHAPE_REFERENCE and _api_version() >= nk.SHAPE_REFERENCE_API:
+        words[nk.ST_SHAPE_REFERENCE] = ctypes.cast(api, ctypes.POINTER(ctypes.c_void_p))[
+            nk.API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE]
+    for k, value in enumerate(attrs):
+        words[nk.ST_ATTRS + k] = struct.unpack("<q", struct.pack("<d", value))[0]
+    memory = _libc().malloc(len(block))
+    if not memory:
+        raise MemoryError(f"{op_type} node {node!r}: cannot allocate the kernel state")
+    offset = header
+    for k, message in enumerate(messages):
+        words[nk.ST_MESSAGES + k] = memory + offset
+        offset += len(message)
+    struct.pack_into(f"<{nk.ST_WORDS}q", block, 0, *words)
+    offset = header
+    for message in messages:
+        block[offset:offset + len(message)] = message
+        offset += len(message)
+    ctypes.memmove(memory, block, len(block))
+    return memory
+
+
+def _create_kernel(op_type: str) -> Callable:
+    def create(op, api, info, kernel):
+        try:
+            calls = _Api(api)
+        except Exception:  # noqa: BLE001 - cannot even build a status: report nothing, fail creation
+            _log.error("onnx_training_ops: cannot read onnxruntime's OrtApi table")
+            return None
+        try:
+            if api not in _checked_apis:
+                calls.check()
+                _checked_apis.add(api)
+            kernel[0] = _state_block(op_type, api, info, calls)
+            return None
+        except Exception as error:  # noqa: BLE001 - never let an exception reach onnxruntime
+            return calls.status(str(error))
+
+    return create
+
+
+_libc_handle = None
+
+
+def _libc():
+    global _libc_handle
+    if _libc_handle is None:
+        import ctypes.util
+
+        _libc_handle = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        _libc_handle.malloc.restype = ctypes.c_void_p
+        _libc_handle.malloc.argtypes = [ctypes.c_size_t]
+    return _libc_handle
+
+
+def _free_address() -> int:
+    return ctypes.cast(_libc().free, ctypes.c_void_p).value
+
+
+# ---------------------------------------------------------------- the OrtCustomOp structs
+
+
+def _string(text: str) -> int:
+    buffer = ctypes.create_string_buffer(text.encode())
+    _keepalive.append(buffer)
+    return ctypes.addressof(buffer)
+
+
+def _custom_op(op_type: str) -> OrtCustomOp:
+    """An ``OrtCustomOp`` for ``op_type``: inputs ``R`` (float/double), ``T`` (int64),
+    then the tensors (variadic, one element type); outputs variadic, one element type."""
+    from .kernels import _native_kernels as nk
+
+    spec = OPTIMIZERS[op_type]
+    name = _string(NATIVE_OP_TYPES[op_type])
+    provider = _string("CPUExecutionProvider")
+    input_types = (_UNDEFINED, _INT64, _UNDEFINED)
+    callbacks = {
+        "GetName": _GetName(lambda op: name),
+        "GetExecutionProviderType": _GetName(lambda op: provider),
+        "GetInputType": _GetAt(lambda op, i: input_types[i] if i < 3 else _UNDEFINED),
+        "GetInputTypeCount": _GetCount(lambda op: 3),
+        "GetOutputType": _GetAt(lambda op, i: _UNDEFINED),
+        "GetOutputTypeCount": _GetCount(lambda op: 1),
+        "GetInputCharacteristic": _GetAt(lambda op, i: _VARIADIC if i == 2 else _REQUIRED),
+        "GetOutputCharacteristic": _GetAt(lambda op, i: _VARIADIC),
+        "GetInputMemoryType": _GetAt(lambda op, i: 0),  # OrtMemTypeDefault
+        "GetVariadicInputMinArity": _GetInt(lambda op: spec.n_groups_in),
+        "GetVariadicInputHomogeneity": _GetInt(lambda op: 1),
+        "GetVariadicOutputMinArity": _GetInt(lambda op: spec.n_groups_out),
+        "GetVariadicOutputHomogeneity": _GetInt(lambda op: 1),
+        "CreateKernelV2": _CreateKernelV2(_create_kernel(op_type)),
+    }
+    op = OrtCustomOp()
+    op.version = OP_VERSION
+    for field, callback in callbacks.items():
+        setattr(op, field, ctypes.cast(callback, ctypes.c_void_p).value)
+    op.KernelComputeV2 = nk.kernel_compute.address
+    op.KernelDestroy = nk.kernel_destroy.address
+    _keepalive.extend([op, callbacks])
+    return op
+
+
+# ---------------------------------------------------------------- availability and registration
+
+
+def _api_version() -> int:
+    """onnxruntime's C API version: its minor version (the extensions library reads it the same way)."""
+    parts = ort.__version__.split(".")
+    return int(parts[1]) if parts[0] == "1" and len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def _extensions_library():
+    from onnxruntime_extensions import get_library_path
+
+    return ctypes.CDLL(get_library_path())
+
+
+def _static_check() -> str:
+    """Why the native path cannot work here ('' when nothing is known against it)."""
+    if os.name != "posix" or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return "needs a 64-bit Linux or macOS process"
+    if _api_version() < MIN_API_VERSION:
+        return f"onnxruntime {ort.__version__} is older than 1.{MIN_API_VERSION}"
+    try:
+        library = _extensions_library()
+    except Exception as error:  # noqa: BLE001
+        return f"cannot load the onnxruntime-extensions library: {error}"
+    if not hasattr(library, "AddExternalCustomOp"):
+        return "the onnxruntime-extensions library does not export AddExternalCustomOp"
+    try:
+        from .kernels import _native_kernels  # noqa: F401 - compiles or loads the cfuncs
+    except Exception as error:  # noqa: BLE001
+        return f"cannot build the numba kernels: {error}"
+    return ""
+
+
+def register() -> bool:
+    """Add the native ops to onnxruntime-extensions (once per process); True when added.
+
+    Call before ``register_custom_ops_library``: options registered earlier lack them."""
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        if _static_check():
+            return False
+        library = _extensions_library()
+        library.AddExternalCustomOp.restype = ctypes.c_bool
+        library.AddExternalCustomOp.argtypes = [ctypes.c_void_p]
+        for op_type in NATIVE_OP_TYPES:
+            op = _custom_op(op_type)
+            if not library.AddExternalCustomOp(ctypes.addressof(op)):
+                _log.warning("onnx_training_ops: AddExternalCustomOp refused %s", op_type)
+                return False
+        _keepalive.append(library)
+        _registered = True
+        return True
+
+
+def availability() -> tuple[bool, str]:
+    """``(True, '')`` when the native kernels run here, else ``(False, reason)`` (probed once)."""
+    global _availability
+    with _lock:
+        if _availability is None:
+            reason = _static_check()
+            if not reason:
+                try:
+                    reason = _probe()
+                except Exception as error:  # noqa: BLE001
+                    reason = f"the probe session failed: {error}"
+            _availability = (not reason, reason)
+        return _availability
+
+
+def _probe() -> str:
+    """Run one Adam node (two tensors, T=1) natively; '' when it matches the reference."""
+    from onnx import TensorProto, helper
+
+    from . import plugin
+    from .kernels import adam
+
+    if not register():
+        return "registration failed"
+    names = ["R", "T", "X1", "X2", "G1", "G2", "V1", "V2", "H1", "H2"]
+    outputs = ["X1n", "X2n", "V1n", "V2n", "H1n", "H2n"]
+    node = helper.make_node(NATIVE_OP_TYPES["Adam"], names, outputs, domain=NATIVE_DOMAIN, name="probe",
+                            alpha=0.9, beta=0.999, epsilon=1e-2)
+    tensor = lambda n, t=TensorProto.FLOAT, s=(3,): helper.make_tensor_value_info(n, t, s)  # noqa: E731
+    graph = helper.make_graph([node], "probe", [tensor("R", s=()), tensor("T", TensorProto.INT64, ())]
+                              + [tensor(n) for n in names[2:]], [tensor(n) for n in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(NATIVE_DOMAIN, 1)])
+    model.ir_version = 8
+    rng = np.random.default_rng(0)
+    feeds = {"R": np.array(0.1, np.float32), "T": np.array(1, np.int64)}
+    for n in names[2:]:
+        feeds[n] = rng.random(3, dtype=np.float32) + (1.0 if n[0] == "H" else 0.0)
+    so = plugin.session_options(ort.SessionOptions())
+    sess = ort.InferenceSession(model.SerializeToString(),
+                                so, providers=["CPUExecutionProvider"])
+    got = sess.run(None, feeds)
+    f32 = lambda v: float(np.float32(v))  # noqa: E731 - the node holds float32 attributes
+    want = adam(*[feeds[n] for n in names], alpha=f32(0.9), beta=f32(0.999), epsilon=f32(1e-2))
+    if not all(np.array_equal(a, b) for a, b in zip(got, want)):
+        return "the probe session's result differs from the reference kernel"
+    return ""
+
+
+KERNELS_ENV = "ONNX_TRAINING_OPS_KERNELS"
+KERNEL_PATHS = ("native", "pyop")
+_announced: set[str] = set()
+
+
+def select_kernels(kernels: str | None = None) -> str:
+    """The kernel path :func:`onnx_training_ops.prepare` targets: ``"native"`` or ``"pyop"``.
+
+    ``kernels`` (``"native"``, ``"pyop"``, ``"auto"``/None) else ``$ONNX_TRAINING_OPS_KERNELS``
+    else ``"auto"``: native where :func:`availability` says it works. Forcing ``"native"``
+    where it does not work raises TrainingOpError. Logs the choice once per process."""
+    from .errors import TrainingOpError
+
+    requested = (kernels or os.environ.get(KERNELS_ENV) or "auto").strip().lower()
+    if requested not in ("auto", *KERNEL_PATHS):
+        raise TrainingOpError(f"kernels must be 'native', 'pyop' or 'auto', found {requested!r}")
+    if requested == "pyop":
+        path, note = "pyop", "requested"
+    else:
+        ok, reason = availability()
+        if not ok and requested == "native":
+            raise TrainingOpError(f"the native kernels were requested but do not work here: {reason}")
+        path, note = ("native", "zero-copy, ai.onnx.contrib") if ok else ("pyop", f"native unavailable: {reason}")
+    if path + note not in _announced:
+        _announced.add(path + note)
+        level = logging.WARNING if note.startswith("native unavailable") else logging.INFO
+        _log.log(level, "onnx_training_ops: optimizer kernels: %s (%s)", path, note)
+    return path
+
+
+def native_error_message(error: BaseException) -> str | None:
+    """The native kernel's own message inside an onnxruntime exception, or None."""
+    text = str(error)
+    marker = "Status Message: "
+    if marker not in text:
+        return None
+    message = text.split(marker, 1)[1].strip()
+    if not any(message.startswith(f"{op} node ") for op in NATIVE_OP_TYPES):
+        return None
+    return message
+
+
+__all__ = ["NATIVE_DOMAIN", "NATIVE_OP_TYPES", "availability", "register", "select_kernels", "OrtCustomOp"]
+
+if sys.byteorder != "little":  # pragma: no cover - the state block is written little-endian
+    _static_check = lambda: "needs a little-endian machine"  # noqa: E731
