@@ -335,9 +335,9 @@ def _api_version() -> int:
 
 
 def _extensions_library():
-    from onnxruntime_extensions import get_library_path
+    from .plugin import library_path  # the PyOp module only: never the package's cvt (torch)
 
-    return ctypes.CDLL(get_library_path())
+    return ctypes.CDLL(library_path())
 
 
 def _static_check() -> str:
