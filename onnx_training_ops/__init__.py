@@ -7,7 +7,7 @@ onnxruntime-extensions. Main entry points:
 * :func:`session_options` — SessionOptions with the kernel library registered;
 * :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` that prepares for you;
 * :func:`build_training_model` — inference model + loss (:mod:`.losses`, torch's names) +
-  :class:`Adam`/:class:`Momentum`/:class:`Adagrad` -> one ONNX training model (``training_info``);
+  Adam/Momentum/Adagrad/RMSProp (dense, or lazy/sparse rows for embedding tables) -> one ONNX training model (``training_info``);
 * :class:`TrainingSession` — train any ONNX training model: ``step``, ``run``, ``save``, ``export_inference_model``;
 * :mod:`onnx_training_ops.kernels` — the numpy reference kernels;
 * :mod:`onnx_training_ops.backend` — the onnx backend API, for ``onnx.backend.test``.
@@ -19,6 +19,7 @@ from .errors import TrainingOpError
 from .losses import (BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss,
                      SmoothL1Loss)
 from .optimizers import Adagrad, Adam, Momentum
+from .rmsprop import RMSProp
 from .passes import PASSES, prepare
 from .plugin import register as _register
 from .plugin import session_options
@@ -44,6 +45,7 @@ __all__ = [
     "InferenceSession",
     "Momentum",
     "NonFiniteLossError",
+    "RMSProp",
     "TrainingOpError",
     "TrainingSession",
     "build_training_model",

@@ -28,6 +28,7 @@ metadata).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,9 @@ from .autodiff.registry import describe_missing
 from .errors import TrainingOpError
 from .losses import NAMED, CrossEntropyLoss, Emit, Loss, resolve
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
+from .rmsprop import RMSProp
+from . import sparse_updates as sparse_updates_
+from .update_graph import Ops, emit_update
 from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
 from .passes.fit_runtime import fit_runtime, runtime_limits
@@ -269,9 +273,9 @@ class _Algorithm:
 def _check_choices(mode: str, optimizer) -> None:
     if mode not in ("eval", "train"):
         raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
-    if not isinstance(optimizer, (Adam, Momentum, Adagrad)):
+    if not isinstance(optimizer, (Adam, Momentum, Adagrad, RMSProp)):
         raise TrainingOpError(
-            f"optimizer must be onnx_training_ops.Adam, Momentum or Adagrad, found {type(optimizer).__name__}"
+            f"optimizer must be onnx_training_ops.Adam, Momentum, Adagrad or RMSProp, found {type(optimizer).__name__}"
         )
 
 
@@ -320,9 +324,10 @@ def _learning_rate(name: str, optimizer: Optimizer, params, algo: _Algorithm) ->
 
 
 def _update(params, optimizer: Optimizer, loss_name: str, learning_rate: str, t_name: str,
-            algo: _Algorithm) -> dict[str, list[str]]:
+            algo: _Algorithm, tables: list[sparse_updates_.Table] = ()) -> dict[str, list[str]]:
     """T <- T + 1, one Gradient node for all ``params`` and one multi-tensor optimizer node;
-    every new value bound to its state. Returns the optimizer state names per state."""
+    every new value bound to its state. Returns the optimizer state names per state.
+    ``tables`` (:mod:`.sparse_updates`) are differentiated at their lookups and updated by rows."""
     t_new, one = algo.name("optimizer.T.new"), algo.name("optimizer.one")
     algo.inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
     algo.inits.append(numpy_helper.from_array(np.array(1, np.int64), one))
@@ -330,21 +335,31 @@ def _update(params, optimizer: Optimizer, loss_name: str, learning_rate: str, t_
                                        name=algo.name("optimizer/T_increment")))
 
     p_names = [p.name for p in params]
-    grads = [algo.name(f"{p}.grad") for p in p_names]
-    algo.nodes.append(helper.make_node("Gradient", p_names, grads, domain=DOMAIN, xs=p_names,
+    by_rows = {tb.name: tb for tb in tables}
+    xs = [n for n in p_names if n not in by_rows] + [o for tb in tables for _, o in tb.lookups]
+    grad_of = {x: algo.name(f"{x}.grad") for x in xs}
+    algo.nodes.append(helper.make_node("Gradient", xs, list(grad_of.values()), domain=DOMAIN, xs=xs,
                                        y=loss_name, name=algo.name("gradient")))
 
     state_names = {s: [algo.name(f"{p}.{s}") for p in p_names] for s in optimizer.states}
     new_params = [algo.name(f"{p}.new") for p in p_names]
     new_states = {s: [algo.name(f"{p}.{s}.new") for p in p_names] for s in optimizer.states}
     t_input = t_new if optimizer.t_offset else t_name
-    inputs, outputs = [learning_rate, t_input, *p_names, *grads], list(new_params)
-    for s in optimizer.states:
-        inputs += state_names[s]
-        outputs += new_states[s]
-    algo.nodes.append(helper.make_node(
-        optimizer.op_type, inputs, outputs, domain=DOMAIN,
-        name=algo.name(f"optimizer/{optimizer.op_type}"), **optimizer.attributes()))
+    ops = Ops(algo.name, algo.nodes, "optimizer")
+    dense = [i for i, n in enumerate(p_names) if n not in by_rows]
+    if dense:
+        emit_update(ops, optimizer, learning_rate, t_input, [p_names[i] for i in dense],
+                    [grad_of[p_names[i]] for i in dense],
+                    {s: [v[i] for i in dense] for s, v in state_names.items()},
+                    [new_params[i] for i in dense], {s: [v[i] for i in dense] for s, v in new_states.items()},
+                    [helper.tensor_dtype_to_np_dtype(params[i].data_type) for i in dense])
+    for i, name in enumerate(p_names):
+        if name in by_rows:
+            tb = by_rows[name]
+            unique, rows = sparse_updates_.gradient_rows(ops, tb, [grad_of[o] for _, o in tb.lookups])
+            sparse_updates_.emit_table_update(ops, optimizer, tb, learning_rate, t_input, unique, rows,
+                                             {s: v[i] for s, v in state_names.items()}, new_params[i],
+                                             {s: v[i] for s, v in new_states.items()})
 
     for p, new in zip(params, new_params):
         algo.bind(p.name, new, p.data_type, p.dims)
@@ -395,6 +410,7 @@ def build_training_model(
     learning_rate: str = "learning_rate",
     mode: str = "eval",
     seed: int = 0,
+    sparse_updates: dict[str, str] | None = None,
 ) -> onnx.ModelProto:
     """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
 
@@ -431,6 +447,12 @@ def build_training_model(
         :mod:`onnx_training_ops.train_mode`); the main graph stays the eval-mode graph.
     seed:
         the dropout masks' seed (``mode="train"``): same seed, same masks.
+    sparse_updates:
+        ``{trainable name or glob pattern: "dense" | "lazy" | "sparse"}`` for embedding
+        tables (trainables read only by axis-0 ``Gather``): gradients kept as (unique
+        indices, summed rows) and, with ``"lazy"``, only the looked-up rows updated
+        (torch ``SparseAdam``); ``"sparse"`` is TensorFlow's sparse apply. See
+        :mod:`onnx_training_ops.sparse_updates`.
     """
     _check_choices(mode, optimizer)
     model = _fit_opset(load_model(model))
@@ -449,7 +471,10 @@ def build_training_model(
     _check_differentiable(model, algo.nodes, loss_name, params, elem_types)
 
     _learning_rate(learning_rate, optimizer, params, algo)
-    state_names = _update(params, optimizer, loss_name, learning_rate, t_name, algo)
+    modes = sparse_updates_.resolve_modes(sparse_updates, [p.name for p in params])
+    tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
+                                         algo.nodes if mode == "train" else model.graph.node)
+    state_names = _update(params, optimizer, loss_name, learning_rate, t_name, algo, tables)
     initialization, init_binding = _initialization(params, state_names, optimizer, t_name,
                                                    algo.taken, algo.inits)
     inits = {t.name: t for t in model.graph.initializer}
@@ -467,6 +492,7 @@ def build_training_model(
         "trainable": ",".join(p.name for p in params),
         "mode": mode,
         "seed": str(seed),
+        **({"sparse_updates": json.dumps(modes)} if modes else {}),
     })
 
 
