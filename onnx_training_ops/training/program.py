@@ -230,23 +230,26 @@ def learning_rate_inputs(
     state: Mapping[str, np.ndarray],
     input_types: Mapping[str, onnx.ValueInfoProto],
     init_values: Mapping[str, onnx.TensorProto],
+    named: tuple[str, ...] = (),
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray | None]]:
-    """Graph inputs that are R of an optimizer node: a preallocated buffer each, and its default (or None)."""
+    """Graph inputs that are R of an optimizer node, or ``named`` (the builder's learning
+    rate, which an optimizer of standard ops such as RMSProp reads): a preallocated buffer
+    each, and its default (or None)."""
     rate_inputs: dict[str, np.ndarray] = {}
     rate_defaults: dict[str, np.ndarray | None] = {}
-    for node in graph.node:
-        if node.domain == DOMAIN and node.op_type in OPTIMIZERS and node.input:
-            r = node.input[0]
-            if r in input_types and r not in state and r not in rate_inputs:
-                tt = input_types[r].type.tensor_type
-                dtype = np_dtype(tt.elem_type) if tt.elem_type else np.dtype(np.float32)
-                shape = tuple(d.dim_value for d in tt.shape.dim) if tt.HasField("shape") else ()
-                default = numpy_helper.to_array(init_values[r]) if r in init_values else None
-                if default is not None and default.size == 1:  # (other sizes: the binding check)
-                    checked_learning_rate(default.reshape(()), f"the default of learning rate {r!r}")
-                buf = np.zeros(shape, dtype) if default is None else owned(default.astype(dtype).reshape(shape))
-                rate_inputs[r] = buf
-                rate_defaults[r] = None if default is None else buf.copy()
+    candidates = [node.input[0] for node in graph.node
+                  if node.domain == DOMAIN and node.op_type in OPTIMIZERS and node.input]
+    for r in [*candidates, *named]:
+        if r in input_types and r not in state and r not in rate_inputs:
+            tt = input_types[r].type.tensor_type
+            dtype = np_dtype(tt.elem_type) if tt.elem_type else np.dtype(np.float32)
+            shape = tuple(d.dim_value for d in tt.shape.dim) if tt.HasField("shape") else ()
+            default = numpy_helper.to_array(init_values[r]) if r in init_values else None
+            if default is not None and default.size == 1:  # (other sizes: the binding check)
+                checked_learning_rate(default.reshape(()), f"the default of learning rate {r!r}")
+            buf = np.zeros(shape, dtype) if default is None else owned(default.astype(dtype).reshape(shape))
+            rate_inputs[r] = buf
+            rate_defaults[r] = None if default is None else buf.copy()
     return rate_inputs, rate_defaults
 
 
@@ -284,7 +287,8 @@ def build_program(
     state_inputs = [vi.name for vi in graph.input if vi.name in state]
     init_values = {t.name: t for t in graph.initializer}
     input_types = {vi.name: vi for vi in graph.input}
-    rate_inputs, rate_defaults = learning_rate_inputs(graph, state, input_types, init_values)
+    rate_inputs, rate_defaults = learning_rate_inputs(graph, state, input_types, init_values,
+                                                      tuple(filter(None, [meta.get("learning_rate")])))
 
     # inputs with a default (an initializer of the same name): the session binds them every step,
     # to the fed value or to the default it keeps, so the graph gets them as plain inputs
