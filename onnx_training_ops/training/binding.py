@@ -21,6 +21,7 @@ from .arrays import dtype_name, owned
 from .fast_path import cut_plan, flat_gradient_views
 from .feeds import feed_spec
 from .program import Program
+from .row_updates import plan as row_plan
 
 
 def open_program(
@@ -64,10 +65,13 @@ def open_program(
         io.bind_output(name, "cpu")
     for name in fixed_outputs:
         io.bind_output(name, "cpu")
+    for name in program.dynamic_outputs:  # after the fixed ones: their index is known
+        io.bind_output(name, "cpu")
     program.binding_copies = [
         (state[k], v) for k, v in program.binding.items() if v not in program.cut_outputs
     ]
-    program.needs_feeds = any(type(src) is tuple and src[0] == "feed" for src in program.cut_sources.values())
+    program.needs_feeds = any(type(src) is tuple and src[0] == "feed"
+                              for src in (*program.cut_sources.values(), *program.row_sources.values()))
     del program.combined  # the session holds what it needs
     return program
 
@@ -114,3 +118,4 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
         copies.append((array, buf))
     program.plan = cut_plan(program.cut_nodes, program.flat_nodes, program.cut_sources, program.fixed_buffers, state)
     program.copy_plan = copies
+    program.row_plan = row_plan(program.row_groups, state)

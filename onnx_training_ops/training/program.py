@@ -22,6 +22,7 @@ from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
 from .fast_path import CutStep, cut_sources, cuttable_nodes
+from .row_updates import row_groups
 from .feeds import FeedSpec, checked_learning_rate
 
 
@@ -60,6 +61,10 @@ class Program:
     returned_from_ort: list = field(default_factory=list)  # (name, output index)
     optional_feeds: list = field(default_factory=list)  # (FeedSpec, default) of inputs with a default
     input_defaults: dict = field(default_factory=dict)  # input name -> its default (TensorProto)
+    row_groups: list = field(default_factory=list)  # lazy row updates applied in place (.row_updates)
+    row_sources: dict = field(default_factory=dict)  # what they read: name -> source, as cut_sources
+    dynamic_outputs: list = field(default_factory=list)  # outputs of varying shape they read
+    row_plan: list = field(default_factory=list)
 
 
 def used_names(graph: onnx.GraphProto) -> set[str]:
@@ -302,14 +307,19 @@ def build_program(
     cut_nodes: list[onnx.NodeProto] = []
     if fast:
         cut_nodes = cuttable_nodes(graph, binding, state_inputs)
-    cut_outputs = {o for n in cut_nodes for o in n.output if o}
-    if cut_nodes:
-        keep = [n for n in graph.node if not any(n is c for c in cut_nodes)]
+    groups = row_groups(graph, binding, state_inputs,
+                        {i for n in cut_nodes for i in n.input}) if fast else []
+    row_nodes = [n for g in groups for n in g.nodes]
+    cut_outputs = {o for n in cut_nodes + row_nodes for o in n.output if o}
+    if cut_nodes or row_nodes:
+        keep = [n for n in graph.node if not any(n is c for c in cut_nodes + row_nodes)]
         del graph.node[:]
         graph.node.extend(keep)
 
     # what the graph onnxruntime runs must output
     sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types)
+    reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in groups for r in g.reads)), [])
+    row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
     old_outputs = list(graph.output)
     del graph.output[:]
     graph.output.extend(o for o in old_outputs if o.name not in cut_outputs)
@@ -327,7 +337,9 @@ def build_program(
         graph.output.append(onnx.ValueInfoProto(name=keepalive))
 
     returned = [o.name for o in old_outputs if o.name not in bound_values]
-    fixed_outputs = [o.name for o in graph.output if o.name not in returned]
+    dynamic = [name for name in dynamic if name not in present]
+    graph.output.extend(onnx.ValueInfoProto(name=name) for name in dynamic)
+    fixed_outputs = [o.name for o in graph.output if o.name not in returned and o.name not in dynamic]
 
     program = Program(
         index=index, session=None, io=None, feeds=[], rate_inputs=rate_inputs,
@@ -340,4 +352,5 @@ def build_program(
     program.input_defaults = program_defaults
     program.binding = binding
     program.cut_outputs = cut_outputs
+    program.row_groups, program.row_sources, program.dynamic_outputs = groups, row_sources, dynamic
     return program
