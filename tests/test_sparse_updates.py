@@ -197,12 +197,19 @@ def test_sparse_adagrad_is_dense_adagrad_bit_for_bit():
         np.testing.assert_array_equal(lazy[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize("mode", ["lazy", "sparse"])
+FAST_CASES = [("lazy", Adam(lr=0.05, weight_decay=0.01, post_weight_decay=0.001)), ("sparse", Adam(lr=0.05)),
+              ("lazy", Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01)),
+              ("lazy", Momentum(lr=0.05, momentum=0.8, dampening=0.1)),
+              ("lazy", Momentum(lr=0.05, momentum=0.8, nesterov=True))]
+
+
+@pytest.mark.parametrize("mode,optimizer", FAST_CASES, ids=[f"{type(o).__name__}-{m}" for m, o in FAST_CASES])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_fast_path_equals_graph_path(mode, dtype):
+def test_fast_path_equals_graph_path(mode, optimizer, dtype):
+    """The fused row drivers (in place on the touched rows) give the graph path's bits."""
     data = batches()[:8]
-    fast = run_onnx(Adam(lr=0.05), mode, data, fast=True, dtype=dtype)
-    graph = run_onnx(Adam(lr=0.05), mode, data, fast=False, dtype=dtype)
+    fast = run_onnx(optimizer, mode, data, fast=True, dtype=dtype)
+    graph = run_onnx(optimizer, mode, data, fast=False, dtype=dtype)
     for name, value in graph.items():
         np.testing.assert_array_equal(fast[name], value, err_msg=name)
 

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from . import _numba_kernels as _k
+from . import _numba_rows as _rows
 
 # Below this many elements (per op) the serial loop runs: waking numba's thread pool costs
 # a few microseconds, as much as updating ~16k-32k float32 elements on one core.
@@ -153,41 +154,69 @@ def supports(*arrays) -> bool:
     return True
 
 
+def supports_rows(tables, g, rows) -> bool:
+    """True when the row drivers apply: 2-D tables (X and its states) of one shape, ``g``
+    of shape [len(rows), row size], all passing :func:`supports`' dtype/layout rules, and
+    ``rows`` int64, C-contiguous, in range and without repeats (the caller's promise for
+    repeats: the sparse gradient's indices are unique)."""
+    x = tables[0]
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 1 \
+            or not rows.flags.c_contiguous or not isinstance(x, np.ndarray) or x.ndim != 2 \
+            or not isinstance(g, np.ndarray) or g.shape != (rows.size, x.shape[1]):
+        return False
+    if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0]):
+        return False
+    return supports(*tables) and supports(g.reshape(-1), np.empty(g.size, x.dtype))
+
+
 def _flat(a: np.ndarray) -> np.ndarray:
     # A view for C-contiguous arrays, including 0-d ones (-> shape (1,)).
     return a.reshape(-1)
 
 
-def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post) -> None:
+def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post,
+          rows=None) -> None:
     """Adam step in place: ``x``, ``v``, ``h`` become X_new, V_new, H_new.
 
-    ``rate`` is R_adjusted from :func:`.adam.adam_rate`. Arrays must pass :func:`supports`.
+    ``rate`` is R_adjusted from :func:`.adam.adam_rate`. Arrays must pass :func:`supports`,
+    or with ``rows`` :func:`supports_rows` (the step on those rows of 2-D tables).
     """
     s = np.array(
         (rate, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient, 1.0 - norm_coefficient_post),
         dtype=x.dtype,
     )
+    if rows is not None:
+        _rows.adam_rows(x, g, v, h, rows, s)
+        return
     _dispatch("adam", _k.adam_serial, _k.adam_parallel, x.size, _flat(x), _flat(g), _flat(v), _flat(h), s)
 
 
-def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: bool) -> None:
+def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: bool, rows=None) -> None:
     """Momentum step (standard or Nesterov) in place: ``x``, ``v`` become X_new, V_new.
 
-    ``beta_adjusted`` comes from :func:`.momentum.momentum_beta`. Arrays must pass :func:`supports`.
+    ``beta_adjusted`` comes from :func:`.momentum.momentum_beta`. Arrays must pass :func:`supports`
+    (with ``rows``: :func:`supports_rows`).
     """
     s = np.array((rate, alpha, beta_adjusted, norm_coefficient), dtype=x.dtype)
+    if rows is not None:
+        (_rows.nesterov_rows if nesterov else _rows.momentum_rows)(x, g, v, rows, s)
+        return
     if nesterov:
         _dispatch("nesterov", _k.nesterov_serial, _k.nesterov_parallel, x.size, _flat(x), _flat(g), _flat(v), s)
     else:
         _dispatch("momentum", _k.momentum_serial, _k.momentum_parallel, x.size, _flat(x), _flat(g), _flat(v), s)
 
 
-def adagrad_(x, g, h, rate, epsilon, norm_coefficient) -> None:
+def adagrad_(x, g, h, rate, epsilon, norm_coefficient, rows=None) -> None:
     """Adagrad step in place: ``x``, ``h`` become X_new, H_new.
 
-    ``rate`` comes from :func:`.adagrad.adagrad_rate`. Arrays must pass :func:`supports`.
+    ``rate`` comes from :func:`.adagrad.adagrad_rate`. Arrays must pass :func:`supports`
+    (with ``rows``: :func:`supports_rows`).
     """
     s = np.array((rate, epsilon, norm_coefficient), dtype=x.dtype)
+    if rows is not None:
+        _rows.adagrad_rows(x, g, h, rows, s)
+        return
     _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
 
 
@@ -202,7 +231,11 @@ def warm_up() -> float:
         for kernel in _k.ALL:
             nargs = 4 if kernel in (_k.adam_parallel, _k.adam_serial) else 3
             kernel(*arrays[:nargs], s)
+        tables, u = [np.zeros((1, 1), dtype) for _ in range(4)], np.zeros(1, np.int64)
+        for kernel in (_rows.adam_rows, _rows.momentum_rows, _rows.nesterov_rows, _rows.adagrad_rows):
+            nargs = 4 if kernel is _rows.adam_rows else 3
+            kernel(*tables[:nargs], u, s)
     return time.perf_counter() - start
 
 
-__all__ = ["adam_", "momentum_", "adagrad_", "supports", "warm_up", "PARALLEL_THRESHOLDS", "ADAPTIVE"]
+__all__ = ["adam_", "momentum_", "adagrad_", "supports", "supports_rows", "warm_up", "PARALLEL_THRESHOLDS", "ADAPTIVE"]

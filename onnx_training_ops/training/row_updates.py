@@ -146,7 +146,6 @@ def apply_row_groups(plans: list[RowPlan], values: Mapping[str, Any]) -> None:
     """Update the touched rows of each table in place; ``values`` gives R, T, rows, unique."""
     for p in plans:
         r, t, rows, unique = (np.asarray(values[name]) for name in p.reads)
-        x, *rest = (a[unique] for a in p.arrays)
-        outs = p.step(r, t, x, rows.reshape(x.shape), *rest, p.attributes, inplace=True)
-        for array, out in zip(p.arrays, outs):
-            array[unique] = out.reshape(len(unique), -1)
+        x, *rest = p.arrays
+        p.step(r, t, x, rows.reshape(len(unique), x.shape[1]), *rest, p.attributes,
+               inplace=True, rows=unique)
