@@ -68,12 +68,16 @@ def _time(step, data, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def onnx_contender(model, mode: str):
+def onnx_contender(model, mode: str, threads: int):
+    import onnxruntime as ort
+
     from onnx_training_ops import Adam, TrainingSession, build_training_model
 
     training = build_training_model(model, "mse", Adam(lr=1e-3), trainable=["E"],
                                     sparse_updates={"E": mode})
-    session = TrainingSession(training)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = TrainingSession(training, sess_options=options)
 
     def step(ids, target):
         session.step({"ids": ids, "target": target})
@@ -82,9 +86,11 @@ def onnx_contender(model, mode: str):
     return step
 
 
-def torch_contender(model, sparse: bool):
+def torch_contender(model, sparse: bool, threads: int):
     import torch
 
+    if threads:
+        torch.set_num_threads(threads)
     init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     emb = torch.nn.Embedding.from_pretrained(torch.from_numpy(init["E"].copy()), freeze=False,
                                              sparse=sparse)
@@ -114,23 +120,27 @@ def main(argv=None) -> int:
     parser.add_argument("--duplicates", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=30, help="timed steps of the sparse contenders")
     parser.add_argument("--dense-steps", type=int, default=6, help="timed steps of the dense contenders")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads of onnxruntime and torch (default 1: steady numbers "
+                             "on a shared machine; 0 = their defaults)")
     args = parser.parse_args(argv)
     model = embedding_model(args.rows, args.dim)
     data = batches(args.rows, args.lookups, args.duplicates, args.steps + 2)
     contenders = [
-        ("onnx lazy Adam", lambda: onnx_contender(model, "lazy"), data),
-        ("onnx dense Adam", lambda: onnx_contender(model, "dense"), data[:args.dense_steps + 2]),
+        ("onnx lazy Adam", lambda: onnx_contender(model, "lazy", args.threads), data),
+        ("onnx dense Adam", lambda: onnx_contender(model, "dense", args.threads), data[:args.dense_steps + 2]),
     ]
     try:
         import torch  # noqa: F401
         contenders += [
-            ("torch SparseAdam", lambda: torch_contender(model, True), data),
-            ("torch dense Adam", lambda: torch_contender(model, False), data[:args.dense_steps + 2]),
+            ("torch SparseAdam", lambda: torch_contender(model, True, args.threads), data),
+            ("torch dense Adam", lambda: torch_contender(model, False, args.threads), data[:args.dense_steps + 2]),
         ]
     except ImportError:
         print("torch not installed: torch contenders skipped", file=sys.stderr)
     print(f"table {args.rows:,} x {args.dim} float32, {args.lookups:,} lookups/step "
-          f"({args.duplicates:.0%} duplicates), median step")
+          f"({args.duplicates:.0%} duplicates), median step, "
+          f"{args.threads or 'default'} intra-op thread(s)")
     results = {}
     for name, make, subset in contenders:
         step = make()

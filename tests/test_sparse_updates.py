@@ -71,7 +71,8 @@ def run_onnx(optimizer, mode, data, fast=True, dtype=np.float64):
                                  sparse_updates={"E": mode})
     session = TrainingSession(model, fast=fast)
     if mode == "lazy":  # the fast path applies domain-op row updates in place, not onnxruntime
-        assert len(session._programs[0].row_groups) == int(fast and bool(optimizer.op_type))
+        groups = session._programs[0].row_groups
+        assert len(groups) == int(fast and bool(optimizer.op_type)) and all(g.dedup for g in groups)
     for ids, target in data:
         session.step({"ids": ids, "target": target.astype(dtype)})
     return session.state_dict()
@@ -244,3 +245,17 @@ def test_only_gather_tables_and_known_modes():
         build_training_model(emb_model(), "mse", Adam(), sparse_updates={"emb.*": "lazy"})
     dense = build_training_model(emb_model(), "mse", Adam(), sparse_updates={"*": "dense"})
     assert "sparse_updates" not in metadata(dense)
+
+
+def test_embedding_benchmark_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "bench_embeddings.py"
+    spec = importlib.util.spec_from_file_location("bench_embeddings", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--rows", "500", "--dim", "8", "--lookups", "64", "--steps", "3",
+                       "--dense-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "onnx lazy Adam" in out and "lazy vs dense" in out

@@ -40,4 +40,26 @@ def adagrad_rows(x, g, h, u, s):
         adagrad_serial(x[r], g[i], h[r], s)
 
 
-ALL = (adam_rows, momentum_rows, nesterov_rows, adagrad_rows)
+@_jit(parallel=False)
+def dedup_rows(index, rows, slots, order, summed):
+    """Sum the rows of repeated indices (from zero, in order of appearance); ``slots``: -1 per
+    table row on entry and on return. Fills ``order``/``summed``; returns the distinct count."""
+    count = 0
+    for i in range(index.size):
+        r = index[i]
+        k = slots[r]
+        if k < 0:
+            k = count
+            slots[r] = k
+            order[k] = r
+            count += 1
+            for j in range(rows.shape[1]):
+                summed[k, j] = 0
+        for j in range(rows.shape[1]):
+            summed[k, j] += rows[i, j]
+    for k in range(count):
+        slots[order[k]] = -1
+    return count
+
+
+ALL = (adam_rows, momentum_rows, nesterov_rows, adagrad_rows, dedup_rows)

@@ -235,6 +235,7 @@ def warm_up() -> float:
         for kernel in (_rows.adam_rows, _rows.momentum_rows, _rows.nesterov_rows, _rows.adagrad_rows):
             nargs = 4 if kernel is _rows.adam_rows else 3
             kernel(*tables[:nargs], u, s)
+        _rows.dedup_rows(u, tables[0], np.full(1, -1, np.int64), np.empty(1, np.int64), tables[1])
     return time.perf_counter() - start
 
 

@@ -340,6 +340,8 @@ def build_program(
     dynamic = [name for name in dynamic if name not in present]
     graph.output.extend(onnx.ValueInfoProto(name=name) for name in dynamic)
     fixed_outputs = [o.name for o in graph.output if o.name not in returned and o.name not in dynamic]
+    if groups:  # what only fed the cut row updates (their index constants, shapes) is dead now
+        prune_dead_nodes(graph)
 
     program = Program(
         index=index, session=None, io=None, feeds=[], rate_inputs=rate_inputs,

@@ -8,6 +8,12 @@ its whole table (1M x 64 float32: 256 MB per state per step). The session finds 
 gradient rows, and applies the update in place on its state arrays (:func:`apply_row_groups`):
 gather the touched rows, the same kernel as the plugin (:data:`..kernels.apply.STEPS`),
 scatter them back — no temporary of the table's size, and the same bits as the graph path.
+
+When ``u`` and the rows come from the builder's deduplication (:func:`..sparse_updates.gradient_rows`:
+``Unique`` -> ``ScatterND(zeros, inverse, g, reduction="add")``), that is cut too: onnxruntime's
+``Unique`` takes ~1.7 ms for 4,096 ids. The session sums the duplicate rows itself
+(:func:`_dedup`: a row -> slot table kept between steps, rows summed in order of appearance
+from zero, as ScatterND adds them) and runs the row update on the distinct rows.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ class RowGroup:
     states: list[str]  # the state variable per input role except G (X, V[, H])
     rows: str  # the summed gradient rows (G of the node)
     unique: str  # the touched rows
-    reads: list[str]  # R, T, rows, unique: values the session must provide
+    reads: list[str]  # R, T, rows, unique (or, deduplicated here: R, T, every gradient row, its index)
+    dedup: bool = False
 
 
 def _axis(node: onnx.NodeProto) -> int:
@@ -73,6 +80,8 @@ def row_groups(graph: onnx.GraphProto, binding: Mapping[str, str], state_inputs:
         if spec.n_tensors(len(node.input)) != 1 or len(node.output) != spec.n_groups_out:
             continue
         group = _match(node, spec, producers, consumers, inits, outputs, reverse, binding, state)
+        if group is not None:
+            _match_dedup(group, producers, consumers, inits, outputs)
         if group is not None and not set(group.states) & used:
             used |= set(group.states)
             groups.append(group)
@@ -119,6 +128,57 @@ def _match(node, spec, producers, consumers, inits, outputs, reverse, binding, s
     return RowGroup(node, nodes, states, rows, unique, [node.input[0], node.input[1], rows, unique])
 
 
+def _only(consumers, name: str, outputs, op_type: str | None = None):
+    """The one node reading ``name`` (of ``op_type``), or None."""
+    found = consumers.get(name, [])
+    if len(found) != 1 or name in outputs or (op_type and found[0].op_type != op_type):
+        return None
+    return found[0]
+
+
+def _match_dedup(group: RowGroup, producers, consumers, inits, outputs) -> None:
+    """Extend ``group`` with the builder's deduplication if ``unique`` and ``rows`` come from it."""
+    unique = producers.get(group.unique)
+    summed = producers.get(group.rows)
+    if unique is None or summed is None or unique.op_type != "Unique" or len(unique.output) < 3 \
+            or not unique.output[2] or summed.op_type != "ScatterND" \
+            or _only(consumers, group.rows, outputs) is not group.node:
+        return
+    reduction = next((helper.get_attribute_value(a) for a in summed.attribute if a.name == "reduction"), b"")
+    zeros, at, g = summed.input
+    fill, at_node = producers.get(zeros), producers.get(at)
+    if reduction not in (b"add", "add") or fill is None or fill.op_type != "ConstantOfShape" \
+            or at_node is None or at_node.op_type != "Unsqueeze" or at_node.input[0] != unique.output[2]:
+        return
+    axes = _constant(at_node.input[1], producers, inits) if len(at_node.input) > 1 else None
+    value = numpy_helper.to_array(fill.attribute[0].t) if fill.attribute else np.zeros(1)
+    if axes is None or list(np.asarray(axes).reshape(-1)) not in ([1], [-1]) or value.any():
+        return
+    concat = producers.get(fill.input[0])
+    shape = producers.get(concat.input[0]) if concat is not None and concat.op_type == "Concat" else None
+    if shape is None or shape.op_type != "Shape" or list(shape.input) != [group.unique]:
+        return
+    chain = [(fill.output[0], summed), (at, summed), (unique.output[2], at_node),
+             (concat.output[0], fill), (shape.output[0], concat)]
+    if any(_only(consumers, name, outputs) is not reader for name, reader in chain):
+        return
+    extra = [unique, summed, fill, at_node, concat, shape]
+    group_nodes = {id(n) for n in group.nodes + extra}
+    # what still reads u: the group's Gathers, Shape, and the Unsqueeze feeding the group's ScatterNDs
+    for reader in consumers.get(group.unique, []):
+        if id(reader) in group_nodes:
+            continue
+        if reader.op_type != "Unsqueeze" or any(id(n) not in group_nodes for n in consumers.get(reader.output[0], [])):
+            return
+        extra.append(reader)
+        group_nodes.add(id(reader))
+    if any(o in outputs for n in extra for o in n.output):
+        return
+    group.nodes += extra
+    group.reads = [group.node.input[0], group.node.input[1], g, unique.input[0]]
+    group.dedup = True
+
+
 @dataclass
 class RowPlan:
     """A row group ready to run: its kernel, attributes and state arrays."""
@@ -128,6 +188,7 @@ class RowPlan:
     label: str
     reads: list[str]
     arrays: list[np.ndarray]  # state arrays, viewed as [rows, row size]
+    slots: np.ndarray | None = None  # row -> slot (-1 when free), for deduplicating here
 
 
 def plan(groups: list[RowGroup], state: Mapping[str, np.ndarray]) -> list[RowPlan]:
@@ -137,8 +198,9 @@ def plan(groups: list[RowGroup], state: Mapping[str, np.ndarray]) -> list[RowPla
         filled.graph.node.append(g.node)
         fill_default_attributes(filled)
         arrays = [state[s].reshape(state[s].shape[0], -1) for s in g.states]
+        slots = np.full(arrays[0].shape[0], -1, np.int64) if g.dedup else None
         plans.append(RowPlan(STEPS[g.node.op_type], node_attributes(filled.graph.node[0]),
-                             node_label(g.node), g.reads, arrays))
+                             node_label(g.node), g.reads, arrays, slots))
     return plans
 
 
@@ -147,5 +209,27 @@ def apply_row_groups(plans: list[RowPlan], values: Mapping[str, Any]) -> None:
     for p in plans:
         r, t, rows, unique = (np.asarray(values[name]) for name in p.reads)
         x, *rest = p.arrays
+        if p.slots is not None:  # every gradient row and its index: sum the duplicates first
+            unique, rows = _dedup(unique.astype(np.int64, copy=False),
+                                  rows.reshape(len(unique), x.shape[1]), p.slots)
         p.step(r, t, x, rows.reshape(len(unique), x.shape[1]), *rest, p.attributes,
                inplace=True, rows=unique)
+
+
+def _dedup(index: np.ndarray, rows: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct indices, their summed rows), rows added from zero in order of appearance."""
+    if _dedup_numba is None:
+        unique, inverse = np.unique(index, return_inverse=True)
+        summed = np.zeros((len(unique), rows.shape[1]), rows.dtype)
+        np.add.at(summed, inverse, rows)
+        return unique, summed
+    order = np.empty(len(index), np.int64)
+    summed = np.empty(rows.shape, rows.dtype)
+    count = _dedup_numba(index, np.ascontiguousarray(rows), slots, order, summed)
+    return order[:count], summed[:count]
+
+
+try:
+    from ..kernels._numba_rows import dedup_rows as _dedup_numba
+except ImportError:  # pragma: no cover - without numba
+    _dedup_numba = None
