@@ -42,3 +42,10 @@ def test_finetune_transformer(tmp_path):
     assert result["last"] < result["first"] - 1.0  # from ~log(82) toward the text's entropy
     assert Path(result["plot"]).exists()
     assert result["sample"].startswith("Beautiful is")
+
+
+def test_recommender():
+    pytest.importorskip("tqdm")
+    result = _load("recommender").main(users=1500, items=600, dim=16, epochs=4, k=20)
+    for mode in ("dense", "lazy"):  # both learn the synthetic tastes (untrained: ~k/items)
+        assert result[mode] > result["untrained"] + 0.15, result
