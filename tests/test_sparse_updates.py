@@ -259,3 +259,41 @@ def test_embedding_benchmark_runs(capsys):
                        "--dense-steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "onnx lazy Adam" in out and "lazy vs dense" in out
+
+
+def two_lookup_model() -> onnx.ModelProto:
+    """E read by two Gathers (int64 and int32 ids): one table, its gradient rows from both."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("Gather", ["E", "a"], ["ea"], axis=0),
+             helper.make_node("Gather", ["E", "b"], ["eb"], axis=0),
+             helper.make_node("ReduceSum", ["ea", "axis1"], ["sa"], keepdims=0),
+             helper.make_node("ReduceSum", ["eb", "axis1"], ["sb"], keepdims=0),
+             helper.make_node("Mul", ["sa", "sb"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "two", [helper.make_tensor_value_info("a", TensorProto.INT64, ["B", 2]),
+                       helper.make_tensor_value_info("b", TensorProto.INT32, ["B", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", D])],
+        [numpy_helper.from_array(rng.standard_normal((N, D)).astype(np.float32), "E"),
+         numpy_helper.from_array(np.array([1], np.int64), "axis1")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_two_lookups_of_one_table(mode):
+    model = build_training_model(two_lookup_model(), "mse", Adam(lr=0.05), sparse_updates={"E": "lazy"},
+                                 mode=mode)
+    rng = np.random.default_rng(0)
+    feeds = [{"a": rng.integers(0, 10, (B, 2)), "b": rng.integers(-N, -N + 10, (B, 3)).astype(np.int32),
+              "target": rng.standard_normal((B, D)).astype(np.float32)} for _ in range(4)]
+    states = []
+    for fast in (True, False):
+        session = TrainingSession(model, fast=fast)
+        for f in feeds:
+            session.step(f)
+        states.append(session.state_dict())
+    for name, value in states[1].items():
+        np.testing.assert_array_equal(states[0][name], value, err_msg=name)
+    init = numpy_helper.to_array(two_lookup_model().graph.initializer[0])
+    changed = np.flatnonzero((states[0]["E"] != init).any(axis=1))
+    assert set(changed) <= set(range(10)) and len(changed) > 5  # b's negative ids are rows 0..9 too
+    assert not states[0]["E.V"][10:].any()
