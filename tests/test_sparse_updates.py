@@ -248,15 +248,10 @@ def test_only_gather_tables_and_known_modes():
 
 
 def test_embedding_benchmark_runs(capsys):
-    import importlib.util
-    from pathlib import Path
+    from onnx_training_ops.cli import main
 
-    path = Path(__file__).parent.parent / "benchmarks" / "bench_embeddings.py"
-    spec = importlib.util.spec_from_file_location("bench_embeddings", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--rows", "500", "--dim", "8", "--lookups", "64", "--steps", "3",
-                       "--dense-steps", "1"]) == 0
+    assert main(["bench", "embeddings", "--rows", "500", "--dim", "8", "--lookups", "64",
+                 "--steps", "3", "--dense-steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "onnx lazy Adam" in out and "lazy vs dense" in out
 
