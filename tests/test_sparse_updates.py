@@ -99,9 +99,10 @@ def lazy_adam(lr, b1, b2, eps):  # mxRec lazy_adam (seed 004)
     return update
 
 
-def tf_sparse_adam(lr, b1, b2, eps):  # TF Adam._apply_sparse_shared (seed 003)
+def tf_sparse_adam(lr, b1, b2, eps, decay=0.0):  # TF Adam._apply_sparse_shared (seed 003)
     def update(E, states, u, g, t):
         m, v = states
+        g = g + decay * E[u]  # weight decay on the looked-up rows' gradient values only
         lr_t = lr * np.sqrt(1 - b2**t) / (1 - b1**t)
         m *= b1
         m[u] += g * (1 - b1)
@@ -141,6 +142,8 @@ B1, B2, EPS = 0.875, 0.9921875, 2.0**-20
 CASES = [
     ("lazy", Adam(lr=0.05, betas=(B1, B2), eps=EPS), lazy_adam(0.05, B1, B2, EPS), ("V", "H")),
     ("sparse", Adam(lr=0.05, betas=(B1, B2), eps=EPS), tf_sparse_adam(0.05, B1, B2, EPS), ("V", "H")),
+    ("sparse", Adam(lr=0.05, betas=(B1, B2), eps=EPS, weight_decay=0.125),
+     tf_sparse_adam(0.05, B1, B2, EPS, 0.125), ("V", "H")),
     ("lazy", Adagrad(lr=0.1, eps=EPS), sparse_adagrad(0.1, EPS), ("H",)),
     ("sparse", Adagrad(lr=0.1, eps=EPS), sparse_adagrad(0.1, EPS), ("H",)),
     ("lazy", Momentum(lr=0.05, momentum=0.75), sparse_momentum(0.05, 0.75), ("V",)),
