@@ -17,6 +17,9 @@ optimizer's ``lr`` as default, so schedules just feed it).
 
 Optimizer state lives in the algorithm graph's initializers (``<param>.V``, ``<param>.H``,
 ``optimizer.T``); the spec lets update bindings name them, and the main graph stays as it was.
+RMSProp, which the domain lacks, is emitted as standard ops (:mod:`.rmsprop`); embedding tables
+named in ``sparse_updates`` are differentiated at their ``Gather`` outputs and updated by rows
+(:mod:`.sparse_updates`).
 
 :func:`build_training_model` runs named steps in order: ``_forward`` (the forward pass the
 loss reads: the main graph in ``mode="eval"``, a training-mode copy in ``mode="train"``),
@@ -39,15 +42,15 @@ from .autodiff.coverage import missing_rules, trainable_names
 from .autodiff.registry import describe_missing
 from .errors import TrainingOpError
 from .losses import NAMED, CrossEntropyLoss, Emit, Loss, resolve
-from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
-from .rmsprop import RMSProp
 from . import sparse_updates as sparse_updates_
-from .update_graph import Ops, emit_update
+from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
 from .passes.fit_runtime import fit_runtime, runtime_limits
+from .rmsprop import RMSProp
 from .schema import DOMAIN, OPSET_VERSION
 from .train_mode import fit_opset, to_inference, training_forward
+from .update_graph import Ops, emit_update
 
 META_PREFIX = "onnx_training_ops."
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
