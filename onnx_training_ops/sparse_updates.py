@@ -47,7 +47,7 @@ import onnx
 from onnx import helper
 
 from .errors import TrainingOpError
-from .passes._graph import subgraphs
+from .passes._graph import all_graphs, subgraphs
 from .update_graph import Ops, emit_update
 
 MODES = ("dense", "lazy", "sparse")
@@ -88,7 +88,8 @@ def resolve_modes(option: Mapping[str, str] | None, names: Sequence[str]) -> dic
 def _readers(nodes: Sequence[onnx.NodeProto], name: str) -> list[onnx.NodeProto]:
     found = []
     for node in nodes:
-        if name in node.input or any(name in n.input for g in subgraphs(node) for n in g.node):
+        if name in node.input or any(name in n.input for sub in subgraphs(node)
+                                     for g in all_graphs(sub) for n in g.node):
             found.append(node)
     return found
 
