@@ -1,6 +1,7 @@
 """RMSProp (standard ONNX ops in the algorithm graph) against torch.optim.RMSprop: every
 combination of weight_decay, momentum and centered, 50 steps of an MLP, float64 tight and
-float32 within rounding; the fast and graph session paths; state in checkpoints."""
+float32 within rounding; the fast path (fused numba kernel) and the graph path (the standard
+ops in onnxruntime) bit for bit; state in checkpoints."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def test_rmsprop_matches_torch(weight_decay, momentum, centered, dtype):
     states = []
     for fast in (True, False):
         session = TrainingSession(training, fast=fast)
+        # the fast path cuts every tensor's standard-op update and runs the fused kernel
+        assert len(session._programs[0].rms_groups) == (4 if fast else 0)
         for x, y in batches:
             session.step({"input": x, "labels": y})
         states.append(session.state_dict())
@@ -97,3 +100,25 @@ def test_rmsprop_options_are_checked_and_round_trip():
     for bad in (dict(alpha=1.5), dict(lr=-1.0), dict(centered="yes"), dict(momentum=float("nan"))):
         with pytest.raises(TrainingOpError):
             RMSProp(**bad)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_fused_kernel_above_the_parallel_threshold(adaptive, monkeypatch):
+    """Tensors large enough for the parallel loop (and the adaptive serial/parallel choice)
+    still give the graph path's bits."""
+    from onnx_training_ops.kernels import fused
+
+    monkeypatch.setattr(fused, "ADAPTIVE", adaptive)
+    model = make_mlp((6, 3000, 3), activation="Tanh", dtype=np.float32, seed=1)
+    training = build_training_model(model, "cross_entropy",
+                                    RMSProp(lr=0.01, momentum=0.5, centered=True, weight_decay=0.01))
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)) for _ in range(6)]
+    states = []
+    for fast in (True, False):
+        session = TrainingSession(training, fast=fast)
+        for x, y in batches:
+            session.step({"input": x, "labels": y})
+        states.append(session.state_dict())
+    for name, value in states[1].items():
+        np.testing.assert_array_equal(states[0][name], value, err_msg=name)

@@ -104,3 +104,16 @@ def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False, rows=None):
 
 
 STEPS = {"Adam": adam_step, "Momentum": momentum_step, "Adagrad": adagrad_step}
+
+
+def rmsprop_step(r, x, g, states: dict, optimizer) -> bool:
+    """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.rmsprop`) in place with the
+    fused kernel; False (nothing done) when it does not apply."""
+    if not _fusable(x, g, *states.values()):
+        return False
+    _fused.rmsprop_(x, g, states, np.asarray(r, x.dtype).reshape(()), optimizer)
+    return True
+
+
+def fused_available() -> bool:
+    return _fused is not None

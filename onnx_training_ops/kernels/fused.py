@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from . import _numba_kernels as _k
+from . import _numba_rmsprop as _rms
 from . import _numba_rows as _rows
 
 # Below this many elements (per op) the serial loop runs: waking numba's thread pool costs
@@ -34,7 +35,8 @@ from . import _numba_rows as _rows
 # Momentum 3.40 / 3.91 at 16k, 6.19 / 5.52 at 32k. Ties go to serial, which is also
 # immune to the other core being busy (see ADAPTIVE below).
 # Mutable: set a value to sys.maxsize to keep that op single-threaded.
-PARALLEL_THRESHOLDS = {"adam": 1 << 14, "adagrad": 3 << 13, "momentum": 1 << 15, "nesterov": 1 << 15}
+PARALLEL_THRESHOLDS = {"adam": 1 << 14, "adagrad": 3 << 13, "momentum": 1 << 15, "nesterov": 1 << 15,
+                       "rmsprop": 1 << 14}  # rmsprop: not measured, Adam's
 PARALLEL_THRESHOLD = min(PARALLEL_THRESHOLDS.values())  # the smallest switch point
 
 # Above the threshold, choose serial or parallel by measured cost (ADAPTIVE = True) or
@@ -220,6 +222,17 @@ def adagrad_(x, g, h, rate, epsilon, norm_coefficient, rows=None) -> None:
     _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
 
 
+def rmsprop_(x, g, states: dict, rate, opt) -> None:
+    """RMSProp (torch's form, :class:`onnx_training_ops.RMSProp` ``opt``) in place on ``x`` and
+    ``states`` (square_avg[, momentum_buffer][, grad_avg]); ``rate`` in x's dtype as the graph
+    casts it. Arrays must pass :func:`supports`."""
+    s = np.array((rate, opt.weight_decay, opt.alpha, 1.0 - opt.alpha, opt.eps, opt.momentum), dtype=x.dtype)
+    spare = states["square_avg"]  # never read: the flags say so
+    _dispatch("rmsprop", _rms.rmsprop_serial, _rms.rmsprop_parallel, x.size, _flat(x), _flat(g),
+              _flat(states["square_avg"]), _flat(states.get("momentum_buffer", spare)),
+              _flat(states.get("grad_avg", spare)), s, opt.weight_decay != 0, opt.momentum > 0, bool(opt.centered))
+
+
 def warm_up() -> float:
     """Compile, or load from numba's disk cache, every specialization (serial and
     parallel, float32 and float64) and start numba's thread pool; returns the seconds
@@ -236,6 +249,8 @@ def warm_up() -> float:
             nargs = 4 if kernel is _rows.adam_rows else 3
             kernel(*tables[:nargs], u, s)
         _rows.dedup_rows(u, tables[0], np.full(1, -1, np.int64), np.empty(1, np.int64), tables[1])
+        for kernel in _rms.ALL:
+            kernel(*arrays, arrays[0], s, True, True, True)
     return time.perf_counter() - start
 
 

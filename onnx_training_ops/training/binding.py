@@ -21,6 +21,7 @@ from .arrays import dtype_name, owned
 from .fast_path import cut_plan, flat_gradient_views
 from .feeds import feed_spec
 from .program import Program
+from .rmsprop_fast_path import plan as rms_plan
 from .row_updates import plan as row_plan
 
 
@@ -71,7 +72,8 @@ def open_program(
         (state[k], v) for k, v in program.binding.items() if v not in program.cut_outputs
     ]
     program.needs_feeds = any(type(src) is tuple and src[0] == "feed"
-                              for src in (*program.cut_sources.values(), *program.row_sources.values()))
+                              for src in (*program.cut_sources.values(), *program.row_sources.values(),
+                                          *program.rms_sources.values()))
     del program.combined  # the session holds what it needs
     return program
 
@@ -119,3 +121,4 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     program.plan = cut_plan(program.cut_nodes, program.flat_nodes, program.cut_sources, program.fixed_buffers, state)
     program.copy_plan = copies
     program.row_plan = row_plan(program.row_groups, state)
+    program.rms_plan = rms_plan(program.rms_groups, state)

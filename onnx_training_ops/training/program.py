@@ -22,6 +22,7 @@ from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
 from .fast_path import CutStep, cut_sources, cuttable_nodes
+from .rmsprop_fast_path import rmsprop_groups
 from .row_updates import row_groups
 from .feeds import FeedSpec, checked_learning_rate
 
@@ -65,6 +66,9 @@ class Program:
     row_sources: dict = field(default_factory=dict)  # what they read: name -> source, as cut_sources
     dynamic_outputs: list = field(default_factory=list)  # outputs of varying shape they read
     row_plan: list = field(default_factory=list)
+    rms_groups: list = field(default_factory=list)  # RMSProp updates applied in place (.rmsprop_fast_path)
+    rms_sources: dict = field(default_factory=dict)
+    rms_plan: list = field(default_factory=list)
 
 
 def used_names(graph: onnx.GraphProto) -> set[str]:
@@ -309,7 +313,9 @@ def build_program(
         cut_nodes = cuttable_nodes(graph, binding, state_inputs)
     groups = row_groups(graph, binding, state_inputs,
                         {i for n in cut_nodes for i in n.input}) if fast else []
-    row_nodes = [n for g in groups for n in g.nodes]
+    taken = {i for n in cut_nodes for i in n.input} | {s for g in groups for s in g.states}
+    rms = rmsprop_groups(graph, binding, state, meta, taken) if fast else []
+    row_nodes = [n for g in groups for n in g.nodes] + [n for g in rms for n in g.nodes]
     cut_outputs = {o for n in cut_nodes + row_nodes for o in n.output if o}
     if cut_nodes or row_nodes:
         keep = [n for n in graph.node if not any(n is c for c in cut_nodes + row_nodes)]
@@ -320,6 +326,9 @@ def build_program(
     sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types)
     reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in groups for r in g.reads)), [])
     row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
+    reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in rms for r in g.reads)), [])
+    rms_sources, rms_outputs = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
+    extra_outputs += [name for name in rms_outputs if name not in extra_outputs]
     old_outputs = list(graph.output)
     del graph.output[:]
     graph.output.extend(o for o in old_outputs if o.name not in cut_outputs)
@@ -340,7 +349,7 @@ def build_program(
     dynamic = [name for name in dynamic if name not in present]
     graph.output.extend(onnx.ValueInfoProto(name=name) for name in dynamic)
     fixed_outputs = [o.name for o in graph.output if o.name not in returned and o.name not in dynamic]
-    if groups:  # what only fed the cut row updates (their index constants, shapes) is dead now
+    if groups or rms:  # what only fed the cut updates (their constants, shapes) is dead now
         prune_dead_nodes(graph)
 
     program = Program(
@@ -355,4 +364,5 @@ def build_program(
     program.binding = binding
     program.cut_outputs = cut_outputs
     program.row_groups, program.row_sources, program.dynamic_outputs = groups, row_sources, dynamic
+    program.rms_groups, program.rms_sources = rms, rms_sources
     return program

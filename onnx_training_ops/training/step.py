@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import TrainingOpError
 from .binding import finish_binding
 from .fast_path import apply_plan, apply_step_with_feeds
+from .rmsprop_fast_path import apply_rmsprop
 from .row_updates import apply_row_groups
 from .feeds import checked_learning_rate, feed_array
 from .program import Program
@@ -107,21 +108,24 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
     else:
         apply_plan(program.plan)
     if program.row_plan:
-        apply_row_groups(program.row_plan, _row_values(program, raw, feeds, state))
+        apply_row_groups(program.row_plan, _cut_values(program, program.row_sources, raw, feeds, state))
+    if program.rms_plan:
+        apply_rmsprop(program.rms_plan, _cut_values(program, program.rms_sources, raw, feeds, state))
     for array, buf in program.copy_plan:
         np.copyto(array, buf)
     return result, False
 
 
-def _row_values(program: Program, raw, feeds: Mapping[str, Any], state) -> dict[str, Any]:
-    """What the row updates read: outputs of this run, state, learning rates, constants, feeds."""
+def _cut_values(program: Program, sources, raw, feeds: Mapping[str, Any], state) -> dict[str, Any]:
+    """What cut row/RMSProp updates read (``sources``, as :func:`.fast_path.cut_sources` gives
+    them): outputs of this run, state, learning rates, constants, feeds."""
     dynamic = {}
     if program.dynamic_outputs:
         outputs = raw.get_outputs()
         first = len(program.returned) + len(program.fixed_outputs)
         dynamic = {name: outputs[first + i].numpy() for i, name in enumerate(program.dynamic_outputs)}
     values = {}
-    for name, src in program.row_sources.items():
+    for name, src in sources.items():
         if type(src) is not tuple:
             values[name] = src
         elif src[0] == "output":
