@@ -14,7 +14,9 @@ graph, bound by ``update_binding``, saved in checkpoints. Per tensor, as torch c
     X = X - lr * momentum_buffer                                   # else X - lr * (g / avg)
 
 TensorFlow's ``RMSPropOptimizer`` (seed 004) is the same recurrence with eps *inside* the
-square root and ``decay`` for alpha; torch's form is the one implemented.
+square root and ``decay`` for alpha; torch's form is the one implemented. TrainingSession's
+fast path recognises these ops and runs them as one fused loop
+(:mod:`.training.rmsprop_fast_path`).
 """
 
 from __future__ import annotations
