@@ -5,9 +5,11 @@ table (X, V, H) -> a one-tensor optimizer node of the training domain -> ``Scatt
 Unsqueeze(u, 1), S_rows_new)`` bound back to S. Run by onnxruntime, each ScatterND copies
 its whole table (1M x 64 float32: 256 MB per state per step). The session finds this pattern
 (:func:`row_groups`), cuts its nodes, lets onnxruntime output only ``u`` and the summed
-gradient rows, and applies the update in place on its state arrays (:func:`apply_row_groups`):
-gather the touched rows, the same kernel as the plugin (:data:`..kernels.apply.STEPS`),
-scatter them back — no temporary of the table's size, and the same bits as the graph path.
+gradient rows, and applies the update in place on its state arrays (:func:`apply_row_groups`)
+through the plugin's entry point (:data:`..kernels.apply.STEPS` with ``rows=``): the fused
+element loop runs on each touched row of X, V, H (:mod:`..kernels._numba_rows`; gather ->
+kernel -> scatter if the fused kernels do not apply) — nothing of the table's size per step,
+and the same bits as the graph path.
 
 When ``u`` and the rows come from the builder's deduplication (:func:`..sparse_updates.gradient_rows`:
 ``Unique`` -> ``ScatterND(zeros, inverse, g, reduction="add")``), that is cut too: onnxruntime's
