@@ -82,8 +82,13 @@ def row_groups(graph: onnx.GraphProto, binding: Mapping[str, str], state_inputs:
         if spec.n_tensors(len(node.input)) != 1 or len(node.output) != spec.n_groups_out:
             continue
         group = _match(node, spec, producers, consumers, inits, outputs, reverse, binding, state)
-        if group is not None:
-            _match_dedup(group, producers, consumers, inits, outputs)
+        found = group and dedup_nodes(group.unique, group.rows, group.nodes, producers, consumers,
+                                      inits, outputs)
+        if found:
+            extra, g, index = found
+            group.nodes += extra
+            group.reads = [group.node.input[0], group.node.input[1], g, index]
+            group.dedup = True
         if group is not None and not set(group.states) & used:
             used |= set(group.states)
             groups.append(group)
@@ -138,47 +143,48 @@ def _only(consumers, name: str, outputs, op_type: str | None = None):
     return found[0]
 
 
-def _match_dedup(group: RowGroup, producers, consumers, inits, outputs) -> None:
-    """Extend ``group`` with the builder's deduplication if ``unique`` and ``rows`` come from it."""
-    unique = producers.get(group.unique)
-    summed = producers.get(group.rows)
+def dedup_nodes(unique_name: str, rows_name: str, group: list, producers, consumers, inits,
+                outputs) -> tuple[list, str, str] | None:
+    """If ``unique_name`` and ``rows_name`` come from the builder's deduplication and only the
+    ``group`` nodes read them: (its nodes, every gradient row, their indices); else None."""
+    unique = producers.get(unique_name)
+    summed = producers.get(rows_name)
+    ids = {id(n) for n in group}
     if unique is None or summed is None or unique.op_type != "Unique" or len(unique.output) < 3 \
-            or not unique.output[2] or summed.op_type != "ScatterND" \
-            or _only(consumers, group.rows, outputs) is not group.node:
-        return
+            or not unique.output[2] or summed.op_type != "ScatterND" or rows_name in outputs \
+            or any(id(n) not in ids for n in consumers.get(rows_name, [])):
+        return None
     reduction = next((helper.get_attribute_value(a) for a in summed.attribute if a.name == "reduction"), b"")
     zeros, at, g = summed.input
     fill, at_node = producers.get(zeros), producers.get(at)
     if reduction not in (b"add", "add") or fill is None or fill.op_type != "ConstantOfShape" \
             or at_node is None or at_node.op_type != "Unsqueeze" or at_node.input[0] != unique.output[2]:
-        return
+        return None
     axes = _constant(at_node.input[1], producers, inits) if len(at_node.input) > 1 else None
     value = numpy_helper.to_array(fill.attribute[0].t) if fill.attribute else np.zeros(1)
     if axes is None or list(np.asarray(axes).reshape(-1)) not in ([1], [-1]) or value.any():
-        return
+        return None
     concat = producers.get(fill.input[0])
     shape = producers.get(concat.input[0]) if concat is not None and concat.op_type == "Concat" else None
-    if shape is None or shape.op_type != "Shape" or list(shape.input) != [group.unique]:
-        return
+    if shape is None or shape.op_type != "Shape" or list(shape.input) != [unique_name]:
+        return None
     chain = [(fill.output[0], summed), (at, summed), (unique.output[2], at_node),
              (concat.output[0], fill), (shape.output[0], concat)]
     if any(_only(consumers, name, outputs) is not reader for name, reader in chain):
-        return
+        return None
     extra = [unique, summed, fill, at_node, concat, shape]
-    group_nodes = {id(n) for n in group.nodes + extra}
+    ids |= {id(n) for n in extra}
     # what still reads u: the group's Gathers, Shape, and the Unsqueeze feeding the group's ScatterNDs
-    for reader in consumers.get(group.unique, []):
-        if id(reader) in group_nodes:
+    for reader in consumers.get(unique_name, []):
+        if id(reader) in ids:
             continue
-        if reader.op_type != "Unsqueeze" or any(id(n) not in group_nodes for n in consumers.get(reader.output[0], [])):
-            return
+        if reader.op_type != "Unsqueeze" or any(id(n) not in ids for n in consumers.get(reader.output[0], [])):
+            return None
         extra.append(reader)
-        group_nodes.add(id(reader))
+        ids.add(id(reader))
     if any(o in outputs for n in extra for o in n.output):
-        return
-    group.nodes += extra
-    group.reads = [group.node.input[0], group.node.input[1], g, unique.input[0]]
-    group.dedup = True
+        return None
+    return extra, g, unique.input[0]
 
 
 @dataclass
