@@ -255,7 +255,7 @@ def test_cache_falls_back_to_user_dir_and_is_reused(tmp_path):
 
     cold = probe()
     assert all(misses == 2 and hits == 0 for hits, misses in cold.values()), cold  # float32 + float64 each
-    assert len(list(tmp_path.glob("numba/**/*.nbi"))) == len(cold) == 15  # 8 element loops, 4 row drivers, dedup, 2 RMSProp
+    assert len(list(tmp_path.glob("numba/**/*.nbi"))) == len(cold) == 16  # 8 element loops, 4 row drivers, dedup, 3 RMSProp
     warm = probe()
     assert all(hits == 2 and misses == 0 for hits, misses in warm.values()), warm
 

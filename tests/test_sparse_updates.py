@@ -70,9 +70,10 @@ def run_onnx(optimizer, mode, data, fast=True, dtype=np.float64):
     model = build_training_model(emb_model(dtype), "mse", optimizer, trainable=["E"],
                                  sparse_updates={"E": mode})
     session = TrainingSession(model, fast=fast)
-    if mode == "lazy":  # the fast path applies domain-op row updates in place, not onnxruntime
-        groups = session._programs[0].row_groups
-        assert len(groups) == int(fast and bool(optimizer.op_type)) and all(g.dedup for g in groups)
+    if mode == "lazy" or not isinstance(optimizer, Adam):  # the fast path updates the rows in place
+        program = session._programs[0]
+        groups = program.row_groups + [g for g in program.rms_groups if g.rows]
+        assert len(groups) == int(fast) and all(g.dedup for g in groups)
     for ids, target in data:
         session.step({"ids": ids, "target": target.astype(dtype)})
     return session.state_dict()
@@ -204,7 +205,9 @@ def test_sparse_adagrad_is_dense_adagrad_bit_for_bit():
 FAST_CASES = [("lazy", Adam(lr=0.05, weight_decay=0.01, post_weight_decay=0.001)), ("sparse", Adam(lr=0.05)),
               ("lazy", Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01)),
               ("lazy", Momentum(lr=0.05, momentum=0.8, dampening=0.1)),
-              ("lazy", Momentum(lr=0.05, momentum=0.8, nesterov=True))]
+              ("lazy", Momentum(lr=0.05, momentum=0.8, nesterov=True)),
+              ("lazy", RMSProp(lr=0.01, momentum=0.5, centered=True, weight_decay=0.01)),
+              ("sparse", RMSProp(lr=0.01))]
 
 
 @pytest.mark.parametrize("mode,optimizer", FAST_CASES, ids=[f"{type(o).__name__}-{m}" for m, o in FAST_CASES])

@@ -56,4 +56,12 @@ def rmsprop_parallel(x, g, square_avg, buf, grad_avg, s, decay, use_momentum, ce
         x[i] = xi - rate * step
 
 
-ALL = (rmsprop_serial, rmsprop_parallel)
+@_jit(parallel=False)
+def rmsprop_rows(x, g, square_avg, buf, grad_avg, u, s, decay, use_momentum, centered):
+    """The loop on rows ``u`` (distinct) of 2-D tables; ``g`` has one row per index."""
+    for i in range(u.size):
+        r = u[i]
+        rmsprop_serial(x[r], g[i], square_avg[r], buf[r], grad_avg[r], s, decay, use_momentum, centered)
+
+
+ALL = (rmsprop_serial, rmsprop_parallel, rmsprop_rows)

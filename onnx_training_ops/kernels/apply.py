@@ -106,12 +106,14 @@ def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False, rows=None):
 STEPS = {"Adam": adam_step, "Momentum": momentum_step, "Adagrad": adagrad_step}
 
 
-def rmsprop_step(r, x, g, states: dict, optimizer) -> bool:
+def rmsprop_step(r, x, g, states: dict, optimizer, rows=None) -> bool:
     """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.rmsprop`) in place with the
-    fused kernel; False (nothing done) when it does not apply."""
-    if not _fusable(x, g, *states.values()):
+    fused kernel, on the ``rows`` of 2-D tables if given; False (nothing done) when it does not apply."""
+    if rows is None and not _fusable(x, g, *states.values()):
         return False
-    _fused.rmsprop_(x, g, states, np.asarray(r, x.dtype).reshape(()), optimizer)
+    if rows is not None and (_fused is None or not _fused.supports_rows([x, *states.values()], g, rows)):
+        return False
+    _fused.rmsprop_(x, g, states, np.asarray(r, x.dtype).reshape(()), optimizer, rows=rows)
     return True
 
 

@@ -222,15 +222,20 @@ def adagrad_(x, g, h, rate, epsilon, norm_coefficient, rows=None) -> None:
     _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
 
 
-def rmsprop_(x, g, states: dict, rate, opt) -> None:
+def rmsprop_(x, g, states: dict, rate, opt, rows=None) -> None:
     """RMSProp (torch's form, :class:`onnx_training_ops.RMSProp` ``opt``) in place on ``x`` and
     ``states`` (square_avg[, momentum_buffer][, grad_avg]); ``rate`` in x's dtype as the graph
-    casts it. Arrays must pass :func:`supports`."""
+    casts it. Arrays must pass :func:`supports` (with ``rows``: :func:`supports_rows`)."""
     s = np.array((rate, opt.weight_decay, opt.alpha, 1.0 - opt.alpha, opt.eps, opt.momentum), dtype=x.dtype)
     spare = states["square_avg"]  # never read: the flags say so
+    flags = (opt.weight_decay != 0, opt.momentum > 0, bool(opt.centered))
+    if rows is not None:
+        _rms.rmsprop_rows(x, g, spare, states.get("momentum_buffer", spare), states.get("grad_avg", spare),
+                          rows, s, *flags)
+        return
     _dispatch("rmsprop", _rms.rmsprop_serial, _rms.rmsprop_parallel, x.size, _flat(x), _flat(g),
               _flat(states["square_avg"]), _flat(states.get("momentum_buffer", spare)),
-              _flat(states.get("grad_avg", spare)), s, opt.weight_decay != 0, opt.momentum > 0, bool(opt.centered))
+              _flat(states.get("grad_avg", spare)), s, *flags)
 
 
 def warm_up() -> float:
@@ -249,8 +254,9 @@ def warm_up() -> float:
             nargs = 4 if kernel is _rows.adam_rows else 3
             kernel(*tables[:nargs], u, s)
         _rows.dedup_rows(u, tables[0], np.full(1, -1, np.int64), np.empty(1, np.int64), tables[1])
-        for kernel in _rms.ALL:
+        for kernel in (_rms.rmsprop_serial, _rms.rmsprop_parallel):
             kernel(*arrays, arrays[0], s, True, True, True)
+        _rms.rmsprop_rows(*tables, tables[0], u, s, True, True, True)
     return time.perf_counter() - start
 
 
