@@ -8,7 +8,8 @@ kernels are registered with onnxruntime-extensions when first needed (:func:`ses
 * :func:`session_options` — SessionOptions with the kernel library registered;
 * :class:`InferenceSession` — drop-in ``onnxruntime.InferenceSession`` that prepares for you;
 * :func:`build_training_model` — inference model + loss (:mod:`.losses`, torch's names) +
-  :class:`Adam`/:class:`Momentum`/:class:`Adagrad` -> one ONNX training model (``training_info``);
+  :class:`Adam`/:class:`AdamW`/:class:`Momentum`/:class:`Adagrad`/:class:`RMSProp` (dense, or
+  lazy/sparse rows for embedding tables) -> one ONNX training model (``training_info``);
 * :class:`TrainingSession` — train any ONNX training model: ``step``, ``evaluate``,
   ``backward``/``optimizer_step``, ``run``, ``save``, ``export_inference_model``;
 * :mod:`onnx_training_ops.schedules` — learning-rate schedules with torch's names;
@@ -23,6 +24,7 @@ from .losses import (BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSE
                      SmoothL1Loss)
 from . import schedules
 from .optimizers import Adagrad, Adam, AdamW, Momentum
+from .rmsprop import RMSProp
 from .passes import PASSES, prepare
 from .plugin import session_options
 from .schema import DOMAIN
@@ -46,6 +48,7 @@ __all__ = [
     "InferenceSession",
     "Momentum",
     "NonFiniteLossError",
+    "RMSProp",
     "TrainingOpError",
     "TrainingSession",
     "build_training_model",

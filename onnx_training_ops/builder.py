@@ -28,6 +28,7 @@ metadata).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -39,9 +40,12 @@ from .autodiff.coverage import missing_rules, trainable_names
 from .autodiff.registry import describe_missing
 from .errors import TrainingOpError
 from .losses import NAMED, CrossEntropyLoss, Emit, Loss, resolve
+from . import sparse_updates as sparse_updates_
 from .grad_clip import checked_limit, clip_by_global_norm, clip_by_value
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .param_groups import Group, groups_to_json, resolve_groups
+from .rmsprop import RMSProp
+from .update_graph import Ops, emit_update
 from .passes import load_model
 from .passes._graph import all_names, unique_name, value_types
 from .passes.fit_runtime import fit_runtime, runtime_limits
@@ -286,9 +290,9 @@ class _Algorithm:
 def _check_choices(mode: str, optimizer) -> None:
     if mode not in ("eval", "train"):
         raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
-    if not isinstance(optimizer, (Adam, Momentum, Adagrad)):
+    if not isinstance(optimizer, (Adam, Momentum, Adagrad, RMSProp)):
         raise TrainingOpError(
-            f"optimizer must be onnx_training_ops.Adam, AdamW, Momentum or Adagrad, found "
+            f"optimizer must be onnx_training_ops.Adam, AdamW, Momentum, Adagrad or RMSProp, found "
             f"{type(optimizer).__name__}"
         )
 
@@ -384,43 +388,69 @@ def _decoupled_decay(group: Group, params, r_type: int, algo: _Algorithm) -> lis
 
 
 def _update(params, groups: list[Group], loss_name: str, t_name: str, clip_grad_norm,
-            clip_grad_value, algo: _Algorithm) -> tuple[dict[str, str], str]:
-    """T <- T + 1, one Gradient node for all ``params``, clipping, and one multi-tensor
-    optimizer node per group; every new value bound to its state. Returns each optimizer
-    state variable's parameter-and-state key (``"W.V"`` -> name) and the clipped norm's name."""
+            clip_grad_value, algo: _Algorithm,
+            tables: Sequence[sparse_updates_.Table] = ()) -> tuple[dict[str, str], str]:
+    """T <- T + 1, one Gradient node for all ``params``, clipping, and one optimizer update
+    per group (:func:`.update_graph.emit_update`: one multi-tensor node of the domain, or
+    standard ops for RMSProp); every new value bound to its state. ``tables``
+    (:mod:`.sparse_updates`) are differentiated at their lookups and updated by rows.
+    Returns each optimizer state variable's name by ``"<param>\\0<state>"`` and the name of
+    the norm before clipping ("" without clip_grad_norm)."""
     t_new, one = algo.name("optimizer.T.new"), algo.name("optimizer.one")
     algo.inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
     algo.inits.append(numpy_helper.from_array(np.array(1, np.int64), one))
     algo.nodes.append(helper.make_node("Add", [t_name, one], [t_new],
                                        name=algo.name("optimizer/T_increment")))
 
+    by_rows = {tb.name: tb for tb in tables}
+    if by_rows and (clip_grad_norm is not None or clip_grad_value is not None):
+        raise TrainingOpError("gradient clipping with sparse_updates is not supported: the table "
+                              f"gradients of {sorted(by_rows)} are rows, not tensors")
     p_names = [p.name for p in params]
-    raw_grads = [algo.name(f"{p}.grad") for p in p_names]
-    algo.nodes.append(helper.make_node("Gradient", p_names, raw_grads, domain=DOMAIN, xs=p_names,
+    xs = [n for n in p_names if n not in by_rows] + [o for tb in tables for _, o in tb.lookups]
+    raw = {x: algo.name(f"{x}.grad") for x in xs}
+    algo.nodes.append(helper.make_node("Gradient", xs, list(raw.values()), domain=DOMAIN, xs=xs,
                                        y=loss_name, name=algo.name("gradient")))
-    grads, norm_name = _clip(raw_grads, params, clip_grad_norm, clip_grad_value, algo)
-    grad_of = dict(zip(p_names, grads))
+    dense = [p for p in params if p.name not in by_rows]
+    clipped, norm_name = _clip([raw[p.name] for p in dense], dense, clip_grad_norm, clip_grad_value, algo)
+    grad_of = dict(zip((p.name for p in dense), clipped))
     by_name = {p.name: p for p in params}
     r_type = next(vi for vi in algo.inputs if vi.name == groups[0].learning_rate).type.tensor_type.elem_type
+    t_input = {True: t_new, False: t_name}
 
     state_names: dict[str, str] = {}
     for group in groups:
         optimizer, names = group.optimizer, group.params
-        xs = _decoupled_decay(group, params, r_type, algo) if optimizer.decoupled_weight_decay else names
         states = {s: [algo.name(f"{p}.{s}") for p in names] for s in optimizer.states}
-        new_params = [algo.name(f"{p}.new") for p in names]
+        new_params = {p: algo.name(f"{p}.new") for p in names}
         new_states = {s: [algo.name(f"{p}.{s}.new") for p in names] for s in optimizer.states}
-        t_input = t_new if optimizer.t_offset else t_name
-        inputs, outputs = [group.learning_rate, t_input, *xs, *(grad_of[p] for p in names)], list(new_params)
-        for s in optimizer.states:
-            inputs += states[s]
-            outputs += new_states[s]
+        ops = Ops(algo.name, algo.nodes, "optimizer")
         label = "" if len(groups) == 1 else f"/{group.name}"
-        algo.nodes.append(helper.make_node(
-            optimizer.op_type, inputs, outputs, domain=DOMAIN,
-            name=algo.name(f"optimizer/{optimizer.op_type}{label}"), **optimizer.attributes()))
-        for p, new in zip(names, new_params):
-            algo.bind(p, new, by_name[p].data_type, by_name[p].dims)
+        t = t_input[bool(optimizer.t_offset)]
+        rows = [i for i, p in enumerate(names) if p in by_rows]
+        cols = [i for i, p in enumerate(names) if p not in by_rows]
+        if cols:
+            dense_names = [names[i] for i in cols]
+            decoupled = getattr(optimizer, "decoupled_weight_decay", 0.0)
+            sub = Group(group.name, optimizer, dense_names, group.learning_rate)
+            xs_in = _decoupled_decay(sub, params, r_type, algo) if decoupled else dense_names
+            emit_update(ops, optimizer, group.learning_rate, t, xs_in, [grad_of[p] for p in dense_names],
+                        {s: [v[i] for i in cols] for s, v in states.items()},
+                        [new_params[p] for p in dense_names],
+                        {s: [v[i] for i in cols] for s, v in new_states.items()},
+                        [helper.tensor_dtype_to_np_dtype(by_name[p].data_type) for p in dense_names],
+                        label=label)
+        for i in rows:
+            tb = by_rows[names[i]]
+            if getattr(optimizer, "decoupled_weight_decay", 0.0):
+                raise TrainingOpError(f"sparse_updates of {tb.name!r}: AdamW's decoupled weight decay "
+                                      "is not supported on row updates; use Adam(weight_decay=...)")
+            unique, grad_rows = sparse_updates_.gradient_rows(ops, tb, [raw[o] for _, o in tb.lookups])
+            sparse_updates_.emit_table_update(ops, optimizer, tb, group.learning_rate, t, unique, grad_rows,
+                                              {s: v[i] for s, v in states.items()}, new_params[names[i]],
+                                              {s: v[i] for s, v in new_states.items()})
+        for p in names:
+            algo.bind(p, new_params[p], by_name[p].data_type, by_name[p].dims)
         for s in optimizer.states:
             for p, state, new in zip(names, states[s], new_states[s]):
                 algo.bind(state, new, by_name[p].data_type, by_name[p].dims)
@@ -472,6 +502,7 @@ def build_training_model(
     param_groups: Sequence[Mapping] | None = None,
     clip_grad_norm: float | None = None,
     clip_grad_value: float | None = None,
+    sparse_updates: Mapping[str, str] | None = None,
 ) -> onnx.ModelProto:
     """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
 
@@ -517,6 +548,12 @@ def build_training_model(
         gradient clipping as ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
         (:mod:`onnx_training_ops.grad_clip`); the norm before clipping is the output
         ``grad_norm`` that ``step`` returns.
+    sparse_updates:
+        ``{trainable name or glob pattern: "dense" | "lazy" | "sparse"}`` for embedding
+        tables (trainables read only by axis-0 ``Gather``): gradients kept as (unique
+        indices, summed rows) and, with ``"lazy"``, only the looked-up rows updated
+        (torch ``SparseAdam``); ``"sparse"`` is TensorFlow's sparse apply. See
+        :mod:`onnx_training_ops.sparse_updates`.
     """
     _check_choices(mode, optimizer)
     clip_grad_norm = checked_limit("clip_grad_norm", clip_grad_norm)
@@ -539,8 +576,11 @@ def build_training_model(
     _check_differentiable(model, algo.nodes, loss_name, params, elem_types)
 
     _learning_rates(groups, params, algo)
+    modes = sparse_updates_.resolve_modes(sparse_updates, [p.name for p in params])
+    tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
+                                         algo.nodes if mode == "train" else model.graph.node)
     state_names, norm_name = _update(params, groups, loss_name, t_name, clip_grad_norm,
-                                     clip_grad_value, algo)
+                                     clip_grad_value, algo, tables)
     initialization, init_binding = _initialization(params, groups, state_names, t_name,
                                                    algo.taken, algo.inits)
     inits = {t.name: t for t in model.graph.initializer}
@@ -565,6 +605,8 @@ def build_training_model(
         meta["param_groups"] = groups_to_json(groups)
     if norm_name:
         meta["grad_norm"] = norm_name
+    if modes:
+        meta["sparse_updates"] = json.dumps(modes)
     return _finish(model, meta)
 
 

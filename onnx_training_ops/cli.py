@@ -75,6 +75,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench_args[:1] == ["embeddings"]:  # embedding tables: dense vs lazy Adam (vs torch if installed)
+        from .bench_embeddings import main as embeddings_main
+
+        return embeddings_main(args.bench_args[1:])
     if not any(a in ("-h", "--help") for a in args.bench_args):
         for module in ("torch", "matplotlib"):
             _require(module, "test")
@@ -120,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         _train_arguments(t)
     b = commands.add_parser(
         "bench", add_help=False,  # every argument, --help included, goes to onnx_training_ops.bench.main
-        help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`",
+        help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`; "
+             "`bench embeddings`: a 1M-row table, dense vs lazy Adam vs torch",
     )
     b.set_defaults(func=_bench)
     return parser

@@ -57,3 +57,10 @@ def test_train_loop(tmp_path):
     final = TrainingSession(history["checkpoint"])
     assert final.properties["epoch"] == 4
     assert final.lr_schedule_step == final.lr_schedule.total_steps
+
+
+def test_recommender():
+    pytest.importorskip("tqdm")
+    result = _load("recommender").main(users=1500, items=600, dim=16, epochs=4, k=20)
+    for mode in ("dense", "lazy"):  # both learn the synthetic tastes (untrained: ~k/items)
+        assert result[mode] > result["untrained"] + 0.15, result

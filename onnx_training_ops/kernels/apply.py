@@ -2,6 +2,11 @@
 
 This is the single entry point the onnxruntime plugin and TrainingSession use, so both
 run the same math. ``attributes`` are the node's attributes (defaults filled in).
+
+``rows`` (int64 indices, no repeats): the step on those rows of 2-D tables X, V, H in place,
+G holding one row per index (the lazy updates of :mod:`onnx_training_ops.sparse_updates`):
+the fused row drivers, else gather -> reference -> scatter. Same values either way as the
+step on the gathered rows.
 """
 
 from __future__ import annotations
@@ -28,11 +33,30 @@ def _fusable(*arrays: np.ndarray) -> bool:
     return _fused is not None and _fused.supports(*arrays)
 
 
-def adam_step(r, t, x, g, v, h, attributes, inplace: bool = False):
+def _on_rows(step, r, t, tables, g, attributes, rows):
+    """``step`` on ``tables[k][rows]``: fused in place when possible, else gathered and scattered."""
+    if _fused is not None and _fused.supports_rows(tables, g, rows):
+        return None  # the caller runs the fused row driver
+    outs = step(r, t, tables[0][rows], g, *(a[rows] for a in tables[1:]), attributes)
+    for table, out in zip(tables, outs):
+        table[rows] = out
+    return tuple(tables)
+
+
+def adam_step(r, t, x, g, v, h, attributes, inplace: bool = False, rows=None):
     """Adam on one tensor; with ``inplace`` the fused kernel may overwrite x, v, h and return them."""
-    check_group((x, g, v, h), ADAM_NAMES, "Adam")
+    if rows is not None:
+        done = _on_rows(adam_step, r, t, (x, v, h), g, attributes, rows)
+        if done is not None:
+            return done
+    else:
+        check_group((x, g, v, h), ADAM_NAMES, "Adam")
     a = attributes
     rate = adam_rate(scalar_rate(r, "Adam"), scalar_count(t, "Adam"), a["alpha"], a["beta"])
+    if rows is not None:
+        _fused.adam_(x, g, v, h, rate, a["alpha"], a["beta"], a["epsilon"], a["norm_coefficient"],
+                     a["norm_coefficient_post"], rows=rows)
+        return x, v, h
     if inplace and _fusable(x, g, v, h):
         _fused.adam_(x, g, v, h, rate, a["alpha"], a["beta"], a["epsilon"], a["norm_coefficient"], a["norm_coefficient_post"])
         return x, v, h
@@ -41,24 +65,40 @@ def adam_step(r, t, x, g, v, h, attributes, inplace: bool = False):
     )
 
 
-def momentum_step(r, t, x, g, v, attributes, inplace: bool = False):
+def momentum_step(r, t, x, g, v, attributes, inplace: bool = False, rows=None):
     """Momentum (standard or nesterov) on one tensor; returns (X_new, V_new)."""
-    check_group((x, g, v), MOMENTUM_NAMES, "Momentum")
+    if rows is not None:
+        done = _on_rows(momentum_step, r, t, (x, v), g, attributes, rows)
+        if done is not None:
+            return done
+    else:
+        check_group((x, g, v), MOMENTUM_NAMES, "Momentum")
     a = attributes
     nesterov = check_mode(a["mode"])
     rate = scalar_rate(r, "Momentum")
     beta_adjusted = momentum_beta(scalar_count(t, "Momentum"), a["beta"])
+    if rows is not None:
+        _fused.momentum_(x, g, v, rate, a["alpha"], beta_adjusted, a["norm_coefficient"], nesterov, rows=rows)
+        return x, v
     if inplace and _fusable(x, g, v):
         _fused.momentum_(x, g, v, rate, a["alpha"], beta_adjusted, a["norm_coefficient"], nesterov)
         return x, v
     return momentum_update(x, g, v, rate, a["alpha"], beta_adjusted, a["norm_coefficient"], nesterov)
 
 
-def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False):
+def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False, rows=None):
     """Adagrad on one tensor; returns (X_new, H_new)."""
-    check_group((x, g, h), ADAGRAD_NAMES, "Adagrad")
+    if rows is not None:
+        done = _on_rows(adagrad_step, r, t, (x, h), g, attributes, rows)
+        if done is not None:
+            return done
+    else:
+        check_group((x, g, h), ADAGRAD_NAMES, "Adagrad")
     a = attributes
     rate = adagrad_rate(scalar_rate(r, "Adagrad"), scalar_count(t, "Adagrad"), a["decay_factor"])
+    if rows is not None:
+        _fused.adagrad_(x, g, h, rate, a["epsilon"], a["norm_coefficient"], rows=rows)
+        return x, h
     if inplace and _fusable(x, g, h):
         _fused.adagrad_(x, g, h, rate, a["epsilon"], a["norm_coefficient"])
         return x, h
@@ -94,3 +134,18 @@ def prepare(op_type: str, r, t, tensors, attributes) -> Callable[[], None] | Non
     decay = a["decay_factor"]
     adagrad = _fused.adagrad_prepared(*tensors, a["epsilon"], a["norm_coefficient"])
     return lambda: adagrad(adagrad_rate(float(r0), int(t0), decay))
+
+
+def rmsprop_step(r, x, g, states: dict, optimizer, rows=None) -> bool:
+    """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.rmsprop`) in place with the
+    fused kernel, on the ``rows`` of 2-D tables if given; False (nothing done) when it does not apply."""
+    if rows is None and not _fusable(x, g, *states.values()):
+        return False
+    if rows is not None and (_fused is None or not _fused.supports_rows([x, *states.values()], g, rows)):
+        return False
+    _fused.rmsprop_(x, g, states, np.asarray(r, x.dtype).reshape(()), optimizer, rows=rows)
+    return True
+
+
+def fused_available() -> bool:
+    return _fused is not None

@@ -25,6 +25,8 @@ import time
 import numpy as np
 
 from . import _numba_kernels as _k
+from . import _numba_rmsprop as _rms
+from . import _numba_rows as _rows
 
 # Below this many elements (per op) the serial loop runs: waking numba's thread pool costs
 # a few microseconds, as much as updating ~16k-32k float32 elements on one core.
@@ -33,7 +35,8 @@ from . import _numba_kernels as _k
 # Momentum 3.40 / 3.91 at 16k, 6.19 / 5.52 at 32k. Ties go to serial, which is also
 # immune to the other core being busy (see ADAPTIVE below).
 # Mutable: set a value to sys.maxsize to keep that op single-threaded.
-PARALLEL_THRESHOLDS = {"adam": 1 << 14, "adagrad": 3 << 13, "momentum": 1 << 15, "nesterov": 1 << 15}
+PARALLEL_THRESHOLDS = {"adam": 1 << 14, "adagrad": 3 << 13, "momentum": 1 << 15, "nesterov": 1 << 15,
+                       "rmsprop": 1 << 14}  # rmsprop: not measured, Adam's
 PARALLEL_THRESHOLD = min(PARALLEL_THRESHOLDS.values())  # the smallest switch point
 
 # Above the threshold, choose serial or parallel by measured cost (ADAPTIVE = True) or
@@ -158,41 +161,69 @@ def supports(*arrays) -> bool:
     return True
 
 
+def supports_rows(tables, g, rows) -> bool:
+    """True when the row drivers apply: 2-D tables (X and its states) of one shape, ``g``
+    of shape [len(rows), row size], all passing :func:`supports`' dtype/layout rules, and
+    ``rows`` int64, C-contiguous, in range and without repeats (the caller's promise for
+    repeats: the sparse gradient's indices are unique)."""
+    x = tables[0]
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 1 \
+            or not rows.flags.c_contiguous or not isinstance(x, np.ndarray) or x.ndim != 2 \
+            or not isinstance(g, np.ndarray) or g.shape != (rows.size, x.shape[1]):
+        return False
+    if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0]):
+        return False
+    return supports(*tables) and supports(g.reshape(-1), np.empty(g.size, x.dtype))
+
+
 def _flat(a: np.ndarray) -> np.ndarray:
     # A view for C-contiguous arrays, including 0-d ones (-> shape (1,)).
     return a.reshape(-1)
 
 
-def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post) -> None:
+def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post,
+          rows=None) -> None:
     """Adam step in place: ``x``, ``v``, ``h`` become X_new, V_new, H_new.
 
-    ``rate`` is R_adjusted from :func:`.adam.adam_rate`. Arrays must pass :func:`supports`.
+    ``rate`` is R_adjusted from :func:`.adam.adam_rate`. Arrays must pass :func:`supports`,
+    or with ``rows`` :func:`supports_rows` (the step on those rows of 2-D tables).
     """
     s = np.array(
         (rate, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient, 1.0 - norm_coefficient_post),
         dtype=x.dtype,
     )
+    if rows is not None:
+        _rows.adam_rows(x, g, v, h, rows, s)
+        return
     _dispatch("adam", _k.adam_serial, _k.adam_parallel, x.size, _flat(x), _flat(g), _flat(v), _flat(h), s)
 
 
-def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: bool) -> None:
+def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: bool, rows=None) -> None:
     """Momentum step (standard or Nesterov) in place: ``x``, ``v`` become X_new, V_new.
 
-    ``beta_adjusted`` comes from :func:`.momentum.momentum_beta`. Arrays must pass :func:`supports`.
+    ``beta_adjusted`` comes from :func:`.momentum.momentum_beta`. Arrays must pass :func:`supports`
+    (with ``rows``: :func:`supports_rows`).
     """
     s = np.array((rate, alpha, beta_adjusted, norm_coefficient), dtype=x.dtype)
+    if rows is not None:
+        (_rows.nesterov_rows if nesterov else _rows.momentum_rows)(x, g, v, rows, s)
+        return
     if nesterov:
         _dispatch("nesterov", _k.nesterov_serial, _k.nesterov_parallel, x.size, _flat(x), _flat(g), _flat(v), s)
     else:
         _dispatch("momentum", _k.momentum_serial, _k.momentum_parallel, x.size, _flat(x), _flat(g), _flat(v), s)
 
 
-def adagrad_(x, g, h, rate, epsilon, norm_coefficient) -> None:
+def adagrad_(x, g, h, rate, epsilon, norm_coefficient, rows=None) -> None:
     """Adagrad step in place: ``x``, ``h`` become X_new, H_new.
 
-    ``rate`` comes from :func:`.adagrad.adagrad_rate`. Arrays must pass :func:`supports`.
+    ``rate`` comes from :func:`.adagrad.adagrad_rate`. Arrays must pass :func:`supports`
+    (with ``rows``: :func:`supports_rows`).
     """
     s = np.array((rate, epsilon, norm_coefficient), dtype=x.dtype)
+    if rows is not None:
+        _rows.adagrad_rows(x, g, h, rows, s)
+        return
     _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
 
 
@@ -237,6 +268,22 @@ def adagrad_prepared(x, g, h, epsilon, norm_coefficient):
     return run
 
 
+def rmsprop_(x, g, states: dict, rate, opt, rows=None) -> None:
+    """RMSProp (torch's form, :class:`onnx_training_ops.RMSProp` ``opt``) in place on ``x`` and
+    ``states`` (square_avg[, momentum_buffer][, grad_avg]); ``rate`` in x's dtype as the graph
+    casts it. Arrays must pass :func:`supports` (with ``rows``: :func:`supports_rows`)."""
+    s = np.array((rate, opt.weight_decay, opt.alpha, 1.0 - opt.alpha, opt.eps, opt.momentum), dtype=x.dtype)
+    spare = states["square_avg"]  # never read: the flags say so
+    flags = (opt.weight_decay != 0, opt.momentum > 0, bool(opt.centered))
+    if rows is not None:
+        _rms.rmsprop_rows(x, g, spare, states.get("momentum_buffer", spare), states.get("grad_avg", spare),
+                          rows, s, *flags)
+        return
+    _dispatch("rmsprop", _rms.rmsprop_serial, _rms.rmsprop_parallel, x.size, _flat(x), _flat(g),
+              _flat(states["square_avg"]), _flat(states.get("momentum_buffer", spare)),
+              _flat(states.get("grad_avg", spare)), s, *flags)
+
+
 def warm_up() -> float:
     """Compile, or load from numba's disk cache, every specialization (serial and
     parallel, float32 and float64) and start numba's thread pool; returns the seconds
@@ -248,7 +295,15 @@ def warm_up() -> float:
         for kernel in _k.ALL:
             nargs = 4 if kernel in (_k.adam_parallel, _k.adam_serial) else 3
             kernel(*arrays[:nargs], s)
+        tables, u = [np.zeros((1, 1), dtype) for _ in range(4)], np.zeros(1, np.int64)
+        for kernel in (_rows.adam_rows, _rows.momentum_rows, _rows.nesterov_rows, _rows.adagrad_rows):
+            nargs = 4 if kernel is _rows.adam_rows else 3
+            kernel(*tables[:nargs], u, s)
+        _rows.dedup_rows(u, tables[0], np.full(1, -1, np.int64), np.empty(1, np.int64), tables[1])
+        for kernel in (_rms.rmsprop_serial, _rms.rmsprop_parallel):
+            kernel(*arrays, arrays[0], s, True, True, True)
+        _rms.rmsprop_rows(*tables, tables[0], u, s, True, True, True)
     return time.perf_counter() - start
 
 
-__all__ = ["adam_", "momentum_", "adagrad_", "supports", "warm_up", "PARALLEL_THRESHOLDS", "ADAPTIVE"]
+__all__ = ["adam_", "momentum_", "adagrad_", "supports", "supports_rows", "warm_up", "PARALLEL_THRESHOLDS", "ADAPTIVE"]

@@ -21,6 +21,8 @@ from .arrays import dtype_name, owned
 from .fast_path import cut_plan, flat_gradient_views, prepare_plan
 from .feeds import feed_spec
 from .program import Program
+from .rmsprop_fast_path import plan as rms_plan
+from .row_updates import plan as row_plan
 
 
 def open_program(
@@ -64,10 +66,14 @@ def open_program(
         io.bind_output(name, "cpu")
     for name in fixed_outputs:
         io.bind_output(name, "cpu")
+    for name in program.dynamic_outputs:  # after the fixed ones: their index is known
+        io.bind_output(name, "cpu")
     program.binding_copies = [
         (state[k], v) for k, v in program.binding.items() if v not in program.cut_outputs
     ]
-    program.needs_feeds = any(type(src) is tuple and src[0] == "feed" for src in program.cut_sources.values())
+    program.needs_feeds = any(type(src) is tuple and src[0] == "feed"
+                              for src in (*program.cut_sources.values(), *program.row_sources.values(),
+                                          *program.rms_sources.values()))
     del program.combined  # the session holds what it needs
     return program
 
@@ -117,3 +123,5 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     if not program.needs_feeds:
         prepare_plan(program.plan)
     program.copy_plan = copies
+    program.row_plan = row_plan(program.row_groups, state)
+    program.rms_plan = rms_plan(program.rms_groups, state)

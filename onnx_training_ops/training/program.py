@@ -22,6 +22,8 @@ from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
 from .fast_path import CutStep, cut_sources, cuttable_nodes
+from .rmsprop_fast_path import rmsprop_groups
+from .row_updates import row_groups
 from .feeds import FeedSpec, checked_learning_rate
 
 
@@ -62,6 +64,13 @@ class Program:
     returned_from_ort: list = field(default_factory=list)  # (name, output index)
     optional_feeds: list = field(default_factory=list)  # (FeedSpec, default) of inputs with a default
     input_defaults: dict = field(default_factory=dict)  # input name -> its default (TensorProto)
+    row_groups: list = field(default_factory=list)  # lazy row updates applied in place (.row_updates)
+    row_sources: dict = field(default_factory=dict)  # what they read: name -> source, as cut_sources
+    dynamic_outputs: list = field(default_factory=list)  # outputs of varying shape they read
+    row_plan: list = field(default_factory=list)
+    rms_groups: list = field(default_factory=list)  # RMSProp updates applied in place (.rmsprop_fast_path)
+    rms_sources: dict = field(default_factory=dict)
+    rms_plan: list = field(default_factory=list)
 
 
 def used_names(graph: onnx.GraphProto) -> set[str]:
@@ -243,23 +252,26 @@ def learning_rate_inputs(
     state: Mapping[str, np.ndarray],
     input_types: Mapping[str, onnx.ValueInfoProto],
     init_values: Mapping[str, onnx.TensorProto],
+    named: tuple[str, ...] = (),
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray | None]]:
-    """Graph inputs that are R of an optimizer node: a preallocated buffer each, and its default (or None)."""
+    """Graph inputs that are R of an optimizer node, or ``named`` (the builder's learning
+    rate, which an optimizer of standard ops such as RMSProp reads): a preallocated buffer
+    each, and its default (or None)."""
     rate_inputs: dict[str, np.ndarray] = {}
     rate_defaults: dict[str, np.ndarray | None] = {}
-    for node in graph.node:
-        if node.domain == DOMAIN and node.op_type in OPTIMIZERS and node.input:
-            r = node.input[0]
-            if r in input_types and r not in state and r not in rate_inputs:
-                tt = input_types[r].type.tensor_type
-                dtype = np_dtype(tt.elem_type) if tt.elem_type else np.dtype(np.float32)
-                shape = tuple(d.dim_value for d in tt.shape.dim) if tt.HasField("shape") else ()
-                default = numpy_helper.to_array(init_values[r]) if r in init_values else None
-                if default is not None and default.size == 1:  # (other sizes: the binding check)
-                    checked_learning_rate(default.reshape(()), f"the default of learning rate {r!r}")
-                buf = np.zeros(shape, dtype) if default is None else owned(default.astype(dtype).reshape(shape))
-                rate_inputs[r] = buf
-                rate_defaults[r] = None if default is None else buf.copy()
+    candidates = [node.input[0] for node in graph.node
+                  if node.domain == DOMAIN and node.op_type in OPTIMIZERS and node.input]
+    for r in [*candidates, *named]:
+        if r in input_types and r not in state and r not in rate_inputs:
+            tt = input_types[r].type.tensor_type
+            dtype = np_dtype(tt.elem_type) if tt.elem_type else np.dtype(np.float32)
+            shape = tuple(d.dim_value for d in tt.shape.dim) if tt.HasField("shape") else ()
+            default = numpy_helper.to_array(init_values[r]) if r in init_values else None
+            if default is not None and default.size == 1:  # (other sizes: the binding check)
+                checked_learning_rate(default.reshape(()), f"the default of learning rate {r!r}")
+            buf = np.zeros(shape, dtype) if default is None else owned(default.astype(dtype).reshape(shape))
+            rate_inputs[r] = buf
+            rate_defaults[r] = None if default is None else buf.copy()
     return rate_inputs, rate_defaults
 
 
@@ -299,7 +311,8 @@ def build_program(
     state_inputs = [vi.name for vi in graph.input if vi.name in state]
     init_values = {t.name: t for t in graph.initializer}
     input_types = {vi.name: vi for vi in graph.input}
-    rate_inputs, rate_defaults = learning_rate_inputs(graph, state, input_types, init_values)
+    rate_inputs, rate_defaults = learning_rate_inputs(graph, state, input_types, init_values,
+                                                      tuple(filter(None, [meta.get("learning_rate")])))
 
     # inputs with a default (an initializer of the same name): the session binds them every step,
     # to the fed value or to the default it keeps, so the graph gets them as plain inputs
@@ -314,15 +327,25 @@ def build_program(
     prescale: dict[str, str] = {}
     if fast:
         cut_nodes, prescale = cuttable_nodes(graph, binding, state_inputs)
-    cut_outputs = {o for n in cut_nodes for o in n.output if o}
-    if cut_nodes:
-        keep = [n for n in graph.node if not any(n is c for c in cut_nodes)]
+    groups = row_groups(graph, binding, state_inputs,
+                        {i for n in cut_nodes for i in n.input}) if fast else []
+    taken = {i for n in cut_nodes for i in n.input} | {s for g in groups for s in g.states}
+    rms = rmsprop_groups(graph, binding, state, meta, taken) if fast else []
+    row_nodes = [n for g in groups for n in g.nodes] + [n for g in rms for n in g.nodes]
+    cut_outputs = {o for n in cut_nodes + row_nodes for o in n.output if o}
+    if cut_nodes or row_nodes:
+        keep = [n for n in graph.node if not any(n is c for c in cut_nodes + row_nodes)]
         del graph.node[:]
         graph.node.extend(keep)
 
     # what the graph onnxruntime runs must output
     sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types,
                                          prescale)
+    reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in groups for r in g.reads)), [])
+    row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
+    reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in rms for r in g.reads)), [])
+    rms_sources, rms_outputs = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
+    extra_outputs += [name for name in rms_outputs if name not in extra_outputs]
     old_outputs = list(graph.output)
     del graph.output[:]
     graph.output.extend(o for o in old_outputs if o.name not in cut_outputs)
@@ -340,7 +363,11 @@ def build_program(
         graph.output.append(onnx.ValueInfoProto(name=keepalive))
 
     returned = [o.name for o in old_outputs if o.name not in bound_values]
-    fixed_outputs = [o.name for o in graph.output if o.name not in returned]
+    dynamic = [name for name in dynamic if name not in present]
+    graph.output.extend(onnx.ValueInfoProto(name=name) for name in dynamic)
+    fixed_outputs = [o.name for o in graph.output if o.name not in returned and o.name not in dynamic]
+    if groups or rms:  # what only fed the cut updates (their constants, shapes) is dead now
+        prune_dead_nodes(graph)
 
     program = Program(
         index=index, session=None, io=None, feeds=[], rate_inputs=rate_inputs,
@@ -354,4 +381,6 @@ def build_program(
     program.binding = binding
     program.cut_outputs = cut_outputs
     program.prescale = prescale
+    program.row_groups, program.row_sources, program.dynamic_outputs = groups, row_sources, dynamic
+    program.rms_groups, program.rms_sources = rms, rms_sources
     return program

@@ -19,6 +19,8 @@ import numpy as np
 from ..errors import TrainingOpError
 from .binding import finish_binding
 from .fast_path import apply_plan, apply_step_with_feeds
+from .rmsprop_fast_path import apply_rmsprop
+from .row_updates import apply_row_groups
 from .feeds import checked_learning_rate, feed_array
 from .program import Program
 
@@ -67,6 +69,8 @@ def run_program(
     raw = io._iobinding
     bound = bind_feeds(program, feeds)  # onnxruntime reads these arrays: keep them until it has run
     set_learning_rates(program, feeds, lr)
+    for name in program.dynamic_outputs:  # unallocated again: their shape changes from step to step
+        io.bind_output(name, "cpu")
     try:
         if program.run is None:
             program.session._sess.run_with_iobinding(raw, None)
@@ -108,9 +112,34 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
             apply_step_with_feeds(s, {**defaults, **feeds})
     else:
         apply_plan(program.plan)
+    if program.row_plan:
+        apply_row_groups(program.row_plan, _cut_values(program, program.row_sources, raw, feeds, state))
+    if program.rms_plan:
+        apply_rmsprop(program.rms_plan, _cut_values(program, program.rms_sources, raw, feeds, state))
     for array, buf in program.copy_plan:
         np.copyto(array, buf)
     return result, False
+
+
+def _cut_values(program: Program, sources, raw, feeds: Mapping[str, Any], state) -> dict[str, Any]:
+    """What cut row/RMSProp updates read (``sources``, as :func:`.fast_path.cut_sources` gives
+    them): outputs of this run, state, learning rates, constants, feeds."""
+    dynamic = {}
+    if program.dynamic_outputs:
+        outputs = raw.get_outputs()
+        first = len(program.returned) + len(program.fixed_outputs)
+        dynamic = {name: outputs[first + i].numpy() for i, name in enumerate(program.dynamic_outputs)}
+    values = {}
+    for name, src in sources.items():
+        if type(src) is not tuple:
+            values[name] = src
+        elif src[0] == "output":
+            values[name] = dynamic[name] if name in dynamic else program.fixed_buffers[name]
+        elif src[0] == "state":
+            values[name] = state[src[1]]
+        else:
+            values[name] = feeds.get(name, dict((s.name, d) for s, d in program.optional_feeds).get(name))
+    return values
 
 
 def bind_feeds(program: Program, feeds: Mapping[str, Any]) -> list[np.ndarray]:
