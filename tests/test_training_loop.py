@@ -444,3 +444,21 @@ def test_feeds_list_name_dtype_shape_and_optional():
     assert feeds["learning_rate.biases"].shape == ()
     assert [f.name for f in session.eval_feeds()] == ["input", "labels"]
     assert [f.name for f in session.eval_feeds(outputs=["logits"])] == ["input", "labels"]
+
+
+def test_rmsprop_accumulation_counts_optimizer_steps_and_matches_one_batch():
+    """RMSProp has no domain node: T (a counter, read by no optimizer) still moves once per
+    optimizer step, and k micro-batches equal one batch."""
+    from onnx_training_ops import RMSProp
+
+    tm = build_training_model(_model(), "cross_entropy", RMSProp(lr=1e-2, momentum=0.5, centered=True))
+    whole, micro = TrainingSession(tm), TrainingSession(tm)
+    for x, y in _batches(3, batch=32):
+        whole.step({"input": x, "labels": y})
+        for xs, ys in zip(np.split(x, 2), np.split(y, 2)):
+            micro.backward({"input": xs, "labels": ys}, scale=0.5)
+        micro.optimizer_step()
+    a, b = whole.state_dict(), micro.state_dict()
+    assert int(b["optimizer.T"]) == 3
+    for n in NAMES:
+        np.testing.assert_allclose(b[n], a[n], rtol=1e-12, atol=1e-14)

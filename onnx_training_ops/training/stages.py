@@ -14,7 +14,9 @@ convention is the ``Gradient`` node's outputs, where a step splits:
   clipping, weight decay, the optimizer nodes and ``T <- T + 1``.
 
 A binding belongs to *apply* when its new value depends on a gradient or feeds an optimizer
-node, or its state is an optimizer input (X, V, H, T); every other binding to *backward*.
+node, its state is an optimizer input (X, V, H, T), or its new value depends on no feed (a
+counter such as T: once per optimizer step); every other binding — state computed from the
+batch, like BatchNorm running statistics — to *backward*.
 """
 
 from __future__ import annotations
@@ -104,8 +106,13 @@ def split_stages(model: onnx.ModelProto) -> Stages:
     from_grads = _descendants(nodes, set(grads))
     optimizer_inputs = {i for n in algo.node if n.domain == DOMAIN and n.op_type in OPTIMIZERS
                         for i in n.input}
+    inits = {t.name for t in (*model.graph.initializer, *algo.initializer)}
+    feeds = {i.name for i in (*model.graph.input, *algo.input) if i.name not in inits}
+    from_feeds = _descendants(nodes, feeds)
+    # apply: what the gradients or an optimizer make, and counters the batch does not touch (T)
     applied = [e for e in info.update_binding
-               if e.value in from_grads or e.value in optimizer_inputs or e.key in optimizer_inputs]
+               if e.value in from_grads or e.value in optimizer_inputs or e.key in optimizer_inputs
+               or e.value not in from_feeds]
     kept = [e for e in info.update_binding if e not in applied]
     outputs = {o.name: o for o in algo.output}
     bound = {e.value for e in info.update_binding}
