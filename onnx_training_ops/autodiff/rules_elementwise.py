@@ -103,7 +103,10 @@ def _abs(ctx: RuleContext) -> list:
 def _relu(ctx: RuleContext) -> list:
     em, x = ctx.em, ctx.node.input[0]
     positive = em.op("Greater", [x, em.scalar(0, x)])
-    return [em.op("Where", [positive, ctx.grad(0), em.scalar(0, x)])]
+    try:  # g * (x > 0): a plain elementwise Mul, where onnxruntime's Where broadcasts slowly
+        return [em.op("Mul", [ctx.grad(0), em.cast_like(positive, x)])]
+    except LookupError:  # x's type unknown below opset 15
+        return [em.op("Where", [positive, ctx.grad(0), em.scalar(0, x)])]
 
 
 @register("LeakyRelu")

@@ -17,6 +17,7 @@ from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient
 from .fill_defaults import fill_default_attributes
 from .fit_runtime import fit_runtime
+from .lower_cross_entropy import lower_cross_entropy
 from .lower_optimizers import lower_optimizers
 from .lower_recurrent import lower_recurrent
 from .split_multi_tensor import split_multi_tensor_nodes
@@ -33,6 +34,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("split_sequences", split_sequences),
     ("lower_recurrent", lower_recurrent),
     ("expand_gradient", expand_gradient),
+    ("lower_cross_entropy", lower_cross_entropy),
     ("fill_default_attributes", fill_default_attributes),
     ("split_multi_tensor_nodes", split_multi_tensor_nodes),
     ("encode_exact_attributes", encode_exact_attributes),
@@ -50,6 +52,7 @@ PORTABLE_PASSES: list[tuple[str, Pass]] = [
     ("split_sequences", split_sequences),
     ("lower_recurrent", lower_recurrent),
     ("expand_gradient", expand_gradient),
+    ("lower_cross_entropy", lower_cross_entropy),
     ("fill_default_attributes", fill_default_attributes),
     ("lower_optimizers", lower_optimizers),
     ("fit_runtime", fit_runtime),
