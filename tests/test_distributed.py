@@ -114,3 +114,15 @@ def test_a_killed_worker_fails_the_job_with_a_clear_message(tmp_path):
     assert done[1].returncode == 3
     assert done[0].returncode != 0
     assert "another worker died or the network failed" in done[0].stderr, done[0].stderr[-2000:]
+
+
+def test_example_under_torchrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                           str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on all ranks" in done.stdout and (tmp_path / "checkpoint.onnx").exists()
