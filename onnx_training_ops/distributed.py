@@ -101,6 +101,8 @@ class DistributedTrainingSession:
         buckets in flight at once)."""
         import torch
 
+        if self.world_size == 1:
+            return
         buffers = self.session.gradient_buffers()
         pending = []
         for buffer in buffers:
