@@ -39,7 +39,8 @@ def measure() -> dict:
 
     from onnx_training_ops import Adam, TrainingSession, build_training_model
     from onnx_training_ops.demo import make_mlp
-    from onnx_training_ops.distributed import DistributedTrainingSession, init_process_group
+    from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_process_group,
+                                               init_process_group)
 
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,6 +76,7 @@ def measure() -> dict:
         result["models"].append({"model": name, "params": int(params), "global_batch": batch,
                                  "steps_per_s": 1 / sum(parts.values()),
                                  **{f"{k}_ms": v * 1e3 for k, v in parts.items()}})
+    destroy_process_group()
     return result if rank == 0 else {}
 
 

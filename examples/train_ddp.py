@@ -43,7 +43,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     try:
-        from onnx_training_ops.distributed import DistributedTrainingSession, init_process_group
+        from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_process_group,
+                                                   init_process_group)
         init_process_group()
     except ImportError as error:
         print(error, file=sys.stderr)
@@ -89,6 +90,7 @@ def main() -> int:
     if rank == 0:
         steps = (args.epochs - first) * steps_per_epoch
         print(f"{steps / elapsed if elapsed else 0:.0f} steps/s; state {digest[:16]} on all ranks", flush=True)
+    destroy_process_group()
     return 0
 
 

@@ -27,7 +27,8 @@ import numpy as np
 
 from .errors import TrainingOpError
 
-__all__ = ["DistributedTrainingSession", "DivergedError", "INSTALL_HINT", "init_process_group"]
+__all__ = ["DistributedTrainingSession", "DivergedError", "INSTALL_HINT", "init_process_group",
+           "destroy_process_group"]
 
 INSTALL_HINT = "distributed training needs torch: pip install 'onnx-training-ops[distributed]'"
 BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb
@@ -51,8 +52,28 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     MASTER_PORT); a no-op when already joined. ``timeout_s`` bounds every collective, so a
     rank that hangs ends the job instead of blocking it forever."""
     dist = _dist()
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # a restart under torchrun --max-restarts: keys of the failed attempt may linger in the
+    # job's store, so this attempt's processes meet under a prefix of their own
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"restart{restart}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    """Leave the job (call once at the end: a process that exits still joined can abort in
+    gloo's threads, "terminate called without an active exception")."""
+    dist = _dist()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class DistributedTrainingSession:

@@ -3,6 +3,10 @@ WORLD_SIZE, MASTER_ADDR and MASTER_PORT set): trains the tests' MLP on this rank
 each global batch and writes its losses and final state to ``OUT/rank<r>.npz``.
 
 Usage: python tests/_ddp_worker.py OUT DTYPE MICRO FIRST LAST [CHECKPOINT_IN] [SAVE_AT]
+
+CHECKPOINT_IN ``auto``: resume from ``OUT/checkpoint.onnx`` if it exists (at the step it
+holds) and save it every 5 steps (what a job under ``torchrun --max-restarts`` does).
+DDP_TEST_DIE_AT=``rank:step`` kills that rank after that step, in the first attempt only.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from onnx_training_ops import TrainingSession  # noqa: E402
-from onnx_training_ops.distributed import DistributedTrainingSession, init_process_group  # noqa: E402
+from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_process_group,  # noqa: E402
+                                           init_process_group)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_case import batch, training_model  # noqa: E402
@@ -26,7 +31,13 @@ def main() -> None:
     source = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] != "-" else None
     save_at = int(sys.argv[7]) if len(sys.argv) > 7 else -1
     init_process_group(timeout_s=60)
+    auto = source == "auto"
+    checkpoint = os.path.join(out, "checkpoint.onnx")
+    if auto:
+        source = checkpoint if os.path.exists(checkpoint) else None
     session = TrainingSession(source) if source else TrainingSession(training_model(dtype))
+    if auto:
+        first = int(session.properties.get("step", first))
     ddp = DistributedTrainingSession(session, check_every=5)
     rank, world = ddp.rank, ddp.world_size
     losses = []
@@ -41,13 +52,16 @@ def main() -> None:
             loss += float(ddp.backward(feeds, scale=1 / micro)["loss"]) / micro
         ddp.optimizer_step()
         losses.append(ddp.average(loss))
-        if k + 1 == save_at:
-            ddp.save(os.path.join(out, "checkpoint.onnx"))
-        if os.environ.get("DDP_TEST_DIE_AT") == f"{rank}:{k}":
+        if k + 1 == save_at or (auto and (k + 1) % 5 == 0):
+            session.properties["step"] = k + 1
+            ddp.save(checkpoint)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and os.environ.get("DDP_TEST_DIE_AT") == f"{rank}:{k}":
             os._exit(3)  # a killed worker
     digest = ddp.check_parameters()
     np.savez(os.path.join(out, f"rank{rank}.npz"), losses=np.array(losses), digest=digest,
              **session.state_dict())
+    destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -126,3 +126,22 @@ def test_example_under_torchrun(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "on all ranks" in done.stdout and (tmp_path / "checkpoint.onnx").exists()
+
+
+def test_torchrun_max_restarts_resumes_after_a_killed_worker(two_ranks, tmp_path):
+    """Rank 1 dies after step 12; torchrun restarts both ranks, which resume from the step-10
+    checkpoint and end with the uninterrupted run's state, bit for bit."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DDP_TEST_DIE_AT": "1:12"}
+    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                           "--max-restarts", "1", str(WORKER), str(tmp_path), "float64", "2", "0", str(STEPS),
+                           "auto"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "another worker died" in done.stderr or "exitcode" in done.stderr  # the failure was seen
+    _, uninterrupted = two_ranks
+    for before, after in zip(uninterrupted, _ranks(tmp_path, 2)):
+        for name in before:
+            if name not in ("losses", "digest"):
+                assert np.array_equal(after[name], before[name]), name
