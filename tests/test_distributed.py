@@ -145,3 +145,12 @@ def test_torchrun_max_restarts_resumes_after_a_killed_worker(two_ranks, tmp_path
         for name in before:
             if name not in ("losses", "digest"):
                 assert np.array_equal(after[name], before[name]), name
+
+
+def test_without_torch_a_one_line_hint(tmp_path):
+    """No torch: the example says how to install it, in one line and without a traceback."""
+    code = ("import sys, runpy; sys.modules['torch'] = None; sys.argv = ['train_ddp.py', '--out', %r]; "
+            "runpy.run_path(%r, run_name='__main__')" % (str(tmp_path), str(ROOT / "examples" / "train_ddp.py")))
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "distributed training needs torch: pip install 'onnx-training-ops[distributed]'"
