@@ -21,11 +21,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
 from .errors import TrainingOpError
+
+if TYPE_CHECKING:
+    from .training.session import TrainingSession
 
 __all__ = ["DistributedTrainingSession", "DivergedError", "INSTALL_HINT", "init_process_group",
            "destroy_process_group"]
@@ -85,7 +88,7 @@ class DistributedTrainingSession:
     alike (0: never). ``bucket_bytes``: the size of one all-reduce.
     """
 
-    def __init__(self, session, *, group=None, check_every: int = 0, bucket_bytes: int = BUCKET_BYTES,
+    def __init__(self, session: "TrainingSession", *, group=None, check_every: int = 0, bucket_bytes: int = BUCKET_BYTES,
                  broadcast: bool = True) -> None:
         self._dist = _dist()
         if not self._dist.is_initialized():
