@@ -480,7 +480,8 @@ class TrainingSession:
             for t in stages.backward.training_info[0].algorithm.initializer:
                 if any(t.name == acc for acc, _ in stages.accumulators.values()):
                     protos[t.name] = t
-            self._acc = {acc: numpy_helper.to_array(protos[acc]).copy() for acc, _ in stages.accumulators.values()}
+            self._acc, self._acc_flat = _flat_accumulators(
+                {acc: numpy_helper.to_array(protos[acc]) for acc, _ in stages.accumulators.values()})
             state = {**self._state, **self._acc}
             programs = []
             for derived in (stages.backward, stages.apply):
@@ -534,6 +535,14 @@ class TrainingSession:
         """A copy of each trainable's accumulated gradient (zeros before any backward)."""
         _, _, accumulators, state = self._stage_programs()
         return {param: state[acc].copy() for acc, param in accumulators.values()}
+
+    @_locked
+    def gradient_buffers(self) -> list[np.ndarray]:
+        """The live accumulated gradients as flat 1-D buffers, one per dtype: every
+        ``gradients()`` entry is a view into one of them. Changing them in place (an
+        all-reduce across processes) changes what :meth:`optimizer_step` applies."""
+        self._stage_programs()
+        return list(self._acc_flat)
 
     @property
     def accumulated_batches(self) -> int:
@@ -624,6 +633,25 @@ class TrainingSession:
     def metadata(self) -> dict[str, str]:
         """The builder's metadata (optimizer, loss, labels, learning_rate, trainable), if any."""
         return dict(self._meta)
+
+
+def _flat_accumulators(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """Copies of ``arrays`` as views into one flat buffer per dtype (name order kept), and
+    the buffers: the gradients of a step are one contiguous block to reduce or inspect."""
+    by_dtype: dict[np.dtype, list[str]] = {}
+    for name, array in arrays.items():
+        by_dtype.setdefault(array.dtype, []).append(name)
+    views, buffers = {}, []
+    for dtype, names in by_dtype.items():
+        flat = np.empty(sum(arrays[n].size for n in names), dtype)
+        offset = 0
+        for name in names:
+            size = arrays[name].size
+            views[name] = flat[offset:offset + size].reshape(arrays[name].shape)
+            views[name][...] = arrays[name]
+            offset += size
+        buffers.append(flat)
+    return {name: views[name] for name in arrays}, buffers
 
 
 def _warm_up_fused_kernels() -> None:

@@ -1,0 +1,68 @@
+"""One rank of the data-parallel tests (run by tests/test_distributed.py with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set): trains the tests' MLP on this rank's shard of
+each global batch and writes its losses and final state to ``OUT/rank<r>.npz``.
+
+Usage: python tests/_ddp_worker.py OUT DTYPE MICRO FIRST LAST [CHECKPOINT_IN] [SAVE_AT]
+
+CHECKPOINT_IN ``auto``: resume from ``OUT/checkpoint.onnx`` if it exists (at the step it
+holds) and save it every 5 steps (what a job under ``torchrun --max-restarts`` does).
+DDP_TEST_DIE_AT=``rank:step`` kills that rank after that step, in the first attempt only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from onnx_training_ops import TrainingSession  # noqa: E402
+from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_process_group,  # noqa: E402
+                                           init_process_group)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddp_case import batch, training_model  # noqa: E402
+
+
+def main() -> None:
+    out, dtype, micro, first, last = sys.argv[1], np.dtype(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    source = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] != "-" else None
+    save_at = int(sys.argv[7]) if len(sys.argv) > 7 else -1
+    init_process_group(timeout_s=60)
+    auto = source == "auto"
+    checkpoint = os.path.join(out, "checkpoint.onnx")
+    if auto:
+        source = checkpoint if os.path.exists(checkpoint) else None
+    session = TrainingSession(source) if source else TrainingSession(training_model(dtype))
+    if auto:
+        first = int(session.properties.get("step", first))
+    ddp = DistributedTrainingSession(session, check_every=5)
+    rank, world = ddp.rank, ddp.world_size
+    losses = []
+    for k in range(first, last):
+        x, y = batch(k, dtype)
+        rows = len(x) // world
+        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        part = rows // micro
+        loss = 0.0
+        for m in range(micro):
+            feeds = {"input": x[m * part:(m + 1) * part], "labels": y[m * part:(m + 1) * part]}
+            loss += float(ddp.backward(feeds, scale=1 / micro)["loss"]) / micro
+        ddp.optimizer_step()
+        losses.append(ddp.average(loss))
+        if k + 1 == save_at or (auto and (k + 1) % 5 == 0):
+            session.properties["step"] = k + 1
+            ddp.save(checkpoint)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and os.environ.get("DDP_TEST_DIE_AT") == f"{rank}:{k}":
+            os._exit(3)  # a killed worker
+    digest = ddp.check_parameters()
+    np.savez(os.path.join(out, f"rank{rank}.npz"), losses=np.array(losses), digest=digest,
+             **session.state_dict())
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

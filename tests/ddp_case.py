@@ -1,0 +1,28 @@
+"""The model and batches shared by the data-parallel tests and their worker processes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_training_ops import Adam, build_training_model
+from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.schedules import StepLR
+
+SIZES, BATCH = (8, 16, 4), 16
+
+
+def training_model(dtype=np.float64):
+    """An MLP with Adam, gradient clipping and a StepLR schedule."""
+    from onnx_training_ops import TrainingSession
+
+    model = build_training_model(make_mlp(SIZES, activation="Tanh", dtype=dtype, seed=3), "cross_entropy",
+                                 Adam(lr=1e-2), clip_grad_norm=1.0)
+    session = TrainingSession(model)
+    session.set_lr_schedule(StepLR(step_size=5, gamma=0.5))
+    return session.training_model()
+
+
+def batch(k: int, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Global batch number ``k``."""
+    rng = np.random.default_rng(1000 + k)
+    return rng.standard_normal((BATCH, SIZES[0])).astype(dtype), rng.integers(0, SIZES[-1], BATCH).astype(np.int64)
