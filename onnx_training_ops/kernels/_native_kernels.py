@@ -155,57 +155,35 @@ _I64 = np.int64(0)
 _OPTIONS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 
 
-# ---- element loops: the fused kernels' arithmetic, out of place ----
+# ---- element loops out of place: the fused kernels' per-element arithmetic (_numba_kernels) ----
 
 
 @njit(**_OPTIONS)
 def _adam(x, g, v, h, xo, vo, ho, s):
-    rate, alpha, one_minus_alpha = s[0], s[1], s[2]
-    beta, one_minus_beta, epsilon = s[3], s[4], s[5]
-    norm, post = s[6], s[7]
+    c = _k.adam_scalars(s)
     for i in range(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + one_minus_alpha * g_regularized
-        h_new = beta * h[i] + one_minus_beta * (g_regularized * g_regularized)
-        h_sqrt = np.sqrt(h_new) + epsilon
-        xo[i] = post * (xi - rate * (v_new / h_sqrt))
-        vo[i] = v_new
-        ho[i] = h_new
+        xo[i], vo[i], ho[i] = _k.adam_element(x[i], g[i], v[i], h[i], c)
 
 
 @njit(**_OPTIONS)
 def _momentum(x, g, v, xo, vo, s):
-    rate, alpha, beta_adjusted, norm = s[0], s[1], s[2], s[3]
+    c = _k.momentum_scalars(s)
     for i in range(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + beta_adjusted * g_regularized
-        xo[i] = xi - rate * v_new
-        vo[i] = v_new
+        xo[i], vo[i] = _k.momentum_element(x[i], g[i], v[i], c)
 
 
 @njit(**_OPTIONS)
 def _nesterov(x, g, v, xo, vo, s):
-    rate, alpha, beta_adjusted, norm = s[0], s[1], s[2], s[3]
+    c = _k.momentum_scalars(s)
     for i in range(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + beta_adjusted * g_regularized
-        xo[i] = xi - rate * (g_regularized + alpha * v_new)
-        vo[i] = v_new
+        xo[i], vo[i] = _k.nesterov_element(x[i], g[i], v[i], c)
 
 
 @njit(**_OPTIONS)
 def _adagrad(x, g, h, xo, ho, s):
-    rate, epsilon, norm = s[0], s[1], s[2]
+    c = _k.adagrad_scalars(s)
     for i in range(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        h_new = h[i] + g_regularized * g_regularized
-        h_sqrt = np.sqrt(h_new) + epsilon
-        xo[i] = xi - rate * g_regularized / h_sqrt
-        ho[i] = h_new
+        xo[i], ho[i] = _k.adagrad_element(x[i], g[i], h[i], c)
 
 
 @njit(**_OPTIONS)

@@ -8,9 +8,10 @@ array's own dtype; ``fastmath=False`` keeps LLVM from contracting into FMAs or
 reassociating, so results match numpy bit for bit (sqrt and division are correctly
 rounded in both).
 
-Each loop exists twice: a ``prange`` variant (``parallel=True``) for large arrays and a
+The per-element arithmetic is written once (``*_element``, inlined into every loop);
+each loop exists twice: a ``prange`` variant (``parallel=True``) for large arrays and a
 serial one for small arrays, where waking the thread pool costs more than the work.
-The two bodies are written out rather than compiled from one function: numba's disk
+The two loops are separate functions rather than one function compiled twice: numba's disk
 cache keys an entry by function and signature, not by the ``parallel`` flag, so two
 dispatchers of one function would load each other's code.
 The GIL stays held during a call (no ``nogil``): the workqueue threading layer aborts
@@ -71,104 +72,122 @@ def _jit(parallel: bool):
 #   adagrad:  rate, epsilon, norm_coefficient
 
 
+# ---- the per-element arithmetic, written once: every loop here and in _numba_rows,
+# _numba_rmsprop and _native_kernels inlines these (numba inline="always": the same IR as
+# a written-out body). Scalars come unpacked into a tuple once per call, so LLVM keeps them
+# in registers (reading ``s[k]`` per element, ``s`` could alias the arrays being written).
+# A cached caller in another file is not invalidated when these change: clear
+# __pycache__/*.nbi after editing them.
+
+
+@njit(inline="always", **_OPTIONS)
+def adam_scalars(s):
+    return s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]
+
+
+@njit(inline="always", **_OPTIONS)
+def adam_element(xi, gi, vi, hi, c):
+    """(X_new, V_new, H_new) of one element: the reference kernel's operations in order."""
+    rate, alpha, one_minus_alpha, beta, one_minus_beta, epsilon, norm, post = c
+    g_regularized = norm * xi + gi
+    v_new = alpha * vi + one_minus_alpha * g_regularized
+    h_new = beta * hi + one_minus_beta * (g_regularized * g_regularized)
+    h_sqrt = np.sqrt(h_new) + epsilon
+    return post * (xi - rate * (v_new / h_sqrt)), v_new, h_new
+
+
+@njit(inline="always", **_OPTIONS)
+def momentum_scalars(s):
+    return s[0], s[1], s[2], s[3]
+
+
+@njit(inline="always", **_OPTIONS)
+def momentum_element(xi, gi, vi, c):
+    rate, alpha, beta_adjusted, norm = c
+    g_regularized = norm * xi + gi
+    v_new = alpha * vi + beta_adjusted * g_regularized
+    return xi - rate * v_new, v_new
+
+
+@njit(inline="always", **_OPTIONS)
+def nesterov_element(xi, gi, vi, c):
+    rate, alpha, beta_adjusted, norm = c
+    g_regularized = norm * xi + gi
+    v_new = alpha * vi + beta_adjusted * g_regularized
+    return xi - rate * (g_regularized + alpha * v_new), v_new
+
+
+@njit(inline="always", **_OPTIONS)
+def adagrad_scalars(s):
+    return s[0], s[1], s[2]
+
+
+@njit(inline="always", **_OPTIONS)
+def adagrad_element(xi, gi, hi, c):
+    rate, epsilon, norm = c
+    g_regularized = norm * xi + gi
+    h_new = hi + g_regularized * g_regularized
+    h_sqrt = np.sqrt(h_new) + epsilon
+    return xi - rate * g_regularized / h_sqrt, h_new
+
+
+# ---- in-place loops: parallel and serial (see the module doc for why both are written out)
+
+
 @_jit(parallel=True)
 def adam_parallel(x, g, v, h, s):
-    rate, alpha, one_minus_alpha = s[0], s[1], s[2]
-    beta, one_minus_beta, epsilon = s[3], s[4], s[5]
-    norm, post = s[6], s[7]
+    c = adam_scalars(s)
     for i in prange(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + one_minus_alpha * g_regularized
-        h_new = beta * h[i] + one_minus_beta * (g_regularized * g_regularized)
-        h_sqrt = np.sqrt(h_new) + epsilon
-        x[i] = post * (xi - rate * (v_new / h_sqrt))
-        v[i] = v_new
-        h[i] = h_new
+        x[i], v[i], h[i] = adam_element(x[i], g[i], v[i], h[i], c)
 
 
 @_jit(parallel=False)
 def adam_serial(x, g, v, h, s):
-    rate, alpha, one_minus_alpha = s[0], s[1], s[2]
-    beta, one_minus_beta, epsilon = s[3], s[4], s[5]
-    norm, post = s[6], s[7]
+    c = adam_scalars(s)
     for i in range(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + one_minus_alpha * g_regularized
-        h_new = beta * h[i] + one_minus_beta * (g_regularized * g_regularized)
-        h_sqrt = np.sqrt(h_new) + epsilon
-        x[i] = post * (xi - rate * (v_new / h_sqrt))
-        v[i] = v_new
-        h[i] = h_new
+        x[i], v[i], h[i] = adam_element(x[i], g[i], v[i], h[i], c)
 
 
 @_jit(parallel=True)
 def momentum_parallel(x, g, v, s):
-    rate, alpha, beta_adjusted, norm = s[0], s[1], s[2], s[3]
+    c = momentum_scalars(s)
     for i in prange(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + beta_adjusted * g_regularized
-        x[i] = xi - rate * v_new
-        v[i] = v_new
+        x[i], v[i] = momentum_element(x[i], g[i], v[i], c)
 
 
 @_jit(parallel=False)
 def momentum_serial(x, g, v, s):
-    rate, alpha, beta_adjusted, norm = s[0], s[1], s[2], s[3]
+    c = momentum_scalars(s)
     for i in range(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + beta_adjusted * g_regularized
-        x[i] = xi - rate * v_new
-        v[i] = v_new
+        x[i], v[i] = momentum_element(x[i], g[i], v[i], c)
 
 
 @_jit(parallel=True)
 def nesterov_parallel(x, g, v, s):
-    rate, alpha, beta_adjusted, norm = s[0], s[1], s[2], s[3]
+    c = momentum_scalars(s)
     for i in prange(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + beta_adjusted * g_regularized
-        x[i] = xi - rate * (g_regularized + alpha * v_new)
-        v[i] = v_new
+        x[i], v[i] = nesterov_element(x[i], g[i], v[i], c)
 
 
 @_jit(parallel=False)
 def nesterov_serial(x, g, v, s):
-    rate, alpha, beta_adjusted, norm = s[0], s[1], s[2], s[3]
+    c = momentum_scalars(s)
     for i in range(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        v_new = alpha * v[i] + beta_adjusted * g_regularized
-        x[i] = xi - rate * (g_regularized + alpha * v_new)
-        v[i] = v_new
+        x[i], v[i] = nesterov_element(x[i], g[i], v[i], c)
 
 
 @_jit(parallel=True)
 def adagrad_parallel(x, g, h, s):
-    rate, epsilon, norm = s[0], s[1], s[2]
+    c = adagrad_scalars(s)
     for i in prange(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        h_new = h[i] + g_regularized * g_regularized
-        h_sqrt = np.sqrt(h_new) + epsilon
-        x[i] = xi - rate * g_regularized / h_sqrt
-        h[i] = h_new
+        x[i], h[i] = adagrad_element(x[i], g[i], h[i], c)
 
 
 @_jit(parallel=False)
 def adagrad_serial(x, g, h, s):
-    rate, epsilon, norm = s[0], s[1], s[2]
+    c = adagrad_scalars(s)
     for i in range(x.size):
-        xi = x[i]
-        g_regularized = norm * xi + g[i]
-        h_new = h[i] + g_regularized * g_regularized
-        h_sqrt = np.sqrt(h_new) + epsilon
-        x[i] = xi - rate * g_regularized / h_sqrt
-        h[i] = h_new
+        x[i], h[i] = adagrad_element(x[i], g[i], h[i], c)
 
 
 # Distinct functions, not one body jitted twice: numba's cache index is keyed by the

@@ -9,51 +9,53 @@ read only when ``use_momentum``/``centered`` (pass any 1-element array otherwise
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from ._numba_kernels import _jit
 
 
+@njit(inline="always", fastmath=False, error_model="numpy", boundscheck=False)
+def _element(xi, gi, sq, b, ga, c, decay, use_momentum, centered):
+    """(X_new, square_avg_new, buf_new, grad_avg_new) of one element, in the graph's order."""
+    rate, weight_decay, alpha, one_minus_alpha, eps, momentum = c
+    if decay:
+        gi = gi + weight_decay * xi
+    sq = alpha * sq + one_minus_alpha * (gi * gi)
+    avg = sq
+    if centered:
+        ga = ga + one_minus_alpha * (gi - ga)
+        avg = sq - ga * ga
+    step = gi / (np.sqrt(avg) + eps)
+    if use_momentum:
+        step = momentum * b + step
+        b = step
+    return xi - rate * step, sq, b, ga
+
+
 @_jit(parallel=False)
 def rmsprop_serial(x, g, square_avg, buf, grad_avg, s, decay, use_momentum, centered):
-    rate, weight_decay, alpha, one_minus_alpha, eps, momentum = s[0], s[1], s[2], s[3], s[4], s[5]
+    c = (s[0], s[1], s[2], s[3], s[4], s[5])
+    mb, cg = (1 if use_momentum else 0), (1 if centered else 0)  # unused states: read element 0
     for i in range(x.size):
-        xi = x[i]
-        gi = g[i]
-        if decay:
-            gi = gi + weight_decay * xi
-        sq = alpha * square_avg[i] + one_minus_alpha * (gi * gi)
-        square_avg[i] = sq
-        if centered:
-            ga = grad_avg[i] + one_minus_alpha * (gi - grad_avg[i])
-            grad_avg[i] = ga
-            sq = sq - ga * ga
-        step = gi / (np.sqrt(sq) + eps)
+        x[i], square_avg[i], b, ga = _element(x[i], g[i], square_avg[i], buf[i * mb],
+                                              grad_avg[i * cg], c, decay, use_momentum, centered)
         if use_momentum:
-            step = momentum * buf[i] + step
-            buf[i] = step
-        x[i] = xi - rate * step
+            buf[i] = b
+        if centered:
+            grad_avg[i] = ga
 
 
 @_jit(parallel=True)
 def rmsprop_parallel(x, g, square_avg, buf, grad_avg, s, decay, use_momentum, centered):
-    rate, weight_decay, alpha, one_minus_alpha, eps, momentum = s[0], s[1], s[2], s[3], s[4], s[5]
+    c = (s[0], s[1], s[2], s[3], s[4], s[5])
+    mb, cg = (1 if use_momentum else 0), (1 if centered else 0)  # unused states: read element 0
     for i in prange(x.size):
-        xi = x[i]
-        gi = g[i]
-        if decay:
-            gi = gi + weight_decay * xi
-        sq = alpha * square_avg[i] + one_minus_alpha * (gi * gi)
-        square_avg[i] = sq
-        if centered:
-            ga = grad_avg[i] + one_minus_alpha * (gi - grad_avg[i])
-            grad_avg[i] = ga
-            sq = sq - ga * ga
-        step = gi / (np.sqrt(sq) + eps)
+        x[i], square_avg[i], b, ga = _element(x[i], g[i], square_avg[i], buf[i * mb],
+                                              grad_avg[i * cg], c, decay, use_momentum, centered)
         if use_momentum:
-            step = momentum * buf[i] + step
-            buf[i] = step
-        x[i] = xi - rate * step
+            buf[i] = b
+        if centered:
+            grad_avg[i] = ga
 
 
 @_jit(parallel=False)

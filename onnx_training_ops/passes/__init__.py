@@ -40,23 +40,16 @@ PASSES: list[tuple[str, Pass]] = [
     ("encode_exact_attributes", encode_exact_attributes),
     ("fit_runtime", fit_runtime),
 ]
-# The native kernels take multi-tensor nodes whole and read the attributes themselves.
-NATIVE_PASSES: list[tuple[str, Pass]] = [
+# What every kernel path shares: PASSES up to the PyOp-specific targeting.
+_SHARED: list[tuple[str, Pass]] = [
     (name, run_pass) for name, run_pass in PASSES
     if name not in ("split_multi_tensor_nodes", "encode_exact_attributes", "fit_runtime")
-] + [("target_native", target_native), ("fit_runtime", fit_runtime)]
-
-# The portable form: every optimizer node lowered to standard ONNX ops (no plugin needed).
-PORTABLE_PASSES: list[tuple[str, Pass]] = [
-    ("validate", validate),
-    ("split_sequences", split_sequences),
-    ("lower_recurrent", lower_recurrent),
-    ("expand_gradient", expand_gradient),
-    ("lower_cross_entropy", lower_cross_entropy),
-    ("fill_default_attributes", fill_default_attributes),
-    ("lower_optimizers", lower_optimizers),
-    ("fit_runtime", fit_runtime),
 ]
+# The native kernels take multi-tensor nodes whole and read the attributes themselves.
+NATIVE_PASSES: list[tuple[str, Pass]] = _SHARED + [("target_native", target_native), ("fit_runtime", fit_runtime)]
+# The portable form: every optimizer node lowered to standard ONNX ops (no plugin needed).
+PORTABLE_PASSES: list[tuple[str, Pass]] = _SHARED + [("lower_optimizers", lower_optimizers),
+                                                     ("fit_runtime", fit_runtime)]
 
 
 def load_model(model: ModelLike) -> ModelProto:
