@@ -11,12 +11,12 @@ from onnx_training_ops.schedules import StepLR
 SIZES, BATCH = (8, 16, 4), 16
 
 
-def training_model(dtype=np.float64):
-    """An MLP with Adam, gradient clipping and a StepLR schedule."""
+def training_model(dtype=np.float64, clip: bool = True):
+    """An MLP with Adam, gradient clipping (unless ``clip`` is false) and a StepLR schedule."""
     from onnx_training_ops import TrainingSession
 
     model = build_training_model(make_mlp(SIZES, activation="Tanh", dtype=dtype, seed=3), "cross_entropy",
-                                 Adam(lr=1e-2), clip_grad_norm=1.0)
+                                 Adam(lr=1e-2), clip_grad_norm=1.0 if clip else None)
     session = TrainingSession(model)
     session.set_lr_schedule(StepLR(step_size=5, gamma=0.5))
     return session.training_model()

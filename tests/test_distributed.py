@@ -51,8 +51,8 @@ def _ok(done) -> None:
         assert proc.returncode == 0, f"rank {rank}: {proc.stderr[-3000:]}"
 
 
-def _single(dtype, first=0, last=STEPS):
-    session = TrainingSession(training_model(dtype))
+def _single(dtype, first=0, last=STEPS, clip=True):
+    session = TrainingSession(training_model(dtype, clip=clip))
     losses = [float(session.step({"input": x, "labels": y})["loss"])
               for x, y in (batch(k, dtype) for k in range(first, last))]
     return losses, session.state_dict()
@@ -145,6 +145,56 @@ def test_torchrun_max_restarts_resumes_after_a_killed_worker(two_ranks, tmp_path
         for name in before:
             if name not in ("losses", "digest"):
                 assert np.array_equal(after[name], before[name]), name
+
+
+def _optimizer_state(result) -> set[str]:
+    return {name for name in result if name.endswith((".V", ".H"))}
+
+
+def test_zero1_is_bit_identical_to_unsharded(two_ranks, tmp_path):
+    """ZeRO-1 with global-norm clipping (gradients all-reduced, each rank updates its
+    trainables, owners broadcast them): the same bits as the unsharded run, and rank 0's
+    gathered checkpoint is the unsharded run's checkpoint."""
+    out, unsharded = two_ranks
+    _ok(_launch(2, tmp_path, "float64", "2", "0", str(STEPS), "-", str(SAVE_AT), env_extra={"DDP_TEST_ZERO": "1"}))
+    sharded = _ranks(tmp_path, 2)
+    for name in unsharded[0]:
+        if name != "digest":
+            assert np.array_equal(sharded[0][name], unsharded[0][name]), name
+    # each rank holds only its own trainables' optimizer state: the two halves split the whole
+    own0, own1 = _optimizer_state(TrainingSession(tmp_path / "checkpoint.onnx").state_dict()), None
+    mine = [_optimizer_state(r) for r in sharded]
+    assert mine[0] == own0  # rank 0 wrote the gathered (whole) state
+    own1 = mine[1]
+    assert own1 and own1 < own0
+    saved_z = TrainingSession(tmp_path / "checkpoint.onnx").state_dict()
+    saved = TrainingSession(out / "checkpoint.onnx").state_dict()
+    assert all(np.array_equal(saved_z[k], saved[k]) for k in saved)
+
+
+def test_zero1_resumes_from_its_checkpoint(two_ranks, tmp_path):
+    out, unsharded = two_ranks
+    _ok(_launch(2, tmp_path, "float64", "2", str(SAVE_AT), str(STEPS), str(out / "checkpoint.onnx"),
+                env_extra={"DDP_TEST_ZERO": "1"}))
+    resumed = _ranks(tmp_path, 2)
+    assert np.array_equal(resumed[0]["losses"], unsharded[0]["losses"][SAVE_AT:])
+    for name in unsharded[0]:
+        if name not in ("losses", "digest"):
+            assert np.array_equal(resumed[0][name], unsharded[0][name]), name
+
+
+def test_zero1_four_ranks_reduce_scatter_float32(tmp_path):
+    """No clipping: gradients are reduced to their owner only; 4 ranks (one trainable each)
+    equal single-process training on the full batch within float32 rounding."""
+    _ok(_launch(4, tmp_path, "float32", "1", "0", str(STEPS), env_extra={"DDP_TEST_ZERO": "1", "DDP_TEST_CLIP": "0"}))
+    losses, state = _single(np.float32, clip=False)
+    ranks = _ranks(tmp_path, 4)
+    assert len({str(r["digest"]) for r in ranks}) == 1
+    np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5)
+    for name, value in state.items():
+        np.testing.assert_allclose(ranks[0][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    held = [_optimizer_state(r) for r in ranks[1:]]
+    assert all(len(h) == 2 for h in held) and not set.intersection(*held)  # V and H of one trainable each
 
 
 def test_without_torch_a_one_line_hint(tmp_path):

@@ -544,6 +544,35 @@ class TrainingSession:
         self._stage_programs()
         return list(self._acc_flat)
 
+    @_locked
+    def gradient_views(self) -> list[tuple[str, np.ndarray]]:
+        """(trainable, live accumulator) pairs: views into :meth:`gradient_buffers`, for
+        collectives that treat trainables apart (a sharded optimizer reduces each gradient to
+        the rank that owns its trainable)."""
+        _, _, accumulators, state = self._stage_programs()
+        return [(param, state[acc]) for acc, param in accumulators.values()]
+
+    @_locked
+    def state_views(self, names: Sequence[str]) -> list[np.ndarray]:
+        """The live arrays of the state variables ``names``: writing into them in place (an
+        all-gather or broadcast across processes) changes the state the next run reads."""
+        unknown = [n for n in names if n not in self._state]
+        if unknown:
+            raise TrainingOpError(f"state_views: unknown state variable(s) {unknown}")
+        return [self._state[n] for n in names]
+
+    @property
+    def buffer_names(self) -> list[str]:
+        """State the backward stage updates from the batch (BatchNorm running statistics), not
+        the optimizer: per-process in data-parallel training, like torch's module buffers."""
+        backward = self._stage_programs()[0]
+        return [k for k in backward.binding if k in self._state]
+
+    def with_model(self, model: ModelLike) -> "TrainingSession":
+        """A new session for ``model`` with this session's providers and options."""
+        return type(self)(model, self._providers, fast=self.fast, on_nonfinite=self.on_nonfinite,
+                          sess_options=self._sess_options, session_config=self._session_config)
+
     @property
     def accumulated_batches(self) -> int:
         """How many ``backward`` calls the accumulated gradients hold."""
@@ -589,15 +618,21 @@ class TrainingSession:
     def training_model(self) -> onnx.ModelProto:
         """The training model with the current state as initializers, the properties and the
         schedule's position (what :meth:`save` writes)."""
+        return checkpoint.write_state(self._model, self._state, self.checkpoint_metadata())
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """The metadata entries a checkpoint of this session carries (properties, schedule)."""
         schedule = "" if self._schedule is None else lr_schedules.to_json(self._schedule, self._schedule_step)
-        return checkpoint.write_state(self._model, self._state, {
-            META_PREFIX + "properties": _checked_properties(self._properties) if self._properties else "",
-            META_PREFIX + "lr_schedule": schedule,
-        })
+        return {META_PREFIX + "properties": _checked_properties(self._properties) if self._properties else "",
+                META_PREFIX + "lr_schedule": schedule}
 
     @_locked
     def save(self, path: str | os.PathLike) -> str:
         """Write the training model with the current state, atomically; reloading resumes bit-exact."""
+        if "shard" in self._meta:
+            raise TrainingOpError(
+                "save: this session holds one rank's shard of the optimizer state (ZeRO-1); save through "
+                "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")
         return checkpoint.save_model(self.training_model(), path)
 
     @_locked
