@@ -122,10 +122,33 @@ def test_example_under_torchrun(tmp_path):
         pytest.skip("torchrun is not installed beside this Python")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()),
-                           str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1", "--out", str(tmp_path)],
+                           str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1", "--out", str(tmp_path),
+                           "--shard-optimizer-state"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "on all ranks" in done.stdout and (tmp_path / "checkpoint.onnx").exists()
+    assert "on all ranks" in done.stdout and "ZeRO-1" in done.stdout
+    TrainingSession(tmp_path / "checkpoint.onnx")  # the gathered checkpoint loads whole
+
+
+def test_cli_train_nproc_2(tmp_path):
+    """``python -m onnx_training_ops train --nproc 2`` launches torchrun itself; a second run
+    resumes from the checkpoint and trains the remaining epoch only."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "onnx_training_ops", "train", "--nproc", "2", "--out", str(tmp_path)]
+    done = subprocess.run(command + ["--epochs", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 rank(s)" in done.stdout and "epoch 0:" in done.stdout
+    assert TrainingSession(tmp_path / "checkpoint.onnx").properties["epoch"] == 1
+    done = subprocess.run(command + ["--epochs", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "epochs 1..1" in done.stdout and "epoch 1:" in done.stdout and "epoch 0:" not in done.stdout
+
+
+def test_cli_sharding_needs_processes():
+    done = subprocess.run([sys.executable, "-m", "onnx_training_ops", "train", "--shard-optimizer-state"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: --shard-optimizer-state needs --nproc 2 or more (it shards over processes)"
 
 
 def test_torchrun_max_restarts_resumes_after_a_killed_worker(two_ranks, tmp_path):
