@@ -7,7 +7,8 @@ Usage: python tests/_ddp_worker.py OUT DTYPE MICRO FIRST LAST [CHECKPOINT_IN] [S
 CHECKPOINT_IN ``auto``: resume from ``OUT/checkpoint.onnx`` if it exists (at the step it
 holds) and save it every 5 steps (what a job under ``torchrun --max-restarts`` does).
 DDP_TEST_DIE_AT=``rank:step`` kills that rank after that step, in the first attempt only;
-DDP_TEST_ZERO=1 shards the optimizer state (ZeRO-1); DDP_TEST_CLIP=0 trains without clipping.
+DDP_TEST_ZERO=1 shards the optimizer state (ZeRO-1); DDP_TEST_CLIP=0 trains without clipping;
+DDP_TEST_BN=1 trains a float32 model with BatchNorm (mode="train").
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_p
                                            init_process_group)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_case import batch, training_model  # noqa: E402
+from ddp_case import batch, batchnorm_training_model, training_model  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +37,12 @@ def main() -> None:
     checkpoint = os.path.join(out, "checkpoint.onnx")
     if auto:
         source = checkpoint if os.path.exists(checkpoint) else None
-    session = TrainingSession(source) if source else TrainingSession(training_model(dtype, clip=os.environ.get("DDP_TEST_CLIP", "1") == "1"))
+    if source:
+        session = TrainingSession(source)
+    elif os.environ.get("DDP_TEST_BN") == "1":
+        session = TrainingSession(batchnorm_training_model())
+    else:
+        session = TrainingSession(training_model(dtype, clip=os.environ.get("DDP_TEST_CLIP", "1") == "1"))
     if auto:
         first = int(session.properties.get("step", first))
     ddp = DistributedTrainingSession(session, check_every=5, shard_optimizer_state=os.environ.get("DDP_TEST_ZERO") == "1")

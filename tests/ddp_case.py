@@ -26,3 +26,24 @@ def batch(k: int, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
     """Global batch number ``k``."""
     rng = np.random.default_rng(1000 + k)
     return rng.standard_normal((BATCH, SIZES[0])).astype(dtype), rng.integers(0, SIZES[-1], BATCH).astype(np.int64)
+
+
+def batchnorm_training_model():
+    """Linear -> BatchNorm1d -> Tanh -> Linear from torch (float32), mode="train": BatchNorm
+    running statistics are per-rank state (buffers)."""
+    import io
+    import warnings
+
+    import onnx
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(SIZES[0], SIZES[1]), torch.nn.BatchNorm1d(SIZES[1]),
+                                 torch.nn.Tanh(), torch.nn.Linear(SIZES[1], SIZES[2]))
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), (torch.zeros(BATCH, SIZES[0]),), f, dynamo=False, opset_version=17,
+                          do_constant_folding=False, input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "N"}})
+    return build_training_model(onnx.load_from_string(f.getvalue()), "cross_entropy", Adam(lr=1e-2), mode="train")

@@ -220,6 +220,16 @@ def test_zero1_four_ranks_reduce_scatter_float32(tmp_path):
     assert all(len(h) == 2 for h in held) and not set.intersection(*held)  # V and H of one trainable each
 
 
+def test_batchnorm_buffers_follow_rank_0(tmp_path):
+    """Running statistics come from each rank's own shard; after each optimizer step rank 0's
+    are broadcast (DDP's broadcast_buffers), so the state hash agrees every 5 steps."""
+    _ok(_launch(2, tmp_path, "float32", "1", "0", "10", env_extra={"DDP_TEST_BN": "1", "DDP_TEST_ZERO": "1"}))
+    r0, r1 = _ranks(tmp_path, 2)
+    assert str(r0["digest"]) == str(r1["digest"])
+    stats = [name for name in r0 if "running_mean" in name]
+    assert stats and all(np.array_equal(r0[n], r1[n]) and np.abs(r0[n]).max() > 0 for n in stats)
+
+
 def test_without_torch_a_one_line_hint(tmp_path):
     """No torch: the example says how to install it, in one line and without a traceback."""
     code = ("import sys, runpy; sys.modules['torch'] = None; sys.argv = ['train_ddp.py', '--out', %r]; "
