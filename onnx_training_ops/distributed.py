@@ -216,6 +216,8 @@ class DistributedTrainingSession:
         all in flight at once, as ZeroRedundancyOptimizer does)."""
         import torch
 
+        if self.world_size == 1:
+            return
         names = list(self._owners)
         pending = [self._collective("all-gather", self._dist.broadcast, torch.from_numpy(array),
                                     self._global(self._owners[name]), group=self.group, async_op=True)
