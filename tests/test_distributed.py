@@ -237,3 +237,43 @@ def test_without_torch_a_one_line_hint(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip() == "distributed training needs torch: pip install 'onnx-training-ops[distributed]'"
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A world of one process (this one), for the wrapper's API without subprocesses."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_model_path_opens_the_session_and_a_sharded_world_of_one_saves_whole(one_rank, tmp_path):
+    from onnx_training_ops.distributed import DistributedTrainingSession
+
+    path = tmp_path / "model.onnx"
+    path.write_bytes(training_model(np.float64).SerializeToString())
+    ddp = DistributedTrainingSession(str(path), shard_optimizer_state=True, fast=False)
+    assert not ddp.session.fast and set(ddp.owners.values()) == {0}
+    losses, state = _single(np.float64, last=3)
+    for k in range(3):
+        x, y = batch(k)
+        assert float(ddp.step({"input": x, "labels": y})["loss"]) == losses[k]
+    ddp.save(tmp_path / "saved.onnx")
+    saved = TrainingSession(tmp_path / "saved.onnx").state_dict()
+    assert set(saved) == set(state) and all(np.array_equal(saved[k], state[k]) for k in state)
+
+
+def test_wrapper_errors_name_the_problem(one_rank):
+    from onnx_training_ops.distributed import DistributedTrainingSession
+    from onnx_training_ops.errors import TrainingOpError
+
+    session = TrainingSession(training_model(np.float64))
+    with pytest.raises(TrainingOpError, match=r"\['fast'\] apply only when a model is given"):
+        DistributedTrainingSession(session, fast=False)
+    ddp = DistributedTrainingSession(session, shard_optimizer_state=True)
+    x, y = batch(0)
+    ddp.backward({"input": x, "labels": y})
+    with pytest.raises(TrainingOpError, match=r"unknown learning-rate input\(s\) \['lr_typo'\]"):
+        ddp.optimizer_step({"lr_typo": 0.1})
