@@ -10,6 +10,7 @@ import pytest
 from onnx import numpy_helper
 
 from onnx_training_ops import Adagrad, Adam, AdamW, Momentum, RMSProp, TrainingSession, build_training_model
+from onnx_training_ops.errors import TrainingOpError
 from test_sparse_updates import (B1, B2, EPS, N, batches, emb_model, lazy_adam, lazy_rmsprop,
                                  sparse_adagrad, sparse_momentum, table_grad, tf_sparse_adam,
                                  two_lookup_model)
@@ -49,11 +50,12 @@ def assert_rows_in_place(s: TrainingSession, mode: str, optimizer, fast: bool) -
         assert len(groups) == int(fast) and not any(g.dedup for g in groups)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "graph"])
 @pytest.mark.parametrize("mode,optimizer,reference,states", CASES, ids=IDS)
-def test_backward_then_optimizer_step_is_a_step_bit_for_bit(mode, optimizer, reference, states, fast):
-    data = batches(negative=True)[:3]  # duplicates and negative ids in every batch
-    stepped, staged = (session(optimizer, mode, fast, trainable=("E", "W")) for _ in range(2))
+def test_backward_then_optimizer_step_is_a_step_bit_for_bit(mode, optimizer, reference, states, fast, dtype):
+    data = [(ids, t.astype(dtype)) for ids, t in batches(negative=True)[:3]]  # duplicates, negative ids
+    stepped, staged = (session(optimizer, mode, fast, trainable=("E", "W"), dtype=dtype) for _ in range(2))
     for ids, target in data:
         loss = stepped.step({"ids": ids, "target": target})["loss"]
         assert staged.backward({"ids": ids, "target": target})["loss"] == loss
@@ -159,3 +161,13 @@ def test_two_lookups_of_one_table(mode):
             staged.optimizer_step()
         for name, value in stepped.state_dict().items():
             np.testing.assert_array_equal(staged.state_dict()[name], value, err_msg=name)
+
+
+def test_a_gradient_x_that_is_no_lookup_is_named():
+    model = build_training_model(emb_model(), "mse", Adam(), sparse_updates={"E": "lazy"})
+    gradient = next(n for n in model.training_info[0].algorithm.node if n.op_type == "Gradient")
+    xs = next(a for a in gradient.attribute if a.name == "xs")
+    xs.strings[list(xs.strings).index(b"e")] = b"s"  # the ReduceSum after the lookup
+    gradient.input[list(gradient.input).index("e")] = "s"
+    with pytest.raises(TrainingOpError, match="x 's' is neither an initializer nor an axis-0 Gather.*ReduceSum"):
+        TrainingSession(model).backward({"ids": batches()[0][0], "target": batches()[0][1]})

@@ -182,14 +182,12 @@ def split_stages(model: onnx.ModelProto) -> Stages:
         b_algo.output.append(helper.make_tensor_value_info(new, elem, dims))
         b_info.update_binding.add(key=acc, value=new)
     for x, (table, gs) in tables.items():
-        acc, touched = table_accs[x]
-        elem = params[x].data_type
-        new_acc, new_touched = _accumulate_rows(Ops(unique, b_algo.node, f"{x}.grad.accumulate"),
-                                                table, gs, acc, touched)
-        for state, new, dims in ((acc, new_acc, table.dims), (touched, new_touched, table.dims[:1])):
-            b_algo.initializer.append(_zeros(state, elem, list(dims)))
-            b_algo.output.append(helper.make_tensor_value_info(new, elem, list(dims)))
-            b_info.update_binding.add(key=state, value=new)
+        zeros = _table_zeros(table, *table_accs[x])
+        new = _accumulate_rows(Ops(unique, b_algo.node, f"{x}.grad.accumulate"), table, gs, *table_accs[x])
+        b_algo.initializer.extend(zeros)
+        for state, value in zip(zeros, new):
+            b_algo.output.append(helper.make_tensor_value_info(value, state.data_type, list(state.dims)))
+            b_info.update_binding.add(key=state.name, value=value)
 
     apply = _copy(model)
     a_info = apply.training_info[0]
@@ -216,9 +214,7 @@ def split_stages(model: onnx.ModelProto) -> Stages:
         elem, dims = types[g]
         a_algo.initializer.append(_zeros(acc, elem, dims))
     for x, (table, _) in tables.items():
-        acc, touched = table_accs[x]
-        a_algo.initializer.extend([_zeros(acc, params[x].data_type, list(table.dims)),
-                                   _zeros(touched, params[x].data_type, list(table.dims[:1]))])
+        a_algo.initializer.extend(_table_zeros(table, *table_accs[x]))
     del a_algo.output[:]
     a_algo.output.extend(o for o in algo.output if o.name not in bound and o.name in from_grads)
     a_algo.output.extend(outputs[e.value] for e in applied if e.value in outputs)
@@ -245,11 +241,11 @@ def _sparse_tables(nodes: Sequence[onnx.NodeProto], grads: dict[str, str],
         table = params.get(gather.input[0]) if gather is not None and gather.op_type == "Gather" \
             and gather.domain in ("", "ai.onnx") else None
         if table is None or axis not in (0, -len(table.dims)):
-            found = f"{gather.op_type} node {gather.name!r}" if gather is not None else "an input"
+            found = f"{gather.op_type} node {gather.name!r}" if gather is not None else "no node"
             raise TrainingOpError(f"backward: the Gradient node's x {x!r} is neither an initializer nor "
                                   f"an axis-0 Gather of one (a sparse table's lookup); it comes from {found}")
         if table.name not in tables:
-            dtype = helper.tensor_dtype_to_np_dtype(table.data_type)
+            dtype = helper.tensor_dtype_to_np_dtype(table.data_type)  # (its mode is the apply graph's)
             tables[table.name] = (Table(table.name, "", tuple(int(d) for d in table.dims), dtype), [])
         tables[table.name][0].lookups.append((gather.input[1], x))
         tables[table.name][1].append(g)
@@ -275,6 +271,12 @@ def _touched_rows(ops: Ops, table: Table, acc: str, touched: str) -> tuple[str, 
     positive = ops.op("Greater", [touched, ops.const(np.zeros((), table.dtype))])
     rows = ops.op("Reshape", [ops.op("NonZero", [positive]), ops.const(np.array([-1], np.int64))])
     return rows, ops.op("Gather", [acc, rows], axis=0)
+
+
+def _table_zeros(table: Table, acc: str, touched: str) -> list[onnx.TensorProto]:
+    """A sparse table's accumulator [rows, ...] and touched counter [rows], zero, in its dtype."""
+    return [numpy_helper.from_array(np.zeros(table.dims, table.dtype), acc),
+            numpy_helper.from_array(np.zeros(table.dims[:1], table.dtype), touched)]
 
 
 def _zeros(name: str, elem: int, dims: list[int]) -> onnx.TensorProto:
