@@ -150,10 +150,12 @@ def gradient_rows(ops: Ops, table: Table, grads: Sequence[str]) -> tuple[str, st
     return unique, ops.op("ScatterND", [zeros, at, g], reduction="add")
 
 
-def find_gradient_rows(nodes: Sequence[onnx.NodeProto], grads: Sequence[str]) -> tuple[str, str]:
+def find_gradient_rows(nodes: Sequence[onnx.NodeProto], grads: Sequence[str]) -> tuple[str, str] | None:
     """The (unique indices, summed rows) :func:`gradient_rows` made from ``grads`` in ``nodes``:
     the first ``ScatterND(reduction="add")`` whose updates come from ``grads`` and whose
-    indices are ``Unsqueeze`` of a ``Unique``'s inverse."""
+    indices are ``Unsqueeze`` of a ``Unique``'s inverse; None when no node reads ``grads``."""
+    if not any(i in grads for n in nodes for i in n.input):
+        return None
     producers = {o: n for n in nodes for o in n.output if o}
     reached = set(grads)
     for node in nodes:

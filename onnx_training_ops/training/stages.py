@@ -199,6 +199,8 @@ def split_stages(model: onnx.ModelProto) -> Stages:
     touched_rows: list[onnx.NodeProto] = []
     for x, (table, gs) in tables.items():
         rows = find_gradient_rows(a_nodes, gs)
+        if rows is None:  # nothing here updates the table (another rank's, with a sharded optimizer)
+            continue
         new = _touched_rows(Ops(unique, touched_rows, f"{x}.grad.rows"), table, *table_accs[x])
         rename.update(zip(rows, new))
     for node in a_nodes:
