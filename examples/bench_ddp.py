@@ -2,7 +2,8 @@
 
 ``torchrun --nproc-per-node P examples/bench_ddp.py`` prints (rank 0, one JSON line):
 gloo all-reduce time and bandwidth for a few buffer sizes, and steps/s of two MLPs with
-their time split into backward / all-reduce / optimizer step. The global batch is fixed, so
+their time split into backward / gradient reduction / optimizer step / parameter all-gather,
+unsharded and with the optimizer state sharded (ZeRO-1), and the optimizer state each rank holds. The global batch is fixed, so
 more ranks means a smaller shard each (strong scaling).
 
 ``python examples/bench_ddp.py --table`` prints the modelled step time for 8-256 ranks on
@@ -41,6 +42,7 @@ def measure() -> dict:
     from onnx_training_ops.demo import make_mlp
     from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_process_group,
                                                init_process_group)
+    from onnx_training_ops.training.shard import optimizer_state
 
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -50,17 +52,18 @@ def measure() -> dict:
         seconds = _timed(lambda: dist.all_reduce(tensor), 50 if nbytes < 2**24 else 5)
         bus = 2 * (world - 1) / world * nbytes / seconds if world > 1 else float("nan")
         result["all_reduce"].append({"bytes": nbytes, "ms": seconds * 1e3, "bus_GBps": bus / 1e9})
-    for name, (sizes, batch) in MLPS.items():
+    for (name, (sizes, batch)), shard in ((m, z) for m in MLPS.items() for z in (False, True)):
         model = build_training_model(make_mlp(sizes, seed=0), "cross_entropy", Adam())
+        per_param = optimizer_state(model)
         options = ort.SessionOptions()
         options.intra_op_num_threads = max(1, (os.cpu_count() or 1) // world)  # no oversubscription
-        ddp = DistributedTrainingSession(TrainingSession(model, sess_options=options))
+        ddp = DistributedTrainingSession(TrainingSession(model, sess_options=options), shard_optimizer_state=shard)
         rows = batch // world
         rng = np.random.default_rng(rank)
         feeds = {"input": rng.standard_normal((rows, sizes[0])).astype(np.float32),
                  "labels": rng.integers(0, sizes[-1], rows).astype(np.int64)}
         steps = 200 if sizes[0] < 100 else 30
-        parts = {"backward": 0.0, "all_reduce": 0.0, "apply": 0.0}
+        parts = {"backward": 0.0, "reduce": 0.0, "apply": 0.0, "all_gather": 0.0}
         for k in range(steps + 5):
             t0 = time.perf_counter()
             ddp.backward(feeds)
@@ -69,12 +72,18 @@ def measure() -> dict:
             t2 = time.perf_counter()
             ddp.session.optimizer_step()
             t3 = time.perf_counter()
+            if shard:
+                ddp._all_gather_parameters()
+            t4 = time.perf_counter()
             if k >= 5:
-                for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                     parts[key] += dt / steps
         params = sum(b.size for b in ddp.session.gradient_buffers())
-        result["models"].append({"model": name, "params": int(params), "global_batch": batch,
-                                 "steps_per_s": 1 / sum(parts.values()),
+        state = ddp.session.state_dict()
+        held = sum(state[s].nbytes for states in per_param.values() for s in states if s in state)
+        held_max = max(ddp._gather(held))
+        result["models"].append({"model": name, "zero1": shard, "params": int(params), "global_batch": batch,
+                                 "steps_per_s": 1 / sum(parts.values()), "optimizer_state_MB_max_rank": held_max / 1e6,
                                  **{f"{k}_ms": v * 1e3 for k, v in parts.items()}})
     destroy_process_group()
     return result if rank == 0 else {}

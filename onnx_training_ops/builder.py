@@ -596,6 +596,9 @@ def build_training_model(
         "label_range": _label_range(spec, types, outputs, output),
         "learning_rate": learning_rate,
         "trainable": ",".join(p.name for p in params),
+        # each trainable's optimizer state variables (what sharding the state must keep together)
+        "optimizer_state": json.dumps({p.name: [v for k, v in state_names.items() if k.split("\0")[0] == p.name]
+                                       for p in params}),
         "mode": mode,
         "seed": str(seed),
     }

@@ -58,7 +58,32 @@ def _conformance(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def _train_data_parallel(args: argparse.Namespace) -> int:
+    """``train --nproc N``: torchrun (static rendezvous on a free local port) runs N ranks of
+    :mod:`onnx_training_ops.demo_ddp`; its exit status is ours."""
+    import socket
+    import subprocess
+
+    _require("sklearn", "demo")
+    _require("torch", "distributed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", str(args.max_restarts),
+               "-m", "onnx_training_ops.demo_ddp", "--epochs", str(args.epochs), "--out", args.out]
+    if args.lr is not None:
+        command += ["--lr", str(args.lr)]
+    if args.shard_optimizer_state:
+        command.append("--shard-optimizer-state")
+    return subprocess.run(command).returncode
+
+
 def _train(args: argparse.Namespace) -> int:
+    if args.nproc > 1:
+        return _train_data_parallel(args)
+    if args.shard_optimizer_state:
+        raise MissingExtra("--shard-optimizer-state needs --nproc 2 or more (it shards over processes)")
     for module in ("sklearn", "matplotlib") + (() if args.no_progress else ("tqdm",)):
         _require(module, "demo")
     from .demo import train
@@ -141,6 +166,13 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit with status 1 when the held-out accuracy is below this")
+    t.add_argument("--nproc", type=_positive_int, default=1,
+                   help="data-parallel over this many local processes (torchrun, gloo; needs the distributed "
+                        "extra): a checkpoint per epoch in --out, resumed from when present")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: restart the ranks this many times after a failure (resume from the checkpoint)")
+    t.add_argument("--shard-optimizer-state", action="store_true",
+                   help="with --nproc: ZeRO-1, each rank holds the optimizer state of its share of the trainables")
     t.set_defaults(func=_train)
 
 

@@ -12,6 +12,13 @@ Gradient accumulation (several ``backward`` calls, one ``optimizer_step``) reduc
 optimizer step, like DDP's ``no_sync``; schedules, clipping and the optimizers come from the
 wrapped session. Launch with ``torchrun`` (which sets RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
+``shard_optimizer_state=True`` is ZeRO stage 1 (torch's ``ZeroRedundancyOptimizer``): each
+trainable belongs to one rank (:func:`~onnx_training_ops.training.shard.partition`), which
+alone holds its optimizer state and updates it; gradients are reduced to their owner
+(reduce-scatter; an all-reduce when global-norm clipping needs every gradient on every rank)
+and each owner broadcasts its updated parameters (all-gather). V/H memory per rank is about
+1 / world; results equal the unsharded path (same gradients, same kernels).
+
 torch is an optional dependency (``pip install 'onnx-training-ops[distributed]'``); the core
 package never imports this module.
 """
@@ -21,14 +28,19 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from . import checkpoint
+from .builder import metadata
 from .errors import TrainingOpError
+from .passes import load_model
+from .training.session import TrainingSession
+from .training.shard import optimizer_state, partition, shard_model
 
 if TYPE_CHECKING:
-    from .training.session import TrainingSession
+    from .passes import ModelLike
 
 __all__ = ["DistributedTrainingSession", "DivergedError", "INSTALL_HINT", "init_process_group",
            "destroy_process_group"]
@@ -82,29 +94,68 @@ def destroy_process_group() -> None:
 class DistributedTrainingSession:
     """A TrainingSession trained data-parallel: same model on every rank, averaged gradients.
 
-    ``session``: this rank's session (same model on every rank; rank 0's state is broadcast
-    at construction, as DDP does). ``group``: a ``torch.distributed`` process group (default:
-    the world). ``check_every``: verify every N optimizer steps that the ranks' states hash
-    alike (0: never). ``bucket_bytes``: the size of one all-reduce.
+    ``session``: this rank's :class:`TrainingSession`, or the training model (ModelProto,
+    path or bytes) to open one with ``session_kwargs`` (same model on every rank; rank 0's
+    state is broadcast at construction, as DDP does). ``shard_optimizer_state``: ZeRO stage 1
+    (see the module docstring; a session given is reopened on this rank's shard of its
+    model). ``group``: a ``torch.distributed`` process group (default: the world).
+    ``check_every``: verify every N optimizer steps that the ranks' states hash alike (0:
+    never). ``bucket_bytes``: the size of one all-reduce.
     """
 
-    def __init__(self, session: "TrainingSession", *, group=None, check_every: int = 0, bucket_bytes: int = BUCKET_BYTES,
-                 broadcast: bool = True) -> None:
+    def __init__(self, session: "TrainingSession | ModelLike", *, shard_optimizer_state: bool = False, group=None,
+                 check_every: int = 0, bucket_bytes: int = BUCKET_BYTES, broadcast: bool = True,
+                 **session_kwargs: Any) -> None:
         self._dist = _dist()
         if not self._dist.is_initialized():
             raise TrainingOpError("DistributedTrainingSession: torch.distributed is not initialized; "
                                   "call onnx_training_ops.distributed.init_process_group() under torchrun")
-        self.session = session
         self.group = group
         self.check_every = int(check_every)
         self.bucket_bytes = int(bucket_bytes)
         self.rank = self._dist.get_rank(group)
         self.world_size = self._dist.get_world_size(group)
+        self.sharded = bool(shard_optimizer_state)
+        self._owners: dict[str, int] = {}
+        self._optimizer_state: set[str] = set()
+        if self.sharded:
+            session = self._open_shard(session, session_kwargs)
+        elif not isinstance(session, TrainingSession):
+            session = TrainingSession(session, **session_kwargs)
+        elif session_kwargs:
+            raise TrainingOpError(f"DistributedTrainingSession: {sorted(session_kwargs)} apply only when a "
+                                  "model is given, not a TrainingSession")
+        self.session = session
+        self._rate_names = sorted({name for names in self._gather(session.learning_rate_names) for name in names})
         self.steps = 0
         self.skipped_steps = 0
         self._skipped_at_step = session.skipped_steps
         if broadcast:
             self.broadcast_state()
+
+    def _open_shard(self, source, session_kwargs) -> "TrainingSession":
+        """This rank's session on its shard of the model (rank 0 keeps the model's skeleton,
+        without state values, to write whole checkpoints)."""
+        model = source.training_model() if isinstance(source, TrainingSession) else load_model(source)
+        per_param = optimizer_state(model)
+        self._owners = partition(model, self.world_size)
+        self._optimizer_state = {s for states in per_param.values() for s in states}
+        self._per_param = per_param
+        self._all_gradients = "grad_norm" in metadata(model)  # clipping reads every gradient
+        shard = shard_model(model, self._owners, self.rank, self.world_size)
+        self._skeleton = _skeleton(model) if self.rank == 0 else None
+        del model
+        if isinstance(source, TrainingSession):
+            if session_kwargs:
+                raise TrainingOpError(f"DistributedTrainingSession: {sorted(session_kwargs)} apply only when a "
+                                      "model is given, not a TrainingSession")
+            return source.with_model(shard)
+        return TrainingSession(shard, **session_kwargs)
+
+    @property
+    def owners(self) -> dict[str, int]:
+        """With ``shard_optimizer_state``: trainable -> the rank that holds its optimizer state."""
+        return dict(self._owners)
 
     # ------------------------------------------------------------------ collectives
 
@@ -120,12 +171,34 @@ class DistributedTrainingSession:
         per = max(1, self.bucket_bytes // buffer.itemsize)
         return [buffer[i:i + per] for i in range(0, buffer.size, per)]
 
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else self._dist.get_global_rank(self.group, rank)
+
+    def _gather(self, value: Any) -> list[Any]:
+        values: list[Any] = [None] * self.world_size
+        self._collective("all-gather", self._dist.all_gather_object, values, value, group=self.group)
+        return values
+
     def all_reduce_gradients(self) -> None:
         """Average the accumulated gradients over the ranks, in place, bucket by bucket (all
-        buckets in flight at once)."""
+        buckets in flight at once). Sharded: each gradient is averaged on its owner only
+        (reduce), unless global-norm clipping needs them all."""
         import torch
 
         if self.world_size == 1:
+            return
+        scale = 1.0 / self.world_size
+        if self.sharded and not self._all_gradients:
+            pending = []
+            for owner, array in _runs(self.session.gradient_views(), self._owners):
+                for bucket in self._buckets(array):
+                    pending.append(self._collective("reduce", self._dist.reduce, torch.from_numpy(bucket),
+                                                    self._global(owner), group=self.group, async_op=True))
+            for work in pending:
+                self._collective("reduce", work.wait)
+            for param, view in self.session.gradient_views():
+                if self._owners[param] == self.rank:
+                    view *= view.dtype.type(scale)
             return
         buffers = self.session.gradient_buffers()
         pending = []
@@ -135,22 +208,54 @@ class DistributedTrainingSession:
                                                 group=self.group, async_op=True))
         for work in pending:
             self._collective("all-reduce", work.wait)
-        scale = 1.0 / self.world_size
         for buffer in buffers:
             buffer *= buffer.dtype.type(scale)
 
-    def broadcast_state(self, src: int = 0) -> None:
-        """Copy rank ``src``'s state (parameters, optimizer state, schedule position) to every rank."""
+    def _all_gather_parameters(self) -> None:
+        """Sharded: each owner broadcasts its updated parameters (one broadcast per tensor,
+        all in flight at once, as ZeroRedundancyOptimizer does)."""
         import torch
 
-        state = self.session.state_dict()
-        for name in sorted(state):
-            array = np.require(state[name], requirements="C")
-            self._collective("broadcast", self._dist.broadcast, torch.from_numpy(array), src, group=self.group)
-            state[name] = array
-        self.session.load_state_dict(state)
+        if self.world_size == 1:
+            return
+        names = list(self._owners)
+        pending = [self._collective("all-gather", self._dist.broadcast, torch.from_numpy(array),
+                                    self._global(self._owners[name]), group=self.group, async_op=True)
+                   for name, array in zip(names, self.session.state_views(names))]
+        for work in pending:
+            self._collective("all-gather", work.wait)
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm running statistics) to every rank, as DDP's
+        ``broadcast_buffers`` does: each rank's come from its own shard of the batch."""
+        import torch
+
+        names = self.session.buffer_names
+        if self.world_size == 1 or not names:
+            return
+        pending = [self._collective("broadcast", self._dist.broadcast, torch.from_numpy(array), self._global(0),
+                                    group=self.group, async_op=True)
+                   for array in self.session.state_views(names)]
+        for work in pending:
+            self._collective("broadcast", work.wait)
+
+    def _replicated(self) -> list[str]:
+        """State every rank holds alike: all of it, or all but the optimizer state when sharded."""
+        return [n for n in sorted(self.session.state_names) if n not in self._optimizer_state]
+
+    def broadcast_state(self, src: int = 0) -> None:
+        """Copy rank ``src``'s state (parameters, optimizer state unless sharded, schedule
+        position) to every rank."""
+        import torch
+
+        names = self._replicated()
+        pending = [self._collective("broadcast", self._dist.broadcast, torch.from_numpy(array), self._global(src),
+                                    group=self.group, async_op=True)
+                   for array in self.session.state_views(names)]
+        for work in pending:
+            self._collective("broadcast", work.wait)
         position = torch.tensor([self.session.lr_schedule_step], dtype=torch.int64)
-        self._collective("broadcast", self._dist.broadcast, position, src, group=self.group)
+        self._collective("broadcast", self._dist.broadcast, position, self._global(src), group=self.group)
         if self.session.lr_schedule is not None:
             self.session.set_lr_schedule(self.session.lr_schedule, int(position.item()))
 
@@ -177,11 +282,28 @@ class DistributedTrainingSession:
             self.skipped_steps += 1
             return {}
         self.all_reduce_gradients()
-        result = self.session.optimizer_step(lr)
+        result = self.session.optimizer_step(self._own_rates(lr))
+        if self.sharded:
+            self._all_gather_parameters()
+        self._broadcast_buffers()
         self.steps += 1
         if self.check_every and self.steps % self.check_every == 0:
             self.check_parameters()
         return result
+
+    def _own_rates(self, lr):
+        """``lr`` checked against every rank's learning-rate inputs, narrowed to this rank's
+        (a shard may update no tensor of some parameter group)."""
+        if lr is None or not self.sharded:
+            return lr
+        own = set(self.session.learning_rate_names)
+        if not isinstance(lr, Mapping):
+            return lr if own else None
+        unknown = sorted(set(lr) - set(self._rate_names))
+        if unknown:
+            raise TrainingOpError(f"optimizer_step: lr names unknown learning-rate input(s) {unknown}; "
+                                  f"the model's: {self._rate_names}")
+        return {name: value for name, value in lr.items() if name in own}
 
     def step(self, feeds: Mapping[str, Any], lr: float | Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
         """``backward(feeds)`` then :meth:`optimizer_step`: one step on the global batch made of
@@ -202,29 +324,94 @@ class DistributedTrainingSession:
     # ------------------------------------------------------------------ consistency, checkpoints
 
     def state_digest(self) -> str:
-        """SHA-256 of the state (every state variable, by name) and the schedule position."""
+        """SHA-256 of the state every rank holds alike (by name) and the schedule position."""
         digest = hashlib.sha256()
-        for name, value in sorted(self.session.state_dict().items()):
+        names = self._replicated()
+        for name, value in zip(names, self.session.state_views(names)):
             digest.update(name.encode())
-            digest.update(value.tobytes())
+            digest.update(np.ascontiguousarray(value).tobytes())
         digest.update(str(self.session.lr_schedule_step).encode())
         return digest.hexdigest()
 
     def check_parameters(self) -> str:
         """Raise :class:`DivergedError` unless every rank's :meth:`state_digest` is the same;
         returns the digest."""
-        mine = self.state_digest()
-        digests: list[Any] = [None] * self.world_size
-        self._collective("all-gather", self._dist.all_gather_object, digests, mine, group=self.group)
+        digests = self._gather(self.state_digest())
         if len(set(digests)) != 1:
             raise DivergedError(f"the ranks' states differ after {self.steps} steps: "
                                 + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests)))
-        return mine
+        return digests[0]
+
+    def full_state_dict(self) -> dict[str, np.ndarray] | None:
+        """Every state variable (sharded: the owners send their optimizer state to rank 0);
+        on rank 0, None elsewhere when sharded."""
+        import torch
+
+        state = self.session.state_dict()
+        if not self.sharded:
+            return state
+        for param, owner in self._owners.items():
+            if owner == 0:
+                continue
+            for name in self._per_param[param]:
+                if self.rank == owner:
+                    self._collective("send", self._dist.send, torch.from_numpy(state[name]), self._global(0),
+                                     group=self.group)
+                elif self.rank == 0:
+                    spec = self._skeleton[1][name]
+                    array = np.empty(spec[0], spec[1])
+                    self._collective("recv", self._dist.recv, torch.from_numpy(array), self._global(owner),
+                                     group=self.group)
+                    state[name] = array
+        return state if self.rank == 0 else None
 
     def save(self, path: str | os.PathLike) -> str:
-        """Rank 0 writes the checkpoint atomically (``TrainingSession.save``); every rank waits
-        for it, so any rank can resume from ``path`` afterwards (``TrainingSession(path)``)."""
-        if self.rank == 0:
-            path = self.session.save(path)
+        """Rank 0 writes the checkpoint atomically (the whole state, gathered when sharded);
+        every rank waits for it, so any rank can resume from ``path`` afterwards
+        (``TrainingSession(path)``, or this class with the same ``shard_optimizer_state``)."""
+        if not self.sharded:
+            if self.rank == 0:
+                path = self.session.save(path)
+        else:
+            state = self.full_state_dict()
+            if self.rank == 0:
+                model = checkpoint.write_state(self._skeleton[0], state, self.session.checkpoint_metadata())
+                path = checkpoint.save_model(model, path)
         self._collective("barrier", self._dist.barrier, group=self.group)
         return os.fspath(path)
+
+
+def _runs(views: Sequence[tuple[str, np.ndarray]], owners: Mapping[str, int]) -> list[tuple[int, np.ndarray]]:
+    """(owner, array) runs: consecutive views with one owner that lie back to back in one
+    flat buffer merge into one slice of it (the layout is the same on every rank)."""
+    runs: list[tuple[int, np.ndarray]] = []
+    for param, view in views:
+        flat = view.reshape(-1)
+        if runs:
+            owner, last = runs[-1]
+            base = last.base if last.base is not None else last
+            if (owner == owners[param] and base is (flat.base if flat.base is not None else flat)
+                    and last.dtype == flat.dtype and last.ctypes.data + last.nbytes == flat.ctypes.data):
+                start = (last.ctypes.data - base.ctypes.data) // base.itemsize
+                runs[-1] = (owner, base[start:start + last.size + flat.size])
+                continue
+        runs.append((owners[param], flat))
+    return runs
+
+
+def _skeleton(model) -> tuple:
+    """``model`` without its state values (to write whole checkpoints from gathered state),
+    and each state variable's (shape, dtype)."""
+    import onnx
+    from onnx import helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    state = {e.key for info in out.training_info for e in (*info.update_binding, *info.initialization_binding)}
+    specs = {}
+    for graph in (out.graph, *(info.algorithm for info in out.training_info)):
+        for tensor in graph.initializer:
+            if tensor.name in state:
+                specs[tensor.name] = (tuple(tensor.dims), helper.tensor_dtype_to_np_dtype(tensor.data_type))
+                tensor.CopyFrom(onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims))
+    return out, specs

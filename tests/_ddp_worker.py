@@ -6,7 +6,9 @@ Usage: python tests/_ddp_worker.py OUT DTYPE MICRO FIRST LAST [CHECKPOINT_IN] [S
 
 CHECKPOINT_IN ``auto``: resume from ``OUT/checkpoint.onnx`` if it exists (at the step it
 holds) and save it every 5 steps (what a job under ``torchrun --max-restarts`` does).
-DDP_TEST_DIE_AT=``rank:step`` kills that rank after that step, in the first attempt only.
+DDP_TEST_DIE_AT=``rank:step`` kills that rank after that step, in the first attempt only;
+DDP_TEST_ZERO=1 shards the optimizer state (ZeRO-1); DDP_TEST_CLIP=0 trains without clipping;
+DDP_TEST_BN=1 trains a float32 model with BatchNorm (mode="train").
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_p
                                            init_process_group)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_case import batch, training_model  # noqa: E402
+from ddp_case import batch, batchnorm_training_model, training_model  # noqa: E402
 
 
 def main() -> None:
@@ -35,10 +37,16 @@ def main() -> None:
     checkpoint = os.path.join(out, "checkpoint.onnx")
     if auto:
         source = checkpoint if os.path.exists(checkpoint) else None
-    session = TrainingSession(source) if source else TrainingSession(training_model(dtype))
+    if source:
+        session = TrainingSession(source)
+    elif os.environ.get("DDP_TEST_BN") == "1":
+        session = TrainingSession(batchnorm_training_model())
+    else:
+        session = TrainingSession(training_model(dtype, clip=os.environ.get("DDP_TEST_CLIP", "1") == "1"))
     if auto:
         first = int(session.properties.get("step", first))
-    ddp = DistributedTrainingSession(session, check_every=5)
+    ddp = DistributedTrainingSession(session, check_every=5, shard_optimizer_state=os.environ.get("DDP_TEST_ZERO") == "1")
+    session = ddp.session  # sharded: this rank's session on its shard of the model
     rank, world = ddp.rank, ddp.world_size
     losses = []
     for k in range(first, last):
@@ -59,8 +67,9 @@ def main() -> None:
         if first_attempt and os.environ.get("DDP_TEST_DIE_AT") == f"{rank}:{k}":
             os._exit(3)  # a killed worker
     digest = ddp.check_parameters()
+    state = ddp.full_state_dict()  # sharded: the whole state on rank 0 only
     np.savez(os.path.join(out, f"rank{rank}.npz"), losses=np.array(losses), digest=digest,
-             **session.state_dict())
+             **(state if state is not None else session.state_dict()))
     destroy_process_group()
 
 

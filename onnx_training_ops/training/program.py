@@ -291,6 +291,21 @@ def loss_names(graph: onnx.GraphProto, returned: list[str], meta: Mapping[str, s
     return found
 
 
+def drop_passthrough_bindings(graph: onnx.GraphProto, binding: dict[str, str]) -> None:
+    """Forget bindings ``S <- Identity(S)`` (``binding`` and ``graph`` in place): the state
+    keeps its value with no copy (a sharded optimizer's foreign parameters, see shard.py)."""
+    same = {node.output[0] for node in graph.node
+            if node.op_type == "Identity" and not node.domain and binding.get(node.input[0]) == node.output[0]}
+    if not same:
+        return
+    for key in [k for k, v in binding.items() if v in same]:
+        del binding[key]
+    outputs = [o for o in graph.output if o.name not in same]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    prune_dead_nodes(graph)
+
+
 def build_program(
     model: onnx.ModelProto,
     index: int,
@@ -307,6 +322,7 @@ def build_program(
     check_binding_types(model, index, combined, state)
     graph = combined.graph
     binding = {e.key: e.value for e in info.update_binding}
+    drop_passthrough_bindings(graph, binding)
     bound_values = set(binding.values())
     state_inputs = [vi.name for vi in graph.input if vi.name in state]
     init_values = {t.name: t for t in graph.initializer}

@@ -217,7 +217,7 @@ class TrainingSession:
             lr_schedules.from_json(self._meta["lr_schedule"]) if self._meta.get("lr_schedule") else (None, 0))
         self._properties: dict[str, Any] = json.loads(self._meta.get("properties") or "{}")
         self._eval_programs: dict[tuple[str, ...], Program] = {}
-        self._stages = None  # (backward program, apply program, {param: accumulator}, state), made by backward()
+        self._stages = None  # (backward program, apply program, Stages, state), made by backward()
         self._accumulated = 0
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
@@ -490,7 +490,7 @@ class TrainingSession:
                 program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
                                                        rehome=False, prescale=program.prescale)
                 programs.append(open_program(program, state, self._session_options(), self._providers))
-            self._stages = (programs[0], programs[1], stages.gradients, state)
+            self._stages = (programs[0], programs[1], stages, state)
         return self._stages
 
     @_locked
@@ -536,8 +536,8 @@ class TrainingSession:
         """A copy of each trainable's accumulated gradient (zeros before any backward). A
         sparse table's (``sparse_updates``) is dense, table-sized: the summed gradients of its
         looked-up rows, zero elsewhere (which rows count as touched is kept apart)."""
-        _, _, gradients, state = self._stage_programs()
-        return {param: state[acc].copy() for param, acc in gradients.items()}
+        _, _, stages, state = self._stage_programs()
+        return {param: state[acc].copy() for param, acc in stages.gradients.items()}
 
     @_locked
     def gradient_buffers(self) -> list[np.ndarray]:
@@ -549,6 +549,36 @@ class TrainingSession:
         then × 1/world over processes keeps both right."""
         self._stage_programs()
         return list(self._acc_flat)
+
+    @_locked
+    def gradient_views(self) -> list[tuple[str, np.ndarray]]:
+        """(trainable, live accumulator) pairs: views into :meth:`gradient_buffers`, for
+        collectives that treat trainables apart (a sharded optimizer reduces each gradient to
+        the rank that owns its trainable). A sparse table has two, back to back: its dense
+        gradient, then its per-row touched counter (see :meth:`gradient_buffers`)."""
+        _, _, stages, state = self._stage_programs()
+        return [(param, state[name]) for param, name in stages.views]
+
+    @_locked
+    def state_views(self, names: Sequence[str]) -> list[np.ndarray]:
+        """The live arrays of the state variables ``names``: writing into them in place (an
+        all-gather or broadcast across processes) changes the state the next run reads."""
+        unknown = [n for n in names if n not in self._state]
+        if unknown:
+            raise TrainingOpError(f"state_views: unknown state variable(s) {unknown}")
+        return [self._state[n] for n in names]
+
+    @property
+    def buffer_names(self) -> list[str]:
+        """State the backward stage updates from the batch (BatchNorm running statistics), not
+        the optimizer: per-process in data-parallel training, like torch's module buffers."""
+        backward = self._stage_programs()[0]
+        return [k for k in backward.binding if k in self._state]
+
+    def with_model(self, model: ModelLike) -> "TrainingSession":
+        """A new session for ``model`` with this session's providers and options."""
+        return type(self)(model, self._providers, fast=self.fast, on_nonfinite=self.on_nonfinite,
+                          sess_options=self._sess_options, session_config=self._session_config)
 
     @property
     def accumulated_batches(self) -> int:
@@ -595,15 +625,21 @@ class TrainingSession:
     def training_model(self) -> onnx.ModelProto:
         """The training model with the current state as initializers, the properties and the
         schedule's position (what :meth:`save` writes)."""
+        return checkpoint.write_state(self._model, self._state, self.checkpoint_metadata())
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """The metadata entries a checkpoint of this session carries (properties, schedule)."""
         schedule = "" if self._schedule is None else lr_schedules.to_json(self._schedule, self._schedule_step)
-        return checkpoint.write_state(self._model, self._state, {
-            META_PREFIX + "properties": _checked_properties(self._properties) if self._properties else "",
-            META_PREFIX + "lr_schedule": schedule,
-        })
+        return {META_PREFIX + "properties": _checked_properties(self._properties) if self._properties else "",
+                META_PREFIX + "lr_schedule": schedule}
 
     @_locked
     def save(self, path: str | os.PathLike) -> str:
         """Write the training model with the current state, atomically; reloading resumes bit-exact."""
+        if "shard" in self._meta:
+            raise TrainingOpError(
+                "save: this session holds one rank's shard of the optimizer state (ZeRO-1); save through "
+                "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")
         return checkpoint.save_model(self.training_model(), path)
 
     @_locked

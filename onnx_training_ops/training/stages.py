@@ -64,10 +64,16 @@ class Stages:
                 **{x: acc for x, (acc, _) in self.tables.items()}}
 
     @property
+    def views(self) -> list[tuple[str, str]]:
+        """(parameter, accumulator state) of every accumulator, counters included, in layout
+        order: the dense gradients, then per table its accumulator and its touched counter."""
+        return [*((x, acc) for acc, x in self.accumulators.values()),
+                *((x, name) for x, pair in self.tables.items() for name in pair)]
+
+    @property
     def buffers(self) -> list[str]:
         """Every accumulator state, counters included (what ``zero_grad`` zeroes)."""
-        return [*(acc for acc, _ in self.accumulators.values()),
-                *(name for pair in self.tables.values() for name in pair)]
+        return [name for _, name in self.views]
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
