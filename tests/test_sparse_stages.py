@@ -145,6 +145,37 @@ def test_gradient_buffers_average_across_processes():
             np.testing.assert_allclose(s.state_dict()[name], value, rtol=1e-12, atol=1e-15, err_msg=name)
 
 
+@pytest.mark.parametrize("optimizer", [Adam(lr=0.05), RMSProp(lr=0.01, momentum=0.5)], ids=["Adam", "RMSProp"])
+def test_gradient_views_reduce_to_the_owner_of_a_sharded_table(optimizer):
+    """ZeRO-1 shards (training/shard.py) simulated in one process: each rank accumulates every
+    table's gradient and counter (``gradient_views``: E twice); averaged, the owner's update
+    equals one session's on both micro-batches, and the other rank leaves the table alone."""
+    from onnx_training_ops.training.shard import partition, shard_model
+
+    model = build_training_model(emb_model(), "mse", optimizer, sparse_updates={"E": "lazy"})
+    owners = partition(model, 2)
+    ranks = [TrainingSession(shard_model(model, owners, r, 2)) for r in range(2)]
+    single = TrainingSession(model)
+    data = batches(negative=True)
+    for step in range(2):
+        for r, s in enumerate(ranks):
+            ids, target = data[2 * step + r]
+            s.backward({"ids": ids, "target": target})
+            single.backward({"ids": ids, "target": target}, scale=0.5)
+        views = [s.gradient_views() for s in ranks]
+        assert [p for p, _ in views[0]] == ["W", "E", "E"]
+        for (_, a), (_, b) in zip(*views):
+            a[...] = b[...] = (a + b) * 0.5
+        for s in (*ranks, single):
+            s.optimizer_step()
+        for param, owner in owners.items():  # the owner's parameters to every rank
+            for s in ranks:
+                s.state_views([param])[0][...] = ranks[owner].state_views([param])[0]
+    for s in ranks:
+        for name, value in s.state_dict().items():
+            np.testing.assert_allclose(value, single.state_dict()[name], rtol=1e-12, atol=1e-15, err_msg=name)
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_two_lookups_of_one_table(mode):
     """Two Gathers (int64 and negative int32 ids) of one float32 table, fast path and graph."""
