@@ -15,8 +15,8 @@ convention is the ``Gradient`` node's outputs, where a step splits:
 
 A sparse table (:mod:`onnx_training_ops.sparse_updates`) is differentiated at its lookups
 (the ``Gather`` outputs, batch-shaped), so its accumulators are table-sized: *backward*
-scatter-adds ``grad_scale`` times each lookup's gradient rows into ``E.accumulated`` and 1
-into the per-row counter ``E.touched`` (same dtype); *apply* takes the rows whose counter is
+scatter-adds ``grad_scale`` times each lookup's gradient rows into ``E.grad.accumulated`` and 1
+into the per-row counter ``E.grad.touched`` (same dtype); *apply* takes the rows whose counter is
 positive (ascending) and their accumulated rows in place of :func:`gradient_rows`'s
 (unique indices, summed rows). Both are dense sums, so scaling or an all-reduce (sum, then
 × 1/world) keeps them meaningful: a row touched anywhere is updated, as torch's
