@@ -120,9 +120,9 @@ def find_tables(modes: Mapping[str, str], params: Sequence[onnx.TensorProto],
     return tables
 
 
-def gradient_rows(ops: Ops, table: Table, grads: Sequence[str]) -> tuple[str, str]:
-    """(unique indices int64 [U], summed gradient rows [U, *row]) from the gradients of the
-    table's Gather outputs; negative indices count from the end, as Gather reads them."""
+def lookup_rows(ops: Ops, table: Table, grads: Sequence[str]) -> tuple[str, str]:
+    """(row index int64 [M], gradient row [M, *row]) of every lookup of the table, in the order
+    of its Gathers; negative indices count from the end, as Gather reads them."""
     rows, n = list(table.dims[1:]), table.dims[0]
     flat = ops.const(np.array([-1], np.int64))
     row_shape = ops.const(np.array([-1, *rows], np.int64))
@@ -134,12 +134,44 @@ def gradient_rows(ops: Ops, table: Table, grads: Sequence[str]) -> tuple[str, st
     zero = ops.const(np.array(0, np.int64))
     idx = ops.op("Where", [ops.op("Less", [idx, zero]),
                            ops.op("Add", [idx, ops.const(np.array(n, np.int64))]), idx])
+    return idx, g
+
+
+def gradient_rows(ops: Ops, table: Table, grads: Sequence[str]) -> tuple[str, str]:
+    """(unique indices int64 [U], summed gradient rows [U, *row]) from the gradients of the
+    table's Gather outputs (:func:`lookup_rows`), duplicates added in order from zero."""
+    idx, g = lookup_rows(ops, table, grads)
     unique, _, inverse, _ = ops.op("Unique", [idx], n_out=4, sorted=1)
-    shape = ops.op("Concat", [ops.op("Shape", [unique]), ops.const(np.array(rows, np.int64))], axis=0)
+    shape = ops.op("Concat", [ops.op("Shape", [unique]), ops.const(np.array(table.dims[1:], np.int64))],
+                   axis=0)
     zeros = ops.op("ConstantOfShape", [shape], value=helper.make_tensor(
         "zero", helper.np_dtype_to_tensor_dtype(table.dtype), [1], [0]))
     at = ops.op("Unsqueeze", [inverse, ops.const(np.array([1], np.int64))])
     return unique, ops.op("ScatterND", [zeros, at, g], reduction="add")
+
+
+def find_gradient_rows(nodes: Sequence[onnx.NodeProto], grads: Sequence[str]) -> tuple[str, str] | None:
+    """The (unique indices, summed rows) :func:`gradient_rows` made from ``grads`` in ``nodes``:
+    the first ``ScatterND(reduction="add")`` whose updates come from ``grads`` and whose
+    indices are ``Unsqueeze`` of a ``Unique``'s inverse; None when no node reads ``grads``."""
+    if not any(i in grads for n in nodes for i in n.input):
+        return None
+    producers = {o: n for n in nodes for o in n.output if o}
+    reached = set(grads)
+    for node in nodes:
+        if not any(i in reached for i in node.input):
+            continue
+        reduction = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "reduction"), b"")
+        at = producers.get(node.input[1]) if node.op_type == "ScatterND" and len(node.input) == 3 else None
+        unique = producers.get(at.input[0]) if at is not None and at.op_type == "Unsqueeze" else None
+        if reduction in (b"add", "add") and node.input[2] in reached and node.input[0] not in reached \
+                and unique is not None and unique.op_type == "Unique" and len(unique.output) > 2 \
+                and unique.output[2] == at.input[0]:
+            return unique.output[0], node.output[0]
+        reached.update(o for o in node.output if o)
+    raise TrainingOpError(f"the gradients {', '.join(grads)} of a sparse table's lookups do not reach "
+                          "a Unique + ScatterND(reduction='add') deduplication (the builder's "
+                          "gradient_rows); cannot split this model into backward/apply stages")
 
 
 def emit_table_update(ops: Ops, optimizer, table: Table, r: str, t: str, unique: str, rows: str,

@@ -298,3 +298,17 @@ def test_two_lookups_of_one_table(mode):
     changed = np.flatnonzero((states[0]["E"] != init).any(axis=1))
     assert set(changed) <= set(range(10)) and len(changed) > 5  # b's negative ids are rows 0..9 too
     assert not states[0]["E.V"][10:].any()
+
+
+@pytest.mark.parametrize("optimizer", [RMSProp(lr=0.01, momentum=0.5), Adam(lr=0.01)],
+                         ids=["RMSProp", "Adam"])
+def test_batch_size_may_change_between_steps(optimizer):
+    """The fast path's row updates read batch-shaped values: not preallocated to the first batch."""
+    (i1, t1), (i2, t2) = batches()[:2]
+    sessions = [TrainingSession(build_training_model(emb_model(), "mse", optimizer, sparse_updates={"E": "lazy"}),
+                                fast=fast) for fast in (True, False)]
+    for s in sessions:
+        s.step({"ids": i1, "target": t1})
+        s.step({"ids": i2[:4], "target": t2[:4]})
+    for name, value in sessions[1].state_dict().items():
+        np.testing.assert_array_equal(sessions[0].state_dict()[name], value, err_msg=name)

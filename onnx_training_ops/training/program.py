@@ -361,7 +361,10 @@ def build_program(
     row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
     reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in rms for r in g.reads)), [])
     rms_sources, rms_outputs = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
-    extra_outputs += [name for name in rms_outputs if name not in extra_outputs]
+    # a lazy table's rows and gradient rows change shape with the batch (or the touched rows)
+    varying = {r for g in rms if g.rows for r in g.reads[1:]}
+    extra_outputs += [name for name in rms_outputs if name not in extra_outputs and name not in varying]
+    dynamic += [name for name in rms_outputs if name in varying and name not in dynamic]
     old_outputs = list(graph.output)
     del graph.output[:]
     graph.output.extend(o for o in old_outputs if o.name not in cut_outputs)

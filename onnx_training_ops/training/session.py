@@ -217,7 +217,7 @@ class TrainingSession:
             lr_schedules.from_json(self._meta["lr_schedule"]) if self._meta.get("lr_schedule") else (None, 0))
         self._properties: dict[str, Any] = json.loads(self._meta.get("properties") or "{}")
         self._eval_programs: dict[tuple[str, ...], Program] = {}
-        self._stages = None  # (backward program, apply program, accumulators), made by backward()
+        self._stages = None  # (backward program, apply program, Stages, state), made by backward()
         self._accumulated = 0
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
@@ -477,11 +477,12 @@ class TrainingSession:
         if self._stages is None:
             stages = split_stages(self._model)
             protos = dict(self._state_protos)
+            buffers = stages.buffers
             for t in stages.backward.training_info[0].algorithm.initializer:
-                if any(t.name == acc for acc, _ in stages.accumulators.values()):
+                if t.name in buffers:
                     protos[t.name] = t
             self._acc, self._acc_flat = _flat_accumulators(
-                {acc: numpy_helper.to_array(protos[acc]) for acc, _ in stages.accumulators.values()})
+                {name: numpy_helper.to_array(protos[name]) for name in buffers})
             state = {**self._state, **self._acc}
             programs = []
             for derived in (stages.backward, stages.apply):
@@ -489,7 +490,7 @@ class TrainingSession:
                 program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
                                                        rehome=False, prescale=program.prescale)
                 programs.append(open_program(program, state, self._session_options(), self._providers))
-            self._stages = (programs[0], programs[1], stages.accumulators, state)
+            self._stages = (programs[0], programs[1], stages, state)
         return self._stages
 
     @_locked
@@ -532,15 +533,20 @@ class TrainingSession:
 
     @_locked
     def gradients(self) -> dict[str, np.ndarray]:
-        """A copy of each trainable's accumulated gradient (zeros before any backward)."""
-        _, _, accumulators, state = self._stage_programs()
-        return {param: state[acc].copy() for acc, param in accumulators.values()}
+        """A copy of each trainable's accumulated gradient (zeros before any backward). A
+        sparse table's (``sparse_updates``) is dense, table-sized: the summed gradients of its
+        looked-up rows, zero elsewhere (which rows count as touched is kept apart)."""
+        _, _, stages, state = self._stage_programs()
+        return {param: state[acc].copy() for param, acc in stages.gradients.items()}
 
     @_locked
     def gradient_buffers(self) -> list[np.ndarray]:
         """The live accumulated gradients as flat 1-D buffers, one per dtype: every
         ``gradients()`` entry is a view into one of them. Changing them in place (an
-        all-reduce across processes) changes what :meth:`optimizer_step` applies."""
+        all-reduce across processes) changes what :meth:`optimizer_step` applies. A sparse
+        table adds two views to its dtype's buffer, after the dense gradients: its dense
+        gradient, then a per-row counter of lookups (> 0: the row is updated), so a sum
+        then × 1/world over processes keeps both right."""
         self._stage_programs()
         return list(self._acc_flat)
 
@@ -548,9 +554,10 @@ class TrainingSession:
     def gradient_views(self) -> list[tuple[str, np.ndarray]]:
         """(trainable, live accumulator) pairs: views into :meth:`gradient_buffers`, for
         collectives that treat trainables apart (a sharded optimizer reduces each gradient to
-        the rank that owns its trainable)."""
-        _, _, accumulators, state = self._stage_programs()
-        return [(param, state[acc]) for acc, param in accumulators.values()]
+        the rank that owns its trainable). A sparse table has two, back to back: its dense
+        gradient, then its per-row touched counter (see :meth:`gradient_buffers`)."""
+        _, _, stages, state = self._stage_programs()
+        return [(param, state[name]) for param, name in stages.views]
 
     @_locked
     def state_views(self, names: Sequence[str]) -> list[np.ndarray]:

@@ -13,6 +13,15 @@ convention is the ``Gradient`` node's outputs, where a step splits:
 * **apply**: what the optimizer does with the gradients, reading the accumulators instead:
   clipping, weight decay, the optimizer nodes and ``T <- T + 1``.
 
+A sparse table (:mod:`onnx_training_ops.sparse_updates`) is differentiated at its lookups
+(the ``Gather`` outputs, batch-shaped), so its accumulators are table-sized: *backward*
+scatter-adds ``grad_scale`` times each lookup's gradient rows into ``E.grad.accumulated`` and 1
+into the per-row counter ``E.grad.touched`` (same dtype); *apply* takes the rows whose counter is
+positive (ascending) and their accumulated rows in place of :func:`gradient_rows`'s
+(unique indices, summed rows). Both are dense sums, so scaling or an all-reduce (sum, then
+× 1/world) keeps them meaningful: a row touched anywhere is updated, as torch's
+``SparseAdam`` does with accumulated gradients, even when its summed gradient is zero.
+
 A binding belongs to *apply* when its new value depends on a gradient or feeds an optimizer
 node, its state is an optimizer input (X, V, H, T), or its new value depends on no feed (a
 counter such as T: once per optimizer step); every other binding — state computed from the
@@ -21,7 +30,8 @@ batch, like BatchNorm running statistics — to *backward*.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import onnx
@@ -30,6 +40,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import TrainingOpError
 from ..passes._graph import value_types
 from ..schema import DOMAIN, OPTIMIZERS
+from ..sparse_updates import Table, find_gradient_rows, lookup_rows
+from ..update_graph import Ops
 from .program import _reads
 
 GRAD_SCALE = "onnx_training_ops.grad_scale"
@@ -37,11 +49,31 @@ GRAD_SCALE = "onnx_training_ops.grad_scale"
 
 @dataclass
 class Stages:
-    """The derived models and the accumulators (gradient name -> (accumulator, parameter))."""
+    """The derived models and their accumulators: ``accumulators`` (dense gradient name ->
+    (accumulator, parameter)) and ``tables`` (sparse table -> (accumulator, touched counter))."""
 
     backward: onnx.ModelProto
     apply: onnx.ModelProto
     accumulators: dict[str, tuple[str, str]]
+    tables: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    @property
+    def gradients(self) -> dict[str, str]:
+        """Parameter -> the accumulator of its gradient (a table's is table-sized)."""
+        return {**{x: acc for acc, x in self.accumulators.values()},
+                **{x: acc for x, (acc, _) in self.tables.items()}}
+
+    @property
+    def views(self) -> list[tuple[str, str]]:
+        """(parameter, accumulator state) of every accumulator, counters included, in layout
+        order: the dense gradients, then per table its accumulator and its touched counter."""
+        return [*((x, acc) for acc, x in self.accumulators.values()),
+                *((x, name) for x, pair in self.tables.items() for name in pair)]
+
+    @property
+    def buffers(self) -> list[str]:
+        """Every accumulator state, counters included (what ``zero_grad`` zeroes)."""
+        return [name for _, name in self.views]
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -103,10 +135,14 @@ def split_stages(model: onnx.ModelProto) -> Stages:
         xs = [x.decode() for a in node.attribute if a.name == "xs" for x in a.strings]
         grads.update(zip(node.output, xs))
     nodes = [*model.graph.node, *algo.node]
+    params = {t.name: t for t in (*model.graph.initializer, *algo.initializer)}
+    tables = _sparse_tables(nodes, grads, params)
+    looked_up = {g for _, gs in tables.values() for g in gs}
+    dense = {g: x for g, x in grads.items() if g not in looked_up}
     from_grads = _descendants(nodes, set(grads))
     optimizer_inputs = {i for n in algo.node if n.domain == DOMAIN and n.op_type in OPTIMIZERS
                         for i in n.input}
-    inits = {t.name for t in (*model.graph.initializer, *algo.initializer)}
+    inits = set(params)
     feeds = {i.name for i in (*model.graph.input, *algo.input) if i.name not in inits}
     from_feeds = _descendants(nodes, feeds)
     # apply: what the gradients or an optimizer make, and counters the batch does not touch (T)
@@ -116,9 +152,9 @@ def split_stages(model: onnx.ModelProto) -> Stages:
     kept = [e for e in info.update_binding if e not in applied]
     outputs = {o.name: o for o in algo.output}
     bound = {e.value for e in info.update_binding}
-    types = _grad_types(model, grads)
-    taken = {o for n in nodes for o in n.output} | {t.name for t in model.graph.initializer} | \
-        {t.name for t in algo.initializer} | {i.name for i in (*model.graph.input, *algo.input)}
+    types = {g: (params[x].data_type, list(params[x].dims)) for g, x in dense.items()}
+    taken = {o for n in nodes for o in n.output} | inits | \
+        {i.name for i in (*model.graph.input, *algo.input)}
 
     def unique(base: str) -> str:
         name, k = base, 1
@@ -128,7 +164,8 @@ def split_stages(model: onnx.ModelProto) -> Stages:
         taken.add(name)
         return name
 
-    accumulators = {g: (unique(f"{g}.accumulated"), x) for g, x in grads.items()}
+    accumulators = {g: (unique(f"{g}.accumulated"), x) for g, x in dense.items()}
+    table_accs = {x: (unique(f"{x}.grad.accumulated"), unique(f"{x}.grad.touched")) for x in tables}
 
     backward = _copy(model)
     b_info = backward.training_info[0]
@@ -150,6 +187,13 @@ def split_stages(model: onnx.ModelProto) -> Stages:
         ])
         b_algo.output.append(helper.make_tensor_value_info(new, elem, dims))
         b_info.update_binding.add(key=acc, value=new)
+    for x, (table, gs) in tables.items():
+        zeros = _table_zeros(table, *table_accs[x])
+        new = _accumulate_rows(Ops(unique, b_algo.node, f"{x}.grad.accumulate"), table, gs, *table_accs[x])
+        b_algo.initializer.extend(zeros)
+        for state, value in zip(zeros, new):
+            b_algo.output.append(helper.make_tensor_value_info(value, state.data_type, list(state.dims)))
+            b_info.update_binding.add(key=state.name, value=value)
 
     apply = _copy(model)
     a_info = apply.training_info[0]
@@ -158,32 +202,90 @@ def split_stages(model: onnx.ModelProto) -> Stages:
     a_info.update_binding.extend(applied)
     rename = {g: acc for g, (acc, _) in accumulators.items()}
     a_nodes = [n for n in a_algo.node if not (n.domain == DOMAIN and n.op_type == "Gradient")]
+    touched_rows: list[onnx.NodeProto] = []
+    for x, (table, gs) in tables.items():
+        rows = find_gradient_rows(a_nodes, gs)
+        if rows is None:  # nothing here updates the table (another rank's, with a sharded optimizer)
+            continue
+        new = _touched_rows(Ops(unique, touched_rows, f"{x}.grad.rows"), table, *table_accs[x])
+        rename.update(zip(rows, new))
     for node in a_nodes:
         for i, name in enumerate(node.input):
             if name in rename:
                 node.input[i] = rename[name]
+    # what only the lookups' gradients made (the deduplication, replaced by touched_rows)
+    dead = _descendants(a_nodes, looked_up)
+    a_nodes = [*touched_rows, *(n for n in a_nodes if not any(i in dead for i in _reads(n)))]
     del a_algo.node[:]
     a_algo.node.extend(a_nodes)
     for g, (acc, _) in accumulators.items():
         elem, dims = types[g]
         a_algo.initializer.append(_zeros(acc, elem, dims))
+    for x, (table, _) in tables.items():
+        a_algo.initializer.extend(_table_zeros(table, *table_accs[x]))
     del a_algo.output[:]
     a_algo.output.extend(o for o in algo.output if o.name not in bound and o.name in from_grads)
     a_algo.output.extend(outputs[e.value] for e in applied if e.value in outputs)
-    return Stages(backward, apply, accumulators)
+    lost = [name for name in (*(o.name for o in a_algo.output), *(e.value for e in applied)) if name in dead]
+    if lost:
+        raise TrainingOpError(f"optimizer_step: {lost[0]!r} is computed from the lookup gradients of "
+                              f"sparse table(s) {', '.join(tables)} other than through their deduplicated "
+                              "rows; the apply stage cannot compute it from the accumulated table gradient")
+    return Stages(backward, apply, accumulators, table_accs)
+
+
+def _sparse_tables(nodes: Sequence[onnx.NodeProto], grads: dict[str, str],
+                   params: dict[str, onnx.TensorProto]) -> dict[str, tuple[Table, list[str]]]:
+    """The sparse tables among the Gradient node's xs: an x that is no initializer must be an
+    axis-0 ``Gather`` of one (a lookup). Table -> (its lookups, their gradients, in xs order)."""
+    producers = {o: n for n in nodes for o in n.output if o}
+    tables: dict[str, tuple[Table, list[str]]] = {}
+    for g, x in grads.items():
+        if x in params:
+            continue
+        gather = producers.get(x)
+        axis = next((helper.get_attribute_value(a) for a in gather.attribute if a.name == "axis"), 0) \
+            if gather is not None else None
+        table = params.get(gather.input[0]) if gather is not None and gather.op_type == "Gather" \
+            and gather.domain in ("", "ai.onnx") else None
+        if table is None or axis not in (0, -len(table.dims)):
+            found = f"{gather.op_type} node {gather.name!r}" if gather is not None else "no node"
+            raise TrainingOpError(f"backward: the Gradient node's x {x!r} is neither an initializer nor "
+                                  f"an axis-0 Gather of one (a sparse table's lookup); it comes from {found}")
+        if table.name not in tables:
+            dtype = helper.tensor_dtype_to_np_dtype(table.data_type)  # (its mode is the apply graph's)
+            tables[table.name] = (Table(table.name, "", tuple(int(d) for d in table.dims), dtype), [])
+        tables[table.name][0].lookups.append((gather.input[1], x))
+        tables[table.name][1].append(g)
+    return tables
+
+
+def _accumulate_rows(ops: Ops, table: Table, grads: Sequence[str], acc: str, touched: str) -> tuple[str, str]:
+    """Backward of a sparse table: ``acc[i] += grad_scale * g`` and ``touched[i] += 1`` for each
+    looked-up row ``i`` (duplicates added in order); returns the new (acc, touched)."""
+    idx, g = lookup_rows(ops, table, grads)
+    at = ops.op("Unsqueeze", [idx, ops.const(np.array([1], np.int64))])
+    elem = helper.np_dtype_to_tensor_dtype(table.dtype)
+    scaled = ops.op("Mul", [g, ops.op("Cast", [GRAD_SCALE], to=elem)])
+    ones = ops.op("ConstantOfShape", [ops.op("Shape", [idx])],
+                  value=numpy_helper.from_array(np.ones(1, table.dtype)))
+    return (ops.op("ScatterND", [acc, at, scaled], reduction="add"),
+            ops.op("ScatterND", [touched, at, ones], reduction="add"))
+
+
+def _touched_rows(ops: Ops, table: Table, acc: str, touched: str) -> tuple[str, str]:
+    """Apply of a sparse table: (the rows whose counter is positive, int64 ascending; their
+    accumulated gradient rows), in place of the deduplicated (unique indices, summed rows)."""
+    positive = ops.op("Greater", [touched, ops.const(np.zeros((), table.dtype))])
+    rows = ops.op("Reshape", [ops.op("NonZero", [positive]), ops.const(np.array([-1], np.int64))])
+    return rows, ops.op("Gather", [acc, rows], axis=0)
+
+
+def _table_zeros(table: Table, acc: str, touched: str) -> list[onnx.TensorProto]:
+    """A sparse table's accumulator [rows, ...] and touched counter [rows], zero, in its dtype."""
+    return [numpy_helper.from_array(np.zeros(table.dims, table.dtype), acc),
+            numpy_helper.from_array(np.zeros(table.dims[:1], table.dtype), touched)]
 
 
 def _zeros(name: str, elem: int, dims: list[int]) -> onnx.TensorProto:
     return numpy_helper.from_array(np.zeros(dims, helper.tensor_dtype_to_np_dtype(elem)), name)
-
-
-def _grad_types(model: onnx.ModelProto, grads: dict[str, str]) -> dict[str, tuple[int, list[int]]]:
-    """Each gradient's (elem type, dims): those of its parameter, an initializer."""
-    inits = {t.name: t for t in (*model.graph.initializer, *model.training_info[0].algorithm.initializer)}
-    out = {}
-    for g, x in grads.items():
-        if x not in inits:
-            raise TrainingOpError(f"backward: the Gradient node's x {x!r} is not an initializer "
-                                  "(accumulators take its type and shape)")
-        out[g] = (inits[x].data_type, list(inits[x].dims))
-    return out
