@@ -8,7 +8,8 @@ CHECKPOINT_IN ``auto``: resume from ``OUT/checkpoint.onnx`` if it exists (at the
 holds) and save it every 5 steps (what a job under ``torchrun --max-restarts`` does).
 DDP_TEST_DIE_AT=``rank:step`` kills that rank after that step, in the first attempt only;
 DDP_TEST_ZERO=1 shards the optimizer state (ZeRO-1); DDP_TEST_CLIP=0 trains without clipping;
-DDP_TEST_BN=1 trains a float32 model with BatchNorm (mode="train").
+DDP_TEST_BN=1 trains a float32 model with BatchNorm (mode="train"); DDP_TEST_EMB=1 a float64
+embedding table with lazy Adam.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_p
                                            init_process_group)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_case import batch, batchnorm_training_model, training_model  # noqa: E402
+from ddp_case import (batch, batchnorm_training_model, embedding_batch, embedding_training_model,  # noqa: E402
+                      training_model)
 
 
 def main() -> None:
@@ -39,6 +41,8 @@ def main() -> None:
         source = checkpoint if os.path.exists(checkpoint) else None
     if source:
         session = TrainingSession(source)
+    elif os.environ.get("DDP_TEST_EMB") == "1":
+        session = TrainingSession(embedding_training_model())
     elif os.environ.get("DDP_TEST_BN") == "1":
         session = TrainingSession(batchnorm_training_model())
     else:
@@ -50,13 +54,17 @@ def main() -> None:
     rank, world = ddp.rank, ddp.world_size
     losses = []
     for k in range(first, last):
-        x, y = batch(k, dtype)
-        rows = len(x) // world
-        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        if os.environ.get("DDP_TEST_EMB") == "1":
+            whole = embedding_batch(k)
+        else:
+            x, y = batch(k, dtype)
+            whole = {"input": x, "labels": y}
+        rows = len(next(iter(whole.values()))) // world
         part = rows // micro
         loss = 0.0
         for m in range(micro):
-            feeds = {"input": x[m * part:(m + 1) * part], "labels": y[m * part:(m + 1) * part]}
+            start = rank * rows + m * part
+            feeds = {name: value[start:start + part] for name, value in whole.items()}
             loss += float(ddp.backward(feeds, scale=1 / micro)["loss"]) / micro
         ddp.optimizer_step()
         losses.append(ddp.average(loss))

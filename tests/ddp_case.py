@@ -47,3 +47,33 @@ def batchnorm_training_model():
                           do_constant_folding=False, input_names=["input"], output_names=["logits"],
                           dynamic_axes={"input": {0: "N"}})
     return build_training_model(onnx.load_from_string(f.getvalue()), "cross_entropy", Adam(lr=1e-2), mode="train")
+
+
+TABLE_ROWS, TABLE_DIM, LOOKUPS = 30, 4, 3
+
+
+def embedding_training_model():
+    """y = (sum_k E[ids[:, k]]) @ W, MSE, lazy Adam on the table E (only looked-up rows change)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["e"], axis=0),
+         helper.make_node("ReduceSum", ["e", "axis1"], ["s"], keepdims=0),
+         helper.make_node("MatMul", ["s", "W"], ["y"])],
+        "embedding", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", LOOKUPS])],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, ["B", 1])],
+        [numpy_helper.from_array(rng.standard_normal((TABLE_ROWS, TABLE_DIM)), "E"),
+         numpy_helper.from_array(rng.standard_normal((TABLE_DIM, 1)), "W"),
+         numpy_helper.from_array(np.array([1], np.int64), "axis1")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    return build_training_model(model, "mse", Adam(lr=1e-2), sparse_updates={"E": "lazy"})
+
+
+def embedding_batch(k: int) -> dict[str, np.ndarray]:
+    """Global batch ``k``: ids below TABLE_ROWS - 10 (the last rows are never touched)."""
+    rng = np.random.default_rng(2000 + k)
+    return {"ids": rng.integers(0, TABLE_ROWS - 10, (BATCH, LOOKUPS)).astype(np.int64),
+            "target": rng.standard_normal((BATCH, 1))}

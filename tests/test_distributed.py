@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from ddp_case import batch, training_model  # noqa: E402
+from ddp_case import TABLE_ROWS, batch, embedding_batch, embedding_training_model, training_model  # noqa: E402
 from onnx_training_ops import TrainingSession  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,6 +228,25 @@ def test_batchnorm_buffers_follow_rank_0(tmp_path):
     assert str(r0["digest"]) == str(r1["digest"])
     stats = [name for name in r0 if "running_mean" in name]
     assert stats and all(np.array_equal(r0[n], r1[n]) and np.abs(r0[n]).max() > 0 for n in stats)
+
+
+@pytest.mark.parametrize("zero", ["0", "1"], ids=["allreduce", "zero1"])
+def test_lazy_embedding_table_two_ranks_equal_one_process(tmp_path, zero):
+    """Lazy Adam on a table: each rank scatters its rows' gradients and a touched count into
+    the flat buffer; after the reduction the rows touched on any rank are updated (and only
+    they), as one process on the full batch does."""
+    _ok(_launch(2, tmp_path, "float64", "1", "0", "10", env_extra={"DDP_TEST_EMB": "1", "DDP_TEST_ZERO": zero}))
+    session = TrainingSession(embedding_training_model())
+    initial = session.state_dict()
+    losses = [float(session.step(embedding_batch(k))["loss"]) for k in range(10)]
+    state = session.state_dict()
+    r0 = _ranks(tmp_path, 2)[0]
+    np.testing.assert_allclose(r0["losses"], losses, rtol=1e-12)
+    for name, value in state.items():
+        np.testing.assert_allclose(r0[name], value, rtol=1e-10, atol=1e-13, err_msg=name)
+    untouched = slice(TABLE_ROWS - 10, None)
+    assert np.array_equal(r0["E"][untouched], initial["E"][untouched])
+    assert not np.array_equal(r0["E"][:TABLE_ROWS - 10], initial["E"][:TABLE_ROWS - 10])
 
 
 def test_without_torch_a_one_line_hint(tmp_path):
