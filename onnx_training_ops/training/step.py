@@ -87,7 +87,8 @@ def run_program(
         # the guard stopped the run before any optimizer: redo the step the copying way,
         # which checks the loss (raise, skip) as usual
         if program.fallback is None:
-            raise TrainingOpError(f"step: a loss of training_info[{program.index}] is not finite")
+            raise NonFiniteLossError(f"step: a loss of training_info[{program.index}] is not finite; "
+                                     "the step was not applied, the state is unchanged")
         if callable(program.fallback):
             program.fallback = program.fallback()
         return run_program(program.fallback, feeds, lr, state, on_nonfinite)
