@@ -102,6 +102,8 @@ def _abs(ctx: RuleContext) -> list:
 @register("Relu")
 def _relu(ctx: RuleContext) -> list:
     em, x = ctx.em, ctx.node.input[0]
+    if ctx.output(0):  # y > 0 exactly where x > 0; reading y leaves x to a fused Gemm+Relu
+        x = ctx.output(0)  # (onnxruntime's Sign would do in one node less, but runs 2x slower)
     positive = em.op("Greater", [x, em.scalar(0, x)])
     try:  # g * (x > 0): a plain elementwise Mul, where onnxruntime's Where broadcasts slowly
         return [em.op("Mul", [ctx.grad(0), em.cast_like(positive, x)])]

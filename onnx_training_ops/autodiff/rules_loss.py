@@ -78,6 +78,47 @@ def _per_sample(ctx: RuleContext, weights: str | None) -> bool:
     return reduction == "none" or weights is not None or ctx.attr("ignore_index") is not None
 
 
+def ignore_needs_mapping(ignore: int | None, classes: int) -> bool:
+    """Whether labels equal to ``ignore`` must be mapped out of range before ``OneHot``: an
+    index outside ``[-C, C)`` (torch's -100) already gives a row of zeros."""
+    return ignore is not None and -classes <= ignore < classes
+
+
+def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
+    """The gradient in the terms of :mod:`~onnx_training_ops.passes.lower_cross_entropy`, for
+    the form it lowers (2-D float32 scores, static class count C, int64 labels, no weights,
+    mean or sum) and only the loss needing a gradient; None otherwise.
+
+    ``hot = OneHot(labels)`` (a zero row for an ignored label) and ``count = sum(hot)`` are
+    written with the lowering's very nodes, so onnxruntime merges them with the forward's::
+
+        d = (exp(log_prob) [* sum(hot, axis=1)] - hot) * g [/ count]
+
+    (the row sum, 1 or 0, only with an ``ignore_index``)."""
+    em = ctx.em
+    scores, labels = ctx.node.input[:2]
+    shape = em.shape(scores)
+    reduction = ctx.attr("reduction", "mean")
+    if ctx.input(2) or ctx.grad(1) or not ctx.grad(0) or reduction not in ("mean", "sum") or \
+            em.dtype(scores) != TensorProto.FLOAT or em.dtype(labels) != TensorProto.INT64 or \
+            shape is None or len(shape) != 2 or not isinstance(shape[1], int):
+        return None
+    classes, ignore = shape[1], ctx.attr("ignore_index")
+    index = labels
+    if ignore_needs_mapping(ignore, classes):
+        ignored = em.op("Equal", [labels, em.const(np.int64(ignore))])
+        index = em.op("Where", [ignored, em.const(np.int64(classes)), labels])
+    hot = em.op("OneHot", [index, em.const(np.array([classes], np.int64)),
+                           em.const(np.array([0, 1], np.float32))], "onehot", axis=-1)
+    prob = em.op("Exp", [log_prob])
+    if ignore is not None:
+        prob = em.op("Mul", [prob, em.reduce_sum(hot, [1], keepdims=True)])
+    scale = ctx.grad(0)
+    if reduction == "mean":
+        scale = em.op("Div", [scale, em.op("ReduceSum", [hot], "count", keepdims=0)])
+    return em.op("Mul", [em.op("Sub", [prob, hot]), scale])
+
+
 @register("SoftmaxCrossEntropyLoss")
 def _softmax_cross_entropy(ctx: RuleContext) -> list:
     em = ctx.em
@@ -91,6 +132,9 @@ def _softmax_cross_entropy(ctx: RuleContext) -> list:
     else:
         raise RuleError(f"opset {ctx.opset} with rank {rank} scores: LogSoftmax cannot work "
                         "on axis 1 alone")
+    lean = _lean_gradient(ctx, log_prob)
+    if lean is not None:
+        return [lean] + [None] * (len(ctx.node.input) - 1)
     prob = em.op("Exp", [log_prob])
     terms = []
     if ctx.grad(0):

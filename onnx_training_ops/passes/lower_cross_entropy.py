@@ -6,10 +6,12 @@ that is a fifth of a training step. For 2-D scores with a static class count, no
 and reduction ``mean`` or ``sum``, this pass writes the same loss as::
 
     log_prob = LogSoftmax(scores, axis=1)
-    hot      = OneHot(labels, C)        # ignore_index first mapped to C: a row of zeros
+    hot      = OneHot(labels, C)        # ignore_index first mapped to C when in [-C, C): a row of zeros
     loss     = -ReduceSum(hot * log_prob) [/ ReduceSum(hot)]   # mean over kept labels
 
-(``log_prob`` keeps its name: the gradient reads it). Other forms are left to onnxruntime.
+(``log_prob`` keeps its name: the gradient reads it; the gradient rule writes ``hot`` and the
+count with the same nodes, which onnxruntime's common-subexpression elimination merges).
+Other forms are left to onnxruntime.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import ModelProto, helper, numpy_helper
 
+from ..autodiff.rules_loss import ignore_needs_mapping
 from ._graph import value_types
 
 _INT_LABELS = {6: np.int32, 7: np.int64}
@@ -79,7 +82,7 @@ def _lowered(node, types, fresh) -> list | None:
     log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else fresh(f"{prefix}/log_prob")
     out.append(helper.make_node("LogSoftmax", [scores], [log_prob], axis=1, name=fresh(f"{prefix}/LogSoftmax")))
     index = labels
-    if "ignore_index" in attrs:
+    if ignore_needs_mapping(attrs.get("ignore_index"), classes):
         ignore, n1 = const(attrs["ignore_index"], label_dtype, "ignore_index")
         past, n2 = const(classes, label_dtype, "classes")
         ignored, kept = fresh(f"{prefix}/ignored"), fresh(f"{prefix}/index")

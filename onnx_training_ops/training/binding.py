@@ -16,10 +16,12 @@ from onnx import numpy_helper
 
 from ..errors import TrainingOpError
 from ..schema import DOMAIN
+from ..passes import prepare
 from ..session import InferenceSession
 from .arrays import dtype_name, owned
 from .fast_path import cut_plan, flat_gradient_views, prepare_plan
 from .feeds import feed_spec
+from .in_place import add_finite_guard, in_place_outputs
 from .program import Program
 from .rmsprop_fast_path import plan as rms_plan
 from .row_updates import plan as row_plan
@@ -30,11 +32,25 @@ def open_program(
     state: dict[str, np.ndarray],
     sess_options: ort.SessionOptions | None,
     providers: Sequence[str | tuple[str, dict]],
+    in_place: bool = False,
+    guard: bool = False,
 ) -> Program:
-    """Create the onnxruntime session and the IOBinding of an analysed program."""
+    """Create the onnxruntime session and the IOBinding of an analysed program.
+
+    ``in_place``: bind the native optimizers' outputs onto their state arrays where that is
+    safe (:mod:`.in_place`), so the run updates the state without copies. ``guard``: the
+    step may still be undone by the loss check, so the optimizers get a guard that stops
+    the run before them on a non-finite loss (without a guard, no in-place writes)."""
     combined, graph = program.combined, program.combined.graph
     state_inputs, rate_inputs = program.state_inputs, program.rate_inputs
     returned, fixed_outputs = program.returned, program.fixed_outputs
+    found: dict[str, str] = {}
+    if in_place:
+        combined = prepare(combined)
+        found = in_place_outputs(combined.graph, program.binding, state)
+        if found and guard and program.loss_names and not add_finite_guard(combined, program.loss_names):
+            found = {}
+        program.guarded = bool(found) and guard and bool(program.loss_names)
     session = InferenceSession(combined, sess_options=sess_options, providers=providers)
     io = session.io_binding()
     program.session, program.io = session, io
@@ -42,12 +58,15 @@ def open_program(
     program.uses_plugin = any(n.domain == DOMAIN for n in session.prepared_model.graph.node)
     program.run = session.run_with_iobinding if program.uses_plugin else None
     session_inputs = {i.name for i in session.get_inputs()}
+    state_values = {}
     for name in state_inputs:
         if name not in session_inputs:
             continue
         value = ort.OrtValue.ortvalue_from_numpy(state[name])
         io.bind_ortvalue_input(name, value)
         program.keep_alive.append(value)
+        state_values[name] = value
+    program.in_place = {out: name for out, name in found.items() if name in state_values}
     for name, buf in rate_inputs.items():
         if name in session_inputs:
             value = ort.OrtValue.ortvalue_from_numpy(buf)
@@ -65,11 +84,15 @@ def open_program(
     for name in returned:
         io.bind_output(name, "cpu")
     for name in fixed_outputs:
-        io.bind_output(name, "cpu")
+        if name in program.in_place:  # the state's own buffer: the kernel writes the new value there
+            io.bind_ortvalue_output(name, state_values[program.in_place[name]])
+        else:
+            io.bind_output(name, "cpu")
     for name in program.dynamic_outputs:  # after the fixed ones: their index is known
         io.bind_output(name, "cpu")
     program.binding_copies = [
-        (state[k], v) for k, v in program.binding.items() if v not in program.cut_outputs
+        (state[k], v) for k, v in program.binding.items()
+        if v not in program.cut_outputs and v not in program.in_place
     ]
     program.needs_feeds = any(type(src) is tuple and src[0] == "feed"
                               for src in (*program.cut_sources.values(), *program.row_sources.values(),
@@ -86,6 +109,9 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     values = {name: outputs[i].numpy() for i, name in enumerate(names)}
     flat_grads = flat_gradient_views(program.cut_nodes, program.flat_nodes, values)
     for name in program.fixed_outputs:
+        if name in program.in_place:  # bound onto the state array already
+            program.fixed_buffers[name] = state[program.in_place[name]]
+            continue
         if name in flat_grads:
             buf = flat_grads[name]
             buf[...] = values[name]

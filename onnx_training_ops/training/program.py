@@ -71,6 +71,9 @@ class Program:
     rms_groups: list = field(default_factory=list)  # RMSProp updates applied in place (.rmsprop_fast_path)
     rms_sources: dict = field(default_factory=dict)
     rms_plan: list = field(default_factory=list)
+    in_place: dict = field(default_factory=dict)  # optimizer output -> the state it is written into (.in_place)
+    guarded: bool = False  # a non-finite loss stops the run before the optimizers (.in_place)
+    fallback: Any = None  # () -> the same program without in-place writes, for a guarded step redone
 
 
 def used_names(graph: onnx.GraphProto) -> set[str]:

@@ -11,7 +11,10 @@ algorithm graph concatenated (:mod:`.program`), :func:`~onnx_training_ops.prepar
 nodes in place with the fused kernels (:mod:`.fast_path`); ``fast=False`` runs them in
 onnxruntime; both agree bit for bit. ``on_nonfinite`` says what a NaN or infinite loss does
 (:mod:`.step`): ``"raise"`` :class:`NonFiniteLossError`, ``"skip"`` the step (counted in
-``skipped_steps``) or ``"ignore"`` it; the first two leave the state unchanged.
+``skipped_steps``) or ``"ignore"`` it; the first two leave the state unchanged. With
+``fast=False`` the native optimizer kernels write the new state straight into the state
+arrays during the run, no copies (:mod:`.in_place`; a guard keeps a non-finite loss from
+reaching them).
 """
 
 from __future__ import annotations
@@ -193,9 +196,15 @@ class TrainingSession:
         for program in analyses:  # before anything binds a state array: lay the cut state out flat
             program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state,
                                                    prescale=program.prescale)
+        # fast=False: the native optimizers write the state in place (guarded against a
+        # non-finite loss unless it is ignored; a guarded step redone by a copying twin)
         self._programs = [
-            open_program(p, self._state, self._session_options(), self._providers) for p in analyses
+            open_program(p, self._state, self._session_options(), self._providers,
+                         in_place=not self.fast, guard=on_nonfinite != "ignore") for p in analyses
         ]
+        for program in self._programs:
+            if program.guarded:
+                program.fallback = functools.partial(self._copying_program, program.index)
         if any(p.cut_nodes for p in analyses):
             _warm_up_fused_kernels()  # compile/load now, so no step pays for it
         self._required_feeds = {}
@@ -221,6 +230,11 @@ class TrainingSession:
         self._accumulated = 0
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
+
+    def _copying_program(self, index: int) -> Program:
+        """Program ``index`` without in-place writes: it redoes a step the guard stopped."""
+        program = build_program(self._model, index, self._state, self._state_protos, self._meta, False)
+        return open_program(program, self._state, self._session_options(), self._providers)
 
     @classmethod
     def from_graph(
@@ -489,7 +503,8 @@ class TrainingSession:
                 program = build_program(derived, 0, state, protos, self._meta, self.fast, prune_inputs=True)
                 program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
                                                        rehome=False, prescale=program.prescale)
-                programs.append(open_program(program, state, self._session_options(), self._providers))
+                programs.append(open_program(program, state, self._session_options(), self._providers,
+                                             in_place=not self.fast and derived is stages.apply))
             self._stages = (programs[0], programs[1], stages, state)
         return self._stages
 

@@ -6,6 +6,14 @@ element) are checked. ``on_nonfinite="raise"`` raises :class:`NonFiniteLossError
 leaves every state variable (parameters, V, H, T) as it was before the step; ``"skip"``
 does the same without raising (the step is dropped, the returned dict has the loss);
 ``"ignore"`` trains through.
+
+With ``fast=False`` the native optimizer kernels write the new state during the
+onnxruntime run (:mod:`.in_place`). Under ``"raise"`` and ``"skip"`` a guard in the graph
+stops the run before the first optimizer node when a loss is not finite; the step is then
+run again by a copying twin of the program (opened on first need), whose loss check
+raises or skips as above. (A graph with random ops may draw a finite loss the second time:
+that step is applied.) Ctrl-C is held for the whole in-place run, and an onnxruntime error
+after an optimizer node ran leaves that node's update applied.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from .fast_path import apply_plan, apply_step_with_feeds
 from .rmsprop_fast_path import apply_rmsprop
 from .row_updates import apply_row_groups
 from .feeds import checked_learning_rate, feed_array
+from .in_place import GUARD_FAILURE
 from .program import Program
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
@@ -71,18 +80,38 @@ def run_program(
     set_learning_rates(program, feeds, lr)
     for name in program.dynamic_outputs:  # unallocated again: their shape changes from step to step
         io.bind_output(name, "cpu")
-    try:
-        if program.run is None:
-            program.session._sess.run_with_iobinding(raw, None)
-        else:
-            program.run(io)
-    except TrainingOpError:
-        raise
-    except Exception as error:  # onnxruntime's own errors: name what failed
-        raise TrainingOpError(f"step: onnxruntime failed on training_info[{program.index}]: {error}") from error
+    if program.in_place:  # the run itself writes state: it and the commit are one write
+        with deferred_interrupts():
+            if _run(program):
+                return _commit(program, raw, feeds, state, on_nonfinite)
+        # the guard stopped the run before any optimizer: redo the step the copying way,
+        # which checks the loss (raise, skip) as usual
+        if program.fallback is None:
+            raise NonFiniteLossError(f"step: a loss of training_info[{program.index}] is not finite; "
+                                     "the step was not applied, the state is unchanged")
+        if callable(program.fallback):
+            program.fallback = program.fallback()
+        return run_program(program.fallback, feeds, lr, state, on_nonfinite)
+    _run(program)
     del bound
     with deferred_interrupts():  # from here on the state is written: all of it, or none
         return _commit(program, raw, feeds, state, on_nonfinite)
+
+
+def _run(program: Program) -> bool:
+    """Run onnxruntime; False if the non-finite guard stopped the run (:mod:`.in_place`)."""
+    try:
+        if program.run is None:
+            program.session._sess.run_with_iobinding(program.io._iobinding, None)
+        else:
+            program.run(program.io)
+    except TrainingOpError:
+        raise
+    except Exception as error:  # onnxruntime's own errors: name what failed
+        if program.guarded and GUARD_FAILURE in str(error):
+            return False
+        raise TrainingOpError(f"step: onnxruntime failed on training_info[{program.index}]: {error}") from error
+    return True
 
 
 def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np.ndarray],

@@ -1,0 +1,48 @@
+"""The lean training graph: the cross-entropy gradient in the lowering's own terms (merged
+with the forward by onnxruntime), ReLU's gradient from its output (so Gemm+Relu fuse), and
+what that leaves."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+from gradient_utils import check_gradient
+from onnx_training_ops import Adam, TrainingSession, build_training_model
+from onnx_training_ops.demo import make_mlp
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("ignore", [None, -100, 1, -1])
+def test_float32_cross_entropy_gradient_matches_finite_differences(reduction, ignore):
+    rng = np.random.default_rng(3)
+    scores = rng.uniform(-2, 2, (6, 4))
+    labels = np.asarray([1, 3, 0, 1, 2, 3], np.int64)
+    if ignore is not None:
+        labels[[0, 4]] = ignore
+    attrs = {"reduction": reduction} | ({} if ignore is None else {"ignore_index": ignore})
+    nodes = [helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"], **attrs),
+             helper.make_node("Mul", ["loss", "k"], ["y"])]
+    check_gradient(nodes, {"scores": scores, "labels": labels}, "y", ["scores"], opset=18,
+                   initializers={"k": np.asarray(1.5)}, analytic_dtype=np.float32, rtol=2e-3, atol=1e-5)
+
+
+def _optimized(tmp_path, fast: bool, loss_kwargs=None) -> onnx.GraphProto:
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    model = build_training_model(make_mlp((16, 32, 10)), "cross_entropy", Adam(lr=1e-3))
+    TrainingSession(model, fast=fast, sess_options=so)
+    return onnx.load(so.optimized_model_filepath).graph
+
+
+def test_mlp_step_graph_is_lean(tmp_path):
+    ops = [n.op_type for n in _optimized(tmp_path, fast=True).node]
+    # hot and its count are computed once for loss and gradient; ReLU's gradient reads the
+    # ReLU output, so the forward Gemm+Relu fuse; -100 needs no mapping before OneHot
+    assert ops.count("OneHot") == 1
+    assert ops.count("FusedGemm") == 1 and "Relu" not in ops
+    assert not {"Equal", "Where", "Unsqueeze", "Identity", "Sign"} & set(ops)
+    assert len(ops) <= 23, ops
