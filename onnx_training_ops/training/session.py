@@ -60,20 +60,25 @@ def _label_checker(meta: Mapping[str, str], batch_input: str | None):
         return None
     classes_text, ignore_text = spec.split(",")
     classes, ignore = int(classes_text), (int(ignore_text) if ignore_text else None)
+    unsigned = {size: np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
 
     def check(feeds: Mapping[str, Any]) -> None:
-        labels = np.asarray(feeds.get(name))
+        labels = feeds.get(name)
+        if type(labels) is not np.ndarray:
+            labels = np.asarray(labels)
         if labels.dtype.kind not in "iu":
             return  # the feed check names a wrong dtype
         if labels.size == 0:
             raise TrainingOpError(f"step: feed {name!r} is empty: a batch needs at least one "
                                   "example (the mean loss of none is undefined)")
-        rows = np.shape(feeds[batch_input]) if batch_input in feeds else ()
-        if rows and labels.ndim and labels.shape[0] != rows[0]:
-            raise TrainingOpError(f"step: feed {name!r} has {labels.shape[0]} rows, input "
-                                  f"{batch_input!r} has {rows[0]}: one label per example")
-        if labels.size and 0 <= labels.min() and labels.max() < classes:
-            return  # the common case: two reductions
+        batch = feeds.get(batch_input)
+        if batch is not None and labels.ndim:
+            rows = np.shape(batch)
+            if rows and labels.shape[0] != rows[0]:
+                raise TrainingOpError(f"step: feed {name!r} has {labels.shape[0]} rows, input "
+                                      f"{batch_input!r} has {rows[0]}: one label per example")
+        if labels.view(unsigned[labels.itemsize]).max() < classes:
+            return  # the common case, one reduction: a negative label is a huge unsigned one
         bad = (labels < 0) | (labels >= classes)
         if ignore is not None:
             bad &= labels != ignore
