@@ -374,6 +374,10 @@ def test_bad_labels_are_named_once(capfd):
     with pytest.raises(TrainingOpError, match="'labels' has 5 rows, input 'input' has 8"):
         session.step(dict(batch, labels=np.ones(5, np.int64)))
     session.step(dict(batch, labels=np.where(np.arange(8) < 2, -100, batch["labels"])))
+    with pytest.raises(TrainingOpError, match=r"holds class -1, outside \[0, 4\) and not ignore_index -100"):
+        session.step(dict(batch, labels=np.where(np.arange(8) == 3, -1, batch["labels"])))
+    with pytest.raises(TrainingOpError, match=r"holds class 4, outside"):  # a strided view
+        session.step(dict(batch, labels=np.full(16, 4, np.int64)[::2]))
     assert "onnxruntime" not in capfd.readouterr().err  # no second copy in the log
 
 
