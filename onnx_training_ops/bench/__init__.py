@@ -57,7 +57,8 @@ from .breakdown import format_breakdown, graph_breakdown
 from .contenders import (CONTENDERS, DEFAULT_CONTENDERS, GRAPH_OPTIONS, NATIVE_OPTIONS, ORTT, PORTABLE_OPTIONS,
                          contender, graph, graph_native, graph_session, portable, portable_session,
                          torch_foreach, torch_fused, training_session)  # fmt: skip
-from .measure import copy_bandwidth, floor_seconds, loadavg, measure, measure_isolated, run, run_worker, time_step
+from .measure import (copy_bandwidth, floor_seconds, loadavg, measure, measure_isolated, measure_ortt, run, run_worker,
+                      time_step)
 from .mlp import DEFAULT_SHAPES, MLP_CONTENDERS, format_mlp, measure_mlp, mlp_worker, parse_shape
 from .problem import ATTRS, ONNX_OP, OPS, R, SIZES, STATE_NAMES, T, NotAvailable, make_state, step_model
 from .report import format_table, plot, write_json
@@ -66,8 +67,8 @@ __all__ = [
     "ATTRS", "CONTENDERS", "DEFAULT_CONTENDERS", "GRAPH_OPTIONS", "NATIVE_OPTIONS", "ONNX_OP", "OPS", "ORTT",
     "PORTABLE_OPTIONS", "R", "SIZES", "STATE_NAMES", "T", "NotAvailable", "add_arguments", "contender",
     "copy_bandwidth", "floor_seconds", "format_breakdown", "format_mlp", "format_table", "graph", "graph_breakdown",
-    "graph_native", "graph_session", "main", "make_state", "measure", "measure_isolated", "measure_mlp", "plot",
-    "portable", "portable_session", "run", "run_from_args", "step_model", "time_step", "torch_foreach",
+    "graph_native", "graph_session", "main", "make_state", "measure", "measure_isolated", "measure_mlp", "measure_ortt",
+    "plot", "portable", "portable_session", "run", "run_from_args", "step_model", "time_step", "torch_foreach",
     "torch_fused", "training_session",
 ]  # fmt: skip
 
