@@ -211,9 +211,6 @@ def portable(op: str, n: int) -> Step:
     return portable_session(op, n)[1]
 
 
-def _graph_variant(options):
-    return lambda op, n: graph_session(op, n, options)[1]
-
 @contender("training_session")
 def training_session(op: str, n: int) -> Step:
     """``TrainingSession.from_graph`` on the one-node model, X_new->X, V_new->V, H_new->H:
@@ -276,9 +273,6 @@ def torch_fused(op: str, n: int) -> Step:
     return _torch_optimizer(op, n, "fused")
 
 
-
-
-
 ORTT = "onnxruntime_training"
 
 
@@ -287,6 +281,10 @@ def onnxruntime_training(op: str, n: int) -> Step:
     """onnxruntime-training's AdamW ``Optimizer.step()``: measured in the Python that
     ``--ortt-python`` names (:mod:`._ortt_worker`), never in this process."""
     raise NotAvailable("onnxruntime-training runs in its own Python: give --ortt-python PATH")
+
+
+def _graph_variant(options: dict) -> Callable[[str, int], Step]:
+    return lambda op, n: graph_session(op, n, options)[1]
 
 
 for _name, _options in GRAPH_VARIANTS.items():  # not in the default set: for choosing GRAPH_OPTIONS
