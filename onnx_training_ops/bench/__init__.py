@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 
 from .breakdown import format_breakdown, graph_breakdown
 from .contenders import (CONTENDERS, DEFAULT_CONTENDERS, GRAPH_OPTIONS, NATIVE_OPTIONS, ORTT, PORTABLE_OPTIONS,
@@ -128,6 +129,8 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
     for c in contenders + ([args.worker] if args.worker else []):
         if c not in CONTENDERS:
             ap.error(f"unknown contender {c!r}; known: {', '.join(CONTENDERS)}")
+    if args.ortt_python and shutil.which(args.ortt_python) is None:
+        ap.error(f"--ortt-python {args.ortt_python!r}: no such executable")
     for op in ops:
         if op not in OPS:
             ap.error(f"unknown op {op!r}; known: {', '.join(OPS)}")

@@ -198,6 +198,7 @@ def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat:
         "graph_session_options": GRAPH_OPTIONS,
         "native_session_options": NATIVE_OPTIONS,
         "portable_session_options": PORTABLE_OPTIONS,
+        "ortt_python": ortt_python if ORTT in contenders else None,
         "training_session_gradient": "G is a graph input fed on every step; R and T are initializers",
         "copy_bandwidth_bytes_per_s": bw,
         "dtype": "float32",
