@@ -11,7 +11,7 @@ interleaved rounds (each contender in its own process), and the median per-round
   sets: the layout of ``bench.graph_session``), 2 intra-op threads (the kernel splits the
   tensor over onnxruntime's pool), no spinning;
 * ``native in-place``: the same, but each of X/V/H bound as both input and output (one
-  OrtValue): the documented way to update state in place;
+  OrtValue): the documented way to update state in place (bench's ``graph_native`` contender);
 * ``pyop``: the same model and binding with ``kernels="pyop"`` (bench's GRAPH_OPTIONS);
 * ``fast path``: ``TrainingSession`` fast path (bench's ``training_session`` contender);
 * ``torch fused``: bench's ``torch_fused`` contender; ``torch fused t1``: the same with
@@ -39,34 +39,9 @@ import numpy as np
 from onnx_training_ops import bench, native
 
 
-def native_in_place(n: int, threads: int = 2):
-    """The one-node model, native kernels, each of X/V/H bound as input and output (one
-    OrtValue each): the kernel updates the caller's state buffers in place."""
-    import onnxruntime as ort
-
-    from onnx_training_ops.session import InferenceSession
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = InferenceSession(bench.step_model("adam", n), sess_options=so, kernels="native")
-    s = bench.make_state("adam", n)
-    binding = sess.io_binding()
-    binding.bind_cpu_input("R", np.array(bench.R, np.float32))
-    binding.bind_cpu_input("T", np.array(bench.T, np.int64))
-    for k, a in s.items():
-        value = ort.OrtValue.ortvalue_from_numpy(a)
-        binding.bind_ortvalue_input(k, value)
-        if k != "G":
-            binding.bind_ortvalue_output(f"{k}_new", value)
-    run = sess.run_with_iobinding
-    return lambda: run(binding)
-
-
-NATIVE_OPTIONS = {"intra_op_num_threads": 2, "allow_spinning": False}
 CONTENDERS = {
-    "native": lambda n: bench.graph_session("adam", n, NATIVE_OPTIONS, kernels="native")[1],
-    "native in-place": lambda n: native_in_place(n),
+    "native": lambda n: bench.graph_session("adam", n, bench.NATIVE_OPTIONS, kernels="native")[1],
+    "native in-place": lambda n: bench.graph_native("adam", n),
     "pyop": lambda n: bench.graph_session("adam", n, kernels="pyop")[1],
     "fast path": lambda n: bench.training_session("adam", n),
     "torch fused": lambda n: bench.torch_fused("adam", n),

@@ -7,7 +7,7 @@ median over ``--rounds`` interleaved rounds. Contenders:
 
 * ``portable``: ``prepare(model, portable=True)`` (standard ONNX ops only) in a plain
   onnxruntime session, nothing registered, IOBinding with X/V/H bound as one OrtValue in and
-  out (the state is updated in place, as the caller asks);
+  out (the state is updated in place, as the caller asks): bench's ``portable`` contender;
 * ``portable_swap``: the same, outputs into a second set of buffers swapped every step (as
   the ``graph`` contender of ``onnx_training_ops.bench`` does);
 * ``graph``: the one-node model in ``onnx_training_ops.InferenceSession`` (the PyOp plugin)
@@ -33,52 +33,19 @@ import onnx
 import onnxruntime as ort
 
 from onnx_training_ops import bench
+from onnx_training_ops.bench.contenders import session_options
 from onnx_training_ops.passes import prepare
 
-THREAD_OPTIONS = {"intra_op_num_threads": 0, "allow_spinning": False}
 
-
-def _options(intra: int = 0, spin: bool = False, optimized_path: str | None = None) -> ort.SessionOptions:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = intra
-    if not spin:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if optimized_path:
-        so.optimized_model_filepath = optimized_path
+def _options(optimized_path: str) -> ort.SessionOptions:
+    so = session_options(bench.PORTABLE_OPTIONS)
+    so.optimized_model_filepath = optimized_path
     return so
 
 
-def portable_step(op: str, n: int, in_place: bool = True, intra: int = 0, spin: bool = False):
-    model = prepare(bench.step_model(op, n), portable=True)
-    sess = ort.InferenceSession(model.SerializeToString(), _options(intra, spin), providers=["CPUExecutionProvider"])
-    s = bench.make_state(op, n)
-    updated = [k for k in bench.STATE_NAMES[op] if k != "G"]
-    fixed = {"R": np.array(bench.R, np.float32), "T": np.array(bench.T, np.int64), "G": s["G"]}
-    sets = [{k: s[k] for k in updated}] + ([] if in_place else [{k: np.empty_like(s[k]) for k in updated}])
-    bindings = []
-    for i in range(len(sets)):
-        b = sess.io_binding()
-        for k, v in fixed.items():
-            b.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v))
-        for k in updated:
-            value = ort.OrtValue.ortvalue_from_numpy(sets[i][k])
-            b.bind_ortvalue_input(k, value)
-            target = value if in_place else ort.OrtValue.ortvalue_from_numpy(sets[1 - i][k])
-            b.bind_ortvalue_output(f"{k}_new", target)
-        bindings.append(b)
-    current = [0]
-    run = sess.run_with_iobinding
-
-    def step():
-        run(bindings[current[0]])
-        current[0] = (current[0] + 1) % len(bindings)
-
-    return step
-
-
 CONTENDERS = {
-    "portable": lambda op, n: portable_step(op, n, in_place=True),
-    "portable_swap": lambda op, n: portable_step(op, n, in_place=False),
+    "portable": bench.portable,
+    "portable_swap": lambda op, n: bench.portable_session(op, n, in_place=False)[1],
     "graph": bench.graph,
     "fast_path": bench.training_session,
     "torch_fused": bench.torch_fused,

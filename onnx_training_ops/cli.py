@@ -101,7 +101,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.bench_args[:1] == ["embeddings"]:  # embedding tables: dense vs lazy Adam (vs torch if installed)
-        from .bench_embeddings import main as embeddings_main
+        from .bench.embeddings import main as embeddings_main
 
         return embeddings_main(args.bench_args[1:])
     if not any(a in ("-h", "--help") for a in args.bench_args):

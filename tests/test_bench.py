@@ -4,6 +4,7 @@ Timings are never asserted: only that the run completes and the JSON has its sha
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -83,3 +84,68 @@ def test_cli_rejects_an_unknown_contender():
     result = subprocess.run([sys.executable, "-m", "onnx_training_ops", "bench", "--contenders", "nope"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "unknown contender 'nope'" in result.stderr
+
+
+def _reference_steps(op, n, steps):
+    import numpy as np
+
+    from onnx_training_ops.kernels import REFERENCE_KERNELS
+
+    state = bench.make_state(op, n)
+    names = bench.STATE_NAMES[op]
+    for _ in range(steps):
+        outs = REFERENCE_KERNELS[bench.ONNX_OP[op]](
+            np.array(bench.R, np.float32), np.array(bench.T, np.int64), *(state[k] for k in names), **bench.ATTRS[op]
+        )
+        state.update(zip([k for k in names if k != "G"], outs))
+    return state
+
+
+@pytest.mark.parametrize("op", bench.OPS)
+@pytest.mark.parametrize("name", ["graph_native", "portable"])
+def test_native_and_portable_contenders_update_the_state_in_place_as_the_reference_does(name, op):
+    """Both bind X/V/H as one OrtValue in and out: the caller's buffers hold the new state."""
+    import numpy as np
+
+    from onnx_training_ops import native
+
+    if name == "graph_native" and not native.availability()[0]:
+        pytest.skip(f"native kernels unavailable: {native.availability()[1]}")
+    n, steps = 1000, 3
+    expected = _reference_steps(op, n, steps)
+    step = bench.CONTENDERS[name](op, n)
+    assert len(step.buffers) == 1  # in place: one set of buffers, no swapping
+    for _ in range(steps):
+        step()
+    for k, v in step.buffers[0].items():
+        np.testing.assert_allclose(v, expected[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_ortt_contender_without_ortt_python_is_na_with_the_reason():
+    out = bench.measure("onnxruntime_training", ["adam"], [100], min_time=0.01, max_reps=5)
+    assert "--ortt-python" in out["adam/100"]["n/a"]
+
+
+def test_ortt_contender_with_an_unusable_python_is_na():
+    out = bench.measure_ortt(sys.executable, ["adam", "momentum"], [100], min_time=0.01, max_reps=5)
+    assert "worker failed" in out["adam/100"]["n/a"]
+    assert "AdamW" in out["momentum/100"]["n/a"]
+
+
+ORTT_PYTHON = "/tmp/ortt-venv/bin/python"
+
+
+@pytest.mark.skipif(not os.path.exists(ORTT_PYTHON), reason=f"no onnxruntime-training Python at {ORTT_PYTHON}")
+def test_ortt_contender_times_adamw_optimizer_steps(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "onnx_training_ops", "bench", "--quick", "--sizes", "1e3", "--ops", "adam",
+         "--contenders", "graph_native,portable,onnxruntime_training", "--mlp", "none", "--ortt-python", ORTT_PYTHON,
+         "--json", str(out), "--png", ""],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "onnxruntime_training" in result.stdout
+    (row,) = json.loads(out.read_text())["results"]
+    timing = row["times"]["onnxruntime_training"]
+    assert timing["median_s"] > 0 and timing["reps"] >= 5

@@ -11,7 +11,6 @@ the per-round ratios.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -21,13 +20,15 @@ from typing import Callable
 
 import numpy as np
 
+from .contenders import ORTT
+from .measure import ORTT_WORKER, worker_command
+
 MLP_CONTENDERS = {
     "training_session_fast": "TrainingSession fast path (in-place fused Adam)",
     "training_session_graph": "TrainingSession full graph (fast=False, Adam via the native kernels where they work)",
     "torch_eager": "torch eager, torch.optim.Adam (default impl)",
     "torch_eager_fused": "torch eager, torch.optim.Adam(fused=True)",
 }
-ORTT = "onnxruntime_training"
 ORTT_LABEL = "onnxruntime-training 1.19 on-device API (AdamW)"
 DEFAULT_SHAPES = ("64,128,10x64", "784,1024,1024,10x128")
 
@@ -45,10 +46,10 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
     x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
     y = rng.integers(0, sizes[-1], batch).astype(np.int64)
     if name.startswith("training_session"):
-        from .builder import build_training_model
-        from .demo import make_mlp
-        from .optimizers import Adam
-        from .training import TrainingSession
+        from ..builder import build_training_model
+        from ..demo import make_mlp
+        from ..optimizers import Adam
+        from ..training import TrainingSession
 
         session = TrainingSession(build_training_model(make_mlp(sizes), "cross_entropy", Adam(lr=1e-3)),
                                   fast=name.endswith("fast"))
@@ -95,10 +96,8 @@ def mlp_worker(name: str, shape: tuple[tuple[int, ...], int]) -> None:
 def _command(name: str, shape, worker_script: str | None, ortt_python: str | None) -> list[str]:
     sizes, batch = shape
     if name == ORTT:
-        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ortt_worker.py")
-        return [ortt_python, worker, ",".join(map(str, sizes)), str(batch)]
-    base = [sys.executable, worker_script] if worker_script else [sys.executable, "-m", "onnx_training_ops.bench"]
-    return base + ["--mlp-worker", name, "--mlp-shape", f"{','.join(map(str, sizes))}x{batch}"]
+        return [ortt_python, ORTT_WORKER, "mlp", ",".join(map(str, sizes)), str(batch)]
+    return worker_command(worker_script) + ["--mlp-worker", name, "--mlp-shape", f"{','.join(map(str, sizes))}x{batch}"]
 
 
 def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | None = None,

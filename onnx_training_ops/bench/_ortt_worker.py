@@ -1,0 +1,150 @@
+"""onnxruntime-training's side of ``python -m onnx_training_ops bench --ortt-python PATH``.
+
+Runs in *another* Python (onnxruntime-training 1.19.2 needs numpy < 2 and onnx <= 1.16,
+so it lives in its own virtualenv) and imports nothing of this package. Two modes:
+
+* ``python _ortt_worker.py mlp SIZES BATCH`` (SIZES like ``64,128,10``): the MLP worker
+  protocol of :mod:`.mlp`: prints ``{"ready": ...}``, then for each line ``N`` on stdin runs
+  N training steps (``train_step`` + ``Optimizer.step`` + ``lazy_reset_grad``, AdamW lr
+  1e-3) and prints ``{"seconds": ...}``.
+* ``python _ortt_worker.py step NS MIN_TIME MAX_REPS`` (NS like ``100000,1000000``): one
+  AdamW ``Optimizer.step()`` on a parameter of n float32 per size, the gradient computed
+  once by a training step beforehand; prints ``{"adam/n": {"median_s", "min_s", "reps"}}``
+  timed as :func:`.measure.time_step` does.
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+
+def build(sizes, batch, out_dir):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.training import artifacts
+
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "input"
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        bound = 1 / np.sqrt(fan_in)
+        inits += [numpy_helper.from_array(rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32), f"W{i}"),
+                  numpy_helper.from_array(rng.uniform(-bound, bound, fan_out).astype(np.float32), f"b{i}")]
+        out = "logits" if i == len(sizes) - 2 else f"h{i}"
+        nodes.append(helper.make_node("Gemm", [prev, f"W{i}", f"b{i}"], [out if out == "logits" else f"z{i}"]))
+        if out != "logits":
+            nodes.append(helper.make_node("Relu", [f"z{i}"], [out]))
+        prev = out
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", sizes[0]])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", sizes[-1]])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    artifacts.generate_artifacts(model, requires_grad=[t.name for t in inits],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=out_dir)
+
+
+def build_step(n, out_dir):
+    """Artifacts for ``y = w * x``, one parameter ``w`` of n float32, MSE loss, AdamW."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.training import artifacts
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal(n).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Mul", ["w", "x"], ["y"])], "one_parameter",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=out_dir)
+
+
+def time_step(step, min_time, max_reps, min_reps=5, warmup=2):
+    """Median, min and count of ``step()`` times after warm-up (as the bench's measure.time_step)."""
+    import statistics
+
+    for _ in range(warmup):
+        step()
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    reps = int(min(max_reps, max(min_reps, min_time / max(first, 1e-7))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "reps": reps}
+
+
+def step_main(sizes, min_time, max_reps):
+    import numpy as np
+    import onnxruntime
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    onnxruntime.set_default_logger_severity(3)
+    out = {}
+    for n in sizes:
+        out_dir = tempfile.mkdtemp(prefix="ortt_step_")
+        build_step(n, out_dir)
+        state = CheckpointState.load_checkpoint(os.path.join(out_dir, "checkpoint"))
+        module = Module(os.path.join(out_dir, "training_model.onnx"), state, os.path.join(out_dir, "eval_model.onnx"))
+        optimizer = Optimizer(os.path.join(out_dir, "optimizer_model.onnx"), module)
+        optimizer.set_learning_rate(1e-3)
+        rng = np.random.default_rng(1)
+        module.train()
+        module(rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32))  # the gradient
+        out[f"adam/{n}"] = time_step(optimizer.step, min_time, max_reps)
+        del optimizer, module, state
+        shutil.rmtree(out_dir, ignore_errors=True)
+    print(json.dumps(out))
+
+
+def mlp_main(sizes, batch):
+    import numpy as np
+    import onnxruntime
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    onnxruntime.set_default_logger_severity(3)
+
+    out_dir = tempfile.mkdtemp(prefix="ortt_")
+    build(sizes, batch, out_dir)
+    state = CheckpointState.load_checkpoint(os.path.join(out_dir, "checkpoint"))
+    module = Module(os.path.join(out_dir, "training_model.onnx"), state, os.path.join(out_dir, "eval_model.onnx"))
+    optimizer = Optimizer(os.path.join(out_dir, "optimizer_model.onnx"), module)
+    optimizer.set_learning_rate(1e-3)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
+    y = rng.integers(0, sizes[-1], batch).astype(np.int64)
+    module.train()
+
+    def run(steps):
+        for _ in range(steps):
+            module(x, y)
+            optimizer.step()
+            module.lazy_reset_grad()
+
+    run(50)
+    print(json.dumps({"ready": "ortt"}), flush=True)
+    for line in sys.stdin:
+        steps = int(line)
+        t0 = time.perf_counter()
+        run(steps)
+        print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+
+
+def main(argv):
+    if argv[:1] == ["mlp"] and len(argv) == 3:
+        mlp_main([int(s) for s in argv[1].split(",")], int(argv[2]))
+    elif argv[:1] == ["step"] and len(argv) == 4:
+        step_main([int(s) for s in argv[1].split(",")], float(argv[2]), int(argv[3]))
+    else:
+        sys.exit("usage: _ortt_worker.py mlp SIZES BATCH | step NS MIN_TIME MAX_REPS")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
