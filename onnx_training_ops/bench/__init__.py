@@ -58,10 +58,10 @@ from .breakdown import format_breakdown, graph_breakdown
 from .contenders import (CONTENDERS, DEFAULT_CONTENDERS, GRAPH_OPTIONS, NATIVE_OPTIONS, ORTT, PORTABLE_OPTIONS,
                          contender, graph, graph_native, graph_session, portable, portable_session,
                          torch_foreach, torch_fused, training_session)  # fmt: skip
-from .measure import (copy_bandwidth, floor_seconds, loadavg, measure, measure_isolated, measure_ortt, run, run_worker,
-                      time_step)
+from .measure import copy_bandwidth, floor_seconds, loadavg, measure, measure_isolated, measure_ortt, run, run_worker
 from .mlp import DEFAULT_SHAPES, MLP_CONTENDERS, format_mlp, measure_mlp, mlp_worker, parse_shape
 from .problem import ATTRS, ONNX_OP, OPS, R, SIZES, STATE_NAMES, T, NotAvailable, make_state, step_model
+from .timing import time_step
 from .report import format_table, plot, write_json
 
 __all__ = [

@@ -10,7 +10,7 @@ so it lives in its own virtualenv) and imports nothing of this package. Two mode
 * ``python _ortt_worker.py step NS MIN_TIME MAX_REPS`` (NS like ``100000,1000000``): one
   AdamW ``Optimizer.step()`` on a parameter of n float32 per size, the gradient computed
   once by a training step beforehand; prints ``{"adam/n": {"median_s", "min_s", "reps"}}``
-  timed as :func:`.measure.time_step` does.
+  timed by :func:`.timing.time_step`, as the bench's own contenders.
 """
 
 import json
@@ -19,6 +19,9 @@ import shutil
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import time_step  # noqa: E402  (by path: this package is not importable here)
 
 
 def build(sizes, batch, out_dir):
@@ -61,24 +64,6 @@ def build_step(n, out_dir):
     model.ir_version = 8
     artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=out_dir)
-
-
-def time_step(step, min_time, max_reps, min_reps=5, warmup=2):
-    """Median, min and count of ``step()`` times after warm-up (as the bench's measure.time_step)."""
-    import statistics
-
-    for _ in range(warmup):
-        step()
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    reps = int(min(max_reps, max(min_reps, min_time / max(first, 1e-7))))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "reps": reps}
 
 
 def step_main(sizes, min_time, max_reps):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import threading
@@ -21,24 +20,9 @@ import numpy as np
 
 from .contenders import CONTENDERS, GRAPH_OPTIONS, NATIVE_OPTIONS, ORTT, PORTABLE_OPTIONS
 from .problem import TRAFFIC, T, NotAvailable
+from .timing import time_step
 
 ORTT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ortt_worker.py")
-
-
-def time_step(step: Callable[[], None], min_time: float, max_reps: int, min_reps: int = 5, warmup: int = 2) -> dict:
-    """Median (and min, repetitions) of ``step()`` wall time in seconds, after warm-up."""
-    for _ in range(warmup):  # first-call costs (compilation, allocation, state creation, page faults)
-        step()
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    reps = int(min(max_reps, max(min_reps, min_time / max(first, 1e-7))))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "reps": reps}
 
 
 def copy_bandwidth(nbytes: int = 512 * 2**20, reps: int = 7) -> dict:

@@ -1,6 +1,7 @@
 """One rank's share of a training model's optimizer (ZeRO stage 1): the pure-ONNX part.
 
-:func:`partition` assigns each trainable to a rank, balancing the element counts. :func:`shard_model` rewrites the training model for one rank:
+:func:`partition` assigns each trainable to a rank, balancing the element counts;
+:func:`shard_model` rewrites the training model for one rank:
 
 * the optimizer updates only the rank's own trainables: a multi-tensor optimizer node keeps
   the tensors whose results are still needed, and dead nodes go;
@@ -17,6 +18,7 @@ trainable). The collectives live in :mod:`onnx_training_ops.distributed`.
 from __future__ import annotations
 
 import json
+import math
 from typing import Mapping, Sequence
 
 import onnx
@@ -44,13 +46,7 @@ def optimizer_state(model: onnx.ModelProto) -> dict[str, list[str]]:
 def _sizes(model: onnx.ModelProto, names: Sequence[str]) -> list[int]:
     dims = {t.name: t.dims for g in (model.graph, *(i.algorithm for i in model.training_info))
             for t in g.initializer}
-    sizes = []
-    for name in names:
-        size = 1
-        for d in dims[name]:
-            size *= d
-        sizes.append(size)
-    return sizes
+    return [math.prod(dims[name]) for name in names]
 
 
 def partition(model: onnx.ModelProto, world: int) -> dict[str, int]:
@@ -70,20 +66,18 @@ def partition(model: onnx.ModelProto, world: int) -> dict[str, int]:
 def _live_subset(node: onnx.NodeProto, live: set[str]) -> list[int]:
     """The tensor indices of a multi-tensor optimizer node some of whose outputs are live."""
     spec = OPTIMIZERS[node.op_type]
-    n = (len(node.input) - 2) // len(spec.tensor_inputs)
-    outputs = list(node.output)
-    return [i for i in range(n) if any(outputs[k * n + i] in live for k in range(len(spec.tensor_outputs)))]
+    n = spec.n_tensors(len(node.input)) or 0
+    return [i for i in range(n) if any(node.output[k * n + i] in live for k in range(spec.n_groups_out))]
 
 
 def _keep_tensors(node: onnx.NodeProto, keep: list[int]) -> None:
     spec = OPTIMIZERS[node.op_type]
-    n = (len(node.input) - 2) // len(spec.tensor_inputs)
-    inputs, outputs = list(node.input), list(node.output)
-    new_inputs = inputs[:2] + [inputs[2 + k * n + i] for k in range(len(spec.tensor_inputs)) for i in keep]
-    new_outputs = [outputs[k * n + i] for k in range(len(spec.tensor_outputs)) for i in keep]
+    n = spec.n_tensors(len(node.input))
+    inputs = list(node.input[:2]) + [node.input[2 + k * n + i] for k in range(spec.n_groups_in) for i in keep]
+    outputs = [node.output[k * n + i] for k in range(spec.n_groups_out) for i in keep]
     del node.input[:], node.output[:]
-    node.input.extend(new_inputs)
-    node.output.extend(new_outputs)
+    node.input.extend(inputs)
+    node.output.extend(outputs)
 
 
 def _prune_algorithm(graph: onnx.GraphProto, live: set[str]) -> None:
