@@ -37,7 +37,7 @@ from .builder import metadata
 from .errors import TrainingOpError
 from .passes import load_model
 from .training.session import TrainingSession
-from .training.shard import optimizer_state, partition, shard_model
+from .training.shard import optimizer_state, partition, shard_model, skeleton
 
 if TYPE_CHECKING:
     from .passes import ModelLike
@@ -118,13 +118,14 @@ class DistributedTrainingSession:
         self.sharded = bool(shard_optimizer_state)
         self._owners: dict[str, int] = {}
         self._optimizer_state: set[str] = set()
+        self._reduce_runs: list[tuple[int, np.ndarray]] | None = None  # made at the first reduction
+        if isinstance(session, TrainingSession) and session_kwargs:
+            raise TrainingOpError(f"DistributedTrainingSession: {sorted(session_kwargs)} apply only when a "
+                                  "model is given, not a TrainingSession")
         if self.sharded:
             session = self._open_shard(session, session_kwargs)
         elif not isinstance(session, TrainingSession):
             session = TrainingSession(session, **session_kwargs)
-        elif session_kwargs:
-            raise TrainingOpError(f"DistributedTrainingSession: {sorted(session_kwargs)} apply only when a "
-                                  "model is given, not a TrainingSession")
         self.session = session
         self._rate_names = sorted({name for names in self._gather(session.learning_rate_names) for name in names})
         self.steps = 0
@@ -143,12 +144,9 @@ class DistributedTrainingSession:
         self._per_param = per_param
         self._all_gradients = "grad_norm" in metadata(model)  # clipping reads every gradient
         shard = shard_model(model, self._owners, self.rank, self.world_size)
-        self._skeleton = _skeleton(model) if self.rank == 0 else None
+        self._skeleton = skeleton(model) if self.rank == 0 else None
         del model
         if isinstance(source, TrainingSession):
-            if session_kwargs:
-                raise TrainingOpError(f"DistributedTrainingSession: {sorted(session_kwargs)} apply only when a "
-                                      "model is given, not a TrainingSession")
             return source.with_model(shard)
         return TrainingSession(shard, **session_kwargs)
 
@@ -189,16 +187,18 @@ class DistributedTrainingSession:
             return
         scale = 1.0 / self.world_size
         if self.sharded and not self._all_gradients:
+            if self._reduce_runs is None:  # the accumulators are live views: one plan serves every step
+                self._reduce_runs = _runs(self.session.gradient_views(), self._owners)
             pending = []
-            for owner, array in _runs(self.session.gradient_views(), self._owners):
+            for owner, array in self._reduce_runs:
                 for bucket in self._buckets(array):
                     pending.append(self._collective("reduce", self._dist.reduce, torch.from_numpy(bucket),
                                                     self._global(owner), group=self.group, async_op=True))
             for work in pending:
                 self._collective("reduce", work.wait)
-            for param, view in self.session.gradient_views():
-                if self._owners[param] == self.rank:
-                    view *= view.dtype.type(scale)
+            for owner, array in self._reduce_runs:
+                if owner == self.rank:
+                    array *= array.dtype.type(scale)
             return
         buffers = self.session.gradient_buffers()
         pending = []
@@ -397,21 +397,3 @@ def _runs(views: Sequence[tuple[str, np.ndarray]], owners: Mapping[str, int]) ->
                 continue
         runs.append((owners[param], flat))
     return runs
-
-
-def _skeleton(model) -> tuple:
-    """``model`` without its state values (to write whole checkpoints from gathered state),
-    and each state variable's (shape, dtype)."""
-    import onnx
-    from onnx import helper
-
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    state = {e.key for info in out.training_info for e in (*info.update_binding, *info.initialization_binding)}
-    specs = {}
-    for graph in (out.graph, *(info.algorithm for info in out.training_info)):
-        for tensor in graph.initializer:
-            if tensor.name in state:
-                specs[tensor.name] = (tuple(tensor.dims), helper.tensor_dtype_to_np_dtype(tensor.data_type))
-                tensor.CopyFrom(onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims))
-    return out, specs

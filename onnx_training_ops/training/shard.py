@@ -151,3 +151,19 @@ def shard_model(model: onnx.ModelProto, owners: Mapping[str, int], rank: int, wo
     out.metadata_props.add(key=META_PREFIX + SHARD_KEY, value=json.dumps(
         {"rank": rank, "world": world, "owned": owned}))
     return checkpoint.add_checksums(out)
+
+
+def skeleton(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """``model`` without its state values (rank 0 keeps it to write whole checkpoints from
+    gathered state, :func:`~onnx_training_ops.checkpoint.write_state`), and each state
+    variable's (shape, numpy dtype)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    state = {e.key for info in out.training_info for e in (*info.update_binding, *info.initialization_binding)}
+    specs = {}
+    for graph in (out.graph, *(info.algorithm for info in out.training_info)):
+        for tensor in graph.initializer:
+            if tensor.name in state:
+                specs[tensor.name] = (tuple(tensor.dims), helper.tensor_dtype_to_np_dtype(tensor.data_type))
+                tensor.CopyFrom(onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims))
+    return out, specs
