@@ -8,9 +8,11 @@ so (``X_new`` onto the state ``X``, ``V_new`` onto ``V``, ``H_new`` onto ``H``):
 must be read by no node that may run after the optimizer node, i.e. every other reader is
 an ancestor of it (onnxruntime runs a node only after its inputs are computed).
 
-The state then changes *during* the onnxruntime run, before the loss is checked, so the
-session turns this on only when no check can undo a step (``on_nonfinite="ignore"``, and
-the apply stage of :meth:`~onnx_training_ops.TrainingSession.optimizer_step`).
+The state then changes *during* the onnxruntime run, before the loss is checked. Where a
+check may undo the step (``on_nonfinite="raise"`` or ``"skip"``), :func:`add_finite_guard`
+makes the run fail before the first optimizer node on a non-finite loss, and the step is
+redone without in-place writes (:mod:`.step`); with ``"ignore"``, and in the apply stage of
+:meth:`~onnx_training_ops.TrainingSession.optimizer_step`, no guard is needed.
 """
 
 from __future__ import annotations
