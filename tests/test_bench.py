@@ -86,6 +86,14 @@ def test_cli_rejects_an_unknown_contender():
     assert result.returncode == 2 and "unknown contender 'nope'" in result.stderr
 
 
+@pytest.mark.parametrize("shape", ["64-128-10", "64,128,10", "64x8", "64,a,10x8", "64,0x8"])
+def test_cli_rejects_a_malformed_mlp_shape_in_one_line(shape):
+    result = subprocess.run([sys.executable, "-m", "onnx_training_ops", "bench", "--mlp-shapes", shape],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and f"--mlp-shapes: {shape!r}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def _reference_steps(op, n, steps):
     import numpy as np
 

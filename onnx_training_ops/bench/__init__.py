@@ -137,6 +137,11 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
     for m in mlp_names + ([args.mlp_worker] if args.mlp_worker else []):
         if m not in MLP_CONTENDERS:
             ap.error(f"unknown MLP contender {m!r}; known: {', '.join(MLP_CONTENDERS)}")
+    for shape in args.mlp_shapes.split(";") + ([args.mlp_shape] if args.mlp_shape else []):
+        try:
+            parse_shape(shape)
+        except ValueError:
+            ap.error(f"--mlp-shapes: {shape!r} is not layer sizes x batch, e.g. {DEFAULT_SHAPES[0]!r}")
     if args.worker:
         print(json.dumps(measure(args.worker, ops, sizes, min_time, max_reps)))
         return 0

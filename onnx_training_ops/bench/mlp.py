@@ -35,8 +35,11 @@ DEFAULT_SHAPES = ("64,128,10x64", "784,1024,1024,10x128")
 
 def parse_shape(text: str) -> tuple[tuple[int, ...], int]:
     """``"64,128,10x64"`` -> ((64, 128, 10), 64): layer sizes and batch."""
-    sizes, batch = text.split("x")
-    return tuple(int(s) for s in sizes.split(",")), int(batch)
+    sizes, batch = text.split("x")  # ValueError unless exactly one "x"
+    layers = tuple(int(s) for s in sizes.split(","))
+    if len(layers) < 2 or min(layers) < 1 or int(batch) < 1:
+        raise ValueError(f"bad MLP shape {text!r}")
+    return layers, int(batch)
 
 
 def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int], None]:
