@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import threading
 from contextlib import contextmanager
 from typing import Any, Mapping, Sequence
 
@@ -12,6 +10,7 @@ import onnxruntime as ort
 
 from .passes import ModelLike, prepare
 from .errors import TrainingOpError
+from .interrupts import held_interrupts
 from .native import native_error_message
 from .plugin import Interrupted, session_options, take_kernel_errors
 
@@ -52,7 +51,7 @@ class InferenceSession(ort.InferenceSession):
                                   f"{type(input_feed).__name__}")
         input_feed = {k: _native(k, v) for k, v in input_feed.items()}
         take_kernel_errors()
-        with sigint_held(), native_errors_raised():
+        with held_interrupts(), native_errors_raised():
             outputs = super().run(output_names, input_feed, run_options)
         raise_kernel_errors()
         return outputs
@@ -60,7 +59,7 @@ class InferenceSession(ort.InferenceSession):
     def run_with_iobinding(self, iobinding, run_options=None):
         """``onnxruntime.InferenceSession.run_with_iobinding`` with kernel errors raised."""
         take_kernel_errors()
-        with sigint_held(), native_errors_raised():
+        with held_interrupts(), native_errors_raised():
             super().run_with_iobinding(iobinding, run_options)
         raise_kernel_errors()
 
@@ -75,27 +74,6 @@ def native_errors_raised():
         if message is None:
             raise
         raise TrainingOpError(message) from error
-
-
-@contextmanager
-def sigint_held():
-    """While onnxruntime runs the Python kernels, Ctrl-C only takes note (a KeyboardInterrupt
-    leaving a kernel would terminate the process: the bridge is C++); it is raised when the
-    run is over. Python delivers signals to the main thread only: elsewhere nothing to do."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, None)  # default_int_handler raises KeyboardInterrupt
-            elif previous != signal.SIG_IGN:
-                raise KeyboardInterrupt
 
 
 def _native(name, value):

@@ -14,17 +14,21 @@ run again by a copying twin of the program (opened on first need), whose loss ch
 raises or skips as above. (A graph with random ops may draw a finite loss the second time:
 that step is applied.) Ctrl-C is held for the whole in-place run, and an onnxruntime error
 after an optimizer node ran leaves that node's update applied.
+
+**Ctrl-C** (:mod:`..interrupts`): one that arrives before the state is written cancels the
+step (KeyboardInterrupt, state as before); one that lands while it is written is raised when
+the write ends: the step counts (T says so), and the state is never partial.
 """
 
 from __future__ import annotations
 
 import math
-import signal
 from typing import Any, Mapping
 
 import numpy as np
 
 from ..errors import TrainingOpError
+from ..interrupts import held_interrupts
 from .binding import finish_binding
 from .fast_path import apply_plan, apply_step_with_feeds
 from .rmsprop_fast_path import apply_rmsprop
@@ -40,30 +44,6 @@ class NonFiniteLossError(TrainingOpError):
     """The loss of a step was NaN or infinite; the step was not applied (state unchanged)."""
 
 
-_SIGINT = {signal.SIGINT}
-
-
-class deferred_interrupts:
-    """Block Ctrl-C (SIGINT) while the state is written, so a step is applied whole or not
-    at all (about 2 us a step). A Ctrl-C that came before the write began cancels the step
-    (KeyboardInterrupt, state as before); one that lands during the write is delivered when
-    it ends: the step counts (T says so), and the state is never partial."""
-
-    __slots__ = ("previous",)
-
-    def __enter__(self) -> None:
-        self.previous = _sigmask(signal.SIG_BLOCK, _SIGINT)
-        if signal.SIGINT in _sigpending() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.sigtimedwait(_SIGINT, 0)  # take it: raised here, before anything is written
-            self.__exit__()
-            raise KeyboardInterrupt
-
-    def __exit__(self, *exc) -> None:
-        if signal.SIGINT not in self.previous:
-            _sigmask(signal.SIG_UNBLOCK, _SIGINT)
-
-
-_sigmask, _sigpending = signal.pthread_sigmask, signal.sigpending
 
 
 def run_program(
@@ -81,7 +61,7 @@ def run_program(
     for name in program.dynamic_outputs:  # unallocated again: their shape changes from step to step
         io.bind_output(name, "cpu")
     if program.in_place:  # the run itself writes state: it and the commit are one write
-        with deferred_interrupts():
+        with held_interrupts():
             if _run(program):
                 return _commit(program, raw, feeds, state, on_nonfinite)
         # the guard stopped the run before any optimizer: redo the step the copying way,
@@ -94,7 +74,7 @@ def run_program(
         return run_program(program.fallback, feeds, lr, state, on_nonfinite)
     _run(program)
     del bound
-    with deferred_interrupts():  # from here on the state is written: all of it, or none
+    with held_interrupts():  # from here on the state is written: all of it, or none
         return _commit(program, raw, feeds, state, on_nonfinite)
 
 
