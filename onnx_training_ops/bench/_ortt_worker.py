@@ -21,7 +21,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import time_step  # noqa: E402  (by path: this package is not importable here)
+from dataset import BATCHES, WARMUP_STEPS, mlp_batches  # noqa: E402  (by path: this package is not importable here)
+from timing import time_step  # noqa: E402
 
 
 def build(sizes, batch, out_dir):
@@ -90,7 +91,6 @@ def step_main(sizes, min_time, max_reps):
 
 
 def mlp_main(sizes, batch):
-    import numpy as np
     import onnxruntime
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
@@ -102,18 +102,16 @@ def mlp_main(sizes, batch):
     module = Module(os.path.join(out_dir, "training_model.onnx"), state, os.path.join(out_dir, "eval_model.onnx"))
     optimizer = Optimizer(os.path.join(out_dir, "optimizer_model.onnx"), module)
     optimizer.set_learning_rate(1e-3)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
-    y = rng.integers(0, sizes[-1], batch).astype(np.int64)
+    batches = mlp_batches(sizes, batch)
     module.train()
 
     def run(steps):
-        for _ in range(steps):
-            module(x, y)
+        for i in range(steps):
+            module(*batches[i % BATCHES])
             optimizer.step()
             module.lazy_reset_grad()
 
-    run(50)
+    run(WARMUP_STEPS)
     print(json.dumps({"ready": "ortt"}), flush=True)
     for line in sys.stdin:
         steps = int(line)

@@ -3,7 +3,8 @@
 Contenders: TrainingSession (fast path and full graph), torch eager (Adam, default and
 fused), and — with ``--ortt-python PATH``, a Python whose environment has
 onnxruntime-training — onnxruntime-training's on-device API (``_ortt_worker.py``, AdamW).
-Rounds are interleaved (each round runs every contender once, one at a time, so load hits
+Each trains on the same cycle of batches (:mod:`.dataset`: not one batch repeated) after
+the same warm-up. Rounds are interleaved (each round runs every contender once, one at a time, so load hits
 all alike); the table gives the best round and, against onnxruntime-training, the median of
 the per-round ratios.
 """
@@ -18,9 +19,8 @@ import tempfile
 import time
 from typing import Callable
 
-import numpy as np
-
 from .contenders import ORTT
+from .dataset import BATCHES, WARMUP_STEPS, mlp_batches
 from .measure import ORTT_WORKER, worker_command
 
 MLP_CONTENDERS = {
@@ -43,11 +43,10 @@ def parse_shape(text: str) -> tuple[tuple[int, ...], int]:
 
 
 def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int], None]:
-    """``run(steps)`` for one contender: ReLU MLP, cross-entropy, Adam lr 1e-3."""
+    """``run(steps)`` for one contender: ReLU MLP, cross-entropy, Adam lr 1e-3, cycling
+    through :func:`.dataset.mlp_batches`."""
     sizes, batch = shape
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
-    y = rng.integers(0, sizes[-1], batch).astype(np.int64)
+    batches = mlp_batches(sizes, batch)
     if name.startswith("training_session"):
         from ..builder import build_training_model
         from ..demo import make_mlp
@@ -56,12 +55,12 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
 
         session = TrainingSession(build_training_model(make_mlp(sizes), "cross_entropy", Adam(lr=1e-3)),
                                   fast=name.endswith("fast"))
-        feeds = {"input": x, "labels": y}
+        feeds = [{"input": x, "labels": y} for x, y in batches]
         step = session.step
 
         def run(steps):
-            for _ in range(steps):
-                step(feeds)
+            for i in range(steps):
+                step(feeds[i % BATCHES])
 
         return run
     import torch
@@ -72,13 +71,14 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
         layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
     net = torch.nn.Sequential(*layers[:-1])
     opt = torch.optim.Adam(net.parameters(), lr=1e-3, **({"fused": True} if name.endswith("fused") else {}))
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    tensors = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def run(steps):
-        for _ in range(steps):
+        for i in range(steps):
+            x, y = tensors[i % BATCHES]
             opt.zero_grad()
-            loss_fn(net(tx), ty).backward()
+            loss_fn(net(x), y).backward()
             opt.step()
 
     return run
@@ -87,7 +87,7 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
 def mlp_worker(name: str, shape: tuple[tuple[int, ...], int]) -> None:
     """Serve ``N`` requests on stdin with ``{"seconds": ...}`` on stdout."""
     run = mlp_runner(name, shape)
-    run(50)  # warm-up
+    run(WARMUP_STEPS)
     print(json.dumps({"ready": name}), flush=True)
     for line in sys.stdin:
         steps = int(line)
