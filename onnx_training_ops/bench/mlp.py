@@ -25,7 +25,7 @@ from .measure import ORTT_WORKER, worker_command
 
 MLP_CONTENDERS = {
     "training_session_fast": "TrainingSession fast path (in-place fused Adam)",
-    "training_session_graph": "TrainingSession full graph (fast=False, Adam via the native kernels where they work)",
+    "training_session_graph": "TrainingSession full graph (fast=False, native kernels)",
     "torch_eager": "torch eager, torch.optim.Adam (default impl)",
     "torch_eager_fused": "torch eager, torch.optim.Adam(fused=True)",
 }
