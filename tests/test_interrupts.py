@@ -111,3 +111,22 @@ def test_ctrl_c_while_a_step_writes_the_state_lets_the_whole_step_land(monkeypat
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_under_sig_dfl_the_signal_is_sent_again_when_the_section_ends():
+    import subprocess
+    import sys
+
+    child = (
+        "import os, signal, time\n"
+        "from onnx_training_ops.interrupts import held_interrupts\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+        "with held_interrupts():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.02)\n"
+        "    print('section ended', flush=True)\n"
+        "print('not reached', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGINT
+    assert result.stdout == "section ended\n"
