@@ -11,7 +11,8 @@ only takes note inside one; the outermost section raises KeyboardInterrupt as it
 Entering a section then costs well under a microsecond (swapping handlers per section
 costs about 5). A handler the program installed itself is swapped for the section and
 called at its end; under ``SIG_DFL`` the signal is sent again at the end; ``SIG_IGN``
-needs nothing, and a handler installed outside Python is left alone. Other threads need nothing either: KeyboardInterrupt is never raised there.
+needs nothing, and a handler installed outside Python is left alone. Other threads need
+nothing either: KeyboardInterrupt is never raised there.
 
 A Ctrl-C that arrives before a section starts raises before it, as usual.
 """

@@ -157,3 +157,23 @@ def test_ortt_contender_times_adamw_optimizer_steps(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     timing = row["times"]["onnxruntime_training"]
     assert timing["median_s"] > 0 and timing["reps"] >= 5
+
+
+def test_mlp_batches_are_a_fixed_cycle_of_distinct_learnable_batches():
+    import numpy as np
+
+    from onnx_training_ops.bench.dataset import BATCHES, mlp_batches
+
+    batches, again = mlp_batches((6, 5, 3), 8), mlp_batches((6, 5, 3), 8)
+    assert len(batches) == BATCHES
+    for (x, y), (x2, y2) in zip(batches, again):  # the same for every contender
+        assert x.dtype == np.float32 and x.shape == (8, 6) and y.dtype == np.int64 and y.shape == (8,)
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(y, y2)
+    assert len({x.tobytes() for x, _ in batches}) == BATCHES  # not one batch repeated
+    labels = np.concatenate([y for _, y in batches])
+    assert set(labels.tolist()) == {0, 1, 2}
+    # labelled by a linear teacher: a least-squares linear classifier fits them far above chance
+    xs = np.concatenate([x for x, _ in batches]).astype(np.float64)
+    w, *_ = np.linalg.lstsq(xs, np.eye(3)[labels], rcond=None)
+    assert (np.argmax(xs @ w, axis=1) == labels).mean() > 0.8

@@ -4,9 +4,9 @@ Contenders: TrainingSession (fast path and full graph), torch eager (Adam, defau
 fused), and — with ``--ortt-python PATH``, a Python whose environment has
 onnxruntime-training — onnxruntime-training's on-device API (``_ortt_worker.py``, AdamW).
 Each trains on the same cycle of batches (:mod:`.dataset`: not one batch repeated) after
-the same warm-up. Rounds are interleaved (each round runs every contender once, one at a time, so load hits
-all alike); the table gives the best round and, against onnxruntime-training, the median of
-the per-round ratios.
+the same warm-up. Rounds are interleaved (each round runs every contender once, one at a
+time, so load hits all alike); the table gives the best round and, against
+onnxruntime-training, the median of the per-round ratios.
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@ class NonFiniteLossError(TrainingOpError):
 
 
 
-
 def run_program(
     program: Program,
     feeds: Mapping[str, Any],
