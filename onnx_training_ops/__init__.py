@@ -15,23 +15,22 @@ kernels are registered with onnxruntime-extensions when first needed (:func:`ses
 * :mod:`onnx_training_ops.schedules` — learning-rate schedules with torch's names;
 * :mod:`onnx_training_ops.kernels` — the numpy reference kernels;
 * :mod:`onnx_training_ops.backend` — the onnx backend API, for ``onnx.backend.test``.
+
+The layers, bottom to top, and what each may import: ``docs/architecture.md``.
 """
 
-from . import kernels
-from .builder import build_training_model
+from . import _moved, kernels
+from .build import (Adagrad, Adam, AdamW, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss,
+                    Momentum, MSELoss, RMSProp, SmoothL1Loss, build_training_model)
 from .errors import TrainingOpError
-from .losses import (BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss,
-                     SmoothL1Loss)
-from . import schedules
-from .optimizers import Adagrad, Adam, AdamW, Momentum
-from .rmsprop import RMSProp
-from .passes import PASSES, prepare
-from .plugin import session_options
+from .passes import PASSES
+from .runtime import InferenceSession, prepare, session_options
 from .schema import DOMAIN
-from .session import InferenceSession
-from .training import NonFiniteLossError, TrainingSession
+from .training import NonFiniteLossError, TrainingSession, schedules
 
-__version__ = "0.1.0"
+_moved.install()  # the module paths of 0.1 (onnx_training_ops.plugin, .builder, ...) keep working
+
+from ._version import __version__  # noqa: F401 - onnx_training_ops.__version__
 
 __all__ = [
     "DOMAIN",

@@ -21,7 +21,7 @@ import onnx
 from onnx import ModelProto, NodeProto
 from onnx.backend.base import Backend, BackendRep
 
-from .session import InferenceSession
+from .runtime.session import InferenceSession
 
 
 class TrainingBackendRep(BackendRep):
@@ -101,7 +101,7 @@ class PortableBackend(TrainingBackend):
     def prepare(cls, model: ModelProto | str | bytes, device: str = "CPU", **kwargs: Any) -> TrainingBackendRep:
         import onnxruntime as ort
 
-        from .passes import prepare as prepare_model
+        from .runtime.pipeline import prepare as prepare_model
 
         if not cls.supports_device(device):
             raise RuntimeError(f"onnx_training_ops runs on CPU only, not on {device!r}")

@@ -36,9 +36,9 @@ def _positive_int(text: str) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     import os
 
-    from .checkpoint import save_model
+    from .storage.checkpoint import save_model
     from .errors import TrainingOpError
-    from .passes import prepare
+    from .runtime.pipeline import prepare
 
     if os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
@@ -113,7 +113,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime.",
@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - not a reported failure: a bug, told apart by its status
         import traceback
 
-        from . import __version__
+        from ._version import __version__
         traceback.print_exc()
         print(f"internal error of onnx-training-ops {__version__}: please report it with the "
               "traceback above", file=sys.stderr)

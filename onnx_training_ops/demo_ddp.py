@@ -56,9 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as error:
         print(error, file=sys.stderr)
         return 2
-    from . import Adam, TrainingSession, build_training_model
+    from .build import Adam, build_training_model
+    from .training import TrainingSession
     from .demo import load_digits_split, make_mlp
-    from .schedules import CosineAnnealingLR
+    from .training.schedules import CosineAnnealingLR
 
     x_train, y_train, x_val, y_val = load_digits_split()
     steps_per_epoch = len(x_train) // GLOBAL_BATCH

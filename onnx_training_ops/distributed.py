@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from . import checkpoint
-from .builder import metadata
+from .storage import checkpoint
+from .build.model_metadata import metadata
 from .errors import TrainingOpError
-from .passes import load_model
+from .storage.model_files import load_model
 from .training.session import TrainingSession
 from .training.shard import optimizer_state, partition, shard_model, skeleton
 
 if TYPE_CHECKING:
-    from .passes import ModelLike
+    from .storage.model_files import ModelLike
 
 __all__ = ["DistributedTrainingSession", "DivergedError", "INSTALL_HINT", "init_process_group",
            "destroy_process_group"]

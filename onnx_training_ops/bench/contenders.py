@@ -163,11 +163,11 @@ def graph_session(op: str, n: int, options: dict | None = None, kernels: str = "
     """``(session, step)``: the one-node model in :class:`onnx_training_ops.InferenceSession`
     (``kernels``: ``"pyop"``, the plugin, or ``"native"``) run with IOBinding
     (:func:`bound_step`). ``options``: :data:`GRAPH_OPTIONS` unless given."""
-    from .. import plugin
-    from ..session import InferenceSession
+    from ..runtime import plugin
+    from ..runtime.session import InferenceSession
 
     if kernels == "native":
-        from .. import native
+        from ..runtime import native
 
         ok, reason = native.availability()
         if not ok:
@@ -185,7 +185,7 @@ def portable_session(op: str, n: int, options: dict | None = None, in_place: boo
     run with IOBinding (:func:`bound_step`; in place unless told otherwise)."""
     import onnxruntime as ort
 
-    from ..passes import prepare
+    from ..runtime.pipeline import prepare
 
     model = prepare(step_model(op, n), portable=True)
     so = session_options(PORTABLE_OPTIONS if options is None else options)

@@ -72,7 +72,8 @@ def _time(step, data, warmup: int = 2) -> float:
 def onnx_contender(model, mode: str, threads: int):
     import onnxruntime as ort
 
-    from onnx_training_ops import Adam, TrainingSession, build_training_model
+    from ..build import Adam, build_training_model
+    from ..training import TrainingSession
 
     training = build_training_model(model, "mse", Adam(lr=1e-3), trainable=["E"],
                                     sparse_updates={"E": mode})

@@ -48,9 +48,9 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
     sizes, batch = shape
     batches = mlp_batches(sizes, batch)
     if name.startswith("training_session"):
-        from ..builder import build_training_model
+        from ..build import build_training_model
         from ..demo import make_mlp
-        from ..optimizers import Adam
+        from ..build.optimizers import Adam
         from ..training import TrainingSession
 
         session = TrainingSession(build_training_model(make_mlp(sizes), "cross_entropy", Adam(lr=1e-3)),

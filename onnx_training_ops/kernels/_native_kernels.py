@@ -1,6 +1,6 @@
 """C-callable optimizer kernels for onnxruntime's custom-op C API, compiled by numba.
 
-:mod:`onnx_training_ops.native` registers these as ``OrtCustomOp`` callbacks. Everything
+:mod:`onnx_training_ops.runtime.native` registers these as ``OrtCustomOp`` callbacks. Everything
 here is ``nopython`` and ``nogil``: onnxruntime calls ``kernel_compute`` on its own threads.
 Functions of the ``OrtApi`` table are called through their addresses (read from the
 table at run time, by index: the table is append-only, so an index written from the
@@ -16,7 +16,7 @@ Large tensors are split in chunks run by onnxruntime's own intra-op thread pool
 (``KernelContext_ParallelFor``), never numba's: no second thread pool, and any number of
 concurrent sessions or runs is safe.
 
-Memory layouts (int64 words) shared with :mod:`onnx_training_ops.native`:
+Memory layouts (int64 words) shared with :mod:`onnx_training_ops.runtime.native`:
 
 * kernel state (one per node, ``malloc``-ed, freed by ``kernel_destroy``): see ``ST_*``;
   attributes are float64 bit patterns, error messages are C strings inside the block;

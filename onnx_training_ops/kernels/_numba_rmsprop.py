@@ -1,5 +1,5 @@
 """Numba loops of RMSProp (torch's form), one pass in place, operation by operation as
-:func:`onnx_training_ops.rmsprop.emit_rmsprop` writes the update in ONNX ops (same rounding:
+:func:`onnx_training_ops.build.rmsprop.emit_rmsprop` writes the update in ONNX ops (same rounding:
 every scalar arrives in ``s`` already in the arrays' dtype; ``fastmath=False``).
 
 Scalars ``s``: rate, weight_decay, alpha, 1-alpha, eps, momentum. ``buf``/``grad_avg`` are

@@ -4,7 +4,7 @@ This is the single entry point the onnxruntime plugin and TrainingSession use, s
 run the same math. ``attributes`` are the node's attributes (defaults filled in).
 
 ``rows`` (int64 indices, no repeats): the step on those rows of 2-D tables X, V, H in place,
-G holding one row per index (the lazy updates of :mod:`onnx_training_ops.sparse_updates`):
+G holding one row per index (the lazy updates of :mod:`onnx_training_ops.build.sparse_updates`):
 the fused row drivers, else gather -> reference -> scatter. Same values either way as the
 step on the gathered rows.
 """
@@ -137,7 +137,7 @@ def prepare(op_type: str, r, t, tensors, attributes) -> Callable[[], None] | Non
 
 
 def rmsprop_step(r, x, g, states: dict, optimizer, rows=None) -> bool:
-    """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.rmsprop`) in place with the
+    """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.build.rmsprop`) in place with the
     fused kernel, on the ``rows`` of 2-D tables if given; False (nothing done) when it does not apply."""
     if rows is None and not _fusable(x, g, *states.values()):
         return False

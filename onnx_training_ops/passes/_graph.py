@@ -9,32 +9,7 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto
 
 from ..schema import DOMAIN
-
-
-def subgraphs(node: NodeProto) -> Iterator[GraphProto]:
-    """The graphs held in a node's attributes (If branches, Loop/Scan bodies)."""
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
-def all_graphs(graph: GraphProto) -> Iterator[GraphProto]:
-    """``graph`` and, depth first, every subgraph below it."""
-    yield graph
-    for node in graph.node:
-        for sub in subgraphs(node):
-            yield from all_graphs(sub)
-
-
-def model_graphs(model: ModelProto) -> Iterator[GraphProto]:
-    """Every graph of ``model``: the main graph, the training_info initialization and
-    algorithm graphs, and all their subgraphs."""
-    yield from all_graphs(model.graph)
-    for info in model.training_info:
-        yield from all_graphs(info.initialization)
-        yield from all_graphs(info.algorithm)
+from ..walk import all_graphs, model_graphs, subgraphs  # noqa: F401 - re-exported for the passes
 
 
 def concatenated(main: GraphProto, algorithm: GraphProto) -> GraphProto:

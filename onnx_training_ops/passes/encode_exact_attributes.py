@@ -9,12 +9,30 @@ values the model holds. The spec attributes stay on the node untouched.
 
 from __future__ import annotations
 
+import json
+from functools import lru_cache
+
 import onnx
 from onnx import ModelProto
 
-from ..plugin import EXACT_ATTRIBUTE, encode_attributes
 from ..schema import OPTIMIZERS
 from ._graph import model_training_nodes
+
+EXACT_ATTRIBUTE = "exact_attributes"  # the string attribute the PyOp kernels read
+
+
+def encode_attributes(attributes: dict) -> str:
+    """The text of the ``exact_attributes`` node attribute: floats as exact hex, strings as is."""
+    floats = {k: float(v).hex() for k, v in sorted(attributes.items()) if isinstance(v, float)}
+    strings = {k: v for k, v in sorted(attributes.items()) if not isinstance(v, float)}
+    return json.dumps({"floats": floats, "strings": strings}, separators=(",", ":"))
+
+
+@lru_cache(maxsize=256)
+def decode_attributes(text: str) -> dict:
+    """Inverse of :func:`encode_attributes` (cached: a node's text never changes)."""
+    encoded = json.loads(text)
+    return {**{k: float.fromhex(v) for k, v in encoded["floats"].items()}, **encoded["strings"]}
 
 
 def node_attributes(node: onnx.NodeProto) -> dict:

@@ -28,7 +28,8 @@ from ..autodiff.emitter import FLOAT_TYPES
 from ..autodiff import Emitter, ValueMeta, backprop, topological_sort
 from ..autodiff.graph import ancestors, node_reads, producer_map
 from ..errors import TrainingOpError, node_label
-from ._graph import all_graphs, all_names, concatenated
+from ..walk import all_graphs
+from ._graph import all_names, concatenated
 
 DOMAIN = "ai.onnx.preview.training"
 

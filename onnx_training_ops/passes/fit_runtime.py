@@ -15,7 +15,7 @@ from onnx import ModelProto
 
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPSET_VERSION
-from ._graph import all_graphs
+from ..walk import all_graphs
 
 
 def _loads(ir_version: int, opset: int) -> bool:

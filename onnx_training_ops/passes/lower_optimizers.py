@@ -36,7 +36,8 @@ from onnx import GraphProto, ModelProto, TensorProto, helper
 from ..errors import TrainingOpError, node_label
 from ..kernels.momentum import check_mode
 from ..schema import DOMAIN, OPTIMIZERS
-from ._graph import ValueType, all_graphs, all_names, concatenated, model_graphs, unique_name, value_types
+from ._graph import ValueType, all_names, concatenated, unique_name, value_types
+from ..walk import all_graphs, model_graphs
 from .encode_exact_attributes import node_attributes
 
 FLOAT_TYPES = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64}

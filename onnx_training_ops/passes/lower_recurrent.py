@@ -21,7 +21,8 @@ from onnx import GraphProto, ModelProto, helper, numpy_helper
 
 from ..errors import TrainingOpError
 from ..schema import DOMAIN
-from ._graph import all_graphs, value_types
+from ..walk import all_graphs
+from ._graph import value_types
 
 RECURRENT = {"LSTM": 4, "GRU": 3, "RNN": 1}
 DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"],

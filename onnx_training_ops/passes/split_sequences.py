@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, helper, numpy_helper
 
-from ._graph import all_graphs, value_types
+from ..walk import all_graphs
+from ._graph import value_types
 
 
 def _constants(graph: GraphProto) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Pass: point every optimizer node at the native kernels (:mod:`onnx_training_ops.native`).
+"""Pass: point every optimizer node at the native kernels (:mod:`onnx_training_ops.runtime.native`).
 
 ``ai.onnx.preview.training::Adam`` becomes ``ai.onnx.contrib::TrainingAdam`` (likewise
 Momentum and Adagrad), multi-tensor nodes stay whole (the native op is variadic), and
@@ -11,10 +11,13 @@ from __future__ import annotations
 import onnx
 from onnx import ModelProto
 
-from ..native import NATIVE_DOMAIN, NATIVE_OP_TYPES
-from ..plugin import EXACT_ATTRIBUTE
 from ..schema import DOMAIN, OPTIMIZERS
-from ._graph import all_names, model_graphs, unique_name
+from ._graph import all_names, unique_name
+from ..walk import model_graphs
+from .encode_exact_attributes import EXACT_ATTRIBUTE
+
+NATIVE_DOMAIN = "ai.onnx.contrib"  # where onnxruntime-extensions registers external ops
+NATIVE_OP_TYPES = {"Adam": "TrainingAdam", "Momentum": "TrainingMomentum", "Adagrad": "TrainingAdagrad"}
 
 
 def target_native(model: ModelProto) -> ModelProto:

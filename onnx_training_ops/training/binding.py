@@ -16,8 +16,8 @@ from onnx import numpy_helper
 
 from ..errors import TrainingOpError
 from ..schema import DOMAIN
-from ..passes import prepare
-from ..session import InferenceSession
+from ..runtime.pipeline import prepare
+from ..runtime.session import InferenceSession
 from .arrays import dtype_name, owned
 from .fast_path import cut_plan, flat_gradient_views, prepare_plan
 from .feeds import feed_spec

@@ -21,7 +21,7 @@ from onnx import numpy_helper
 
 from ..errors import TrainingOpError, node_label
 from ..kernels.apply import STEPS, prepare
-from ..passes._graph import all_graphs, subgraphs
+from ..walk import all_graphs, subgraphs
 from ..passes.encode_exact_attributes import node_attributes
 from ..passes.fill_defaults import fill_default_attributes
 from ..schema import DOMAIN, OPTIMIZERS

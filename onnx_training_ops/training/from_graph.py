@@ -9,7 +9,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..passes import ModelLike, load_model
+from ..storage.model_files import ModelLike, load_model
 from .arrays import dtype_name, np_dtype
 
 

@@ -1,7 +1,7 @@
 """In-place optimizer outputs for ``fast=False``: the native kernels write the new state
 straight into the state arrays.
 
-The native optimizer kernels (:mod:`onnx_training_ops.native`) read every element before
+The native optimizer kernels (:mod:`onnx_training_ops.runtime.native`) read every element before
 writing it, so an output bound onto its own input buffer updates that tensor in place.
 :func:`in_place_outputs` finds the optimizer outputs of a prepared graph that can be bound
 so (``X_new`` onto the state ``X``, ``V_new`` onto ``V``, ``H_new`` onto ``H``): the state
@@ -22,7 +22,7 @@ from typing import Mapping
 import numpy as np
 import onnx
 
-from ..native import NATIVE_DOMAIN, NATIVE_OP_TYPES
+from ..passes.target_native import NATIVE_DOMAIN, NATIVE_OP_TYPES
 from ..schema import OPTIMIZERS
 from .program import _reads
 

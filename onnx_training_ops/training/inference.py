@@ -9,13 +9,13 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from .. import checkpoint
-from ..builder import META_PREFIX
+from ..storage import checkpoint
+from ..build.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
-from ..passes._graph import all_graphs
+from ..walk import all_graphs
 from ..passes.fit_runtime import fit_runtime
 from ..schema import DOMAIN
-from ..session import InferenceSession
+from ..runtime.session import InferenceSession
 
 
 def inference_model(

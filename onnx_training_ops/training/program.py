@@ -17,7 +17,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..passes._graph import all_graphs, subgraphs, value_types
+from ..walk import all_graphs, subgraphs
+from ..passes._graph import value_types
 from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
@@ -406,3 +407,9 @@ def build_program(
     program.row_groups, program.row_sources, program.dynamic_outputs = groups, row_sources, dynamic
     program.rms_groups, program.rms_sources = rms, rms_sources
     return program
+
+
+def program_feeds(program: Program) -> tuple[list[FeedSpec], list[FeedSpec]]:
+    """(required, optional) inputs of a program: learning rates and inputs with a default are optional."""
+    rates = [FeedSpec(name, buf.dtype, buf.shape) for name, buf in program.rate_inputs.items()]
+    return list(program.feeds), [*rates, *(spec for spec, _ in program.optional_feeds)]

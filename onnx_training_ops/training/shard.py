@@ -24,8 +24,8 @@ from typing import Mapping, Sequence
 import onnx
 from onnx import helper
 
-from .. import checkpoint
-from ..builder import META_PREFIX, metadata
+from ..storage import checkpoint
+from ..build.model_metadata import META_PREFIX, metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
 from .program import _reads, prune_dead_nodes
@@ -155,7 +155,7 @@ def shard_model(model: onnx.ModelProto, owners: Mapping[str, int], rank: int, wo
 
 def skeleton(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     """``model`` without its state values (rank 0 keeps it to write whole checkpoints from
-    gathered state, :func:`~onnx_training_ops.checkpoint.write_state`), and each state
+    gathered state, :func:`~onnx_training_ops.storage.checkpoint.write_state`), and each state
     variable's (shape, numpy dtype)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)

@@ -1,9 +1,13 @@
-"""State variables: find them in ``training_info``; assign them with dtype and shape checks."""
+"""State variables: find them in ``training_info``; assign them with dtype and shape checks;
+run the initialization graphs."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
 from .arrays import dtype_name
@@ -66,3 +70,33 @@ def assign(state: dict[str, np.ndarray], name: str, value: np.ndarray, what: str
         )
     np.copyto(target, value)
 
+
+
+def state_array(name: str, proto: onnx.TensorProto) -> np.ndarray:
+    """The value of state variable ``name``, or a TrainingOpError when its data is malformed."""
+    try:
+        return numpy_helper.to_array(proto)
+    except (ValueError, TypeError) as error:  # e.g. raw data of the wrong size for its dims
+        raise TrainingOpError(f"state variable {name!r}: its stored data does not match its "
+                              f"type and shape {list(proto.dims)}: {error}") from None
+
+
+def run_initialization(model: onnx.ModelProto, state: dict[str, np.ndarray],
+                       sessions: list, open_session: Callable[[onnx.ModelProto], Any]) -> None:
+    """Run every TrainingInfoProto's initialization graph and assign its outputs by
+    ``initialization_binding``. ``sessions`` caches the opened sessions (filled on first call)."""
+    if not sessions:
+        for info in model.training_info:
+            if not info.initialization_binding:
+                sessions.append(None)
+                continue
+            init = helper.make_model(info.initialization, opset_imports=list(model.opset_import))
+            init.ir_version = model.ir_version
+            init.functions.extend(model.functions)
+            sessions.append(open_session(init))
+    for info, session in zip(model.training_info, sessions):
+        if session is None:
+            continue
+        names = [e.value for e in info.initialization_binding]
+        for entry, value in zip(info.initialization_binding, session.run(names, {})):
+            assign(state, entry.key, value, f"initialization_binding {entry.key!r} <- {entry.value!r}")

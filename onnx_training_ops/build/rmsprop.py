@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from .errors import TrainingOpError
+from ..errors import TrainingOpError
 from .optimizers import OPTIMIZER_CLASSES, _check_nonnegative
 
 if TYPE_CHECKING:
-    from .update_graph import Ops
+    from .ops import Ops
 
 
 @dataclass(frozen=True)

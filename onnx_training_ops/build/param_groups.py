@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .errors import TrainingOpError
+from ..errors import TrainingOpError
 from .optimizers import Optimizer, to_json
 
 _GROUP_KEYS = {"params", "frozen", "name"}

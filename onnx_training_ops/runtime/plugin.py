@@ -15,21 +15,18 @@ Two facts about the PyOp bridge shape this module (see DESIGN.md §2):
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import deque
-from functools import lru_cache
 
 import numpy as np
-import onnxruntime as ort
 
-from .errors import TrainingOpError
-from .kernels.apply import STEPS
-from .schema import DOMAIN, OPTIMIZERS
+from ..errors import TrainingOpError
+from ..kernels.apply import STEPS
+from ..passes.encode_exact_attributes import EXACT_ATTRIBUTE, decode_attributes
+from ..schema import DOMAIN, OPTIMIZERS
+from .extensions import extensions_pyop_module
 
-EXACT_ATTRIBUTE = "exact_attributes"
-_REGISTERED_MARK = "onnx_training_ops.custom_ops_library"  # a session-config entry marking registered options
 
 _registered_ids: set[int] = set()
 _opdefs: dict = {}  # id -> onnxruntime_extensions' Opdef of our kernels
@@ -67,59 +64,6 @@ def take_kernel_errors() -> list[Exception]:
     errors = list(records)
     records.clear()
     return errors
-
-
-def encode_attributes(attributes: dict) -> str:
-    """The text of the ``exact_attributes`` node attribute: floats as exact hex, strings as is."""
-    floats = {k: float(v).hex() for k, v in sorted(attributes.items()) if isinstance(v, float)}
-    strings = {k: v for k, v in sorted(attributes.items()) if not isinstance(v, float)}
-    return json.dumps({"floats": floats, "strings": strings}, separators=(",", ":"))
-
-
-@lru_cache(maxsize=256)
-def decode_attributes(text: str) -> dict:
-    """Inverse of :func:`encode_attributes` (cached: a node's text never changes)."""
-    encoded = json.loads(text)
-    return {**{k: float.fromhex(v) for k, v in encoded["floats"].items()}, **encoded["strings"]}
-
-
-_EXTENSIONS = "onnxruntime_extensions"
-
-
-def extensions_pyop_module():
-    """onnxruntime-extensions' PyOp module (``onnxruntime_extensions._ocos``), loaded without
-    running the package's ``__init__`` unless the caller already imported the package.
-
-    The module is imported under a placeholder parent package that is removed right after,
-    so a later ``import onnxruntime_extensions`` runs the real ``__init__``, which finds this
-    same ``_ocos`` (and its compiled ``_extensions_pydll``) in ``sys.modules``: one op list,
-    one invocation hook, shared with the user's own PyOps. (One trace of the trick: on that
-    later package, ``_ocos`` is reached through ``from onnxruntime_extensions import _ocos``
-    or ``sys.modules``, not as an attribute set by the import system.)
-    """
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    name = f"{_EXTENSIONS}._ocos"
-    if name in sys.modules:
-        return sys.modules[name]
-    if _EXTENSIONS in sys.modules:
-        return importlib.import_module(name)
-    spec = importlib.util.find_spec(_EXTENSIONS)
-    if spec is None or not spec.submodule_search_locations:
-        raise TrainingOpError("onnxruntime-extensions is not installed: pip install onnxruntime-extensions "
-                              "(or prepare the model with portable=True, which needs no plugin)")
-    placeholder = types.ModuleType(_EXTENSIONS)
-    placeholder.__path__ = list(spec.submodule_search_locations)
-    placeholder.__package__ = _EXTENSIONS
-    sys.modules[_EXTENSIONS] = placeholder
-    try:
-        return importlib.import_module(name)
-    finally:
-        if sys.modules.get(_EXTENSIONS) is placeholder:
-            del sys.modules[_EXTENSIONS]
 
 
 def _make_kernel(op_type: str):
@@ -176,7 +120,8 @@ def _failed_outputs(opdef, feed, attributes: dict, error: Exception) -> list[np.
 
 def register() -> None:
     """Register the optimizers with onnxruntime-extensions (idempotent; done by
-    :func:`session_options`, :func:`library_path` and ``prepare``, not on import)."""
+    :func:`.options.session_options`, :func:`.options.library_path` and ``prepare``, not on
+    import)."""
     global _previous_hook
     if _registered_ids:
         return
@@ -221,33 +166,3 @@ def keep_freed_memory(limit_bytes: int = 1 << 30) -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3
     limit = int(min(limit_bytes, (1 << 31) - 1))
     return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, limit))
-
-
-def library_path() -> str:
-    """Path of the onnxruntime-extensions custom-op library that hosts the kernels (registered
-    first, so that options which register this path themselves see them)."""
-    register()
-    return extensions_pyop_module().get_library_path()
-
-
-def session_options(so: ort.SessionOptions | None = None) -> ort.SessionOptions:
-    """``so`` (or new SessionOptions) with the kernel library registered (once, however often called)."""
-    register()
-    so = so if so is not None else ort.SessionOptions()
-    try:  # registering twice makes every session of these options fail ("Conflicting ... kernel")
-        so.get_session_config_entry(_REGISTERED_MARK)
-    except Exception:  # noqa: BLE001 - onnxruntime raises when the entry is absent
-        _register_native()
-        so.register_custom_ops_library(library_path())
-        so.add_session_config_entry(_REGISTERED_MARK, "1")
-    return so
-
-
-def _register_native() -> None:
-    """Add the native kernels (:mod:`.native`) first, unless ``ONNX_TRAINING_OPS_KERNELS=pyop``."""
-    import os
-
-    if os.environ.get("ONNX_TRAINING_OPS_KERNELS", "").strip().lower() != "pyop":
-        from . import native
-
-        native.register()

@@ -39,12 +39,12 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from .schema import OPTIMIZERS
+from ..passes.target_native import NATIVE_DOMAIN, NATIVE_OP_TYPES
+from ..schema import OPTIMIZERS
+from .extensions import extensions_library_path
 
 _log = logging.getLogger(__name__)
 
-NATIVE_DOMAIN = "ai.onnx.contrib"  # where onnxruntime-extensions registers external ops
-NATIVE_OP_TYPES = {"Adam": "TrainingAdam", "Momentum": "TrainingMomentum", "Adagrad": "TrainingAdagrad"}
 MIN_API_VERSION = 17  # KernelContext_ParallelFor
 OP_VERSION = 16  # OrtCustomOp fields read up to KernelComputeV2 (CreateKernelV2/KernelComputeV2 need 16)
 PARALLEL_MIN = 1 << 15  # elements: below, one thread (waking the pool costs more)
@@ -93,10 +93,10 @@ _GetAttrString = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_cha
                                   ctypes.POINTER(ctypes.c_size_t))
 _GetNodeName = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
 
-_lock = threading.RLock()
+lock = threading.RLock()  # registration and the availability probe, one thread at a time
+_availability: tuple[bool, str] | None = None
 _keepalive: list = []  # structs, callbacks and strings onnxruntime points to: never freed
 _registered = False
-_availability: tuple[bool, str] | None = None
 _checked_apis: set[int] = set()
 
 
@@ -107,7 +107,7 @@ class _Api:
     """The few ``OrtApi`` functions kernel creation calls, read from the live table."""
 
     def __init__(self, address: int) -> None:
-        from .kernels import _native_kernels as nk
+        from ..kernels import _native_kernels as nk
 
         table = ctypes.cast(address, ctypes.POINTER(ctypes.c_void_p))
         self.create_status = _CreateStatus(table[nk.API_CREATE_STATUS])
@@ -193,7 +193,7 @@ def _messages(op_type: str, node: str) -> list[str]:
 
 def _state_block(op_type: str, api: int, info: int, calls: _Api) -> int:
     """A ``malloc``-ed kernel state for one node (see ``ST_*`` in ``_native_kernels``)."""
-    from .kernels import _native_kernels as nk
+    from ..kernels import _native_kernels as nk
 
     node = calls.node_name(info)
     spec = OPTIMIZERS[op_type]
@@ -293,7 +293,7 @@ def _string(text: str) -> int:
 def _custom_op(op_type: str) -> OrtCustomOp:
     """An ``OrtCustomOp`` for ``op_type``: inputs ``R`` (float/double), ``T`` (int64),
     then the tensors (variadic, one element type); outputs variadic, one element type."""
-    from .kernels import _native_kernels as nk
+    from ..kernels import _native_kernels as nk
 
     spec = OPTIMIZERS[op_type]
     name = _string(NATIVE_OP_TYPES[op_type])
@@ -335,12 +335,10 @@ def _api_version() -> int:
 
 
 def _extensions_library():
-    from .plugin import library_path  # the PyOp module only: never the package's cvt (torch)
-
-    return ctypes.CDLL(library_path())
+    return ctypes.CDLL(extensions_library_path())
 
 
-def _static_check() -> str:
+def unavailable_reason() -> str:
     """Why the native path cannot work here ('' when nothing is known against it)."""
     if os.name != "posix" or ctypes.sizeof(ctypes.c_void_p) != 8:
         return "needs a 64-bit Linux or macOS process"
@@ -353,7 +351,7 @@ def _static_check() -> str:
     if not hasattr(library, "AddExternalCustomOp"):
         return "the onnxruntime-extensions library does not export AddExternalCustomOp"
     try:
-        from .kernels import _native_kernels  # noqa: F401 - compiles or loads the cfuncs
+        from ..kernels import _native_kernels  # noqa: F401 - compiles or loads the cfuncs
     except Exception as error:  # noqa: BLE001
         return f"cannot build the numba kernels: {error}"
     return ""
@@ -364,10 +362,10 @@ def register() -> bool:
 
     Call before ``register_custom_ops_library``: options registered earlier lack them."""
     global _registered
-    with _lock:
+    with lock:
         if _registered:
             return True
-        if _static_check():
+        if unavailable_reason():
             return False
         library = _extensions_library()
         library.AddExternalCustomOp.restype = ctypes.c_bool
@@ -385,9 +383,9 @@ def register() -> bool:
 def availability() -> tuple[bool, str]:
     """``(True, '')`` when the native kernels run here, else ``(False, reason)`` (probed once)."""
     global _availability
-    with _lock:
+    with lock:
         if _availability is None:
-            reason = _static_check()
+            reason = unavailable_reason()
             if not reason:
                 try:
                     reason = _probe()
@@ -401,8 +399,7 @@ def _probe() -> str:
     """Run one Adam node (two tensors, T=1) natively; '' when it matches the reference."""
     from onnx import TensorProto, helper
 
-    from . import plugin
-    from .kernels import adam
+    from ..kernels import adam
 
     if not register():
         return "registration failed"
@@ -419,7 +416,8 @@ def _probe() -> str:
     feeds = {"R": np.array(0.1, np.float32), "T": np.array(1, np.int64)}
     for n in names[2:]:
         feeds[n] = rng.random(3, dtype=np.float32) + (1.0 if n[0] == "H" else 0.0)
-    so = plugin.session_options(ort.SessionOptions())
+    so = ort.SessionOptions()  # the native ops only: what the probe runs
+    so.register_custom_ops_library(extensions_library_path())
     sess = ort.InferenceSession(model.SerializeToString(),
                                 so, providers=["CPUExecutionProvider"])
     got = sess.run(None, feeds)
@@ -428,36 +426,6 @@ def _probe() -> str:
     if not all(np.array_equal(a, b) for a, b in zip(got, want)):
         return "the probe session's result differs from the reference kernel"
     return ""
-
-
-KERNELS_ENV = "ONNX_TRAINING_OPS_KERNELS"
-KERNEL_PATHS = ("native", "pyop")
-_announced: set[str] = set()
-
-
-def select_kernels(kernels: str | None = None) -> str:
-    """The kernel path :func:`onnx_training_ops.prepare` targets: ``"native"`` or ``"pyop"``.
-
-    ``kernels`` (``"native"``, ``"pyop"``, ``"auto"``/None) else ``$ONNX_TRAINING_OPS_KERNELS``
-    else ``"auto"``: native where :func:`availability` says it works. Forcing ``"native"``
-    where it does not work raises TrainingOpError. Logs the choice once per process."""
-    from .errors import TrainingOpError
-
-    requested = (kernels or os.environ.get(KERNELS_ENV) or "auto").strip().lower()
-    if requested not in ("auto", *KERNEL_PATHS):
-        raise TrainingOpError(f"kernels must be 'native', 'pyop' or 'auto', found {requested!r}")
-    if requested == "pyop":
-        path, note = "pyop", "requested"
-    else:
-        ok, reason = availability()
-        if not ok and requested == "native":
-            raise TrainingOpError(f"the native kernels were requested but do not work here: {reason}")
-        path, note = ("native", "zero-copy, ai.onnx.contrib") if ok else ("pyop", f"native unavailable: {reason}")
-    if path + note not in _announced:
-        _announced.add(path + note)
-        level = logging.WARNING if note.startswith("native unavailable") else logging.INFO
-        _log.log(level, "onnx_training_ops: optimizer kernels: %s (%s)", path, note)
-    return path
 
 
 def native_error_message(error: BaseException) -> str | None:
@@ -472,7 +440,7 @@ def native_error_message(error: BaseException) -> str | None:
     return message
 
 
-__all__ = ["NATIVE_DOMAIN", "NATIVE_OP_TYPES", "availability", "register", "select_kernels", "OrtCustomOp"]
+__all__ = ["NATIVE_DOMAIN", "NATIVE_OP_TYPES", "OrtCustomOp", "availability", "native_error_message", "register"]
 
 if sys.byteorder != "little":  # pragma: no cover - the state block is written little-endian
-    _static_check = lambda: "needs a little-endian machine"  # noqa: E731
+    unavailable_reason = lambda: "needs a little-endian machine"  # noqa: E731

@@ -46,9 +46,10 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .errors import TrainingOpError
-from .passes._graph import all_graphs, subgraphs
-from .update_graph import Ops, emit_update
+from ..errors import TrainingOpError
+from ..walk import all_graphs, subgraphs
+from .ops import Ops
+from .emit_update import emit_update
 
 MODES = ("dense", "lazy", "sparse")
 

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .errors import TrainingOpError
+from ..errors import TrainingOpError
 
 CHECKSUM_KEY = "onnx_training_ops.checksums"
 

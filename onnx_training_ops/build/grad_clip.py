@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .errors import TrainingOpError
+from ..errors import TrainingOpError
 
 EPSILON = 1e-6  # torch's clip_grad_norm_
 

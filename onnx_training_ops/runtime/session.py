@@ -8,11 +8,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from .passes import ModelLike, prepare
-from .errors import TrainingOpError
-from .interrupts import held_interrupts
+from ..storage.model_files import ModelLike
+from .pipeline import prepare
+from ..errors import TrainingOpError
+from ..interrupts import held_interrupts
 from .native import native_error_message
-from .plugin import Interrupted, session_options, take_kernel_errors
+from .plugin import Interrupted, take_kernel_errors
+from .options import session_options
 
 
 class InferenceSession(ort.InferenceSession):

@@ -48,7 +48,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .errors import TrainingOpError
+from ..errors import TrainingOpError
 
 
 def _real(cls: str, name: str, value) -> float:

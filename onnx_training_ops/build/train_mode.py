@@ -28,8 +28,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import TrainingOpError
-from .passes._graph import all_graphs, all_names, unique_name
+from ..errors import TrainingOpError
+from ..walk import all_graphs
+from ..passes._graph import all_names, unique_name
 
 PREFIX = "train/"
 STANDARD_DOMAINS = ("", "ai.onnx")

@@ -33,7 +33,7 @@ from typing import Callable, ClassVar, Sequence
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import TrainingOpError
+from ..errors import TrainingOpError
 
 REDUCTIONS = ("mean", "sum")
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Mapping
 
-from .errors import TrainingOpError
+from ..errors import TrainingOpError
 
 
 def _positive_int(cls: str, name: str, value) -> int:

@@ -1,0 +1,26 @@
+"""The training-model builder: inference model + loss + optimizer -> one ONNX training model.
+
+:func:`build_training_model` (:mod:`.model`) runs named steps, each in its own module:
+
+* :mod:`.train_mode` — the training-mode forward pass (BatchNorm batch statistics, Dropout);
+* :mod:`.loss_graph` — the loss nodes, on :mod:`.losses` (torch's loss classes);
+* :mod:`.trainables` — which initializers train, every op on the way differentiable;
+* :mod:`.update` — learning rates, T + 1, the Gradient node, clipping (:mod:`.grad_clip`),
+  the optimizers (:mod:`.optimizers`, :mod:`.rmsprop`, emitted by :mod:`.emit_update`) per
+  parameter group (:mod:`.param_groups`), row updates of tables (:mod:`.sparse_updates`);
+* :mod:`.initialization` — the initialization graph;
+* :mod:`.algorithm`, :mod:`.ops` — the algorithm graph under construction, node emission;
+* :mod:`.model_metadata` — what the builder records in the model for the session to read.
+
+May import: errors, schema, walk, storage, autodiff, passes (never runtime or training: a
+model is built without onnxruntime).
+"""
+
+from .losses import BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss, SmoothL1Loss
+from .model_metadata import META_PREFIX, metadata
+from .model import build_training_model
+from .optimizers import Adagrad, Adam, AdamW, Momentum
+from .rmsprop import RMSProp
+
+__all__ = ["Adagrad", "Adam", "AdamW", "BCEWithLogitsLoss", "CrossEntropyLoss", "HuberLoss", "L1Loss",
+           "META_PREFIX", "MSELoss", "Momentum", "RMSProp", "SmoothL1Loss", "build_training_model", "metadata"]

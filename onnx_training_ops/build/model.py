@@ -1,0 +1,239 @@
+"""Inference model + loss + optimizer -> one ONNX training model (``ModelProto.training_info``).
+
+The result follows the IR spec ("Training Related Information"): the main graph is the
+inference graph, unchanged; one TrainingInfoProto holds
+
+* ``initialization``: the optimizer state (V, H) at its initial value and T = 0,
+  bound by ``initialization_binding``;
+* ``algorithm``: the loss over the main graph's output, one ``Gradient`` node for all
+  trainables, **one** multi-tensor optimizer node and T <- T + 1, bound by
+  ``update_binding`` (every parameter, V, H and T).
+
+The spec runs the algorithm on the main graph and the algorithm graph concatenated, so the
+forward pass is the main graph itself: the algorithm's nodes read the main graph's inputs
+and outputs by name and the algorithm adds only the loss inputs (``labels`` or ``target``)
+and the learning rate (``learning_rate``, a float scalar input whose initializer holds the
+optimizer's ``lr`` as default, so schedules just feed it).
+
+Optimizer state lives in the algorithm graph's initializers (``<param>.V``, ``<param>.H``,
+``optimizer.T``); the spec lets update bindings name them, and the main graph stays as it was.
+
+:func:`build_training_model` runs named steps in order, each in a module of its own:
+``_forward`` (the forward pass the loss reads: the main graph in ``mode="eval"``, a
+training-mode copy in ``mode="train"``, :mod:`.train_mode`), :func:`.loss_graph.add_loss`,
+:func:`.trainables.choose_trainables` and :func:`.trainables.check_differentiable` (every
+op without a derivative rule listed at once), :func:`.update.add_learning_rates`,
+:func:`.update.add_update` (T + 1, one Gradient, one optimizer node per group, their
+bindings), :func:`.initialization.initialization_graph`, ``_finish`` (versions, metadata).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping, Sequence
+
+import onnx
+from onnx import helper
+
+from ..errors import TrainingOpError
+from ..passes._graph import all_names, value_types
+from ..passes.fit_runtime import fit_runtime, runtime_limits
+from ..schema import DOMAIN, OPSET_VERSION
+from ..storage.model_files import load_model
+from . import sparse_updates as sparse_updates_
+from .algorithm import Algorithm, training_info
+from .grad_clip import checked_limit
+from .initialization import initialization_graph
+from .loss_graph import add_loss, label_range
+from .model_metadata import set_metadata
+from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
+from .param_groups import groups_to_json, resolve_groups
+from .rmsprop import RMSProp
+from .train_mode import fit_opset, to_inference, training_forward
+from .trainables import check_differentiable, choose_trainables
+from .update import add_learning_rates, add_update
+
+MIN_OPSET = 13
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    raise TrainingOpError("the model imports no ai.onnx opset")
+
+
+def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ai.onnx opset >= 13 (SoftmaxCrossEntropyLoss, ReduceMean forms); fit_runtime clamps the top."""
+    opset = default_opset(model)
+    if opset < MIN_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+        except Exception as error:  # noqa: BLE001
+            raise TrainingOpError(
+                f"the model imports ai.onnx opset {opset}; training models need >= {MIN_OPSET} and "
+                f"onnx.version_converter failed: {error}"
+            ) from error
+    return model
+
+
+def _check_choices(mode: str, optimizer) -> None:
+    if mode not in ("eval", "train"):
+        raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
+    if not isinstance(optimizer, (Adam, Momentum, Adagrad, RMSProp)):
+        raise TrainingOpError(
+            f"optimizer must be onnx_training_ops.Adam, AdamW, Momentum, Adagrad or RMSProp, found "
+            f"{type(optimizer).__name__}"
+        )
+
+
+def _forward(model: onnx.ModelProto, mode: str, seed: int, t_name: str, types,
+             algo: Algorithm) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The forward pass the loss reads. ``"eval"``: the main graph itself (nothing to add).
+    ``"train"``: a training-mode copy in the algorithm graph (:mod:`.train_mode`); returns
+    the copy's names of main-graph values and the running-statistic updates."""
+    if mode == "eval":
+        return {}, []
+    to_inference(model.graph)
+    ranks = {name: len(vt.shape) for name, vt in types.items() if vt.shape is not None}
+    forward, renamed, stat_updates = training_forward(
+        model.graph, ranks, default_opset(model), t_name, seed, algo.name)
+    algo.nodes += forward
+    return renamed, stat_updates
+
+
+def _finish(model: onnx.ModelProto, meta: dict[str, str]) -> onnx.ModelProto:
+    """Versions the installed onnxruntime loads (IR >= 7 for training_info), the training
+    domain's opset, and the builder's metadata (replacing an earlier build's)."""
+    max_ir, _ = runtime_limits()
+    model = fit_runtime(model)
+    model.ir_version = max(min(model.ir_version or max_ir, max_ir), 7)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    set_metadata(model, meta)
+    return model
+
+
+def build_training_model(
+    model,
+    loss: str,
+    optimizer: Optimizer,
+    trainable=None,
+    *,
+    output: str | None = None,
+    labels: str | None = None,
+    learning_rate: str = "learning_rate",
+    mode: str = "eval",
+    seed: int = 0,
+    param_groups: Sequence[Mapping] | None = None,
+    clip_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
+    sparse_updates: Mapping[str, str] | None = None,
+) -> onnx.ModelProto:
+    """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
+
+    Parameters
+    ----------
+    model:
+        an inference model (ModelProto, path or bytes), e.g. from ``onnx.helper`` or
+        ``torch.onnx.export``. Opsets below 13 are converted.
+    loss:
+        a loss of :mod:`onnx_training_ops.build.losses` (``CrossEntropyLoss(...)``, ``MSELoss()``,
+        ``L1Loss()``, ``HuberLoss()``, ``SmoothL1Loss()``, ``BCEWithLogitsLoss()``), one of
+        their names (``"mse"``, ``"cross_entropy"``, ``"l1"``, ``"huber"``, ``"smooth_l1"``,
+        ``"bce_with_logits"``; defaults as in torch) reading ``output`` and a new input
+        (``labels`` int64 for cross-entropy, ``target`` shaped like the output otherwise),
+        or the name of a scalar float output already in the model.
+    optimizer:
+        :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.AdamW`,
+        :class:`~onnx_training_ops.Momentum` or :class:`~onnx_training_ops.Adagrad`.
+    trainable:
+        names of main-graph initializers to train; default: what torch would call the
+        parameters — every float/double initializer of rank >= 1 with a differentiable path
+        to the loss, except BatchNormalization's running statistics.
+    output:
+        the model output the loss reads; default the first output.
+    labels:
+        name of the new label/target input; default ``"labels"`` (cross_entropy) or ``"target"`` (mse).
+    learning_rate:
+        name of the algorithm graph's learning-rate input R (default value ``optimizer.lr``);
+        other parameter groups get ``<learning_rate>.<group name>``.
+    mode:
+        ``"eval"`` (default): the loss reads the inference graph as it is. ``"train"``: the
+        algorithm graph runs a training-mode copy of the forward pass, like torch's
+        ``model.train()`` — BatchNormalization on batch statistics with its running
+        statistics updated as state, Dropout with a fresh mask each step (see
+        :mod:`onnx_training_ops.build.train_mode`); the main graph stays the eval-mode graph.
+    seed:
+        the dropout masks' seed (``mode="train"``): same seed, same masks.
+    param_groups:
+        torch-style parameter groups chosen by glob or regex patterns, with per-group
+        optimizer values and ``frozen`` groups (:mod:`onnx_training_ops.build.param_groups`): one
+        optimizer node and one learning-rate input per group.
+    clip_grad_norm, clip_grad_value:
+        gradient clipping as ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
+        (:mod:`onnx_training_ops.build.grad_clip`); the norm before clipping is the output
+        ``grad_norm`` that ``step`` returns.
+    sparse_updates:
+        ``{trainable name or glob pattern: "dense" | "lazy" | "sparse"}`` for embedding
+        tables (trainables read only by axis-0 ``Gather``): gradients kept as (unique
+        indices, summed rows) and, with ``"lazy"``, only the looked-up rows updated
+        (torch ``SparseAdam``); ``"sparse"`` is TensorFlow's sparse apply. See
+        :mod:`onnx_training_ops.build.sparse_updates`.
+    """
+    _check_choices(mode, optimizer)
+    clip_grad_norm = checked_limit("clip_grad_norm", clip_grad_norm)
+    clip_grad_value = checked_limit("clip_grad_value", clip_grad_value)
+    model = _fit_opset(load_model(model))
+    if mode == "train":
+        model = fit_opset(model)  # Dropout masks need opset 18
+    if model.training_info:
+        raise TrainingOpError("the model already has training_info; pass the inference model")
+    types = value_types(model)
+    elem_types = {name: vt.elem_type for name, vt in types.items()}
+    algo = Algorithm(all_names(model.graph))
+
+    t_name = algo.name("optimizer.T")  # the update count, also the dropout masks' counter
+    renamed, stat_updates = _forward(model, mode, seed, t_name, types, algo)
+    spec, loss_name, eval_loss, target = add_loss(model, loss, output, labels, types, renamed, algo)
+    candidates = choose_trainables(model, trainable, algo.nodes, loss_name, elem_types)
+    groups, frozen = resolve_groups([p.name for p in candidates], param_groups, optimizer, learning_rate)
+    params = [p for p in candidates if p.name not in frozen]
+    check_differentiable(model, algo.nodes, loss_name, params, elem_types)
+
+    add_learning_rates(groups, params, algo)
+    modes = sparse_updates_.resolve_modes(sparse_updates, [p.name for p in params])
+    tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
+                                         algo.nodes if mode == "train" else model.graph.node)
+    state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
+                                     clip_grad_value, algo, tables)
+    initialization, init_binding = initialization_graph(params, groups, state_names, t_name,
+                                                   algo.taken, algo.inits)
+    inits = {t.name: t for t in model.graph.initializer}
+    for stat, new in stat_updates:  # running statistics (mode="train"): state, not trained
+        algo.bind(stat, new, inits[stat].data_type, inits[stat].dims)
+    model.training_info.append(training_info(algo, initialization, init_binding))
+
+    outputs = {o.name: o for o in model.graph.output}
+    meta = {
+        "optimizer": to_json(optimizer),
+        "loss": loss_name,
+        "labels": target,
+        "label_range": label_range(spec, types, outputs, output),
+        "learning_rate": learning_rate,
+        "trainable": ",".join(p.name for p in params),
+        # each trainable's optimizer state variables (what sharding the state must keep together)
+        "optimizer_state": json.dumps({p.name: [v for k, v in state_names.items() if k.split("\0")[0] == p.name]
+                                       for p in params}),
+        "mode": mode,
+        "seed": str(seed),
+    }
+    if eval_loss != loss_name:
+        meta["eval_loss"] = eval_loss
+    if param_groups is not None:
+        meta["param_groups"] = groups_to_json(groups)
+    if norm_name:
+        meta["grad_norm"] = norm_name
+    if modes:
+        meta["sparse_updates"] = json.dumps(modes)
+    return _finish(model, meta)

@@ -1,0 +1,47 @@
+"""SessionOptions for the onnxruntime sessions a TrainingSession opens (one per program).
+
+Each onnxruntime session gets a fresh SessionOptions (``InferenceSession`` registers the
+kernel library in the options it is given): every settable attribute of the user's options,
+the config entries among :data:`CONFIG_KEYS` it holds, and ``session_config``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import onnxruntime as ort
+
+# every settable SessionOptions attribute (intra_op_num_threads, enable_profiling, ...)
+_OPTION_ATTRIBUTES = [name for name, value in vars(ort.SessionOptions).items()
+                      if isinstance(value, property) and value.fset is not None]
+# config entries copied from a given SessionOptions (onnxruntime cannot list them; pass any
+# other through ``session_config``)
+CONFIG_KEYS = (
+    "session.intra_op.allow_spinning", "session.inter_op.allow_spinning",
+    "session.force_spinning_stop", "session.set_denormal_as_zero", "session.use_env_allocators",
+    "session.disable_prepacking", "session.intra_op_thread_affinities", "session.dynamic_block_base",
+    "session.disable_cpu_ep_fallback", "session.use_device_allocator_for_initializers",
+    "session.disable_aot_function_inlining", "optimization.enable_gelu_approximation",
+    "optimization.disable_specified_optimizers", "session.qdqisint8allowed",
+)
+
+
+def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str]) -> ort.SessionOptions:
+    """A new SessionOptions: ``base``'s attributes and known config entries, then ``config``.
+    Without ``base``, onnxruntime's own log is silenced (errors come back as our exception;
+    its log line would repeat them)."""
+    so = ort.SessionOptions()
+    if base is None:
+        so.log_severity_level = 4
+    else:
+        for attr in _OPTION_ATTRIBUTES:
+            setattr(so, attr, getattr(base, attr))
+        for key in CONFIG_KEYS:
+            try:
+                value = base.get_session_config_entry(key)
+            except Exception:  # not set
+                continue
+            so.add_session_config_entry(key, value)
+    for key, value in config.items():
+        so.add_session_config_entry(key, value)
+    return so

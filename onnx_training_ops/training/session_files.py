@@ -1,0 +1,69 @@
+"""Part of :class:`~onnx_training_ops.TrainingSession`: checkpoints, exports, properties, profiles."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import onnx
+
+from ..build.model_metadata import META_PREFIX
+from ..errors import TrainingOpError
+from ..storage import checkpoint
+from .checks import checked_properties
+from .inference import inference_model
+from .locked import locked
+
+
+class Checkpointing:
+    """A mixin of TrainingSession: what :meth:`save` writes and the inference model it exports."""
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        """User values (str, int, float, bool) saved atomically with each checkpoint and
+        restored with it: epoch, best metric, data position (onnxruntime-training's
+        ``CheckpointState`` properties)."""
+        return self._properties
+
+    @locked
+    def training_model(self) -> onnx.ModelProto:
+        """The training model with the current state as initializers, the properties and the
+        schedule's position (what :meth:`save` writes)."""
+        return checkpoint.write_state(self._model, self._state, self.checkpoint_metadata())
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """The metadata entries a checkpoint of this session carries (properties, schedule)."""
+        return {META_PREFIX + "properties": checked_properties(self._properties) if self._properties else "",
+                META_PREFIX + "lr_schedule": self._rates.to_json()}
+
+    @locked
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the training model with the current state, atomically; reloading resumes bit-exact."""
+        if "shard" in self._meta:
+            raise TrainingOpError(
+                "save: this session holds one rank's shard of the optimizer state (ZeRO-1); save through "
+                "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")
+        return checkpoint.save_model(self.training_model(), path)
+
+    @locked
+    def export_inference_model(self, path: str | os.PathLike | None = None) -> onnx.ModelProto:
+        """The main graph with the trained weights and no training_info (written to ``path`` if given)."""
+        model = inference_model(self._model, self._state, with_state_values=True)
+        if not model.graph.output:
+            raise TrainingOpError("export_inference_model: the main graph has no outputs")
+        if path is not None:
+            checkpoint.save_model(model, path)
+        return model
+
+    @locked
+    def end_profiling(self) -> list[str]:
+        """With ``sess_options.enable_profiling``: end profiling in every onnxruntime session
+        this session opened (step programs, stages, evaluation, inference) and return the
+        trace files onnxruntime wrote."""
+        sessions = [p.session for p in self._programs] + [p.session for p in self._eval_programs.values()]
+        if self._accumulation.built:
+            backward, apply, _, _ = self._accumulation.programs()
+            sessions += [backward.session, apply.session]
+        if self._inference is not None:
+            sessions.append(self._inference[0])
+        return [path for path in (s.end_profiling() for s in sessions) if path]

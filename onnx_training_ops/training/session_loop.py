@@ -1,0 +1,155 @@
+"""Part of :class:`~onnx_training_ops.TrainingSession`: the training loop in torch's vocabulary.
+
+``evaluate`` (eval-mode loss, nothing changes), ``backward``/``optimizer_step``/``zero_grad``
+(gradient accumulation, :mod:`.accumulation`), ``gradients`` and the flat gradient buffers
+collectives reduce, and the learning-rate schedule (:mod:`.rates`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import TrainingOpError
+from .feeds import Feed, checked_learning_rate, feed_list
+from .binding import open_program
+from .locked import locked
+from .program import Program, build_program, program_feeds
+from .stages import GRAD_SCALE, evaluation_model
+from .step import run_program
+
+
+class TrainingLoop:
+    """A mixin of TrainingSession (``self._accumulation``, ``self._rates``, ``self._state``...)."""
+
+    # ------------------------------------------------------------------ evaluation
+
+    @locked
+    def eval_feeds(self, outputs: Sequence[str] = ()) -> list[Feed]:
+        """What :meth:`evaluate` takes (for the same ``outputs``)."""
+        return feed_list(*program_feeds(self._eval_program(tuple(outputs))))
+
+    @locked
+    def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """The loss (the eval-mode loss of a ``mode="train"`` model: dropout off, BatchNorm
+        running statistics) and ``outputs`` with the current weights; nothing changes."""
+        program = self._eval_program(tuple(outputs))
+        required, optional = program_feeds(program)
+        self._check_feeds(feeds, {f.name for f in required}, {f.name for f in optional})
+        result, _ = run_program(program, feeds, None, self._state, "ignore")
+        eval_loss, loss = self._meta.get("eval_loss"), self._meta.get("loss")
+        if eval_loss in result and loss not in outputs:  # the eval-mode loss, under the loss's name
+            result[loss] = result.pop(eval_loss)
+        return result
+
+    def _eval_program(self, outputs: tuple[str, ...]) -> Program:
+        if outputs not in self._eval_programs:
+            loss = self._meta.get("eval_loss") or self._meta.get("loss", "")
+            if not loss and not outputs:
+                raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
+            derived = evaluation_model(self._model, loss, list(outputs)) if loss else \
+                evaluation_model(self._model, outputs[0], list(outputs[1:]))
+            program = build_program(derived, 0, self._state, self._state_protos, self._meta, False,
+                                    prune_inputs=True)
+            self._eval_programs[outputs] = open_program(program, self._state, self._session_options(),
+                                                        self._providers)
+        return self._eval_programs[outputs]
+
+    # ------------------------------------------------------------------ learning rates
+
+    @property
+    def learning_rates(self) -> dict[str, float]:
+        """The learning rate of each input for the next optimizer step (schedule or default)."""
+        return self._rates.next()
+
+    @property
+    def lr_schedule(self):
+        """The attached schedule (:mod:`onnx_training_ops.schedules`) or None."""
+        return self._rates.schedule
+
+    @property
+    def lr_schedule_step(self) -> int:
+        """Optimizer steps taken under the schedule (torch's ``scheduler.last_epoch``)."""
+        return self._rates.step
+
+    @locked
+    def set_lr_schedule(self, schedule, step: int = 0) -> None:
+        """Drive every learning-rate input by ``schedule`` from optimizer step ``step`` on
+        (each from its own default as base rate, as torch's ``base_lrs``); None detaches it.
+        Saved in checkpoints with its position."""
+        self._rates.attach(schedule, step)
+
+    # ------------------------------------------------------------------ gradient accumulation
+
+    def _stage_programs(self):
+        return self._accumulation.programs()
+
+    @locked
+    def backward(self, feeds: Mapping[str, Any], scale: float = 1.0) -> dict[str, np.ndarray]:
+        """Add this batch's gradients (times ``scale``) to the accumulated ones; returns the
+        loss. Parameters and optimizer state do not change (BatchNorm running statistics do,
+        as in torch's forward). For the mean over k micro-batches pass ``scale=1/k``, as
+        torch users divide the loss. Non-finite losses follow ``on_nonfinite``."""
+        backward = self._accumulation.programs()[0]
+        required, optional = program_feeds(backward)
+        self._check_feeds(feeds, {f.name for f in required} - {GRAD_SCALE}, {f.name for f in optional})
+        scale = checked_learning_rate(scale, "backward: scale")
+        result, skipped = self._accumulation.backward(feeds, scale, self.on_nonfinite)
+        if skipped:
+            self.skipped_steps += 1
+        return result
+
+    @locked
+    def optimizer_step(self, lr: float | Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
+        """Apply the accumulated gradients (clipping, weight decay, the optimizer, T + 1),
+        then zero them; returns the apply stage's outputs (``grad_norm`` when clipping)."""
+        if not self._accumulation.count:
+            raise TrainingOpError("optimizer_step: no gradients accumulated since the last optimizer "
+                                  "step; call backward(feeds) first")
+        result = self._accumulation.apply(self._rates.for_step(lr))
+        self._rates.step += 1
+        return result
+
+    @locked
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradients (torch's ``zero_grad(set_to_none=False)``)."""
+        self._accumulation.zero()
+
+    @property
+    def accumulated_batches(self) -> int:
+        """How many ``backward`` calls the accumulated gradients hold."""
+        return self._accumulation.count
+
+    @locked
+    def gradients(self) -> dict[str, np.ndarray]:
+        """A copy of each trainable's accumulated gradient (zeros before any backward). A
+        sparse table's (``sparse_updates``) is dense, table-sized: the summed gradients of its
+        looked-up rows, zero elsewhere (which rows count as touched is kept apart)."""
+        return self._accumulation.gradients()
+
+    @locked
+    def gradient_buffers(self) -> list[np.ndarray]:
+        """The live accumulated gradients as flat 1-D buffers, one per dtype: every
+        ``gradients()`` entry is a view into one of them. Changing them in place (an
+        all-reduce across processes) changes what :meth:`optimizer_step` applies. A sparse
+        table adds two views to its dtype's buffer, after the dense gradients: its dense
+        gradient, then a per-row counter of lookups (> 0: the row is updated), so a sum
+        then × 1/world over processes keeps both right."""
+        self._accumulation.programs()
+        return list(self._accumulation.buffers)
+
+    @locked
+    def gradient_views(self) -> list[tuple[str, np.ndarray]]:
+        """(trainable, live accumulator) pairs: views into :meth:`gradient_buffers`, for
+        collectives that treat trainables apart (a sharded optimizer reduces each gradient to
+        the rank that owns its trainable). A sparse table has two, back to back: its dense
+        gradient, then its per-row touched counter (see :meth:`gradient_buffers`)."""
+        return self._accumulation.views()
+
+    @property
+    def buffer_names(self) -> list[str]:
+        """State the backward stage updates from the batch (BatchNorm running statistics), not
+        the optimizer: per-process in data-parallel training, like torch's module buffers."""
+        backward = self._accumulation.programs()[0]
+        return [k for k in backward.binding if k in self._state]
