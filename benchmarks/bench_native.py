@@ -36,7 +36,8 @@ import time
 
 import numpy as np
 
-from onnx_training_ops import bench, native
+from onnx_training_ops import bench
+from onnx_training_ops.runtime import native
 
 
 CONTENDERS = {

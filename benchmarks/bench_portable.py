@@ -34,7 +34,7 @@ import onnxruntime as ort
 
 from onnx_training_ops import bench
 from onnx_training_ops.bench.contenders import session_options
-from onnx_training_ops.passes import prepare
+from onnx_training_ops.runtime.pipeline import prepare
 
 
 def _options(optimized_path: str) -> ort.SessionOptions:

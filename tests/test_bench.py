@@ -115,7 +115,7 @@ def test_native_and_portable_contenders_update_the_state_in_place_as_the_referen
     """Both bind X/V/H as one OrtValue in and out: the caller's buffers hold the new state."""
     import numpy as np
 
-    from onnx_training_ops import native
+    from onnx_training_ops.runtime import native
 
     if name == "graph_native" and not native.availability()[0]:
         pytest.skip(f"native kernels unavailable: {native.availability()[1]}")

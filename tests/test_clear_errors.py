@@ -162,7 +162,7 @@ def test_the_cli_tells_an_internal_error_from_a_reported_failure(monkeypatch, ca
     def broken(model):
         raise KeyError("a bug")
 
-    monkeypatch.setattr("onnx_training_ops.passes.prepare", broken)
+    monkeypatch.setattr("onnx_training_ops.runtime.pipeline.prepare", broken)
     source = tmp_path / "m.onnx"
     onnx.save(optimizer_model("Adam"), source)
     assert cli.main(["prepare", str(source), str(tmp_path / "out.onnx")]) == 3

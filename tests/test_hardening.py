@@ -16,10 +16,10 @@ import onnx
 import pytest
 
 from model_factory import optimizer_model
-from onnx_training_ops import (Adam, InferenceSession, TrainingOpError, TrainingSession,
-                               build_training_model, checkpoint)
+from onnx_training_ops import Adam, InferenceSession, TrainingOpError, TrainingSession, build_training_model
+from onnx_training_ops.storage import checkpoint
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.plugin import MAX_RECORDS, take_kernel_errors
+from onnx_training_ops.runtime.plugin import MAX_RECORDS, take_kernel_errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -317,7 +317,7 @@ def test_prepare_handles_our_own_training_models(name):
     """The algorithm graph may read main-graph values (the IR concatenates the graphs); its
     optimizer nodes are split and carry exact attributes like the main graph's."""
     from onnx_training_ops import prepare
-    from onnx_training_ops.plugin import EXACT_ATTRIBUTE
+    from onnx_training_ops.passes.encode_exact_attributes import EXACT_ATTRIBUTE
     model = onnx.load(os.path.join(MODELS, name))
     native = prepare(model, kernels="native").training_info[0].algorithm
     assert [n.domain for n in native.node if n.op_type.startswith("Training")] == ["ai.onnx.contrib"]

@@ -11,7 +11,8 @@ from onnx import helper as h
 
 from onnx_training_ops import Adagrad, Adam, Momentum, NonFiniteLossError, TrainingSession, build_training_model
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.native import NATIVE_DOMAIN, availability
+from onnx_training_ops.passes.target_native import NATIVE_DOMAIN
+from onnx_training_ops.runtime.native import availability
 from onnx_training_ops.training.in_place import add_finite_guard, in_place_outputs
 
 pytestmark = pytest.mark.skipif(not availability()[0], reason="the native kernels do not work here")
@@ -90,7 +91,7 @@ def test_accumulated_steps_apply_in_place_bit_identical():
         for k in range(3):
             session.backward(_batch(k), scale=1 / 3)
         session.optimizer_step()
-    assert full._stages[1].in_place
+    assert full._accumulation.programs()[1].in_place
     _assert_same_state(fast, full)
 
 

@@ -1,4 +1,4 @@
-"""The native kernels (onnx_training_ops.native): layout, path selection, results, errors.
+"""The native kernels (onnx_training_ops.runtime.native): layout, path selection, results, errors.
 
 Every result test runs the same models through both kernel paths, forced with
 ``prepare(..., kernels=...)``, and wants the reference kernels' outputs bit for bit (both
@@ -20,7 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import onnx_training_ops as ot
-from onnx_training_ops import native
+from onnx_training_ops.passes.target_native import NATIVE_OP_TYPES
+from onnx_training_ops.runtime import native, options
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.schema import DOMAIN
 
@@ -59,7 +60,7 @@ def test_native_ops_land_in_the_contrib_domain():
     assert "exact_attributes" not in {a.name for a in nodes[0].attribute}
     assert any(o.domain == "ai.onnx.contrib" for o in prepared.opset_import)
     # distinct from the PyOps' names: the extensions library loops forever on a clash
-    assert not set(native.NATIVE_OP_TYPES.values()) & {"Adam", "Momentum", "Adagrad"}
+    assert not set(NATIVE_OP_TYPES.values()) & {"Adam", "Momentum", "Adagrad"}
 
 
 def test_pyop_path_is_unchanged():
@@ -68,21 +69,21 @@ def test_pyop_path_is_unchanged():
 
 
 def test_environment_variable_forces_a_path(monkeypatch):
-    monkeypatch.setenv(native.KERNELS_ENV, "pyop")
+    monkeypatch.setenv(options.KERNELS_ENV, "pyop")
     assert ot.prepare(optimizer_model("Adagrad")).graph.node[0].domain == DOMAIN
-    monkeypatch.setenv(native.KERNELS_ENV, "native")
+    monkeypatch.setenv(options.KERNELS_ENV, "native")
     assert ot.prepare(optimizer_model("Adagrad")).graph.node[0].domain == "ai.onnx.contrib"
     assert ot.prepare(optimizer_model("Adagrad"), kernels="pyop").graph.node[0].domain == DOMAIN  # argument wins
-    monkeypatch.setenv(native.KERNELS_ENV, "fast")
+    monkeypatch.setenv(options.KERNELS_ENV, "fast")
     with pytest.raises(TrainingOpError, match="'native', 'pyop' or 'auto'"):
         ot.prepare(optimizer_model("Adagrad"))
 
 
 def test_unavailable_native_falls_back_with_one_log_line(monkeypatch, caplog):
     monkeypatch.setattr(native, "_availability", (False, "simulated mismatch"))
-    monkeypatch.setattr(native, "_announced", set())
-    monkeypatch.delenv(native.KERNELS_ENV, raising=False)
-    with caplog.at_level(logging.INFO, logger="onnx_training_ops.native"):
+    monkeypatch.setattr(options, "_announced", set())
+    monkeypatch.delenv(options.KERNELS_ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="onnx_training_ops.runtime.options"):
         for _ in range(2):
             assert ot.prepare(optimizer_model("Adam")).graph.node[0].domain == DOMAIN
     lines = [r.getMessage() for r in caplog.records]
@@ -159,7 +160,7 @@ def test_iobinding_same_value_in_and_out_updates_in_place(op_type, mode, n):
 def test_conformance_passes_on_each_path(kernels, monkeypatch):
     from onnx_training_ops.conformance import run_conformance
 
-    monkeypatch.setenv(native.KERNELS_ENV, kernels)
+    monkeypatch.setenv(options.KERNELS_ENV, kernels)
     results = run_conformance()
     assert [r.name for r in results if not r.passed] == []
     assert len(results) == 9
@@ -198,7 +199,7 @@ def test_invalid_mode_fails_session_creation_naming_the_node():
     for attribute in model.graph.node[0].attribute:
         if attribute.name == "mode":
             attribute.s = b"sideways"
-    from onnx_training_ops.plugin import session_options
+    from onnx_training_ops.runtime.options import session_options
 
     with pytest.raises(Exception, match="Momentum node 'm': attribute 'mode' must be 'standard' or 'nesterov'"):
         ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])

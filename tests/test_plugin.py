@@ -9,7 +9,8 @@ from onnx import helper as h
 from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
 import onnx_training_ops as ot
-from onnx_training_ops import plugin
+from onnx_training_ops.passes.encode_exact_attributes import EXACT_ATTRIBUTE, encode_attributes
+from onnx_training_ops.runtime import plugin
 
 
 @onnx_op(op_type="test.onnx_training_ops::ShoutStrings", inputs=[PyCustomOpDef.dt_string], outputs=[PyCustomOpDef.dt_string])
@@ -67,8 +68,8 @@ def test_hook_hands_back_arrays_not_lists():
     feed = [np.array(0.1, dtype), np.array(0, np.int64)] + [np.ones(5, dtype) for _ in range(n_in - 2)]
     op_type = opdef.op_type.split("::")[1]
     attrs = {"alpha": 0.9, "beta": 0.5, "mode": "standard", "norm_coefficient": 0.0} if op_type == "Momentum" else {}
-    text = plugin.encode_attributes({**ot.schema.OPTIMIZERS[op_type].defaults, **attrs, "node": "n"})
-    result = plugin._hook(opdef_id, feed, {plugin.EXACT_ATTRIBUTE: text})
+    text = encode_attributes({**ot.schema.OPTIMIZERS[op_type].defaults, **attrs, "node": "n"})
+    result = plugin._hook(opdef_id, feed, {EXACT_ATTRIBUTE: text})
     assert result[0] == opdef_id
     assert all(isinstance(r, np.ndarray) for r in result[2::2])
 

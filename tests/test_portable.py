@@ -26,8 +26,9 @@ from test_kernels_property import (SESSION, VARIANT_IDS, VARIANTS, assert_within
 
 import onnx_training_ops as ot
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.passes import PORTABLE_PASSES, prepare
-from onnx_training_ops.passes._graph import model_graphs
+from onnx_training_ops.passes import PORTABLE_PASSES
+from onnx_training_ops.runtime.pipeline import prepare
+from onnx_training_ops.walk import model_graphs
 
 ATTRIBUTES = {  # every attribute away from its default
     "Adam": dict(alpha=0.8, beta=0.95, epsilon=1e-3, norm_coefficient=0.02, norm_coefficient_post=0.01),

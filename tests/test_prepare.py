@@ -9,7 +9,7 @@ from model_factory import DOMAIN, optimizer_model
 
 import onnx_training_ops as ot
 from onnx_training_ops.passes.fit_runtime import runtime_limits
-from onnx_training_ops.plugin import EXACT_ATTRIBUTE, decode_attributes
+from onnx_training_ops.passes.encode_exact_attributes import EXACT_ATTRIBUTE, decode_attributes
 
 
 def domain_nodes(model):

@@ -133,7 +133,7 @@ def test_gradient_buffers_average_across_processes():
         single.backward({"ids": data[r][0], "target": data[r][1]}, scale=0.5)
     (buffer,) = ranks[0].gradient_buffers()  # one dtype: W's gradient, E's, E's counter
     assert buffer.size == 4 + N * 4 + N
-    assert np.shares_memory(buffer, ranks[0]._acc["E.grad.accumulated"])
+    assert np.shares_memory(buffer, ranks[0]._accumulation.accumulators["E.grad.accumulated"])
     mean = (ranks[0].gradient_buffers()[0] + ranks[1].gradient_buffers()[0]) * 0.5
     for s in ranks:
         s.gradient_buffers()[0][...] = mean

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from onnx_training_ops import (Adam, AdamW, Momentum, TrainingOpError, TrainingSession,  # noqa: E402
                                build_training_model)
-from onnx_training_ops import schedules as S  # noqa: E402
+from onnx_training_ops.training import schedules as S  # noqa: E402
 from onnx_training_ops.demo import make_mlp  # noqa: E402
 from test_torch_parity import _max_relative_error, _params_onnx_layout, _torch_net  # noqa: E402
 

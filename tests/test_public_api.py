@@ -1,0 +1,77 @@
+"""The public API stays where the README and docs say it is.
+
+Every name of ``onnx_training_ops.__all__``; every module path of 0.1 (``onnx_training_ops.plugin``,
+``.builder``...) as the same module object as its new home; and every
+``from onnx_training_ops... import ...`` and dotted ``onnx_training_ops.x.y`` the README,
+docs/ and examples/ mention.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import onnx_training_ops
+from onnx_training_ops import _moved
+from onnx_training_ops.storage.checkpoint import CHECKSUM_KEY
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").rglob("*.py"))]
+FROM_IMPORT = re.compile(r"from (onnx_training_ops(?:\.\w+)*) import (?:\(([^)]*)\)|([\w, ]+))")
+DOTTED = re.compile(r"`(onnx_training_ops(?:\.\w+)+)")
+NOT_PYTHON = {CHECKSUM_KEY}  # metadata_props keys the documents name in the same form
+
+
+def _resolve(dotted: str):
+    """The module or attribute ``dotted`` names (importing modules along the way)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def _mentions() -> list[tuple[str, str]]:
+    found = set()
+    for path in DOCUMENTS:
+        text = path.read_text()
+        for module, wrapped, names in FROM_IMPORT.findall(text):
+            for item in (wrapped or names).split(","):
+                name = item.split(" as ")[0].strip()
+                if name.isidentifier():
+                    found.add((path.name, f"{module}.{name}"))
+        for dotted in DOTTED.findall(text):
+            if dotted not in NOT_PYTHON:
+                found.add((path.name, dotted))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", onnx_training_ops.__all__)
+def test_every_name_in_all_imports_from_the_package(name):
+    assert getattr(onnx_training_ops, name) is not None
+
+
+@pytest.mark.parametrize("old,new", sorted(_moved.MOVED.items()))
+def test_a_module_path_of_0_1_is_the_module_at_its_new_path(old, new):
+    moved = importlib.import_module(f"onnx_training_ops.{old}")
+    assert moved is importlib.import_module(f"onnx_training_ops.{new}")
+    assert moved.__spec__.name == f"onnx_training_ops.{new}"  # its own identity, not the old name's
+    assert sys.modules[f"onnx_training_ops.{old}"] is moved
+
+
+def test_the_documents_mention_many_names():
+    assert len(_mentions()) > 40  # the scan below is not vacuous
+
+
+@pytest.mark.parametrize("where,dotted", _mentions())
+def test_every_name_the_documents_mention_resolves(where, dotted):
+    _resolve(dotted)
