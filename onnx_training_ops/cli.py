@@ -1,4 +1,4 @@
-"""Command line: ``python -m onnx_training_ops {prepare,conformance,train,bench} ...`` (also ``onnx-training-ops``).
+"""Command line: ``python -m onnx_training_ops {prepare,conformance,train,bench,import-ortt} ...`` (also ``onnx-training-ops``).
 
 Exit status: 0 success; 1 the command ran and reports a failure (a conformance case
 failed, the demo's accuracy is below ``--min-accuracy``); 2 bad usage or input (argparse's
@@ -45,6 +45,27 @@ def _prepare(args: argparse.Namespace) -> int:
     model = prepare(args.input, portable=True) if args.portable else prepare(args.input)
     save_model(model, args.output)
     print(f"prepared {args.input} -> {args.output}" + (" (portable: standard ONNX ops only)" if args.portable else ""))
+    return EXIT_OK
+
+
+def _import_ortt(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from .storage.checkpoint import save_model
+    from .errors import TrainingOpError
+
+    _require("flatbuffers", "migrate")
+    from .migrate import import_onnxruntime_training
+
+    if os.path.isdir(args.output):
+        raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
+    model = import_onnxruntime_training(args.artifacts, checkpoint=args.checkpoint, lr=args.lr)
+    save_model(model, args.output)
+    meta = {m.key: m.value for m in model.metadata_props}
+    step = json.loads(meta["onnx_training_ops.imported_from"])["step"]
+    print(f"imported {args.artifacts} ({args.checkpoint}, {step} steps done) -> {args.output}: "
+          f"TrainingSession({args.output!r}) continues the run")
     return EXIT_OK
 
 
@@ -135,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower the optimizer nodes to standard ONNX ops instead: the result runs in any "
                         "onnxruntime (any language binding) or onnx.reference with nothing registered")
     p.set_defaults(func=_prepare)
+    m = commands.add_parser(
+        "import-ortt", help="turn onnxruntime-training artifacts + checkpoint into one training model",
+        description="Read an onnxruntime-training artifact folder (eval_model.onnx, optimizer_model.onnx, "
+                    "a checkpoint) and write one ONNX training model holding the checkpoint's parameters, "
+                    "AdamW moments, step and properties (needs the migrate extra).")
+    m.add_argument("artifacts", help="the folder generate_artifacts wrote")
+    m.add_argument("output", help="the training model to write (atomically)")
+    m.add_argument("--checkpoint", default="checkpoint",
+                   help="the checkpoint's file name in the folder, or a path (default: checkpoint)")
+    m.add_argument("--lr", type=float, default=None,
+                   help="learning rate of the imported model (default: the checkpoint's initial learning rate)")
+    m.set_defaults(func=_import_ortt)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
     c.add_argument("--portable", action="store_true",
                    help="run them on the portable form (prepare --portable) in plain onnxruntime")

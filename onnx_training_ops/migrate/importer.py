@@ -1,0 +1,126 @@
+"""``import_onnxruntime_training``: an onnxruntime-training artifact folder -> one training model.
+
+The folder is what ``onnxruntime.training.artifacts.generate_artifacts`` writes, plus the
+checkpoints the on-device API saved there. What is read:
+
+* the checkpoint (:mod:`.checkpoint`): trainable and frozen parameters, the optimizer state
+  (AdamW's moments and step) and the property bag;
+* ``eval_model.onnx``: the forward graph and the loss (:func:`.artifacts.split_eval_model`);
+  ``training_model.onnx`` (onnxruntime's own gradient graph) is not needed;
+* ``optimizer_model.onnx``: the AdamW attributes (:func:`.artifacts.read_optimizer`).
+
+The result is a builder training model (:func:`onnx_training_ops.build_training_model`) with
+:class:`~.adamw.OrtAdamW`, onnxruntime-training's AdamW formula exactly, whose state holds the
+checkpoint: parameters, V = ``momentum0``, H = ``momentum1``, T = the group's step, properties.
+``TrainingSession(model)`` continues the run onnxruntime-training would have made. A checkpoint
+without optimizer state gives a fresh optimizer (zero moments, T = 0), as onnxruntime-training's
+``Optimizer`` starts one. A nominal checkpoint holds names only (no values, no shapes) and is
+refused with that message.
+
+The learning rate is not in the checkpoint (onnxruntime-training saves the *initial* learning
+rate, 1e-3 unless a scheduler set it, not the one ``set_learning_rate`` gave): pass ``lr=``, or
+``step(lr=...)``/a schedule later. Writing back to onnxruntime-training's checkpoint format is
+not provided: the imported model is our checkpoint from then on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..build import META_PREFIX, build_training_model
+from ..storage.checkpoint import write_state
+from ..errors import TrainingOpError
+from .artifacts import fill_parameters, read_optimizer, split_eval_model
+from .checkpoint import OrtCheckpoint, read_checkpoint
+
+DEFAULT_LR = 1e-3  # onnxruntime-training's GroupOptimizerState learning rate
+
+
+def _load(path: Path, what: str) -> onnx.ModelProto:
+    if not path.is_file():
+        hint = " (ORT-format .ort artifacts are not supported: generate them with ort_format=False)" \
+            if path.with_suffix(".ort").is_file() else ""
+        raise TrainingOpError(f"{path}: missing; an onnxruntime-training artifact folder has the {what}{hint}")
+    try:
+        return onnx.load(str(path))
+    except Exception as e:  # noqa: BLE001 - protobuf raises several types for a damaged file
+        raise TrainingOpError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
+
+
+def _optimizer_state(ckpt: OrtCheckpoint, trainable: list[str], lr_name: str) -> tuple[dict, int, float | None]:
+    """({state name: array}, step, the group's initial learning rate) from group 0."""
+    if not ckpt.optimizer_groups:
+        return {}, 0, None
+    if len(ckpt.optimizer_groups) != 1:
+        names = [g.name for g in ckpt.optimizer_groups]
+        raise TrainingOpError(f"{ckpt.path}: {len(names)} optimizer groups {names}; onnxruntime-training "
+                              "trains one group ('group0')")
+    group = ckpt.optimizer_groups[0]
+    state = {}
+    for p in trainable:
+        moments = group.moments.get(p)
+        if moments is None or set(moments) != {"momentum0", "momentum1"}:
+            raise TrainingOpError(f"{ckpt.path}: optimizer group {group.name!r} has no AdamW moments "
+                                  f"'momentum0'/'momentum1' for parameter {p!r} (found {sorted(moments or [])})")
+        for ours, theirs in (("V", "momentum0"), ("H", "momentum1")):
+            value = moments[theirs]
+            if value.shape != ckpt.trainable[p].shape or value.dtype != ckpt.trainable[p].dtype:
+                raise TrainingOpError(f"{ckpt.path}: moment {theirs!r} of {p!r} is {value.dtype} "
+                                      f"{list(value.shape)}, the parameter {ckpt.trainable[p].dtype} "
+                                      f"{list(ckpt.trainable[p].shape)}")
+            state[f"{p}.{ours}"] = value
+    return state, group.step, group.initial_learning_rate
+
+
+def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: str = "checkpoint",
+                                lr: float | None = None) -> onnx.ModelProto:
+    """One training model that continues the onnxruntime-training run saved in ``artifact_dir``.
+
+    ``checkpoint``: the checkpoint's file name in the folder (or a path). ``lr``: the learning
+    rate the model's steps use by default; without it the checkpoint's initial learning rate
+    (see the module docstring). ``TrainingSession(model)`` trains it; ``save`` writes our
+    checkpoint.
+    """
+    folder = Path(artifact_dir)
+    if not folder.is_dir():
+        raise TrainingOpError(f"{folder}: not a folder; expected onnxruntime-training's artifact folder "
+                              "(eval_model.onnx, optimizer_model.onnx, checkpoint)")
+    ckpt_path = Path(checkpoint) if os.path.isabs(checkpoint) else folder / checkpoint
+    ckpt = read_checkpoint(ckpt_path)
+    if ckpt.nominal:
+        raise TrainingOpError(
+            f"{ckpt_path}: a nominal checkpoint: onnxruntime-training stored only the parameter names and "
+            f"types ({len(ckpt.shapes)} parameters), no values (and no shapes). Import the complete "
+            "checkpoint; to ship a model without values use TrainingSession.save(path, nominal=True)")
+    eval_path, optim_path = folder / "eval_model.onnx", folder / "optimizer_model.onnx"
+    eval_model = _load(eval_path, "eval model (forward + loss)")
+    declared = [i.name for i in eval_model.graph.input]
+    trainable = [n for n in declared if n in ckpt.trainable]  # the eval model's order
+    if len(trainable) != len(ckpt.trainable):
+        extra = sorted(set(ckpt.trainable) - set(trainable))
+        raise TrainingOpError(f"{ckpt_path}: trainable parameter(s) {extra} are not inputs of {eval_path}")
+    if not trainable:
+        raise TrainingOpError(f"{ckpt_path}: no trainable parameters")
+    state, step, initial_lr = _optimizer_state(ckpt, trainable, "learning_rate")
+    rate = lr if lr is not None else (initial_lr if initial_lr is not None else DEFAULT_LR)
+    optimizer = read_optimizer(_load(optim_path, "optimizer model"), str(optim_path), rate)
+
+    split = split_eval_model(eval_model, set(ckpt.shapes), str(eval_path))
+    fill_parameters(split.forward, {**ckpt.trainable, **ckpt.frozen}, str(eval_path))
+    model = build_training_model(split.forward, loss=split.loss, optimizer=optimizer, trainable=trainable,
+                                 output=split.output, labels=split.labels)
+    state["optimizer.T"] = np.array(step, np.int64)
+    names = {i.name for i in model.training_info[0].algorithm.initializer}
+    missing = sorted(set(state) - names)
+    if missing:  # the builder names states "<param>.V"/"<param>.H" unless a name was taken
+        raise TrainingOpError(f"{ckpt_path}: the built model has no state variable(s) {missing[:3]}")
+    meta = {META_PREFIX + "imported_from": json.dumps({"onnxruntime_training": str(folder),
+                                                       "checkpoint": ckpt_path.name, "step": step})}
+    if ckpt.properties:
+        meta[META_PREFIX + "properties"] = json.dumps(ckpt.properties, sort_keys=True)
+    return write_state(model, state, meta)
