@@ -162,7 +162,7 @@ def read_checkpoint(path: str | os.PathLike) -> OrtCheckpoint:
             ckpt.frozen = _tensors(module.frozen_params(), "frozen-parameter", path, ckpt.nominal, ckpt)
         ckpt.optimizer_groups = _groups(root, path)
         ckpt.properties = _properties(root)
-    except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
+    except (struct.error, IndexError, TypeError, OverflowError, UnicodeDecodeError, ValueError) as e:
         if isinstance(e, TrainingOpError):
             raise
         raise TrainingOpError(f"{path}: the checkpoint is damaged (its flatbuffer offsets point outside "
