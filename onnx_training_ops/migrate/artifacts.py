@@ -126,7 +126,8 @@ def split_eval_model(model: onnx.ModelProto, params: set[str], path: str) -> Spl
 
 
 def fill_parameters(model: onnx.ModelProto, values: dict[str, np.ndarray], path: str) -> None:
-    """Turn the parameter inputs of ``model`` into initializers holding ``values`` (in place)."""
+    """Turn the parameter inputs of ``model`` into initializers holding ``values`` (in place),
+    in the order the model declares them (onnxruntime-training's order of the parameters)."""
     declared = {i.name: i for i in model.graph.input}
     missing = sorted(n for n in values if n not in declared)
     if missing:
@@ -141,7 +142,8 @@ def fill_parameters(model: onnx.ModelProto, values: dict[str, np.ndarray], path:
                                              or tensor_type.HasField("shape") and len(dims) != value.ndim):
             raise TrainingOpError(f"{path}: parameter {name!r} is {value.dtype} {list(value.shape)} in "
                                   f"the checkpoint, but the eval model declares {np.dtype(elem)} {dims}")
+    order = [i.name for i in model.graph.input if i.name in values]  # the model's, as theirs
     kept = [i for i in model.graph.input if i.name not in values]
     del model.graph.input[:]
     model.graph.input.extend(kept)
-    model.graph.initializer.extend(numpy_helper.from_array(v, n) for n, v in values.items())
+    model.graph.initializer.extend(numpy_helper.from_array(values[n], n) for n in order)
