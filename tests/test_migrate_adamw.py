@@ -20,6 +20,7 @@ import pytest
 from onnx import TensorProto, helper
 from ortt_fixtures import ORTT, trajectory
 
+from onnx_training_ops import Momentum
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.migrate import OrtAdamW, read_checkpoint
 from onnx_training_ops.migrate.adamw import emit_update
@@ -110,9 +111,23 @@ def test_bad_hyper_parameters_are_named(kwargs, message):
         OrtAdamW(**kwargs)
 
 
-def test_an_optimizer_model_without_adamw_is_refused_with_what_it_holds():
-    node = helper.make_node("SGDOptimizerV2", ["a"] * 3, ["f"], domain="com.microsoft")
+def test_an_optimizer_model_of_another_op_is_refused_with_what_it_holds():
+    node = helper.make_node("LambOptimizer", ["a"] * 3, ["f"], domain="com.microsoft")
     model = helper.make_model(helper.make_graph([node], "g", [], []))
     with pytest.raises(TrainingOpError, match=r"optim\.onnx: expected one com\.microsoft::AdamWOptimizer"
-                                              r" .*found com\.microsoft::SGDOptimizerV2"):
+                                              r" or SGDOptimizerV2 .*found com\.microsoft::LambOptimizer"):
         read_optimizer(model, "optim.onnx", 0.1)
+
+
+def test_their_sgd_is_momentum_zero_and_replays_bit_for_bit():
+    """SGDOptimizerV2 computes ``w + (-lr) * g``; ONNX Momentum(alpha=0, beta=1) ``X - R * G``."""
+    t = trajectory("mlp_sgd")
+    opt = read_optimizer(onnx.load(str(ORTT / "mlp_sgd" / "optimizer_model.onnx")), "sgd", float(t["lr"]))
+    assert opt == Momentum(lr=float(t["lr"]), momentum=0.0)
+    from onnx_training_ops.kernels import momentum
+    for n in t["trainable"]:
+        for step in range(20):
+            x, g = t[f"p/{n}"][step], t[f"g/{n}"][step]
+            (x_new, _) = momentum(np.float32(t["lr"]), np.int64(step), x, g, np.zeros_like(x),
+                                  **opt.attributes())
+            assert np.array_equal(x_new, t[f"p/{n}"][step + 1]), (n, step)

@@ -31,7 +31,7 @@ def _continue(case: str, checkpoint: str = "checkpoint_10", first: int = 10) -> 
     return session, losses
 
 
-@pytest.mark.parametrize("case", ["mlp", "bert", "mlp_wd", "mlp_torch"])
+@pytest.mark.parametrize("case", ["mlp", "bert", "mlp_wd", "mlp_torch", "mlp_sgd"])
 def test_ten_steps_there_then_ten_here_equal_twenty_there(case):
     session, losses = _continue(case)
     theirs = trajectory(case)["losses"][10:]

@@ -1,7 +1,8 @@
 """Reading onnxruntime-training's artifact models: the optimizer model and the eval model.
 
 * :func:`read_optimizer` — the ``com.microsoft::AdamWOptimizer`` node of ``optimizer_model.onnx``
-  as an :class:`~.adamw.OrtAdamW` (a missing attribute takes the kernel's default).
+  as an :class:`~.adamw.OrtAdamW` (a missing attribute takes the kernel's default), or its
+  ``SGDOptimizerV2`` as ``Momentum(momentum=0)``.
 * :func:`split_eval_model` — ``eval_model.onnx`` is the forward graph plus the loss block, with
   the parameters as graph inputs (their values live in the checkpoint). When the loss is
   onnxblock's ``CrossEntropyLoss`` (one ``SoftmaxCrossEntropyLoss`` node reading a forward
@@ -21,6 +22,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
 from ..build.losses import CrossEntropyLoss
+from ..build.optimizers import Momentum
 from .adamw import OrtAdamW
 
 MS_DOMAIN = "com.microsoft"
@@ -29,13 +31,17 @@ KERNEL_DEFAULTS = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-8, "weight_decay":
                    "adam_mode": 0, "correct_bias": 1}
 
 
-def read_optimizer(model: onnx.ModelProto, path: str, lr: float) -> OrtAdamW:
-    """The one AdamWOptimizer node of the optimizer model at ``path``, with learning rate ``lr``."""
+def read_optimizer(model: onnx.ModelProto, path: str, lr: float) -> OrtAdamW | Momentum:
+    """The optimizer node of the optimizer model at ``path``, with learning rate ``lr``:
+    ``AdamWOptimizer`` -> :class:`OrtAdamW` (a missing attribute takes the kernel's default);
+    ``SGDOptimizerV2`` (``w - lr * g``) -> ``Momentum(momentum=0)``, the same arithmetic."""
     nodes = [n for n in model.graph.node if n.domain == MS_DOMAIN]
-    if len(nodes) != 1 or nodes[0].op_type != "AdamWOptimizer":
+    if len(nodes) != 1 or nodes[0].op_type not in ("AdamWOptimizer", "SGDOptimizerV2"):
         found = ", ".join(f"{n.domain}::{n.op_type}" for n in nodes) or "no optimizer node"
-        raise TrainingOpError(f"{path}: expected one com.microsoft::AdamWOptimizer node (what "
-                              f"generate_artifacts writes for OptimType.AdamW), found {found}")
+        raise TrainingOpError(f"{path}: expected one com.microsoft::AdamWOptimizer or SGDOptimizerV2 node "
+                              f"(what generate_artifacts writes for OptimType.AdamW / SGD), found {found}")
+    if nodes[0].op_type == "SGDOptimizerV2":
+        return Momentum(lr=lr, momentum=0.0)
     attrs = {**KERNEL_DEFAULTS, **{a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}}
     try:
         return OrtAdamW(lr=lr, betas=(float(attrs["alpha"]), float(attrs["beta"])),

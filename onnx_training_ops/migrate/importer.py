@@ -10,8 +10,9 @@ checkpoints the on-device API saved there. What is read:
 * ``optimizer_model.onnx``: the AdamW attributes (:func:`.artifacts.read_optimizer`).
 
 The result is a builder training model (:func:`onnx_training_ops.build_training_model`) with
-:class:`~.adamw.OrtAdamW`, onnxruntime-training's AdamW formula exactly, whose state holds the
-checkpoint: parameters, V = ``momentum0``, H = ``momentum1``, T = the group's step, properties.
+:class:`~.adamw.OrtAdamW`, onnxruntime-training's AdamW formula (or ``Momentum(momentum=0)``
+for its SGD), whose state holds the checkpoint: parameters, V = ``momentum0``,
+H = ``momentum1``, T = the group's step, properties.
 ``TrainingSession(model)`` continues the run onnxruntime-training would have made. A checkpoint
 without optimizer state gives a fresh optimizer (zero moments, T = 0), as onnxruntime-training's
 ``Optimizer`` starts one. A nominal checkpoint holds names only (no values, no shapes) and is
@@ -35,6 +36,8 @@ import onnx
 from ..build import META_PREFIX, build_training_model
 from ..storage.checkpoint import write_state
 from ..errors import TrainingOpError
+from ..build.optimizers import Momentum
+from .adamw import OrtAdamW
 from .artifacts import fill_parameters, read_optimizer, split_eval_model
 from .checkpoint import OrtCheckpoint, read_checkpoint
 
@@ -52,7 +55,12 @@ def _load(path: Path, what: str) -> onnx.ModelProto:
         raise TrainingOpError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
 
 
-def _optimizer_state(ckpt: OrtCheckpoint, trainable: list[str], lr_name: str) -> tuple[dict, int, float | None]:
+# our state name -> their moment name, per optimizer (SGD keeps a zero momentum0 it never reads)
+MOMENTS = {OrtAdamW: {"V": "momentum0", "H": "momentum1"}, Momentum: {}}
+
+
+def _optimizer_state(ckpt: OrtCheckpoint, trainable: list[str], moments: dict[str, str]
+                     ) -> tuple[dict, int, float | None]:
     """({state name: array}, step, the group's initial learning rate) from group 0."""
     if not ckpt.optimizer_groups:
         return {}, 0, None
@@ -63,12 +71,12 @@ def _optimizer_state(ckpt: OrtCheckpoint, trainable: list[str], lr_name: str) ->
     group = ckpt.optimizer_groups[0]
     state = {}
     for p in trainable:
-        moments = group.moments.get(p)
-        if moments is None or set(moments) != {"momentum0", "momentum1"}:
-            raise TrainingOpError(f"{ckpt.path}: optimizer group {group.name!r} has no AdamW moments "
-                                  f"'momentum0'/'momentum1' for parameter {p!r} (found {sorted(moments or [])})")
-        for ours, theirs in (("V", "momentum0"), ("H", "momentum1")):
-            value = moments[theirs]
+        found = group.moments.get(p, {})
+        for ours, theirs in moments.items():
+            value = found.get(theirs)
+            if value is None:
+                raise TrainingOpError(f"{ckpt.path}: optimizer group {group.name!r} has no moment {theirs!r} "
+                                      f"for parameter {p!r} (found {sorted(found)})")
             if value.shape != ckpt.trainable[p].shape or value.dtype != ckpt.trainable[p].dtype:
                 raise TrainingOpError(f"{ckpt.path}: moment {theirs!r} of {p!r} is {value.dtype} "
                                       f"{list(value.shape)}, the parameter {ckpt.trainable[p].dtype} "
@@ -106,9 +114,11 @@ def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: 
         raise TrainingOpError(f"{ckpt_path}: trainable parameter(s) {extra} are not inputs of {eval_path}")
     if not trainable:
         raise TrainingOpError(f"{ckpt_path}: no trainable parameters")
-    state, step, initial_lr = _optimizer_state(ckpt, trainable, "learning_rate")
+    optim_model = _load(optim_path, "optimizer model")
+    kind = type(read_optimizer(optim_model, str(optim_path), DEFAULT_LR))
+    state, step, initial_lr = _optimizer_state(ckpt, trainable, MOMENTS[kind])
     rate = lr if lr is not None else (initial_lr if initial_lr is not None else DEFAULT_LR)
-    optimizer = read_optimizer(_load(optim_path, "optimizer model"), str(optim_path), rate)
+    optimizer = read_optimizer(optim_model, str(optim_path), rate)
 
     split = split_eval_model(eval_model, set(ckpt.shapes), str(eval_path))
     fill_parameters(split.forward, {**ckpt.trainable, **ckpt.frozen}, str(eval_path))
