@@ -34,9 +34,9 @@ import numpy as np
 import onnx
 
 from ..build import META_PREFIX, build_training_model
-from ..storage.checkpoint import write_state
-from ..errors import TrainingOpError
 from ..build.optimizers import Momentum
+from ..errors import TrainingOpError
+from ..storage.checkpoint import write_state
 from .adamw import OrtAdamW
 from .artifacts import fill_parameters, read_optimizer, split_eval_model
 from .checkpoint import OrtCheckpoint, read_checkpoint
