@@ -47,6 +47,7 @@ class OrtCheckpoint:
     version: int
     trainable: dict[str, np.ndarray] = field(default_factory=dict)
     frozen: dict[str, np.ndarray] = field(default_factory=dict)
+    trainable_names: list[str] = field(default_factory=list)  # in file order (also when nominal)
     nominal: bool = False
     shapes: dict[str, tuple[np.dtype, tuple[int, ...]]] = field(default_factory=dict)
     optimizer_groups: list[OptimizerGroup] = field(default_factory=list)
@@ -159,6 +160,7 @@ def read_checkpoint(path: str | os.PathLike) -> OrtCheckpoint:
             ckpt.nominal = module.is_nominal_state()
             ckpt.trainable = _tensors(module.requires_grad_params(), "trainable-parameter", path,
                                       ckpt.nominal, ckpt)
+            ckpt.trainable_names = list(ckpt.shapes)
             ckpt.frozen = _tensors(module.frozen_params(), "frozen-parameter", path, ckpt.nominal, ckpt)
         ckpt.optimizer_groups = _groups(root, path)
         ckpt.properties = _properties(root)

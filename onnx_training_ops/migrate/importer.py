@@ -15,8 +15,10 @@ for its SGD), whose state holds the checkpoint: parameters, V = ``momentum0``,
 H = ``momentum1``, T = the group's step, properties.
 ``TrainingSession(model)`` continues the run onnxruntime-training would have made. A checkpoint
 without optimizer state gives a fresh optimizer (zero moments, T = 0), as onnxruntime-training's
-``Optimizer`` starts one. A nominal checkpoint holds names only (no values, no shapes) and is
-refused with that message.
+``Optimizer`` starts one. A nominal checkpoint holds names and types only (no values, no
+shapes): it imports, with a warning saying so, as our nominal model (shapes from the eval
+model), which a session opens and :meth:`~onnx_training_ops.TrainingSession.load_flat_parameters`
+fills, as their ``copy_buffer_to_parameters`` does.
 
 The learning rate is not in the checkpoint (onnxruntime-training saves the *initial* learning
 rate, 1e-3 unless a scheduler set it, not the one ``set_learning_rate`` gave): pass ``lr=``, or
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +40,8 @@ from ..build import META_PREFIX, build_training_model
 from ..build.optimizers import Momentum
 from ..errors import TrainingOpError
 from ..storage.checkpoint import write_state
+from ..training.nominal import nominal_model
+from ..training.state import collect_state_protos
 from .adamw import OrtAdamW
 from .artifacts import fill_parameters, read_optimizer, split_eval_model
 from .checkpoint import OrtCheckpoint, read_checkpoint
@@ -85,6 +90,21 @@ def _optimizer_state(ckpt: OrtCheckpoint, trainable: list[str], moments: dict[st
     return state, group.step, group.initial_learning_rate
 
 
+def _shapes_from(eval_model: onnx.ModelProto, ckpt: OrtCheckpoint) -> None:
+    """Zeros shaped as the eval model declares each parameter of the nominal ``ckpt`` (in place)."""
+    declared = {i.name: i.type.tensor_type for i in eval_model.graph.input}
+    for name, (dtype, _) in list(ckpt.shapes.items()):
+        tensor_type = declared.get(name)
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim] \
+            if tensor_type is not None and tensor_type.HasField("shape") else None
+        if dims is None or None in dims:
+            raise TrainingOpError(f"{ckpt.path}: nominal checkpoint: the eval model does not declare a full "
+                                  f"shape for parameter {name!r} ({dims}); import the complete checkpoint")
+        zeros = np.zeros(dims, dtype)
+        ckpt.shapes[name] = (dtype, zeros.shape)
+        (ckpt.trainable if name in ckpt.trainable_names else ckpt.frozen)[name] = zeros
+
+
 def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: str = "checkpoint",
                                 lr: float | None = None) -> onnx.ModelProto:
     """One training model that continues the onnxruntime-training run saved in ``artifact_dir``.
@@ -100,14 +120,11 @@ def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: 
                               "(eval_model.onnx, optimizer_model.onnx, checkpoint)")
     ckpt_path = Path(checkpoint) if os.path.isabs(checkpoint) else folder / checkpoint
     ckpt = read_checkpoint(ckpt_path)
-    if ckpt.nominal:
-        raise TrainingOpError(
-            f"{ckpt_path}: a nominal checkpoint: onnxruntime-training stored only the parameter names and "
-            f"types ({len(ckpt.shapes)} parameters), no values (and no shapes). Import the complete "
-            "checkpoint; to ship a model without values use TrainingSession.save(path, nominal=True)")
     eval_path, optim_path = folder / "eval_model.onnx", folder / "optimizer_model.onnx"
     eval_model = _load(eval_path, "eval model (forward + loss)")
     declared = [i.name for i in eval_model.graph.input]
+    if ckpt.nominal:
+        _shapes_from(eval_model, ckpt)
     trainable = [n for n in declared if n in ckpt.trainable]  # the eval model's order
     if len(trainable) != len(ckpt.trainable):
         extra = sorted(set(ckpt.trainable) - set(trainable))
@@ -133,4 +150,11 @@ def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: 
                                                        "checkpoint": ckpt_path.name, "step": step})}
     if ckpt.properties:
         meta[META_PREFIX + "properties"] = json.dumps(ckpt.properties, sort_keys=True)
+    if ckpt.nominal:
+        warnings.warn(f"{ckpt_path}: a nominal checkpoint: onnxruntime-training stored only the names and "
+                      f"types of {len(ckpt.shapes)} parameters, no values; the imported model is nominal "
+                      "(shapes from the eval model): load the parameters with "
+                      "TrainingSession.load_flat_parameters(buffer, trainable_only=False) before training",
+                      stacklevel=2)
+        return nominal_model(write_state(model, state, meta), [*collect_state_protos(model), *ckpt.shapes])
     return write_state(model, state, meta)

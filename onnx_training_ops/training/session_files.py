@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import onnx
 
@@ -11,8 +11,9 @@ from ..build.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..storage import checkpoint
 from .checks import checked_properties
-from .inference import inference_model
+from .inference import inference_model, with_outputs
 from .locked import locked
+from .nominal import nominal_model
 
 
 class Checkpointing:
@@ -37,18 +38,32 @@ class Checkpointing:
                 META_PREFIX + "lr_schedule": self._rates.to_json()}
 
     @locked
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the training model with the current state, atomically; reloading resumes bit-exact."""
+    def save(self, path: str | os.PathLike, nominal: bool = False) -> str:
+        """Write the training model with the current state, atomically; reloading resumes bit-exact.
+
+        ``nominal=True``: names, dtypes and shapes only (onnxruntime-training's nominal
+        checkpoint): the graphs without the values of the state and the parameters, for a
+        device that opens it and loads the parameters it receives (:meth:`load_flat_parameters`)."""
         if "shard" in self._meta:
             raise TrainingOpError(
                 "save: this session holds one rank's shard of the optimizer state (ZeRO-1); save through "
                 "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")
+        if nominal:
+            names = [*self._state, *self._parameters(trainable_only=False)]
+            return checkpoint.save_model(nominal_model(self.training_model(), names), path)
+        self._check_filled("save")
         return checkpoint.save_model(self.training_model(), path)
 
     @locked
-    def export_inference_model(self, path: str | os.PathLike | None = None) -> onnx.ModelProto:
-        """The main graph with the trained weights and no training_info (written to ``path`` if given)."""
+    def export_inference_model(self, path: str | os.PathLike | None = None,
+                               outputs: Sequence[str] | None = None) -> onnx.ModelProto:
+        """The main graph with the trained weights and no training_info (written to ``path`` if
+        given). ``outputs``: the values it computes (any of the main graph; default its outputs),
+        without what they do not need (``export_model_for_inferencing(path, graph_output_names)``)."""
+        self._check_filled("export_inference_model")
         model = inference_model(self._model, self._state, with_state_values=True)
+        if outputs is not None:
+            model = with_outputs(model, outputs)
         if not model.graph.output:
             raise TrainingOpError("export_inference_model: the main graph has no outputs")
         if path is not None:
