@@ -117,17 +117,16 @@ def _groups(root: fbs.Checkpoint, path: str) -> list[OptimizerGroup]:
     return groups
 
 
-def _properties(root: fbs.Checkpoint) -> dict[str, int | float | str]:
+def _properties(root: fbs.Checkpoint, path: str) -> dict[str, int | float | str]:
     bag = root.property_bag()
     if bag is None:
         return {}
     out: dict[str, int | float | str] = {}
-    for p in bag.ints():
-        out[p.name()] = int(p.value())
-    for p in bag.floats():
-        out[p.name()] = float(p.value())
-    for p in bag.strings():
-        out[p.name()] = p.value()
+    for p in [*bag.ints(), *bag.floats(), *bag.strings()]:
+        name, value = p.name(), p.value()
+        if not name or value is None:
+            raise TrainingOpError(f"{path}: a property without a name or value; the checkpoint is damaged")
+        out[name] = value
     return out
 
 
@@ -163,7 +162,7 @@ def read_checkpoint(path: str | os.PathLike) -> OrtCheckpoint:
             ckpt.trainable_names = list(ckpt.shapes)
             ckpt.frozen = _tensors(module.frozen_params(), "frozen-parameter", path, ckpt.nominal, ckpt)
         ckpt.optimizer_groups = _groups(root, path)
-        ckpt.properties = _properties(root)
+        ckpt.properties = _properties(root, path)
     except (struct.error, IndexError, TypeError, OverflowError, UnicodeDecodeError, ValueError) as e:
         if isinstance(e, TrainingOpError):
             raise

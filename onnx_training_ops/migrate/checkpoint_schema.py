@@ -136,27 +136,25 @@ class OptimizerGroup(_Table):
 
 
 class _Property(_Table):
-    value_kind = None
+    """``name:string`` then ``value`` (int64, float or string by subclass)."""
 
     def name(self) -> str | None:
         return self._string(0)
 
-    def value(self):
-        if self.value_kind is None:
-            return self._string(1)
-        return self._scalar(1, self.value_kind, 0)
-
 
 class IntProperty(_Property):
-    value_kind = _n.Int64Flags if flatbuffers else None
+    def value(self) -> int:
+        return self._scalar(1, _n.Int64Flags, 0)
 
 
 class FloatProperty(_Property):
-    value_kind = _n.Float32Flags if flatbuffers else None
+    def value(self) -> float:
+        return self._scalar(1, _n.Float32Flags, 0.0)
 
 
 class StringProperty(_Property):
-    value_kind = None
+    def value(self) -> str | None:
+        return self._string(1)
 
 
 class PropertyBag(_Table):

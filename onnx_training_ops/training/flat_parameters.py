@@ -18,7 +18,6 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from ..errors import TrainingOpError
 
@@ -27,12 +26,9 @@ def parameter_names(model: onnx.ModelProto, trainable: Sequence[str], trainable_
     """The names in the flat vector, in its order (see the module docstring)."""
     if trainable_only:
         return list(trainable)
-    names = []
-    for t in model.graph.initializer:
-        if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-                           onnx.TensorProto.BFLOAT16) and len(t.dims) >= 1 or t.name in trainable:
-            names.append(t.name)
-    return names
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    return [t.name for t in model.graph.initializer
+            if t.name in trainable or (t.data_type in floats and len(t.dims) >= 1)]
 
 
 def _dtype(arrays: Sequence[np.ndarray], names: Sequence[str], what: str) -> np.dtype:
@@ -101,6 +97,3 @@ def lay_out_flat(state: dict[str, np.ndarray], names: Sequence[str]) -> np.ndarr
         state[name] = view
     return buffer
 
-
-def elem_dtype(tensor: onnx.TensorProto) -> np.dtype:
-    return np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
