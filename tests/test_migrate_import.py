@@ -94,12 +94,6 @@ def test_the_main_graph_is_the_inference_model_and_labels_feed_the_loss_only():
     assert logits.shape == (4, 3)
 
 
-def test_the_nominal_checkpoint_is_refused_saying_only_names_exist():
-    with pytest.raises(TrainingOpError, match=r"nominal_checkpoint: a nominal checkpoint: .* names and "
-                                              r"types \(4 parameters\), no values"):
-        import_onnxruntime_training(ORTT / "mlp", checkpoint="nominal_checkpoint")
-
-
 def test_missing_and_foreign_artifacts_are_named(tmp_path):
     with pytest.raises(TrainingOpError, match="not a folder"):
         import_onnxruntime_training(tmp_path / "nothing")
