@@ -75,9 +75,10 @@ def _standard(model: onnx.ModelProto, what: str, check: bool = True) -> onnx.Mod
 
 def short_names(model: onnx.ModelProto) -> onnx.ModelProto:
     """Name every inner value ``t<i>`` and drop node names (in place): the expanded gradient's
-    descriptive names would take most of the step file; the main graph's inputs and outputs
-    keep theirs."""
-    keep = {vi.name for vi in (*model.graph.input, *model.graph.output)} | {""}
+    descriptive names would take most of the step file; the main graph's inputs, outputs and
+    initializers (the weights) keep theirs."""
+    graph = model.graph
+    keep = {vi.name for vi in (*graph.input, *graph.output)} | {t.name for t in graph.initializer} | {""}
     mapping: dict[str, str] = {}
 
     def short(name: str) -> str:
@@ -85,7 +86,7 @@ def short_names(model: onnx.ModelProto) -> onnx.ModelProto:
             return name
         return mapping.setdefault(name, f"t{len(mapping)}")
 
-    for graph in all_graphs(model.graph):
+    for graph in all_graphs(graph):
         for node in graph.node:
             node.name = ""
             node.doc_string = ""
@@ -150,7 +151,7 @@ def inference_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.Tens
         del tensor.external_data[:]
         for key, value in (("location", state_file), ("offset", str(offset)), ("length", str(length))):
             tensor.external_data.add(key=key, value=value)
-    return _standard(exported, "inference model", check=False)
+    return _standard(short_names(exported), "inference model", check=False)
 
 
 def check_file(path: str, what: str) -> None:

@@ -58,14 +58,13 @@ def state_roles(state: list[str], meta: Mapping[str, str], counter: str | None) 
 
 
 def learning_rate_entries(rates: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> list[dict[str, Any]]:
-    """One entry per learning-rate input: name, dtype, base rate and the group's parameters."""
-    groups = json.loads(meta.get("param_groups") or "null")
-    trainable = list(filter(None, meta.get("trainable", "").split(",")))
-    params = {g["learning_rate"]: g["params"] for g in groups} if groups else {}
+    """One entry per learning-rate input: name, dtype, base rate, and with parameter groups
+    the group's name and parameters (without, the one rate drives every parameter)."""
+    groups = {g["learning_rate"]: g for g in json.loads(meta.get("param_groups") or "[]")}
     entries = []
     for name, value in rates.items():
-        entries.append(tensor_entry(name, value, base=float(value.reshape(-1)[0]),
-                                    params=params.get(name, trainable if len(rates) == 1 else [])))
+        extra = {"group": groups[name]["name"], "params": groups[name]["params"]} if name in groups else {}
+        entries.append(tensor_entry(name, value, base=float(value.reshape(-1)[0]), **extra))
     return entries
 
 
