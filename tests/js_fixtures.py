@@ -126,8 +126,33 @@ def write_example(out_dir: Path) -> Path:
     return module.write_example(Path(out_dir) / "example")
 
 
+SCHEDULES = [
+    schedules.StepLR(step_size=7, gamma=0.3), schedules.MultiStepLR(milestones=(30, 5, 12), gamma=0.7),
+    schedules.ExponentialLR(gamma=0.97), schedules.CosineAnnealingLR(T_max=17, eta_min=1e-4),
+    schedules.LinearLR(start_factor=0.2, end_factor=0.9, total_iters=9),
+    schedules.OneCycleLR(max_lr={"lr_a": 0.3, "lr_b": 0.05}, total_steps=60, pct_start=0.25),
+    schedules.OneCycleLR(max_lr=0.2, total_steps=60, anneal_strategy="linear", three_phase=True),
+    schedules.WarmupCosineLR(warmup_steps=6, total_steps=50, num_cycles=1.5),
+    schedules.WarmupLinearLR(warmup_steps=5, total_steps=40),
+]
+
+
+def write_schedules(out_dir: Path, steps: int = 60) -> None:
+    """Each schedule's rate at steps 0..steps for two learning-rate inputs (base 0.1 and 0.02)."""
+    table = []
+    for schedule in SCHEDULES:
+        spec = json.loads(schedules.to_json(schedule, 0))
+        rates = {name: [schedules.rate(schedule, base, k, name) for k in range(steps + 1)]
+                 for name, base in (("lr_a", 0.1), ("lr_b", 0.02))}
+        table.append({"type": spec["type"], "args": spec["args"], "bases": {"lr_a": 0.1, "lr_b": 0.02},
+                      "rates": rates})
+    (out_dir / "schedules.json").write_text(json.dumps(table))
+
+
 def write_all(out_dir: Path, steps: int = STEPS) -> Path:
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_schedules(out_dir)
     for name in MODELS:
         write_model(name, out_dir, steps)
     write_example(out_dir)
