@@ -57,7 +57,7 @@ def _continue_one_step(fixtures: Path, name: str, state_file: str) -> dict:
 def test_node_trains_the_models_like_python_and_python_continues(fixtures):
     """Node: each step's loss within 1e-5 of Python's (js/test/train.test.js); here: the state
     Node reached equals Python's, loads into a TrainingSession and continues like Python's."""
-    _node_test(["test/train.test.js", "test/unit.test.js"], fixtures)
+    _node_test(["test/train.test.js", "test/unit.test.js", "test/readme.test.js"], fixtures)
     for name in js_fixtures.MODELS:
         expected, _ = safetensors.read(fixtures / name / "expected_state.safetensors")
         trained, _ = safetensors.read(fixtures / name / "node_state.safetensors")
