@@ -5,15 +5,13 @@
 import { readFile } from 'node:fs/promises';
 import * as ort from 'onnxruntime-node';
 import { Trainer, decodeSafetensors } from '../src/index.js';
+import { batchAt } from '../test/parity.js';
 
 const [dir, batchFile, threads, warmup, steps] = process.argv.slice(2);
 const trainer = await Trainer.load(ort, dir, { sessionOptions: { intraOpNumThreads: Number(threads), interOpNumThreads: 1 } });
 const { tensors } = decodeSafetensors(await readFile(batchFile));
 const cycle = Object.values(tensors)[0].dims[0];
-const batches = Array.from({ length: cycle }, (_, i) => Object.fromEntries(Object.entries(tensors).map(([name, t]) => {
-  const per = t.data.length / t.dims[0];
-  return [name, new ort.Tensor(t.dtype, t.data.subarray(i * per, (i + 1) * per), t.dims.slice(1))];
-})));
+const batches = Array.from({ length: cycle }, (_, i) => batchAt(ort, tensors, i));
 let i = 0;
 for (; i < Number(warmup); i++) await trainer.step(batches[i % cycle]);
 const blocks = [];
