@@ -10,6 +10,10 @@ cycling through the same 8 batches after a warm-up:
 * ``python``: ``session_from_export(dir, fast=False)``, a TrainingSession running the step
   model (state zero-copy through IOBinding), ``step(feeds)``.
 
+Each also times its binding's bare ``run`` of the step model on fixed feeds (onnxruntime-node's
+``session.run``, Python's ``InferenceSession.run``): the columns "bare" tell the trainer's own
+cost from the binding's.
+
 Rounds interleave the contenders; the table gives each one's median time per step over the
 rounds, the median of the per-round ratios js/python, and peak RSS. Not part of the tests.
 Needs ``cd js && npm ci --ignore-scripts``.
@@ -55,7 +59,16 @@ for _ in range(5):
     for _ in range(per):
         session.step(batches[i % cycle]); i += 1
     blocks.append((time.perf_counter_ns() - start) / 1000 / per)
-print(json.dumps({"us_per_step": sorted(blocks)[2],
+plain = ort.InferenceSession(directory + "/step.onnx", options, providers=["CPUExecutionProvider"])
+state, _ = safetensors.read(directory + "/state.safetensors")
+feeds = {**batches[0], **{k: v for k, v in state.items() if k in manifest["feedback"]}}
+bare = []
+for _ in range(5):
+    start = time.perf_counter_ns()
+    for _ in range(per):
+        plain.run(None, feeds)
+    bare.append((time.perf_counter_ns() - start) / 1000 / per)
+print(json.dumps({"us_per_step": sorted(blocks)[2], "bare_us": sorted(bare)[2],
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -83,6 +96,7 @@ def main(argv=None) -> int:
         steps = max(50, args.steps // (10 if name == "bert" else 1))
         for threads in args.threads.split(","):
             times = {"js": [], "python": []}
+            bare = {"js": [], "python": []}
             rss = {"js": 0.0, "python": 0.0}
             for _ in range(args.rounds):
                 common = [str(directory / "export"), str(directory / "batches.safetensors"), threads,
@@ -92,16 +106,19 @@ def main(argv=None) -> int:
                         ("python", [sys.executable, "-c", PYTHON_CONTENDER, *common], REPO)):
                     result = _run(command, cwd)
                     times[contender].append(result["us_per_step"])
+                    bare[contender].append(result["bare_us"])
                     rss[contender] = max(rss[contender], result["rss_mb"])
             ratios = [j / p for j, p in zip(times["js"], times["python"])]
             rows.append((name, threads, statistics.median(times["js"]), statistics.median(times["python"]),
-                         statistics.median(ratios), rss["js"], rss["python"]))
+                         statistics.median(ratios), statistics.median(bare["js"]), statistics.median(bare["python"]),
+                         rss["js"], rss["python"]))
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     print("| model | threads | JS trainer, onnxruntime-node (us/step) | Python TrainingSession(fast=False) (us/step) "
-          "| js/python (median of rounds) | peak RSS js / python (MB) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, threads, js, py, ratio, rss_js, rss_py in rows:
-        print(f"| {name} | {threads} | {js:.0f} | {py:.0f} | {ratio:.2f} | {rss_js:.0f} / {rss_py:.0f} |")
+          "| js/python (median of rounds) | bare run: node / Python (us) | peak RSS js / python (MB) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, threads, js, py, ratio, bare_js, bare_py, rss_js, rss_py in rows:
+        print(f"| {name} | {threads} | {js:.0f} | {py:.0f} | {ratio:.2f} | {bare_js:.0f} / {bare_py:.0f} "
+              f"| {rss_js:.0f} / {rss_py:.0f} |")
     return 0
 
 

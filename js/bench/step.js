@@ -1,7 +1,8 @@
 // One contender of benchmarks/bench_js_trainer.py: the JavaScript trainer in onnxruntime-node.
 //   node js/bench/step.js EXPORT_DIR BATCHES.safetensors THREADS WARMUP STEPS
-// prints {"us_per_step": ..., "rss_mb": ...}: the median of 5 blocks of STEPS/5 steps, after
-// WARMUP steps, cycling through the stacked batches.
+// prints {"us_per_step", "bare_us", "rss_mb"}: the median of 5 blocks of STEPS/5 trainer steps,
+// after WARMUP steps, cycling through the stacked batches; bare_us: the same for onnxruntime-node's
+// session.run alone on fixed feeds (what the binding costs without the trainer).
 import { readFile } from 'node:fs/promises';
 import * as ort from 'onnxruntime-node';
 import { Trainer, decodeSafetensors } from '../src/index.js';
@@ -22,4 +23,12 @@ for (let b = 0; b < 5; b++) {
   blocks.push(Number(process.hrtime.bigint() - start) / 1000 / per);
 }
 blocks.sort((a, b) => a - b);
-console.log(JSON.stringify({ us_per_step: blocks[2], rss_mb: process.memoryUsage().rss / 2 ** 20 }));
+const feeds = { ...batches[0], ...trainer._rateFeeds(), ...trainer.state };
+const bare = [];
+for (let b = 0; b < 5; b++) {
+  const start = process.hrtime.bigint();
+  for (let k = 0; k < per; k++) await trainer.stepSession.run(feeds);
+  bare.push(Number(process.hrtime.bigint() - start) / 1000 / per);
+}
+bare.sort((a, b) => a - b);
+console.log(JSON.stringify({ us_per_step: blocks[2], bare_us: bare[2], rss_mb: process.memoryUsage().rss / 2 ** 20 }));
