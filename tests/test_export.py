@@ -102,6 +102,19 @@ def test_import_continues_bit_exact_with_the_schedule(tmp_path, source):
         np.testing.assert_array_equal(resumed.state_dict()[name], value, err_msg=name)
 
 
+def test_a_from_graph_session_exports_its_step_alone(tmp_path):
+    """An exported step, opened as a TrainingSession (from_graph) and exported again: no loss
+    and no main-graph outputs, so no eval or inference model; the same step."""
+    export_step(_model(), tmp_path / "first")
+    session = session_from_export(tmp_path / "first")
+    manifest = export_step(session, tmp_path / "second")
+    assert set(manifest["files"]) == {"step", "state"} and manifest["eval_outputs"] == []
+    assert "learning_rate" in [e["name"] for e in manifest["inputs"]]  # a plain data input here
+    feeds = {**_batches(1)[0], "learning_rate": np.array(1e-2, np.float32)}
+    again = session_from_export(tmp_path / "second")
+    assert again.step(feeds)["loss"] == session.step(feeds)["loss"]
+
+
 def test_load_state_names_what_does_not_fit(tmp_path):
     export_step(_model(), tmp_path)
     other = ot.TrainingSession(ot.build_training_model(make_mlp((8, 16, 5)), "cross_entropy", ot.Adam()))

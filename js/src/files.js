@@ -17,8 +17,8 @@ async function readBytes(location, name) {
 /** {manifest, step, eval, inference, state} of an export directory (a path in Node, a URL in the browser). */
 export async function readExport(location) {
   const manifest = JSON.parse(new TextDecoder().decode(await readBytes(location, 'manifest.json')));
-  const f = manifest.files;
+  const f = manifest.files;  // eval and inference are absent for a model without a loss or outputs
   const [step, evalModel, inference, state] = await Promise.all(
-    [f.step.path, f.eval.path, f.inference.path, f.state.path].map((name) => readBytes(location, name)));
+    [f.step, f.eval, f.inference, f.state].map((entry) => (entry ? readBytes(location, entry.path) : null)));
   return { manifest, step, eval: evalModel, inference, state };
 }

@@ -68,9 +68,17 @@ def _schedule(meta: dict[str, str], counter: str | None, state: dict[str, np.nda
     return {"type": data["type"], "args": data["args"], "counter": counter, "step_offset": offset}
 
 
+def _write(out_dir: str, kind: str, model: onnx.ModelProto) -> dict[str, Any]:
+    """Write one exported model; its manifest entry."""
+    checkpoint.atomic_write(os.path.join(out_dir, FILES[kind]), model.SerializeToString())
+    return {"path": FILES[kind], "operators": graphs.operators(model)}
+
+
 def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
                 eval_outputs: Sequence[str] | None = None, ort: bool = False) -> dict[str, Any]:
-    """Write the step, eval and inference models, the state and the manifest to ``out_dir``.
+    """Write the step, eval and inference models, the state and the manifest to ``out_dir``
+    (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
+    whose main graph has no outputs no inference model).
 
     ``model_or_checkpoint``: a training model (ModelProto, path or bytes; a checkpoint
     written by :meth:`TrainingSession.save` exports its state mid-run) or a
@@ -85,39 +93,35 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     state = {name: numpy_helper.to_array(proto) for name, proto in state_protos.items()}
     step = graphs.step_graph(model, state_protos, meta)
     outputs = list(eval_outputs) if eval_outputs is not None else [o.name for o in model.graph.output]
-    evaluation = graphs.eval_graph(model, state_protos, meta, outputs)
-
-    rate_names = set(_rate_names(model, meta))
-    rates = {n: v for n, v in step.defaults.items() if n in rate_names}
-    binding = {e.key: e.value for e in model.training_info[0].update_binding}
-    step_inputs = list(step.model.graph.input)
-    state_order = [vi.name for vi in step_inputs if vi.name in state]
-    bound = set(binding.values())
-    counter = _counter(model, state)
-    roles = manifest_.state_roles(list(state), meta, counter)
+    # a model without a loss (from_graph) has no eval model; one without outputs no inference model
+    evaluation = graphs.eval_graph(model, state_protos, meta, outputs) if meta.get("loss") else None
+    state_bytes = safetensors.encode(state, {"format": manifest_.FORMAT})
+    inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes)) \
+        if model.graph.output else None
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    state_bytes = safetensors.encode(state, {"format": manifest_.FORMAT})
-    inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes))
+    if os.path.exists(os.path.join(out_dir, manifest_.MANIFEST)):  # until the new one: incomplete
+        os.remove(os.path.join(out_dir, manifest_.MANIFEST))
     checkpoint.atomic_write(os.path.join(out_dir, FILES["state"]), state_bytes)
-    checkpoint.atomic_write(os.path.join(out_dir, FILES["step"]), step.model.SerializeToString())
-    checkpoint.atomic_write(os.path.join(out_dir, FILES["eval"]), evaluation.model.SerializeToString())
-    inference_path = checkpoint.atomic_write(os.path.join(out_dir, FILES["inference"]),
-                                             inference.SerializeToString())
-    graphs.check_file(inference_path, "inference model")
-
-    files: dict[str, Any] = {
-        "step": {"path": FILES["step"], "operators": graphs.operators(step.model)},
-        "eval": {"path": FILES["eval"], "operators": graphs.operators(evaluation.model)},
-        "inference": {"path": FILES["inference"], "operators": graphs.operators(inference),
-                      "external_data": FILES["state"]},
-        "state": {"path": FILES["state"]},
-    }
+    files: dict[str, Any] = {"step": _write(out_dir, "step", step.model), "state": {"path": FILES["state"]}}
+    if evaluation is not None:
+        files["eval"] = _write(out_dir, "eval", evaluation.model)
+    if inference is not None:
+        files["inference"] = {**_write(out_dir, "inference", inference), "external_data": FILES["state"]}
+        graphs.check_file(os.path.join(out_dir, FILES["inference"]), "inference model")
     if ort:
         from .ort_format import convert
 
-        files.update(convert(out_dir, [FILES["step"], FILES["eval"]]))
+        files.update(convert(out_dir, [files[k]["path"] for k in ("step", "eval") if k in files]))
+
+    rates = {n: v for n, v in step.defaults.items() if n in set(_rate_names(model, meta))}
+    binding = {e.key: e.value for e in model.training_info[0].update_binding}
+    step_inputs = list(step.model.graph.input)
+    state_order = [vi.name for vi in step_inputs if vi.name in state]
+    counter = _counter(model, state)
+    roles = manifest_.state_roles(list(state), meta, counter)
+    eval_graph = evaluation.model.graph if evaluation is not None else onnx.GraphProto()
     manifest = {
         "format": manifest_.FORMAT,
         "version": manifest_.VERSION,
@@ -125,13 +129,13 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         "opset": {(o.domain or "ai.onnx"): o.version for o in step.model.opset_import},
         "ir_version": step.model.ir_version,
         "inputs": [manifest_.value_entry(vi) for vi in step_inputs if vi.name not in state and vi.name not in rates],
-        "eval_inputs": [manifest_.value_entry(vi) for vi in evaluation.model.graph.input if vi.name not in state],
+        "eval_inputs": [manifest_.value_entry(vi) for vi in eval_graph.input if vi.name not in state],
         "defaults": manifest_.default_entries({**{n: v for n, v in step.defaults.items() if n not in rates},
-                                               **evaluation.defaults}),
+                                               **(evaluation.defaults if evaluation is not None else {})}),
         "learning_rates": manifest_.learning_rate_entries(rates, meta),
         "feedback": {name: binding[name] for name in state_order if name in binding},
-        "returned": [o.name for o in step.model.graph.output if o.name not in bound],
-        "eval_outputs": [o.name for o in evaluation.model.graph.output],
+        "returned": [o.name for o in step.model.graph.output if o.name not in set(binding.values())],
+        "eval_outputs": [o.name for o in eval_graph.output],
         "state": [manifest_.tensor_entry(n, state[n], role=roles[n])
                   for n in [*state_order, *(n for n in state if n not in state_order)]],
         "loss": meta.get("loss") or None,
