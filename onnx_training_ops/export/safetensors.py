@@ -39,7 +39,7 @@ MAX_HEADER = 100_000_000  # the reference implementation's limit
 
 def dtype_code(dtype: np.dtype, name: str) -> str:
     """The safetensors code of ``dtype`` (``F32``...), or a TrainingOpError naming ``name``."""
-    code = CODES.get(np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype))
+    code = CODES.get(np.dtype(dtype).newbyteorder("<"))
     if code is None:
         raise TrainingOpError(f"tensor {name!r}: dtype {np.dtype(dtype).name} has no safetensors code "
                               f"(supported: {', '.join(d.name for d in DTYPES.values())})")
