@@ -20,11 +20,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError, node_label
-from ..passes import prepare
-from ..passes._graph import all_graphs
+from ..runtime.pipeline import prepare
 from ..training.inference import inference_model
 from ..training.program import combined_graph, used_names
 from ..training.stages import evaluation_model
+from ..walk import all_graphs
 
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TrainingOpError
-from ..schedules import SCHEDULES
+from ..training.schedules import SCHEDULES
 from . import manifest as manifest_, safetensors
 from .writer import FILES
 

@@ -21,9 +21,9 @@ from typing import Iterable
 
 import onnx
 
-from .. import checkpoint
 from ..errors import TrainingOpError
-from ..passes._graph import all_graphs
+from ..storage import checkpoint
+from ..walk import all_graphs
 
 CONFIG = "required_operators.config"
 Ops = dict[str, dict[int, set[str]]]  # domain -> since-version -> op types

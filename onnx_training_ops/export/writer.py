@@ -17,11 +17,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .. import checkpoint
-from ..builder import metadata
+from ..build.model_metadata import metadata
 from ..errors import TrainingOpError
-from ..passes import ModelLike, load_model
 from ..schema import DOMAIN, OPTIMIZERS
+from ..storage import checkpoint
+from ..storage.model_files import ModelLike, load_model
 from ..training.state import collect_state_protos
 from . import graphs, manifest as manifest_, safetensors
 
