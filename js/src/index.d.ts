@@ -86,7 +86,6 @@ export declare class Trainer {
   exportState(): Uint8Array;
   loadState(bytes: Uint8Array | ArrayBuffer): void;
   inferenceModel(): Uint8Array;
-  scheduleJSON(): { type: string; args: Record<string, unknown>; step: number } | null;
   release(): Promise<void>;
 }
 

@@ -4,7 +4,7 @@
 // the manifest's feedback map become the next state, with no copy.
 
 import { decode, encode, arrayType } from './safetensors.js';
-import { fromJSON, toJSON } from './schedules.js';
+import { fromJSON } from './schedules.js';
 import { readExport } from './files.js';
 import { embedWeights } from './onnx_weights.js';
 
@@ -67,7 +67,7 @@ export class Trainer {
     if (!(data instanceof Type)) {
       values = Type === BigInt64Array || Type === BigUint64Array ? Type.from(data, (v) => BigInt(v)) : Type.from(data);
     }
-    return new this.ort.Tensor(spec.dtype === 'bool' ? 'bool' : spec.dtype, values, dims);
+    return new this.ort.Tensor(spec.dtype, values, dims);
   }
 
   _feeds(batch, specs, what) {
@@ -183,11 +183,6 @@ export class Trainer {
   inferenceModel() {
     if (!this.inferenceBytes) throw new Error('inferenceModel: the export was loaded without inference.onnx');
     return embedWeights(this.inferenceBytes, this.state);
-  }
-
-  /** The schedule as {type, args} (or null), for saving alongside the state. */
-  scheduleJSON() {
-    return this.schedule ? { ...toJSON(this.schedule), step: this.scheduleStep } : null;
   }
 
   async release() {
