@@ -1,10 +1,11 @@
 """The JavaScript trainer (onnxruntime-node) against Python's TrainingSession on the same step model.
 
-    python benchmarks/bench_js_trainer.py [--models mlp,cnn,bert] [--threads 1,2] [--rounds 5]
+    python benchmarks/bench_js_trainer.py [--models mlp,cnn,bert] [--threads 1,2] [--layouts plain,packed] [--rounds 5]
 
 Each model (the test models of tests/js_fixtures.py) is exported once; both contenders run
-that export's ``step.onnx`` with the same onnxruntime thread count, each in its own process,
-cycling through the same 8 batches after a warm-up:
+the same step model of that export (``plain``: ``step.onnx``, one input and output per state
+variable; ``packed``: ``step.packed.onnx``, one per dtype) with the same onnxruntime thread
+count, each in its own process, cycling through the same 8 batches after a warm-up:
 
 * ``js``: ``js/bench/step.js``: ``Trainer.step`` in onnxruntime-node (state kept as ORT tensors);
 * ``python``: ``session_from_export(dir, fast=False)``, a TrainingSession running the step
@@ -40,10 +41,12 @@ import json, resource, sys, time
 import numpy as np
 import onnxruntime as ort
 from onnx_training_ops.export import safetensors, session_from_export
-directory, batch_file, threads, warmup, steps = sys.argv[1:]
+from onnx_training_ops.export.importing import pack
+directory, batch_file, threads, warmup, steps, layout = sys.argv[1:]
 options = ort.SessionOptions()
 options.intra_op_num_threads, options.inter_op_num_threads = int(threads), 1
-session = session_from_export(directory, fast=False, sess_options=options)
+packed = layout == "packed"
+session = session_from_export(directory, packed=packed, fast=False, sess_options=options)
 manifest = json.load(open(directory + "/manifest.json"))
 rates = {e["name"]: np.array(e["base"], np.float32) for e in manifest["learning_rates"]}
 stacked, _ = safetensors.read(batch_file)
@@ -59,9 +62,11 @@ for _ in range(5):
     for _ in range(per):
         session.step(batches[i % cycle]); i += 1
     blocks.append((time.perf_counter_ns() - start) / 1000 / per)
-plain = ort.InferenceSession(directory + "/step.onnx", options, providers=["CPUExecutionProvider"])
+plain = ort.InferenceSession(directory + ("/step.packed.onnx" if packed else "/step.onnx"), options,
+                             providers=["CPUExecutionProvider"])
 state, _ = safetensors.read(directory + "/state.safetensors")
-feeds = {**batches[0], **{k: v for k, v in state.items() if k in manifest["feedback"]}}
+state = {k: v for k, v in state.items() if k in manifest["feedback"]}
+feeds = {**batches[0], **(pack(state, manifest["packs"]) if packed else state)}
 bare = []
 for _ in range(5):
     start = time.perf_counter_ns()
@@ -83,6 +88,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mlp,cnn,bert")
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--layouts", default="plain,packed")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per contender and round")
     parser.add_argument("--warmup", type=int, default=200)
@@ -94,13 +100,13 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         directory = js_fixtures.write_model(name, out, steps=1)
         steps = max(50, args.steps // (10 if name == "bert" else 1))
-        for threads in args.threads.split(","):
+        for threads, layout in [(t, lay) for lay in args.layouts.split(",") for t in args.threads.split(",")]:
             times = {"js": [], "python": []}
             bare = {"js": [], "python": []}
             rss = {"js": 0.0, "python": 0.0}
             for _ in range(args.rounds):
                 common = [str(directory / "export"), str(directory / "batches.safetensors"), threads,
-                          str(args.warmup), str(steps)]
+                          str(args.warmup), str(steps), layout]
                 for contender, command, cwd in (
                         ("js", ["node", "bench/step.js", *common], REPO / "js"),
                         ("python", [sys.executable, "-c", PYTHON_CONTENDER, *common], REPO)):
@@ -109,15 +115,15 @@ def main(argv=None) -> int:
                     bare[contender].append(result["bare_us"])
                     rss[contender] = max(rss[contender], result["rss_mb"])
             ratios = [j / p for j, p in zip(times["js"], times["python"])]
-            rows.append((name, threads, statistics.median(times["js"]), statistics.median(times["python"]),
+            rows.append((name, layout, threads, statistics.median(times["js"]), statistics.median(times["python"]),
                          statistics.median(ratios), statistics.median(bare["js"]), statistics.median(bare["python"]),
                          rss["js"], rss["python"]))
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
-    print("| model | threads | JS trainer, onnxruntime-node (us/step) | Python TrainingSession(fast=False) (us/step) "
+    print("| model | step | threads | JS trainer, onnxruntime-node (us/step) | Python TrainingSession(fast=False) (us/step) "
           "| js/python (median of rounds) | bare run: node / Python (us) | peak RSS js / python (MB) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, threads, js, py, ratio, bare_js, bare_py, rss_js, rss_py in rows:
-        print(f"| {name} | {threads} | {js:.0f} | {py:.0f} | {ratio:.2f} | {bare_js:.0f} / {bare_py:.0f} "
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, layout, threads, js, py, ratio, bare_js, bare_py, rss_js, rss_py in rows:
+        print(f"| {name} | {layout} | {threads} | {js:.0f} | {py:.0f} | {ratio:.2f} | {bare_js:.0f} / {bare_py:.0f} "
               f"| {rss_js:.0f} / {rss_py:.0f} |")
     return 0
 

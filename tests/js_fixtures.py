@@ -99,7 +99,7 @@ def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
     session = ot.TrainingSession(training)
     if schedule is not None:
         session.set_lr_schedule(schedule)
-    export_step(session, directory / "export")
+    export_step(session, directory / "export", packed=True)
     (directory / "batches.safetensors").write_bytes(safetensors.encode(batches))
     losses, rates, returned = [], [], []
     for i in range(steps):

@@ -231,3 +231,22 @@ def test_cli_export_step_errors(tmp_path, capsys):
     onnx.save(make_mlp((4, 3)), plain)
     assert main(["export-step", str(plain), str(tmp_path / "out")]) == 2
     assert re.search(r"one training_info .* found 0", capsys.readouterr().err)
+
+
+def test_packed_step_is_the_same_step(tmp_path):
+    """step.packed.onnx: the state in one input and one output per dtype; the same numbers."""
+    manifest = export_step(_model(clip_grad_norm=1.0), tmp_path, packed=True)
+    [floats, ints] = manifest["packs"]
+    assert (floats["dtype"], ints["dtype"]) == ("float32", "int64") and ints["members"][0]["name"] == "optimizer.T"
+    packed_step = onnx.load(tmp_path / "step.packed.onnx")
+    assert [vi.name for vi in packed_step.graph.input] == ["input", "labels", "learning_rate", "state.float32",
+                                                           "state.int64"]
+    plain, packed = session_from_export(tmp_path, fast=False), session_from_export(tmp_path, packed=True, fast=False)
+    for batch in _batches(4):
+        feeds = {**batch, "learning_rate": np.array(1e-2, np.float32)}
+        a, b = plain.step(feeds), packed.step(feeds)
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    flat = packed.state_dict()["state.float32"]
+    for member in floats["members"]:
+        value = plain.state_dict()[member["name"]]
+        np.testing.assert_array_equal(flat[member["offset"]:member["offset"] + value.size].reshape(value.shape), value)

@@ -40,7 +40,7 @@ def write_example(out_dir: Path) -> Path:
         start = i * 32 % 1400
         session.step({"input": x[start:start + 32], "labels": y[start:start + 32]})
     out_dir = Path(out_dir)
-    export_step(session, out_dir)
+    export_step(session, out_dir, packed=True)
     (out_dir / "data.safetensors").write_bytes(safetensors.encode(
         {"train_x": x[:1400], "train_y": y[:1400], "test_x": x[1400:], "test_y": y[1400:]}))
     return out_dir

@@ -1,5 +1,5 @@
 // One contender of benchmarks/bench_js_trainer.py: the JavaScript trainer in onnxruntime-node.
-//   node js/bench/step.js EXPORT_DIR BATCHES.safetensors THREADS WARMUP STEPS
+//   node js/bench/step.js EXPORT_DIR BATCHES.safetensors THREADS WARMUP STEPS [packed]
 // prints {"us_per_step", "bare_us", "rss_mb"}: the median of 5 blocks of STEPS/5 trainer steps,
 // after WARMUP steps, cycling through the stacked batches; bare_us: the same for onnxruntime-node's
 // session.run alone on fixed feeds (what the binding costs without the trainer).
@@ -8,8 +8,10 @@ import * as ort from 'onnxruntime-node';
 import { Trainer, decodeSafetensors } from '../src/index.js';
 import { batchAt } from '../test/parity.js';
 
-const [dir, batchFile, threads, warmup, steps] = process.argv.slice(2);
-const trainer = await Trainer.load(ort, dir, { sessionOptions: { intraOpNumThreads: Number(threads), interOpNumThreads: 1 } });
+const [dir, batchFile, threads, warmup, steps, layout] = process.argv.slice(2);
+const trainer = await Trainer.load(ort, dir, {
+  packed: layout === 'packed', sessionOptions: { intraOpNumThreads: Number(threads), interOpNumThreads: 1 },
+});
 const { tensors } = decodeSafetensors(await readFile(batchFile));
 const cycle = Object.values(tensors)[0].dims[0];
 const batches = Array.from({ length: cycle }, (_, i) => batchAt(ort, tensors, i));
@@ -23,7 +25,7 @@ for (let b = 0; b < 5; b++) {
   blocks.push(Number(process.hrtime.bigint() - start) / 1000 / per);
 }
 blocks.sort((a, b) => a - b);
-const feeds = { ...batches[0], ...trainer._rateFeeds(), ...trainer.state };
+const feeds = { ...batches[0], ...trainer._rateFeeds(), ...trainer.stepState };
 const bare = [];
 for (let b = 0; b < 5; b++) {
   const start = process.hrtime.bigint();

@@ -14,11 +14,11 @@ async function readBytes(location, name) {
   return new Uint8Array(await response.arrayBuffer());
 }
 
-/** {manifest, step, eval, inference, state} of an export directory (a path in Node, a URL in the browser). */
+/** {manifest, step, stepPacked, eval, inference, state} of an export directory (a path in Node, a URL in the browser). */
 export async function readExport(location) {
   const manifest = JSON.parse(new TextDecoder().decode(await readBytes(location, 'manifest.json')));
   const f = manifest.files;  // eval and inference are absent for a model without a loss or outputs
-  const [step, evalModel, inference, state] = await Promise.all(
-    [f.step, f.eval, f.inference, f.state].map((entry) => (entry ? readBytes(location, entry.path) : null)));
-  return { manifest, step, eval: evalModel, inference, state };
+  const [step, stepPacked, evalModel, inference, state] = await Promise.all(
+    [f.step, f.step_packed, f.eval, f.inference, f.state].map((entry) => (entry ? readBytes(location, entry.path) : null)));
+  return { manifest, step, stepPacked, eval: evalModel, inference, state };
 }

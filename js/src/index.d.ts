@@ -33,6 +33,8 @@ export interface Manifest {
   defaults: Record<string, { name: string; dtype: Dtype; shape: number[]; values: number[] }>;
   learning_rates: RateSpec[];
   feedback: Record<string, string>;
+  /** With a packed step: the state of each dtype as one flat input/output, each variable at its offset. */
+  packs: { dtype: Dtype; input: string; output: string; size: number; members: { name: string; offset: number; shape: number[] }[] }[] | null;
   returned: string[];
   eval_outputs: string[];
   state: StateSpec[];
@@ -47,8 +49,9 @@ export interface Manifest {
 export interface ExportFiles {
   manifest: Manifest;
   step: Uint8Array;
-  eval?: Uint8Array;
-  inference?: Uint8Array;
+  stepPacked?: Uint8Array | null;
+  eval?: Uint8Array | null;
+  inference?: Uint8Array | null;
   state: Uint8Array;
 }
 
@@ -62,6 +65,8 @@ export interface TrainerOptions {
   sessionOptions?: object;
   /** A NaN or infinite loss: throw NonFiniteLossError (default), skip the step, or ignore it. */
   onNonFinite?: 'raise' | 'skip' | 'ignore';
+  /** Run the packed step (one state tensor per dtype; default: when the export has one). */
+  packed?: boolean;
 }
 
 export declare class NonFiniteLossError extends Error {}
@@ -73,8 +78,8 @@ export declare class Trainer {
   /** An export directory: a path in Node, a URL in the browser. */
   static load(ort: OrtModule, location: string | URL, options?: TrainerOptions): Promise<Trainer>;
   readonly manifest: Manifest;
-  /** The state: one onnxruntime tensor per state variable, replaced by the step's outputs. */
-  state: Record<string, OrtTensor>;
+  /** The state: one onnxruntime tensor per state variable (views into the packs of a packed step). */
+  readonly state: Record<string, OrtTensor>;
   schedule: Schedule | null;
   skippedSteps: number;
   readonly scheduleStep: number;

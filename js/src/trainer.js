@@ -1,7 +1,9 @@
 // The trainer: runs the exported step model (standard ONNX ops, written by
 // `onnx-training-ops export-step`) in whichever onnxruntime binding it is handed. The state
 // lives as ORT tensors between steps: each step feeds them, and the step's outputs named in
-// the manifest's feedback map become the next state, with no copy.
+// the manifest's feedback map become the next state, with no copy. With a packed step
+// (`export-step --packed`), the state of each dtype is one flat tensor (the manifest's
+// `packs`), and the named state variables are views into it.
 
 import { decode, encode, arrayType } from './safetensors.js';
 import { fromJSON } from './schedules.js';
@@ -22,16 +24,19 @@ function scalarOf(tensor) {
 export class Trainer {
   /**
    * @param ort the onnxruntime module (onnxruntime-node or onnxruntime-web)
-   * @param files {manifest, step, eval, state[, inference]}: the manifest object, model bytes, state bytes
-   * @param options {sessionOptions, onNonFinite: "raise" | "skip" | "ignore"}
+   * @param files {manifest, step, stepPacked, eval, inference, state}: the manifest object, model bytes, state bytes
+   * @param options {sessionOptions, onNonFinite: "raise" | "skip" | "ignore", packed: use the packed
+   *   step (default: when the export has one)}
    */
   static async create(ort, files, options = {}) {
     const { manifest } = files;
     if (manifest?.format !== FORMAT) throw new Error(`not an onnx-training-ops export manifest (format ${JSON.stringify(manifest?.format)})`);
     if (manifest.version !== VERSION) throw new Error(`manifest version ${manifest.version}; this trainer reads version ${VERSION}`);
-    const trainer = new Trainer(ort, manifest, options);
+    const packed = options.packed ?? Boolean(manifest.packs && files.stepPacked);
+    if (packed && !(manifest.packs && files.stepPacked)) throw new Error('packed: the export has no packed step (export-step --packed)');
+    const trainer = new Trainer(ort, manifest, { ...options, packed });
     const sessionOptions = options.sessionOptions ?? {};
-    trainer.stepSession = await ort.InferenceSession.create(files.step, sessionOptions);
+    trainer.stepSession = await ort.InferenceSession.create(packed ? files.stepPacked : files.step, sessionOptions);
     trainer.evalSession = files.eval ? await ort.InferenceSession.create(files.eval, sessionOptions) : null;
     trainer.inferenceBytes = files.inference ?? null;
     trainer.loadState(files.state);
@@ -55,7 +60,40 @@ export class Trainer {
     this.counter = manifest.counter;
     this.skippedSteps = 0;
     this.rateTensors = {};
-    this.state = {};
+    this.packs = options.packed ? manifest.packs : [];
+    const packed = new Set(this.packs.flatMap((p) => p.members.map((m) => m.name)));
+    // what the step model takes and gives back for the state: the packs, and any variable outside them
+    this.stepFeedback = Object.fromEntries([
+      ...this.packs.map((p) => [p.input, p.output]),
+      ...Object.entries(manifest.feedback).filter(([name]) => !packed.has(name)),
+    ]);
+    this.stepState = {};
+    this.views = null; // the named state over the packs, made when asked for
+  }
+
+  /** The state variables by name, as ORT tensors (views into the packs of a packed step). */
+  get state() {
+    if (!this.packs.length) return this.stepState;
+    if (!this.views) {
+      this.views = { ...this.stepState };
+      for (const p of this.packs) {
+        const flat = this.stepState[p.input].data;
+        delete this.views[p.input];
+        for (const m of p.members) {
+          const size = m.shape.reduce((a, b) => a * b, 1);
+          this.views[m.name] = new this.ort.Tensor(p.dtype, flat.subarray(m.offset, m.offset + size), m.shape);
+        }
+      }
+    }
+    return this.views;
+  }
+
+  _counterValue() {
+    for (const p of this.packs) {
+      const m = p.members.find((member) => member.name === this.counter);
+      if (m) return Number(this.stepState[p.input].data[m.offset]);
+    }
+    return scalarOf(this.stepState[this.counter]);
   }
 
   /** A tensor for input `name` of the step (or eval) model from plain data: numbers or a TypedArray, converted to the manifest's dtype (labels become BigInt64Array). */
@@ -95,7 +133,7 @@ export class Trainer {
 
   /** Optimizer steps taken under the schedule (torch's last_epoch): the update count plus the manifest's offset. */
   get scheduleStep() {
-    return this.counter ? scalarOf(this.state[this.counter]) + this.scheduleOffset : 0;
+    return this.counter ? this._counterValue() + this.scheduleOffset : 0;
   }
 
   /** The learning rate of each input for the next step: the schedule's, else the base rate. */
@@ -107,7 +145,7 @@ export class Trainer {
   /** Attach a schedule (or null) from optimizer step `step` on. */
   setSchedule(schedule, step = 0) {
     this.schedule = schedule;
-    this.scheduleOffset = step - (this.counter ? scalarOf(this.state[this.counter]) : 0);
+    this.scheduleOffset = step - (this.counter ? this._counterValue() : 0);
   }
 
   _rateFeeds(lr) {
@@ -133,7 +171,7 @@ export class Trainer {
    * outputs (loss, grad_norm...): one-element ones as numbers, others as ORT tensors.
    */
   async step(batch, { lr } = {}) {
-    const feeds = { ...this._feeds(batch, this.inputs, 'step'), ...this._rateFeeds(lr), ...this.state };
+    const feeds = { ...this._feeds(batch, this.inputs, 'step'), ...this._rateFeeds(lr), ...this.stepState };
     const out = await this.stepSession.run(feeds);
     const result = {};
     for (const name of this.manifest.returned) result[name] = out[name].size === 1 ? scalarOf(out[name]) : out[name];
@@ -143,7 +181,8 @@ export class Trainer {
       this.skippedSteps += 1;
       return result;
     }
-    for (const [name, output] of Object.entries(this.manifest.feedback)) this.state[name] = out[output];
+    for (const [name, output] of Object.entries(this.stepFeedback)) this.stepState[name] = out[output];
+    this.views = null;
     return result;
   }
 
@@ -151,7 +190,8 @@ export class Trainer {
   async evaluate(batch) {
     if (!this.evalSession) throw new Error('evaluate: the export was loaded without its eval model');
     const feeds = this._feeds(batch, this.evalInputs, 'evaluate');
-    for (const name of this.evalSession.inputNames) if (name in this.state) feeds[name] = this.state[name];
+    const state = this.state;
+    for (const name of this.evalSession.inputNames) if (name in state) feeds[name] = state[name];
     const out = await this.evalSession.run(feeds);
     return Object.fromEntries(this.manifest.eval_outputs.map((n) => [n, out[n].size === 1 ? scalarOf(out[n]) : out[n]]));
   }
@@ -176,7 +216,16 @@ export class Trainer {
       }
       state[e.name] = new this.ort.Tensor(e.dtype, t.data, e.shape);
     }
-    this.state = state;
+    for (const p of this.packs) {  // one copy into the flat buffer of each pack
+      const flat = new (arrayType(p.dtype))(p.size);
+      for (const m of p.members) {
+        flat.set(state[m.name].data, m.offset);
+        delete state[m.name];
+      }
+      state[p.input] = new this.ort.Tensor(p.dtype, flat, [p.size]);
+    }
+    this.stepState = state;
+    this.views = null;
   }
 
   /** The inference model with the current weights embedded: a self-contained .onnx file's bytes. */

@@ -71,16 +71,30 @@ def load_state(session, path: str | os.PathLike) -> None:
         session.set_lr_schedule(session.lr_schedule, max(0, _counter_value(state, counter) + offset))
 
 
-def session_from_export(directory: str | os.PathLike, **kwargs: Any):
+def pack(state: dict[str, np.ndarray], packs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """The named state laid out as the packed step's inputs (``manifest["packs"]``)."""
+    return {p["input"]: np.concatenate([state[m["name"]].reshape(-1) for m in p["members"]]) for p in packs}
+
+
+def session_from_export(directory: str | os.PathLike, packed: bool = False, **kwargs: Any):
     """A :class:`TrainingSession` running the export's step model itself (``from_graph``: the
     feedback map, the exported state); the learning rates and data are feeds of each step.
-    Keyword arguments go to the session (``fast=False``, ``sess_options``...)."""
+    ``packed``: the packed step (``export_step(..., packed=True)``), its state variables the
+    packs. Keyword arguments go to the session (``fast=False``, ``sess_options``...)."""
     from ..training.session import TrainingSession
 
     state, manifest = read_state(directory)
-    step = os.path.join(os.fspath(directory), manifest["files"]["step"]["path"])
+    step = os.path.join(os.fspath(directory), manifest["files"]["step_packed" if packed else "step"]["path"])
     feedback = {out: name for name, out in manifest["feedback"].items()}
     initial = {name: state[name] for name in manifest["feedback"]}
+    if packed:
+        if not manifest.get("packs"):
+            raise TrainingOpError(f"{os.fspath(directory)!r}: no packed step (export with packed=True)")
+        for p in manifest["packs"]:
+            for m in p["members"]:
+                del feedback[manifest["feedback"][m["name"]]], initial[m["name"]]
+            feedback[p["output"]] = p["input"]
+        initial.update(pack(state, manifest["packs"]))
     return TrainingSession.from_graph(step, feedback, initial_state=initial, **kwargs)
 
 

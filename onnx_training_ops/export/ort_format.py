@@ -100,7 +100,7 @@ def convert(out_dir: str | os.PathLike, names: list[str]) -> dict[str, dict]:
         for name in names:
             ort_name = Path(name).with_suffix(".ort").name
             checkpoint.atomic_write(out_dir / ort_name, (target / ort_name).read_bytes())
-            entries[f"{Path(name).stem}_ort"] = {"path": ort_name}
+            entries[f"{Path(name).stem.replace('.', '_')}_ort"] = {"path": ort_name}
     checkpoint.atomic_write(out_dir / CONFIG, write_config(ops, names).encode())
     entries["operator_config"] = {"path": CONFIG}
     return entries

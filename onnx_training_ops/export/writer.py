@@ -23,9 +23,10 @@ from ..schema import DOMAIN, OPTIMIZERS
 from ..storage import checkpoint
 from ..storage.model_files import ModelLike, load_model
 from ..training.state import collect_state_protos
-from . import graphs, manifest as manifest_, safetensors
+from . import graphs, manifest as manifest_, packing, safetensors
 
-FILES = {"step": "step.onnx", "eval": "eval.onnx", "inference": "inference.onnx", "state": "state.safetensors"}
+FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
+         "state": "state.safetensors"}
 
 
 def _training_model(model_or_checkpoint: Any) -> onnx.ModelProto:
@@ -75,7 +76,8 @@ def _write(out_dir: str, kind: str, model: onnx.ModelProto) -> dict[str, Any]:
 
 
 def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
-                eval_outputs: Sequence[str] | None = None, ort: bool = False) -> dict[str, Any]:
+                eval_outputs: Sequence[str] | None = None, ort: bool = False,
+                packed: bool = False) -> dict[str, Any]:
     """Write the step, eval and inference models, the state and the manifest to ``out_dir``
     (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
     whose main graph has no outputs no inference model).
@@ -85,7 +87,9 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     :class:`TrainingSession` (its current state). ``eval_outputs``: what the eval model
     returns beside the loss (default: the main graph's outputs). ``ort``: also write
     ORT-format models and ``required_operators.config`` for onnxruntime mobile builds.
-    Returns the manifest.
+    ``packed``: also write ``step.packed.onnx``, the same step with the state packed into one
+    input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to convert
+    each step). Returns the manifest.
     """
     model = _training_model(model_or_checkpoint)
     meta = metadata(model)
@@ -110,13 +114,17 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     if inference is not None:
         files["inference"] = {**_write(out_dir, "inference", inference), "external_data": FILES["state"]}
         graphs.check_file(os.path.join(out_dir, FILES["inference"]), "inference model")
+    binding = {e.key: e.value for e in model.training_info[0].update_binding}
+    packs = None
+    if packed:
+        packed_model, packs = packing.packed_step(step.model, state, binding)
+        files["step_packed"] = _write(out_dir, "step_packed", packed_model)
     if ort:
         from .ort_format import convert
 
-        files.update(convert(out_dir, [files[k]["path"] for k in ("step", "eval") if k in files]))
+        files.update(convert(out_dir, [files[k]["path"] for k in ("step", "step_packed", "eval") if k in files]))
 
     rates = {n: v for n, v in step.defaults.items() if n in set(_rate_names(model, meta))}
-    binding = {e.key: e.value for e in model.training_info[0].update_binding}
     step_inputs = list(step.model.graph.input)
     state_order = [vi.name for vi in step_inputs if vi.name in state]
     counter = _counter(model, state)
@@ -134,6 +142,7 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
                                                **(evaluation.defaults if evaluation is not None else {})}),
         "learning_rates": manifest_.learning_rate_entries(rates, meta),
         "feedback": {name: binding[name] for name in state_order if name in binding},
+        "packs": packs,
         "returned": [o.name for o in step.model.graph.output if o.name not in set(binding.values())],
         "eval_outputs": [o.name for o in eval_graph.output],
         "state": [manifest_.tensor_entry(n, state[n], role=roles[n])
