@@ -14,9 +14,9 @@ serial one for small arrays, where waking the thread pool costs more than the wo
 The two loops are separate functions rather than one function compiled twice: numba's disk
 cache keys an entry by function and signature, not by the ``parallel`` flag, so two
 dispatchers of one function would load each other's code.
-The GIL stays held during a call (no ``nogil``): the workqueue threading layer aborts
-on concurrent parallel launches from several Python threads, and holding the GIL
-rules that out whatever layer numba picks.
+numba releases the GIL inside a parallel region (whatever ``nogil`` says), and the
+workqueue threading layer aborts the process on concurrent parallel launches from several
+Python threads: :mod:`.fused` launches the parallel loops under one process-wide lock.
 
 Threading layer: ``workqueue`` unless ``NUMBA_THREADING_LAYER`` says otherwise. GNU OpenMP
 (numba's first choice where it exists) makes every ``fork()`` child of a process that used

@@ -20,6 +20,7 @@ compiles (or loads from numba's on-disk cache) on the step path.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -71,13 +72,33 @@ class _Choice:
 
 _CHOICES: dict[tuple[str, int], _Choice] = {}
 
+# One parallel loop at a time in the process. numba releases the GIL inside a parallel
+# region, and its workqueue threading layer aborts the process ("Concurrent access has been
+# detected") when a second thread launches one meanwhile: four threads with a session each
+# did. A thread that finds the pool busy runs the serial loop, which computes every element
+# identically; it never waits.
+_POOL = threading.Lock()
+
+
+def _launch(serial, parallel, args) -> int:
+    """Run ``parallel`` if numba's thread pool is free, else ``serial``; returns the
+    variant that ran (1 parallel, 0 serial)."""
+    if _POOL.acquire(blocking=False):
+        try:
+            parallel(*args)
+        finally:
+            _POOL.release()
+        return 1
+    serial(*args)
+    return 0
+
 
 def _dispatch(op: str, serial, parallel, n: int, *args) -> None:
     if n < PARALLEL_THRESHOLDS[op]:
         serial(*args)
         return
     if not ADAPTIVE:
-        parallel(*args)
+        _launch(serial, parallel, args)
         return
     key = (op, n.bit_length())
     c = _CHOICES.get(key)
@@ -92,7 +113,11 @@ def _dispatch(op: str, serial, parallel, n: int, *args) -> None:
             use = c.probe = 1 - use
             c.probe_left, c.probe_best = _PROBE_LEN, _INF
     start = time.perf_counter()
-    (parallel if use else serial)(*args)
+    if use:
+        if not _launch(serial, parallel, args):
+            return  # the pool was busy: this call measures nothing about either variant
+    else:
+        serial(*args)
     per_element = (time.perf_counter() - start) / n
     cost = c.cost
     if c.probe_left:
@@ -289,6 +314,12 @@ def warm_up() -> float:
     parallel, float32 and float64) and start numba's thread pool; returns the seconds
     it took. Call it once at start-up so that no step pays for it."""
     start = time.perf_counter()
+    with _POOL:  # the first calls launch numba's thread pool: one thread at a time
+        _warm_up_all()
+    return time.perf_counter() - start
+
+
+def _warm_up_all() -> None:
     for dtype in _FLOATS:
         arrays = [np.zeros(1, dtype) for _ in range(4)]
         s = np.zeros(8, dtype)  # each kernel reads only the scalars it needs
@@ -303,7 +334,6 @@ def warm_up() -> float:
         for kernel in (_rms.rmsprop_serial, _rms.rmsprop_parallel):
             kernel(*arrays, arrays[0], s, True, True, True)
         _rms.rmsprop_rows(*tables, tables[0], u, s, True, True, True)
-    return time.perf_counter() - start
 
 
 __all__ = ["adam_", "momentum_", "adagrad_", "supports", "supports_rows", "warm_up", "PARALLEL_THRESHOLDS", "ADAPTIVE"]
