@@ -36,6 +36,7 @@ from .storage import checkpoint
 from .build.model_metadata import metadata
 from .errors import TrainingOpError
 from .storage.model_files import load_model
+from .training.fingerprint import differences, fingerprint
 from .training.session import TrainingSession
 from .training.shard import optimizer_state, partition, shard_model, skeleton
 
@@ -124,9 +125,12 @@ class DistributedTrainingSession:
                                   "model is given, not a TrainingSession")
         if self.sharded:
             session = self._open_shard(session, session_kwargs)
-        elif not isinstance(session, TrainingSession):
-            session = TrainingSession(session, **session_kwargs)
+        else:
+            if not isinstance(session, TrainingSession):
+                session = TrainingSession(session, **session_kwargs)
+            self._fingerprint = fingerprint(session._model)
         self.session = session
+        self._check_same_model()
         self._rate_names = sorted({name for names in self._gather(session.learning_rate_names) for name in names})
         self.steps = 0
         self.skipped_steps = 0
@@ -138,6 +142,7 @@ class DistributedTrainingSession:
         """This rank's session on its shard of the model (rank 0 keeps the model's skeleton,
         without state values, to write whole checkpoints)."""
         model = source.training_model() if isinstance(source, TrainingSession) else load_model(source)
+        self._fingerprint = fingerprint(model)  # of the whole model: every rank's shard differs
         per_param = optimizer_state(model)
         self._owners = partition(model, self.world_size)
         self._optimizer_state = {s for states in per_param.values() for s in states}
@@ -164,6 +169,19 @@ class DistributedTrainingSession:
             raise TrainingOpError(
                 f"{what} failed on rank {self.rank} of {self.world_size}: another worker died or "
                 f"the network failed ({str(error).splitlines()[0] if str(error) else error!r})") from None
+
+    def _check_same_model(self) -> None:
+        """Raise TrainingOpError on every rank unless all ranks opened the same training model
+        (graph, loss, optimizer, state names and shapes; state values may differ). Without
+        this, another model on one rank ends in gloo's SIGABRT or trains on unnoticed."""
+        prints = self._gather(self._fingerprint)
+        odd = {rank: differences(p, prints[0]) for rank, p in enumerate(prints) if p != prints[0]}
+        if odd:
+            raise TrainingOpError(
+                "DistributedTrainingSession: the ranks opened different training models; "
+                + "; ".join(f"rank {rank} differs from rank 0 in {', '.join(parts)}" for rank, parts in odd.items())
+                + ". Every rank must build or load the same model (state values may differ: rank 0's are "
+                "broadcast)")
 
     def _buckets(self, buffer: np.ndarray) -> list[np.ndarray]:
         per = max(1, self.bucket_bytes // buffer.itemsize)

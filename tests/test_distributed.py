@@ -31,13 +31,19 @@ def _free_port() -> int:
 
 def _launch(world: int, out: Path, *args: str, env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Run ``world`` workers (as torchrun would set them up); wait for all."""
+    return _launch_script(WORKER.name, world, str(out), *args, env_extra=env_extra)
+
+
+def _launch_script(script: str, world: int, *args: str, env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``world`` copies of ``tests/<script>`` as the ranks of one job; wait for all."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                **(env_extra or {})}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *args], cwd=ROOT, env=env,
+        procs.append(subprocess.Popen([sys.executable, str(WORKER.with_name(script)), *args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     done = []
     for proc in procs:
