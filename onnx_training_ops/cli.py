@@ -140,6 +140,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench.embeddings import main as embeddings_main
 
         return embeddings_main(args.bench_args[1:])
+    if args.bench_args[:1] == ["overhead"]:  # import and Gradient-expansion times, with the load
+        from .bench.overhead import main as overhead_main
+
+        return overhead_main(args.bench_args[1:])
     if not any(a in ("-h", "--help") for a in args.bench_args):
         for module in ("torch", "matplotlib"):
             _require(module, "test")
@@ -215,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = commands.add_parser(
         "bench", add_help=False,  # every argument, --help included, goes to onnx_training_ops.bench.main
         help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`; "
-             "`bench embeddings`: a 1M-row table, dense vs lazy Adam vs torch",
+             "`bench embeddings`: a 1M-row table, dense vs lazy Adam vs torch; `bench overhead`: import and "
+             "Gradient-expansion times",
     )
     b.set_defaults(func=_bench)
     return parser

@@ -49,8 +49,7 @@ def test_import_loads_neither_torch_nor_the_extensions_and_leaves_the_environmen
     result = _run(REPORT.format(after="", var=VAR))
     assert result["file"].startswith(str(ROOT))
     assert result["modules"] == []
-    assert result["var"] is None
-    assert result["seconds"] < 3.0, result  # ~0.35 s on the 2-core machine; generous for CI
+    assert result["var"] is None  # the import's time: `python -m onnx_training_ops bench overhead`
 
 
 def test_an_environment_value_set_before_is_kept():

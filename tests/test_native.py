@@ -216,22 +216,23 @@ def test_plain_onnxruntime_session_runs_a_prepared_model():
         np.testing.assert_array_equal(o, e)
 
 
-def test_first_session_in_a_fresh_process_is_quick():
-    """numba's disk cache serves the cfuncs: a new process needs no compilation."""
+def test_first_session_in_a_fresh_process_compiles_nothing():
+    """numba's disk cache serves the cfuncs: a new process loads them (compiling took ~15 s).
+    Checked by numba's cache-hit counters, not a clock; the second process is the one that
+    counts (the first may fill an empty cache)."""
     code = (
-        "import time; t0 = time.perf_counter()\n"
         "import numpy as np, onnx_training_ops as ot\n"
         "from model_factory import optimizer_model\n"
-        "t1 = time.perf_counter()\n"
         "s = ot.InferenceSession(optimizer_model('Adam'), kernels='native')\n"
         "s.run(None, {'R': np.array(0.1, np.float32), 'T': np.array(1, np.int64),"
         " **{k + '0': np.ones(3, np.float32) for k in 'XGVH'}})\n"
-        "print(t1 - t0, time.perf_counter() - t1)\n"
+        "from onnx_training_ops.kernels import _native_kernels as nk\n"
+        "print([f.cache_hits for f in (nk.chunk_f32, nk.chunk_f64, nk.kernel_compute, nk.kernel_destroy)])\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(__file__)])}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    _, first_session = map(float, out.stdout.split())
-    assert first_session < 5.0, first_session  # compiling would take ~15 s
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split("\n")[-2] == "[1, 1, 1, 1]", out.stdout
 
 
 @pytest.mark.parametrize("op_type,mode", VARIANTS, ids=VARIANT_IDS)
