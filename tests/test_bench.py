@@ -5,6 +5,7 @@ Timings are never asserted: only that the run completes and the JSON has its sha
 
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ def test_quick_bench_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = subprocess.run(
         [sys.executable, "-m", "onnx_training_ops", "bench", "--quick", "--ops", "adam,momentum",
-         "--contenders", "graph,training_session,fused", "--mlp", "training_session_fast",
+         "--contenders", "graph,training_session,fused,torch_fused", "--mlp", "training_session_fast,torch_eager",
          "--mlp-steps", "5", "--json", str(out), "--png", str(png)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -34,13 +35,19 @@ def test_quick_bench_writes_json_and_png(tmp_path):
     for row in report["results"]:
         assert row["floor_s"] > 0
         assert not row["n/a"], row["n/a"]
-        assert set(row["times"]) == {"graph", "training_session", "fused"}
+        assert set(row["times"]) == {"graph", "training_session", "fused", "torch_fused"}
         for timing in row["times"].values():
             assert timing["median_s"] > 0 and timing["min_s"] > 0 and timing["reps"] >= 5
     breakdown = report["graph_breakdown"]
     assert breakdown["op"] == "adam" and breakdown["n"] == 10**5
     assert breakdown["total_s"] > 0 and breakdown["kernel_s"] > 0
     assert report["mlp"]["64,128,10x64"]["training_session_fast"]["steps_per_s"] > 0
+    # --quick pins every pool to one thread, in every contender's own process
+    assert report["threads"]["torch_fused"] == {"pinned": 1, "numba": 1, "torch": 1}
+    assert report["threads"]["fused"] == {"pinned": 1, "numba": 1}
+    for name in ("training_session_fast", "torch_eager"):
+        assert report["mlp"]["64,128,10x64"][name]["threads"]["pinned"] == 1
+    assert report["mlp"]["64,128,10x64"]["torch_eager"]["threads"]["torch"] == 1
 
 
 def test_mlp_bench_takes_shapes_and_reports_an_unusable_ortt_python():
@@ -177,3 +184,34 @@ def test_mlp_batches_are_a_fixed_cycle_of_distinct_learnable_batches():
     xs = np.concatenate([x for x, _ in batches]).astype(np.float64)
     w, *_ = np.linalg.lstsq(xs, np.eye(3)[labels], rcond=None)
     assert (np.argmax(xs @ w, axis=1) == labels).mean() > 0.8
+
+
+def _row(n, floor, **times):
+    return {"op": "adam", "n": n, "floor_s": floor, "n/a": {},
+            "times": {c: {"median_s": t, "min_s": t, "reps": 5} for c, t in times.items()}}
+
+
+def test_a_time_that_cannot_be_right_is_flagged():
+    """A torch step that stalled on a busy core made the table print 0.00x: now flagged."""
+    report = {"stat": "median_s", "loadavg_before_after": [(3.9, 4.5, 3.6), (3.8, 4.5, 3.6)], "results": [
+        _row(10**4, 2e-6, training_session=6e-6, torch_fused=9e-3),  # torch 1500x slower: stalled
+        _row(10**7, 4e-3, fused=1e-5, torch_fused=5e-3),  # below 1/20 of the floor
+        _row(10**5, 2e-5, fused=4e-5, torch_fused=6e-5)]}  # plausible
+    table = bench.format_table(report)
+    assert bench.report.flags(report) == [
+        "adam 10000 torch_fused: 9.000ms is 1500x training_session's time for the same one-pass update: it "
+        "stalled (a thread pool waiting for a busy core?)",
+        "adam 10000000 fused: 0.010ms is below 1/20 of the bandwidth floor"]
+    assert "flagged (!), cannot be right; load average" in table and "--threads 1" in table
+    assert table.count("xF!") == 2
+
+
+def test_the_plot_is_a_readable_page_not_a_strip(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = {"results": [_row(n, n * 4e-10, fused=n * 1e-9, torch_fused=n * 2e-9) | {"op": op}
+                          for op in bench.OPS for n in (10**4, 10**5)],
+              "mlp": {"64,128,10x64": {"torch_eager": {"steps_per_s": 9000.0}}}}
+    path = tmp_path / "bench.png"
+    bench.plot(report, str(path))
+    width, height = struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR
+    assert width <= 1400 and width / height <= 2, (width, height)

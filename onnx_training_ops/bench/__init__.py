@@ -52,8 +52,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 
+from . import threads
 from .breakdown import format_breakdown, graph_breakdown
 from .contenders import (CONTENDERS, DEFAULT_CONTENDERS, GRAPH_OPTIONS, NATIVE_OPTIONS, ORTT, PORTABLE_OPTIONS,
                          contender, graph, graph_native, graph_session, portable, portable_session,
@@ -62,7 +64,7 @@ from .measure import copy_bandwidth, floor_seconds, loadavg, measure, measure_is
 from .mlp import DEFAULT_SHAPES, MLP_CONTENDERS, format_mlp, measure_mlp, mlp_worker, parse_shape
 from .problem import ATTRS, ONNX_OP, OPS, R, SIZES, STATE_NAMES, T, NotAvailable, make_state, step_model
 from .timing import time_step
-from .report import format_table, plot, write_json
+from .report import flags, format_table, plot, write_json
 
 __all__ = [
     "ATTRS", "CONTENDERS", "DEFAULT_CONTENDERS", "GRAPH_OPTIONS", "NATIVE_OPTIONS", "ONNX_OP", "OPS", "ORTT",
@@ -87,7 +89,11 @@ def main(argv: list[str] | None = None, worker_script: str | None = None) -> int
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The bench's options on ``ap``."""
     ap.add_argument("--sizes", default=None, help="comma list (default 1e4,1e5,1e6,1e7; --quick: 1e4,1e5)")
-    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--ops", default=",".join(OPS),
+                    help=f"comma list of optimizer steps to time, of: {', '.join(OPS)} (default: all)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads of every pool in every contender: torch, numba, onnxruntime intra-op "
+                         "(default: the machine's cores; --quick: 1)")
     ap.add_argument("--contenders", default=None,
                     help=f"comma list of: {', '.join(CONTENDERS)} (default: {','.join(DEFAULT_CONTENDERS)})")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="sizes 1e4,1e5, few repetitions, short MLP (a smoke test)")
@@ -118,6 +124,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_script: str | None = None) -> int:
     """Run what ``args`` ask (a worker's part, or the whole bench); the exit status."""
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be >= 1, found {args.threads}")
+    threads.pin(args.threads or threads.requested() or (1 if args.quick else os.cpu_count()))
     sizes = [int(float(s)) for s in (args.sizes or ("1e4,1e5" if args.quick else ",".join(map(str, SIZES)))).split(",")]
     ops = args.ops.split(",")
     contenders = [c for c in (args.contenders or ",".join(DEFAULT_CONTENDERS)).split(",") if c]
@@ -143,7 +152,7 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
         except ValueError:
             ap.error(f"--mlp-shapes: {shape!r} is not layer sizes x batch, e.g. {DEFAULT_SHAPES[0]!r}")
     if args.worker:
-        print(json.dumps(measure(args.worker, ops, sizes, min_time, max_reps)))
+        print(json.dumps({**measure(args.worker, ops, sizes, min_time, max_reps), "threads": threads.in_use()}))
         return 0
     if args.mlp_worker:
         mlp_worker(args.mlp_worker, parse_shape(args.mlp_shape or DEFAULT_SHAPES[0]))
@@ -156,6 +165,7 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
     report = run(sizes, ops, contenders, min_time, max_reps, stat=stat, isolate=not args.same_process,
                  worker_script=worker_script, bandwidth_bytes=(64 if args.quick else 512) * 2**20,
                  ortt_python=args.ortt_python)  # fmt: skip
+    report["flags"] = flags(report)
     print(format_table(report, contenders))
     for r in report["results"]:
         for c, why in r["n/a"].items():

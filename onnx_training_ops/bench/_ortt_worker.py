@@ -67,6 +67,17 @@ def build_step(n, out_dir):
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=out_dir)
 
 
+def session_options():
+    """onnxruntime's defaults, or the bench's pinned thread count (``threads.ENV``, set by the parent)."""
+    import onnxruntime
+
+    so = onnxruntime.SessionOptions()
+    pinned = os.environ.get("ONNX_TRAINING_OPS_BENCH_THREADS")
+    if pinned:
+        so.intra_op_num_threads = int(pinned)
+    return so
+
+
 def step_main(sizes, min_time, max_reps):
     import numpy as np
     import onnxruntime
@@ -78,7 +89,8 @@ def step_main(sizes, min_time, max_reps):
         out_dir = tempfile.mkdtemp(prefix="ortt_step_")
         build_step(n, out_dir)
         state = CheckpointState.load_checkpoint(os.path.join(out_dir, "checkpoint"))
-        module = Module(os.path.join(out_dir, "training_model.onnx"), state, os.path.join(out_dir, "eval_model.onnx"))
+        module = Module(os.path.join(out_dir, "training_model.onnx"), state, os.path.join(out_dir, "eval_model.onnx"),
+                        session_options=session_options())
         optimizer = Optimizer(os.path.join(out_dir, "optimizer_model.onnx"), module)
         optimizer.set_learning_rate(1e-3)
         rng = np.random.default_rng(1)
@@ -99,7 +111,8 @@ def mlp_main(sizes, batch):
     out_dir = tempfile.mkdtemp(prefix="ortt_")
     build(sizes, batch, out_dir)
     state = CheckpointState.load_checkpoint(os.path.join(out_dir, "checkpoint"))
-    module = Module(os.path.join(out_dir, "training_model.onnx"), state, os.path.join(out_dir, "eval_model.onnx"))
+    module = Module(os.path.join(out_dir, "training_model.onnx"), state, os.path.join(out_dir, "eval_model.onnx"),
+                        session_options=session_options())
     optimizer = Optimizer(os.path.join(out_dir, "optimizer_model.onnx"), module)
     optimizer.set_learning_rate(1e-3)
     batches = mlp_batches(sizes, batch)

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import threads
 from .problem import ATTRS, ONNX_OP, R, STATE_NAMES, T, NotAvailable, make_state, step_model
 
 Step = Callable[[], None]
@@ -108,6 +109,8 @@ GRAPH_VARIANTS = {
 
 # The native kernels split the tensor over onnxruntime's intra-op pool: 2 threads, no spinning.
 NATIVE_OPTIONS = {"intra_op_num_threads": 2, "allow_spinning": False}
+# onnxruntime's own defaults (TrainingSession's sessions): all cores, spinning.
+DEFAULT_OPTIONS = {"intra_op_num_threads": 0, "allow_spinning": True}
 # The portable form is many standard elementwise nodes: onnxruntime's default pool, no spinning.
 PORTABLE_OPTIONS = {"intra_op_num_threads": 0, "allow_spinning": False}
 
@@ -117,7 +120,7 @@ def session_options(options: dict):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.intra_op_num_threads = options["intra_op_num_threads"]
+    so.intra_op_num_threads = threads.onnxruntime_threads(options["intra_op_num_threads"])
     if not options["allow_spinning"]:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
@@ -227,7 +230,8 @@ def training_session(op: str, n: int) -> Step:
     s = make_state(op, n)
     updated = [k for k in STATE_NAMES[op] if k != "G"]
     init = {"R": np.array(R, np.float32), "T": np.array(T, np.int64), **{k: s[k] for k in updated}}
-    sess = TrainingSession.from_graph(step_model(op, n, init, count_output=True), {f"{k}_new": k for k in updated})
+    sess = TrainingSession.from_graph(step_model(op, n, init, count_output=True), {f"{k}_new": k for k in updated},
+                                      sess_options=session_options(DEFAULT_OPTIONS))
     if not sess.fast_path_nodes:
         raise NotAvailable("the fast path did not take the optimizer node")
     feeds = {"G": s["G"]}
@@ -245,6 +249,7 @@ def _torch_optimizer(op: str, n: int, impl: str):
         import torch
     except ImportError as exc:
         raise NotAvailable(f"torch not importable: {exc}") from exc
+    threads.torch_pinned(torch)
     s = make_state(op, n)
     p = torch.nn.Parameter(torch.from_numpy(s["X"]))
     p.grad = torch.from_numpy(s["G"])

@@ -163,6 +163,7 @@ def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat:
             log(f"measuring {name} ...")
             per_contender[name] = measure(name, ops, sizes, min_time, max_reps)
     results = []
+    pools = {name: cells.pop("threads") for name, cells in per_contender.items() if "threads" in cells}
     for op in ops:
         for n in sizes:
             row = {"op": op, "n": n, "floor_s": floor_seconds(op, n, bw["best"]), "times": {}, "n/a": {}}
@@ -185,6 +186,7 @@ def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat:
         "ortt_python": ortt_python if ORTT in contenders else None,
         "training_session_gradient": "G is a graph input fed on every step; R and T are initializers",
         "copy_bandwidth_bytes_per_s": bw,
+        "threads": pools,  # each contender's pool sizes, as its worker saw them
         "dtype": "float32",
         "t": T,
         "stat": stat,

@@ -19,6 +19,7 @@ import tempfile
 import time
 from typing import Callable
 
+from . import threads
 from .contenders import ORTT
 from .dataset import BATCHES, WARMUP_STEPS, mlp_batches
 from .measure import ORTT_WORKER, worker_command
@@ -53,8 +54,10 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
         from ..build.optimizers import Adam
         from ..training import TrainingSession
 
+        from .contenders import DEFAULT_OPTIONS, session_options
+
         session = TrainingSession(build_training_model(make_mlp(sizes), "cross_entropy", Adam(lr=1e-3)),
-                                  fast=name.endswith("fast"))
+                                  fast=name.endswith("fast"), sess_options=session_options(DEFAULT_OPTIONS))
         feeds = [{"input": x, "labels": y} for x, y in batches]
         step = session.step
 
@@ -65,6 +68,7 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
         return run
     import torch
 
+    threads.torch_pinned(torch)
     torch.manual_seed(0)
     layers = []
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
@@ -88,7 +92,7 @@ def mlp_worker(name: str, shape: tuple[tuple[int, ...], int]) -> None:
     """Serve ``N`` requests on stdin with ``{"seconds": ...}`` on stdout."""
     run = mlp_runner(name, shape)
     run(WARMUP_STEPS)
-    print(json.dumps({"ready": name}), flush=True)
+    print(json.dumps({"ready": name, "threads": threads.in_use()}), flush=True)
     for line in sys.stdin:
         steps = int(line)
         t0 = time.perf_counter()
@@ -114,9 +118,12 @@ def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | 
             logs[name] = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill and stall the worker
             procs[name] = subprocess.Popen(_command(name, shape, worker_script, ortt_python), stdin=subprocess.PIPE,
                                            stdout=subprocess.PIPE, stderr=logs[name], text=True)
+        pools = {}
         for name, p in list(procs.items()):
             line = p.stdout.readline()
-            if not line:
+            if line:
+                pools[name] = json.loads(line).get("threads")
+            else:
                 code = p.wait()
                 logs[name].seek(0)
                 err = logs[name].read().strip().splitlines()
@@ -131,7 +138,8 @@ def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | 
                 rates[name].append(steps / json.loads(p.stdout.readline())["seconds"])
         for name, r in rates.items():
             out[name] = {"steps_per_s": max(r), "median_steps_per_s": statistics.median(r), "rounds": r,
-                         "steps_per_round": steps, "label": ORTT_LABEL if name == ORTT else MLP_CONTENDERS[name]}
+                         "steps_per_round": steps, "label": ORTT_LABEL if name == ORTT else MLP_CONTENDERS[name],
+                         "threads": pools.get(name)}
         if ORTT in rates:
             for name, r in rates.items():
                 out[name]["vs_ortt"] = statistics.median(a / b for a, b in zip(r, rates[ORTT]))

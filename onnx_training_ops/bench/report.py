@@ -6,6 +6,11 @@ import json
 import os
 
 CELL = 27
+# A time below 1/FLOOR_MARGIN of the DRAM bandwidth floor moves data faster than even the
+# caches can; a contender more than 1/TORCH_MARGIN times faster than torch_fused (a one-pass
+# fused loop, as ours) means torch_fused stalled, e.g. its thread pool waiting for a busy core.
+FLOOR_MARGIN = 20
+TORCH_MARGIN = 0.05
 
 
 def format_header(contenders) -> str:
@@ -13,9 +18,30 @@ def format_header(contenders) -> str:
     return f"{'op':9s} {'n':>9s} " + " ".join(f"{c:>{CELL}s}" for c in contenders) + f" {'floor':>10s}"
 
 
-def format_row(row: dict, contenders, stat: str = "median_s") -> str:
-    """One (op, n) row: per contender the time, its ratio to torch_fused (xT) and to the floor (xF)."""
+def implausible(row: dict, stat: str = "median_s") -> dict[str, str]:
+    """Contender -> why its time in ``row`` cannot be right (see FLOOR_MARGIN, TORCH_MARGIN)."""
+    out = {}
     ref = row["times"].get("torch_fused", {}).get(stat)
+    for c, tm in row["times"].items():
+        if tm[stat] < row["floor_s"] / FLOOR_MARGIN:
+            out[c] = f"{_ms(tm[stat]).strip()} is below 1/{FLOOR_MARGIN} of the bandwidth floor"
+        elif ref and c != "torch_fused" and tm[stat] / ref < TORCH_MARGIN:
+            out["torch_fused"] = (f"{_ms(ref).strip()} is {ref / tm[stat]:.0f}x {c}'s time for the same one-pass "
+                                  "update: it stalled (a thread pool waiting for a busy core?)")
+    return out
+
+
+def flags(report: dict) -> list[str]:
+    """One line per time that cannot be right, for the table and the JSON."""
+    stat = report.get("stat", "median_s")
+    return [f"{r['op']} {r['n']} {c}: {why}" for r in report["results"] for c, why in implausible(r, stat).items()]
+
+
+def format_row(row: dict, contenders, stat: str = "median_s") -> str:
+    """One (op, n) row: per contender the time, its ratio to torch_fused (xT) and to the floor
+    (xF); ``!`` marks a time that cannot be right (:func:`implausible`)."""
+    ref = row["times"].get("torch_fused", {}).get(stat)
+    bad = implausible(row, stat)
     cells = []
     for c in contenders:
         tm = row["times"].get(c)
@@ -23,7 +49,7 @@ def format_row(row: dict, contenders, stat: str = "median_s") -> str:
             cells.append(f"{'n/a':>{CELL}s}")
             continue
         vs_torch = f"{tm[stat] / ref:5.2f}xT" if ref else "   -   "
-        cells.append(f"{_ms(tm[stat])} {vs_torch} {tm[stat] / row['floor_s']:5.1f}xF")
+        cells.append(f"{_ms(tm[stat])} {vs_torch} {tm[stat] / row['floor_s']:5.1f}xF{'!' if c in bad else ''}")
     return f"{row['op']:9s} {row['n']:>9d} " + " ".join(cells) + f" {_ms(row['floor_s'])}"
 
 
@@ -56,7 +82,15 @@ def format_table(report: dict, contenders=None) -> str:
             ratios.append(f"{r['op']:9s} {r['n']:>9d}  " + "; ".join(parts))
     if ratios:
         lines += ["", "ratios:"] + ratios
+    flagged = flags(report)
+    if flagged:
+        lines += ["", f"flagged (!), cannot be right; load average before/after "
+                      f"{report.get('loadavg_before_after')}: rerun on an idle machine or with --threads 1"]
+        lines += ["  " + f for f in flagged]
     return "\n".join(lines)
+
+
+PLOT_COLUMNS = 2  # panels per row: 5 panels make a 1200x1380 px page, not a 2700x480 strip
 
 
 def plot(report: dict, path: str, stat: str = "median_s") -> None:
@@ -70,9 +104,15 @@ def plot(report: dict, path: str, stat: str = "median_s") -> None:
     shapes = report.get("mlp", {})
     shape = next(iter(shapes), "")
     mlp = {k: v for k, v in shapes.get(shape, {}).items() if "steps_per_s" in v}
-    ncols = len(ops) + bool(mlp)
-    fig, axes = plt.subplots(1, ncols, figsize=(4.5 * ncols, 4), squeeze=False)
-    for ax, op in zip(axes[0], ops):
+    panels = len(ops) + bool(mlp)
+    ncols = min(PLOT_COLUMNS, panels)
+    nrows = -(-panels // ncols)
+    plt.rcParams.update({"font.size": 11})
+    fig, grid = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.6 * nrows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    for ax, op in zip(axes, ops):
         rows = [r for r in report["results"] if r["op"] == op]
         names = list(dict.fromkeys(c for r in rows for c in r["times"]))
         for c in names:
@@ -83,16 +123,16 @@ def plot(report: dict, path: str, stat: str = "median_s") -> None:
         ax.set_xlabel("parameters")
         ax.set_ylabel(f"ms ({stat[:-2]})")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes[0].legend(fontsize=9)
     if mlp:
-        ax = axes[0][-1]
+        ax = axes[panels - 1]
         ax.barh(list(mlp), [v["steps_per_s"] for v in mlp.values()])
         ax.set_title(f"MLP {shape}, Adam")
         ax.set_xlabel("training steps/s")
-        ax.tick_params(axis="y", labelsize=7)
+        ax.tick_params(axis="y", labelsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
 
 
 def write_json(report: dict, path: str) -> None:

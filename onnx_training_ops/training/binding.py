@@ -22,7 +22,7 @@ from .arrays import dtype_name, owned
 from .fast_path import cut_plan, flat_gradient_views, prepare_plan
 from .feeds import feed_spec
 from .in_place import add_finite_guard, in_place_outputs
-from .program import Program
+from .program import Program, prune_unused_initializers
 from .rmsprop_fast_path import plan as rms_plan
 from .row_updates import plan as row_plan
 
@@ -51,6 +51,7 @@ def open_program(
         if found and guard and program.loss_names and not add_finite_guard(combined, program.loss_names):
             found = {}
         program.guarded = bool(found) and guard and bool(program.loss_names)
+    prune_unused_initializers(combined.graph, rate_inputs)
     session = InferenceSession(combined, sess_options=sess_options, providers=providers)
     io = session.io_binding()
     program.session, program.io = session, io

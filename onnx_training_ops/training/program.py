@@ -129,6 +129,25 @@ def prune_unused_inputs(graph: onnx.GraphProto) -> None:
     graph.input.extend(kept)
 
 
+def prune_unused_initializers(graph: onnx.GraphProto, droppable_inputs=()) -> None:
+    """Drop the initializers no node reads (a cut optimizer node leaves its constants and
+    learning rate behind); onnxruntime would drop them too, with a warning per tensor at
+    every session. An initializer that is also a graph input goes only if named in
+    ``droppable_inputs`` (the learning rates, which the fast path reads from its own buffers)."""
+    used = used_names(graph)
+    inputs = {vi.name for vi in graph.input}
+    drop = {t.name for t in graph.initializer
+            if t.name not in used and (t.name not in inputs or t.name in droppable_inputs)}
+    if not drop:
+        return
+    kept = [t for t in graph.initializer if t.name not in drop]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    kept_inputs = [vi for vi in graph.input if vi.name not in drop]
+    del graph.input[:]
+    graph.input.extend(kept_inputs)
+
+
 def combined_graph(
     model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str],
     prune_inputs: bool = False,
