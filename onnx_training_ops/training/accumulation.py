@@ -62,20 +62,31 @@ class GradientAccumulation:
     def built(self) -> bool:
         return self._built is not None
 
-    def backward(self, feeds: Mapping[str, Any], scale: float, on_nonfinite: str) -> tuple[dict, bool]:
-        """Add ``scale`` times this batch's gradients; (outputs, skipped)."""
+    def backward(self, feeds: Mapping[str, Any], scale: float, on_nonfinite: str,
+                 then: Callable[[bool], None]) -> dict[str, np.ndarray]:
+        """Add ``scale`` times this batch's gradients; the outputs. The count, and the
+        caller's ``then(skipped)``, land inside the state write (Ctrl-C cannot split them)."""
         backward, _, _, state = self.programs()
-        result, skipped = run_program(backward, {**feeds, GRAD_SCALE: np.array(scale, np.float64)}, None,
-                                      state, on_nonfinite)
-        if not skipped:
-            self.count += 1
-        return result, skipped
 
-    def apply(self, rates) -> dict[str, np.ndarray]:
-        """Run the apply program on the accumulated gradients, then zero them."""
+        def counted(skipped: bool) -> None:
+            if not skipped:
+                self.count += 1
+            then(skipped)
+
+        result, _ = run_program(backward, {**feeds, GRAD_SCALE: np.array(scale, np.float64)}, None,
+                                state, on_nonfinite, counted)
+        return result
+
+    def apply(self, rates, then: Callable[[], None]) -> dict[str, np.ndarray]:
+        """Run the apply program on the accumulated gradients; zeroing them and the caller's
+        ``then()`` (the schedule's step) land inside the state write, with T."""
         _, apply, _, state = self.programs()
-        result, _ = run_program(apply, {}, rates, state, "ignore")
-        self.zero()
+
+        def applied(_skipped: bool) -> None:
+            self.zero()
+            then()
+
+        result, _ = run_program(apply, {}, rates, state, "ignore", applied)
         return result
 
     def zero(self) -> None:

@@ -44,6 +44,10 @@ class LearningRates:
         return {name: lr_schedules.rate(self.schedule, base, self.step, name)
                 for name, base in self.base.items()}
 
+    def advance(self) -> None:
+        """One optimizer step taken (called inside its state write)."""
+        self.step += 1
+
     def next(self) -> dict[str, float]:
         """The rate of each input for the next optimizer step (schedule or default)."""
         rates = self.for_step(None)

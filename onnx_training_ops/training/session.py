@@ -257,15 +257,21 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         self._check_feeds(feeds, self._required_set, self._optional_feeds)
         rates = self._rates.for_step(lr)
         result: dict[str, np.ndarray] = {}
-        applied = True
-        for program in self._programs_with(tuple(outputs)):
-            outputs, skipped = run_program(program, feeds, rates, self._state, self.on_nonfinite)
+        applied = [True]
+        programs = self._programs_with(tuple(outputs))
+        last = programs[-1]
+
+        def count(skipped: bool, program: Program) -> None:  # lands with the state write
             if skipped:
                 self.skipped_steps += 1
-                applied = False
-            result.update(outputs)
-        if applied:
-            self._rates.step += 1
+                applied[0] = False
+            if program is last and applied[0]:
+                self._rates.step += 1
+
+        for program in programs:
+            returned, _ = run_program(program, feeds, rates, self._state, self.on_nonfinite,
+                                      functools.partial(count, program=program))
+            result.update(returned)
         return result
 
     def _programs_with(self, outputs: tuple[str, ...]) -> list[Program]:

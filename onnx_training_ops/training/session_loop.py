@@ -97,10 +97,11 @@ class TrainingLoop:
         required, optional = program_feeds(backward)
         self._check_feeds(feeds, {f.name for f in required} - {GRAD_SCALE}, {f.name for f in optional})
         scale = checked_learning_rate(scale, "backward: scale")
-        result, skipped = self._accumulation.backward(feeds, scale, self.on_nonfinite)
+        return self._accumulation.backward(feeds, scale, self.on_nonfinite, self._count_skipped)
+
+    def _count_skipped(self, skipped: bool) -> None:
         if skipped:
             self.skipped_steps += 1
-        return result
 
     @locked
     def optimizer_step(self, lr: float | Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
@@ -109,9 +110,7 @@ class TrainingLoop:
         if not self._accumulation.count:
             raise TrainingOpError("optimizer_step: no gradients accumulated since the last optimizer "
                                   "step; call backward(feeds) first")
-        result = self._accumulation.apply(self._rates.for_step(lr))
-        self._rates.step += 1
-        return result
+        return self._accumulation.apply(self._rates.for_step(lr), self._rates.advance)
 
     @locked
     def zero_grad(self) -> None:

@@ -23,7 +23,7 @@ the write ends: the step counts (T says so), and the state is never partial.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -51,8 +51,13 @@ def run_program(
     lr: float | Mapping[str, float] | None,
     state: dict[str, np.ndarray],
     on_nonfinite: str,
+    then: Callable[[bool], None] | None = None,
 ) -> tuple[dict[str, np.ndarray], bool]:
-    """Run one program's step; returns its outputs not bound to state, and whether the step was skipped."""
+    """Run one program's step; returns its outputs not bound to state, and whether the step was skipped.
+
+    ``then(skipped)`` runs inside the same Ctrl-C-held section as the state write, right after
+    it: the caller's bookkeeping of the step (counters, schedule position, zeroed gradients)
+    lands with the state, or neither does."""
     io = program.io
     raw = io._iobinding
     bound = bind_feeds(program, feeds)  # onnxruntime reads these arrays: keep them until it has run
@@ -62,7 +67,7 @@ def run_program(
     if program.in_place:  # the run itself writes state: it and the commit are one write
         with held_interrupts():
             if _run(program):
-                return _commit(program, raw, feeds, state, on_nonfinite)
+                return _committed(_commit(program, raw, feeds, state, on_nonfinite), then)
         # the guard stopped the run before any optimizer: redo the step the copying way,
         # which checks the loss (raise, skip) as usual
         if program.fallback is None:
@@ -70,11 +75,17 @@ def run_program(
                                      "the step was not applied, the state is unchanged")
         if callable(program.fallback):
             program.fallback = program.fallback()
-        return run_program(program.fallback, feeds, lr, state, on_nonfinite)
+        return run_program(program.fallback, feeds, lr, state, on_nonfinite, then)
     _run(program)
     del bound
     with held_interrupts():  # from here on the state is written: all of it, or none
-        return _commit(program, raw, feeds, state, on_nonfinite)
+        return _committed(_commit(program, raw, feeds, state, on_nonfinite), then)
+
+
+def _committed(outcome: tuple[dict[str, np.ndarray], bool], then) -> tuple[dict[str, np.ndarray], bool]:
+    if then is not None:
+        then(outcome[1])
+    return outcome
 
 
 def _run(program: Program) -> bool:
