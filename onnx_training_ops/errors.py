@@ -11,6 +11,11 @@ class TrainingOpError(ValueError):
     """
 
 
+class FileWriteError(TrainingOpError, OSError):
+    """A file could not be written (read-only directory, disk full): names the path the
+    caller gave, never a temporary; an ``OSError`` too, for code that catches those."""
+
+
 def node_label(node) -> str:
     """``Adam node 'opt'`` — how messages name a node (its name, else its first output)."""
     name = node.name or (node.output[0] if len(node.output) else "")

@@ -8,7 +8,9 @@ resumes bit for bit: initializers are stored as raw little-endian bytes, the exa
 :func:`atomic_write` writes to a temporary file in the target's directory, flushes and
 fsyncs it, then ``os.replace``-s it over the target (and fsyncs the directory): a reader
 sees the old file or the new one, never a torn one, even when the process dies mid-write.
-Temporary files left by a writer that died are removed by the next save to the same path.
+Temporary files left by a writer that died (or by this process's own interrupted write) are
+removed by the next save to the same path, and only those: a save to ``ck.onnx`` never touches
+the temporary of a concurrent save to ``ck.onnx.bak``.
 
 **Integrity**: :func:`write_state` stores SHA-256 checksums of every initializer and of the
 rest of the model in ``metadata_props`` (``onnx_training_ops.checksums``); :func:`verify`
@@ -21,41 +23,63 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
+import threading
 from typing import Mapping
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..errors import TrainingOpError
+from ..errors import FileWriteError, TrainingOpError
+from ..interrupts import held_interrupts
 
 CHECKSUM_KEY = "onnx_training_ops.checksums"
 
 
+# The temporary file of a write to ``name``: ``.<name>.<pid>.<random>.tmp`` (random from
+# mkstemp: letters, digits, underscores). Matched exactly, so a save to ``ck.onnx`` never takes
+# the temporary of a save to ``ck.onnx.bak`` (``.ck.onnx.bak.<pid>...``) for its own.
+_TEMPORARY = r"(\d+)\.[A-Za-z0-9_]+\.tmp"
+_IN_FLIGHT: set[str] = set()  # this process's temporaries being written (any thread)
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
 def atomic_write(path: str | os.PathLike, data: bytes) -> str:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace); returns the path."""
+    """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace); returns the path.
+
+    A Ctrl-C (or any error) while writing removes the temporary; its creation and
+    registration are one Ctrl-C-held step, so none is ever left behind unnamed. An OSError
+    is a TrainingOpError naming ``path``, not the temporary."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     prefix = f".{os.path.basename(path)}."
-    _remove_stale_temporaries(directory, prefix)
-    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}.", suffix=".tmp", dir=directory)
+    tmp, fd = None, None
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        os.makedirs(directory, exist_ok=True)
+        _remove_stale_temporaries(directory, prefix)
+        with held_interrupts():
+            fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}.", suffix=".tmp", dir=directory)
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.add(tmp)
+        f, fd = os.fdopen(fd, "wb"), None
+        _write_and_rename(f, tmp, path, data)
+    except BaseException as error:
+        if fd is not None:
+            os.close(fd)
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if isinstance(error, OSError):
+            raise FileWriteError(f"cannot write {path!r}: {error.strerror or error}") from error
         raise
+    finally:
+        if tmp is not None:
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.discard(tmp)
     try:  # make the rename itself durable
         dfd = os.open(directory, os.O_RDONLY)
         try:
@@ -67,22 +91,39 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> str:
     return path
 
 
+def _write_and_rename(f, tmp: str, path: str, data: bytes) -> None:
+    with f:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(f.fileno(), 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _remove_stale_temporaries(directory: str, prefix: str) -> None:
-    """Delete ``<prefix><pid>.*.tmp`` files whose writer process no longer exists."""
+    """Delete the temporaries of writes to this very name (``<prefix><pid>.<random>.tmp``)
+    whose writer is gone: another process that no longer exists, or this one, when no
+    thread is writing it (a write cut short, e.g. by an error while it was being created)."""
     try:
         names = os.listdir(directory)
     except OSError:
         return
+    pattern = re.compile(re.escape(prefix) + _TEMPORARY)
     for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
+        match = pattern.fullmatch(name)
+        if match is None:
             continue
-        pid = name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+        pid, full = int(match.group(1)), os.path.join(directory, name)
+        if pid == os.getpid():
+            with _IN_FLIGHT_LOCK:
+                if full in _IN_FLIGHT:
+                    continue
+        elif _alive(pid):
             continue
-        if pid.isdigit() and int(pid) == os.getpid():
-            continue  # another thread of this process may be writing it
         try:
-            os.unlink(os.path.join(directory, name))
+            os.unlink(full)
         except OSError:
             pass
 
