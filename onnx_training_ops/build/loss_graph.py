@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import onnx
 from onnx import TensorProto, helper
 
@@ -27,6 +29,24 @@ def label_range(spec, types, outputs, output) -> str:
     if not isinstance(classes, int):
         return ""
     return f"{classes},{'' if spec.ignore_index is None else spec.ignore_index}"
+
+
+def label_shape(spec, types, outputs, output) -> str:
+    """JSON of the labels' expected shape (the declared shape of the output the loss reads,
+    without cross-entropy's class axis) for the session's feed check, or '' when unknown."""
+    name = output or next(iter(outputs), None)
+    vt = types.get(name) if name else None
+    if spec is None or vt is None or vt.shape is None:
+        return ""
+    dims = list(vt.shape)
+    try:
+        axis = spec.axis(vt.shape) if isinstance(spec, CrossEntropyLoss) else None
+    except TrainingOpError:
+        return ""
+    expected = dims if axis is None else dims[:axis] + dims[axis + 1:]
+    shown = "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+    return json.dumps({"output": name, "output_shape": shown, "shape": expected,
+                       "shift": bool(getattr(spec, "shift_labels", False))})
 
 
 def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labels, taken,

@@ -44,7 +44,7 @@ from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, training_info
 from .grad_clip import checked_limit
 from .initialization import initialization_graph
-from .loss_graph import add_loss, label_range
+from .loss_graph import add_loss, label_range, label_shape
 from .model_metadata import set_metadata
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .param_groups import groups_to_json, resolve_groups
@@ -220,6 +220,7 @@ def build_training_model(
         "loss": loss_name,
         "labels": target,
         "label_range": label_range(spec, types, outputs, output),
+        "label_shape": label_shape(spec, types, outputs, output),
         "learning_rate": learning_rate,
         "trainable": ",".join(p.name for p in params),
         # each trainable's optimizer state variables (what sharding the state must keep together)

@@ -51,6 +51,7 @@ class GradientAccumulation:
             programs = []
             for derived in (stages.backward, stages.apply):
                 program = build_program(derived, 0, state, protos, self._meta, self._fast, prune_inputs=True)
+                program.where = "backward" if derived is stages.backward else "optimizer_step"
                 program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
                                                        rehome=False, prescale=program.prescale)
                 programs.append(open_program(program, state, self._options(), self._providers,

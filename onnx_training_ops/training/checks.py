@@ -1,54 +1,125 @@
-"""Checks a session runs before onnxruntime sees anything: class labels, checkpoint properties."""
+"""Checks a session runs before onnxruntime sees anything: a built loss's feeds, checkpoint properties.
+
+A bad batch is one line naming the feed, not a kernel's error (a broadcast failure in a
+gradient ``Sub``) or a silent step. For models made by
+:func:`~onnx_training_ops.build_training_model` (metadata ``labels``, ``label_range``,
+``label_shape``):
+
+* an empty batch (labels/target or the first input with no rows) is refused for every loss:
+  the mean loss of no example is undefined, and a zero-row MSE step still advanced T;
+* the labels must have the shape the loss reads: the output's declared shape (without the
+  class axis for cross-entropy), each dimension known either as a number or as a named
+  dimension of a model input, read from that input's feed. Dimensions that are neither (a
+  language model's logits flattened to ``[N*T, V]``) are not checked here: comparing labels
+  with the first input instead refused valid GPT-2 exports;
+* ``shift_labels`` needs a sequence length of at least 2 (one gave a NaN loss);
+* class labels lie in ``[0, C)`` or equal ``ignore_index``.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+import onnx
 
 from ..errors import TrainingOpError
 
 
-def label_checker(meta: Mapping[str, str], batch_input: str | None) -> Callable[[Mapping[str, Any]], None] | None:
-    """For the builder's cross-entropy: a check that class labels lie in [0, C) (or equal
-    ignore_index) and come in as many rows as the model's first input, so a bad label is our
-    error naming the feed, not a kernel's."""
-    spec = meta.get("label_range", "")
+Check = Callable[[Mapping[str, Any]], None]
+_UNSIGNED = {size: np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
+
+
+def _named_dims(inputs: Sequence[onnx.ValueInfoProto]) -> dict[str, tuple[str, int]]:
+    """Each dim_param of the model inputs -> (first input declaring it, its axis)."""
+    out: dict[str, tuple[str, int]] = {}
+    for vi in inputs:
+        if not vi.type.tensor_type.HasField("shape"):
+            continue
+        for axis, dim in enumerate(vi.type.tensor_type.shape.dim):
+            if dim.HasField("dim_param") and dim.dim_param:
+                out.setdefault(dim.dim_param, (vi.name, axis))
+    return out
+
+
+def batch_checker(meta: Mapping[str, str], inputs: Sequence[onnx.ValueInfoProto], where: str = "step") -> Check | None:
+    """The check of a built loss's feeds (None for models without a built loss)."""
     name = meta.get("labels", "")
-    if not spec or not name:
+    if not name:
         return None
-    classes_text, ignore_text = spec.split(",")
-    classes, ignore = int(classes_text), (int(ignore_text) if ignore_text else None)
-    unsigned = {size: np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
+    first = inputs[0].name if inputs else None
+    layout = json.loads(meta["label_shape"]) if meta.get("label_shape") else None
+    named = _named_dims(inputs)
+    classes = ignore = None
+    if meta.get("label_range"):
+        classes_text, ignore_text = meta["label_range"].split(",")
+        classes, ignore = int(classes_text), (int(ignore_text) if ignore_text else None)
 
     def check(feeds: Mapping[str, Any]) -> None:
         labels = feeds.get(name)
+        if labels is None:
+            return  # the feed-name check reports it
         if type(labels) is not np.ndarray:
             labels = np.asarray(labels)
-        if labels.dtype.kind not in "iu":
-            return  # the feed check names a wrong dtype
-        if labels.size == 0:
-            raise TrainingOpError(f"step: feed {name!r} is empty: a batch needs at least one "
-                                  "example (the mean loss of none is undefined)")
-        batch = feeds.get(batch_input)
-        if batch is not None and labels.ndim:
-            rows = np.shape(batch)
-            if rows and labels.shape[0] != rows[0]:
-                raise TrainingOpError(f"step: feed {name!r} has {labels.shape[0]} rows, input "
-                                      f"{batch_input!r} has {rows[0]}: one label per example")
-        if labels.view(unsigned[labels.itemsize]).max() < classes:
-            return  # the common case, one reduction: a negative label is a huge unsigned one
-        bad = (labels < 0) | (labels >= classes)
-        if ignore is not None:
-            bad &= labels != ignore
-        if bad.any():
-            value = labels[bad].reshape(-1)[0]
-            raise TrainingOpError(
-                f"step: feed {name!r} holds class {value}, outside [0, {classes})"
-                + (f" and not ignore_index {ignore}" if ignore is not None else ""))
+        for feed, value in ((name, labels), (first, feeds.get(first))):
+            if value is not None and np.size(value) == 0:
+                raise TrainingOpError(f"{where}: feed {feed!r} is empty: a batch needs at least one "
+                                      "example (the mean loss of none is undefined)")
+        if layout is not None:
+            _check_shape(where, name, labels, layout, named, feeds)
+        if classes is not None and labels.dtype.kind in "iu":
+            _check_classes(where, name, labels, classes, ignore)
 
     return check
+
+
+def _check_shape(where: str, name: str, labels: np.ndarray, layout: dict, named, feeds) -> None:
+    """``labels`` against the expected shape ``layout["shape"]`` (ints, dim names, None)."""
+    expected = layout["shape"]
+    output = layout["output"]
+    if labels.ndim != len(expected):
+        raise TrainingOpError(f"{where}: feed {name!r} has shape {list(labels.shape)}; the loss reads "
+                              f"{output!r} of shape {layout['output_shape']}, so {name!r} must have rank "
+                              f"{len(expected)} ({show_shape(expected)})")
+    for axis, (want, got) in enumerate(zip(expected, labels.shape)):
+        source = ""
+        if isinstance(want, str):
+            if want not in named:
+                continue
+            feed, feed_axis = named[want]
+            value = feeds.get(feed)
+            shape = np.shape(value) if value is not None else ()
+            if len(shape) <= feed_axis:
+                continue
+            want = shape[feed_axis]
+            source = (f"{got} rows, input {feed!r} has {want}" if axis == 0 and feed_axis == 0 else
+                      f"{got} at axis {axis}, input {feed!r} has {want} at axis {feed_axis}")
+        if want is None or want == got:
+            continue
+        detail = source or f"{got} at axis {axis} where the model declares {want}"
+        raise TrainingOpError(f"{where}: feed {name!r} has {detail}: the loss reads {output!r} of shape "
+                              f"{layout['output_shape']}, so {name!r} must have shape {show_shape(expected)}")
+    if layout.get("shift") and labels.ndim >= 2 and labels.shape[1] < 2:
+        raise TrainingOpError(f"{where}: feed {name!r} has sequence length {labels.shape[1]}: shift_labels "
+                              "predicts token t+1 from tokens up to t, so it needs at least 2")
+
+
+def show_shape(shape) -> str:
+    """``[2, ?, 'seq']``-style text of a declared shape."""
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _check_classes(where: str, name: str, labels: np.ndarray, classes: int, ignore: int | None) -> None:
+    if labels.view(_UNSIGNED[labels.itemsize]).max() < classes:
+        return  # the common case, one reduction: a negative label is a huge unsigned one
+    bad = (labels < 0) | (labels >= classes)
+    if ignore is not None:
+        bad &= labels != ignore
+    if bad.any():
+        value = labels[bad].reshape(-1)[0]
+        raise TrainingOpError(f"{where}: feed {name!r} holds class {value}, outside [0, {classes})"
+                              + (f" and not ignore_index {ignore}" if ignore is not None else ""))
 
 
 def checked_properties(properties: Mapping[str, Any]) -> str:

@@ -49,7 +49,8 @@ def feed_spec(vi: onnx.ValueInfoProto) -> FeedSpec:
     return FeedSpec(vi.name, np_dtype(tt.elem_type), shape)
 
 
-def check_feed_names(feeds: Mapping[str, Any], required: set[str], optional: set[str]) -> None:
+def check_feed_names(feeds: Mapping[str, Any], required: set[str], optional: set[str],
+                     where: str = "step") -> None:
     """Raise unless ``feeds`` holds every required name and nothing but required or optional names."""
     names = set(feeds)
     missing = required - names
@@ -61,26 +62,26 @@ def check_feed_names(feeds: Mapping[str, Any], required: set[str], optional: set
         if extra:
             parts.append(f"unknown feed(s) {sorted(extra)}")
         raise TrainingOpError(
-            f"step: {'; '.join(parts)}; the training step takes {sorted(required)}"
+            f"{where}: {'; '.join(parts)}; {where} takes {sorted(required)}"
             + (f" (and optionally {sorted(optional)})" if optional else "")
         )
 
 
-def feed_array(spec: FeedSpec, value) -> np.ndarray:
+def feed_array(spec: FeedSpec, value, where: str = "step") -> np.ndarray:
     """``value`` as a C-contiguous array of the spec's dtype and shape (raises if it is not one)."""
     array = value if type(value) is np.ndarray else np.asarray(value)
     if not array.dtype.isnative:  # e.g. '>f4' from a big-endian file: onnxruntime would misread it
         array = array.astype(array.dtype.newbyteorder("="))
     if array.dtype != spec.dtype:
         raise TrainingOpError(
-            f"step: feed {spec.name!r} must be {dtype_name(spec.dtype)}, found {dtype_name(array.dtype)}"
+            f"{where}: feed {spec.name!r} must be {dtype_name(spec.dtype)}, found {dtype_name(array.dtype)}"
         )
     shape = spec.shape
     if shape is not None:
         if array.ndim != len(shape) or any(d is not None and d != a for d, a in zip(shape, array.shape)):
             expected = [d if d is not None else "?" for d in shape]
             raise TrainingOpError(
-                f"step: feed {spec.name!r} must have shape {expected}, found {list(array.shape)}"
+                f"{where}: feed {spec.name!r} must have shape {expected}, found {list(array.shape)}"
             )
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)

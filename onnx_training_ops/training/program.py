@@ -48,6 +48,7 @@ class Program:
     plan: list[CutStep] | None = None
     copy_plan: list[tuple[np.ndarray, np.ndarray]] | None = None
     keep_alive: list = field(default_factory=list)  # OrtValues bound to our buffers
+    where: str = "step"  # the method whose run this is, as messages name it
     # set while analysing (before the session exists)
     combined: Any = None
     state_inputs: list = field(default_factory=list)

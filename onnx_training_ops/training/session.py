@@ -40,10 +40,10 @@ from .session_parameters import FlatParameters
 from .session_state import StateAccess
 from .arrays import owned
 from .binding import open_program
-from .checks import label_checker
+from .checks import batch_checker
 from .fast_path import flatten_cut_state
 from .flat_parameters import lay_out_flat
-from .feeds import Feed, check_feed_names, feed_list
+from .feeds import Feed, FeedSpec, check_feed_names, feed_array, feed_list, feed_spec
 from .from_graph import graph_to_training_model
 from .inference import inference_session
 from .locked import locked
@@ -126,8 +126,11 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         }
         self._required_set = set(self._required_feeds)
         self._init_sessions: list = []
-        self._label_check = label_checker(
-            self._meta, model.graph.input[0].name if model.graph.input else None)
+        initializers = {t.name for t in model.graph.initializer}
+        data_inputs = [vi for vi in model.graph.input if vi.name not in initializers]
+        self._batch_checks = {where: batch_checker(self._meta, data_inputs, where)
+                              for where in ("step", "backward", "evaluate")}
+        self._run_specs: dict[str, FeedSpec] | None = None
         self._properties: dict[str, Any] = json.loads(self._meta.get("properties") or "{}")
         self._eval_programs: dict[tuple[str, ...], Program] = {}
         self._step_programs: dict[tuple[str, ...], list[Program]] = {}
@@ -222,13 +225,15 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
             optional += o
         return feed_list(required, optional)
 
-    def _check_feeds(self, feeds: Mapping[str, Any], required: set[str], optional: set[str]) -> None:
+    def _check_feeds(self, feeds: Mapping[str, Any], required: set[str], optional: set[str],
+                     where: str = "step") -> None:
         if type(feeds) is not dict and not isinstance(feeds, Mapping):
-            raise TrainingOpError(f"step: feeds must be a mapping of input name to array, found "
+            raise TrainingOpError(f"{where}: feeds must be a mapping of input name to array, found "
                                   f"{type(feeds).__name__}; inputs: {sorted(required)}")
-        check_feed_names(feeds, required, optional)
-        if self._label_check is not None:
-            self._label_check(feeds)
+        check_feed_names(feeds, required, optional, where)
+        check = self._batch_checks[where]
+        if check is not None:
+            check(feeds)
 
     # ------------------------------------------------------------------ steps, evaluation, inference
 
@@ -289,7 +294,12 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         if self._inference is None:
             self._inference = inference_session(self._model, self._state, self._session_options(), self._providers)
         session, state_inputs = self._inference
-        full = dict(feeds)
+        if self._run_specs is None:
+            self._run_specs = {vi.name: feed_spec(vi) for vi in self._model.graph.input}
+        if not isinstance(feeds, Mapping):
+            raise TrainingOpError(f"run: feeds must be a mapping of input name to array, found {type(feeds).__name__}")
+        full = {name: feed_array(self._run_specs[name], value, "run") if name in self._run_specs else value
+                for name, value in feeds.items()}  # a wrong dtype or shape: one line, as in step
         for name in state_inputs:
             if name in full:
                 raise TrainingOpError(f"run: {name!r} is a state variable, not a feed")

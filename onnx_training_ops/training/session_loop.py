@@ -37,7 +37,7 @@ class TrainingLoop:
         self._check_filled("evaluate")
         program = self._eval_program(tuple(outputs))
         required, optional = program_feeds(program)
-        self._check_feeds(feeds, {f.name for f in required}, {f.name for f in optional})
+        self._check_feeds(feeds, {f.name for f in required}, {f.name for f in optional}, "evaluate")
         result, _ = run_program(program, feeds, None, self._state, "ignore")
         eval_loss, loss = self._meta.get("eval_loss"), self._meta.get("loss")
         if eval_loss in result and loss not in outputs:  # the eval-mode loss, under the loss's name
@@ -53,6 +53,7 @@ class TrainingLoop:
                 evaluation_model(self._model, outputs[0], list(outputs[1:]))
             program = build_program(derived, 0, self._state, self._state_protos, self._meta, False,
                                     prune_inputs=True)
+            program.where = "evaluate"
             self._eval_programs[outputs] = open_program(program, self._state, self._session_options(),
                                                         self._providers)
         return self._eval_programs[outputs]
@@ -95,7 +96,7 @@ class TrainingLoop:
         self._check_filled("backward")
         backward = self._accumulation.programs()[0]
         required, optional = program_feeds(backward)
-        self._check_feeds(feeds, {f.name for f in required} - {GRAD_SCALE}, {f.name for f in optional})
+        self._check_feeds(feeds, {f.name for f in required} - {GRAD_SCALE}, {f.name for f in optional}, "backward")
         scale = checked_learning_rate(scale, "backward: scale")
         return self._accumulation.backward(feeds, scale, self.on_nonfinite, self._count_skipped)
 

@@ -71,7 +71,7 @@ def run_program(
         # the guard stopped the run before any optimizer: redo the step the copying way,
         # which checks the loss (raise, skip) as usual
         if program.fallback is None:
-            raise NonFiniteLossError(f"step: a loss of training_info[{program.index}] is not finite; "
+            raise NonFiniteLossError(f"{program.where}: a loss of training_info[{program.index}] is not finite; "
                                      "the step was not applied, the state is unchanged")
         if callable(program.fallback):
             program.fallback = program.fallback()
@@ -100,7 +100,8 @@ def _run(program: Program) -> bool:
     except Exception as error:  # onnxruntime's own errors: name what failed
         if program.guarded and GUARD_FAILURE in str(error):
             return False
-        raise TrainingOpError(f"step: onnxruntime failed on training_info[{program.index}]: {error}") from error
+        raise TrainingOpError(f"{program.where}: onnxruntime failed on training_info[{program.index}]: "
+                              f"{error}") from error
     return True
 
 
@@ -121,7 +122,7 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
             if not (math.isfinite(value.item()) if value.size == 1 else np.all(np.isfinite(value))):
                 if on_nonfinite == "raise":
                     raise NonFiniteLossError(
-                        f"step: loss {name!r} is {value.reshape(-1)[0] if value.size else value} "
+                        f"{program.where}: loss {name!r} is {value.reshape(-1)[0] if value.size else value} "
                         f"(training_info[{program.index}]); the step was not applied, the state is unchanged"
                     )
                 return result, True
@@ -178,13 +179,13 @@ def bind_feeds(program: Program, feeds: Mapping[str, Any]) -> list[np.ndarray]:
         if last is not None and value is last[0] and value.shape == last[1] and value.dtype == last[2]:
             arrays.append(value)
             continue
-        array = feed_array(spec, value)
+        array = feed_array(spec, value, program.where)
         arrays.append(array)
         raw.bind_input(spec.name, array)
         bound[spec.name] = (array, array.shape, array.dtype) if array is value else None
     for spec, default in program.optional_feeds:
         value = feeds.get(spec.name)
-        array = default if value is None else feed_array(spec, value)
+        array = default if value is None else feed_array(spec, value, program.where)
         arrays.append(array)
         raw.bind_input(spec.name, array)
     return arrays
