@@ -35,6 +35,12 @@ def _nonnegative(cls: str, name: str, value) -> float:
     return float(value)
 
 
+def _positive(cls: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise TrainingOpError(f"{cls}: {name} must be a finite number > 0, found {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class StepLR:
     """``base * gamma ** (k // step_size)``."""
@@ -135,10 +141,17 @@ class OneCycleLR:
         if self.anneal_strategy not in ("cos", "linear"):
             raise TrainingOpError(f"OneCycleLR: anneal_strategy must be 'cos' or 'linear', found "
                                   f"{self.anneal_strategy!r}")
-        if not 0 <= self.pct_start <= 1:
+        if isinstance(self.pct_start, bool) or not isinstance(self.pct_start, (int, float)) \
+                or not 0 <= self.pct_start <= 1:
             raise TrainingOpError(f"OneCycleLR: pct_start must be in [0, 1], found {self.pct_start!r}")
+        _positive("OneCycleLR", "div_factor", self.div_factor)
+        _positive("OneCycleLR", "final_div_factor", self.final_div_factor)
         if isinstance(self.max_lr, Mapping):
             object.__setattr__(self, "max_lr", dict(self.max_lr))
+            for name, value in self.max_lr.items():
+                _nonnegative("OneCycleLR", f"max_lr[{name!r}]", value)
+        else:
+            _nonnegative("OneCycleLR", "max_lr", self.max_lr)
 
     def max_lr_of(self, name: str) -> float:
         if isinstance(self.max_lr, dict):
@@ -181,6 +194,7 @@ class WarmupCosineLR:
 
     def __post_init__(self):
         _positive_int("WarmupCosineLR", "total_steps", self.total_steps)
+        _nonnegative("WarmupCosineLR", "num_cycles", self.num_cycles)
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise TrainingOpError(f"WarmupCosineLR: warmup_steps must be an int >= 0, found {self.warmup_steps!r}")
 
@@ -217,10 +231,18 @@ SCHEDULES = {cls.__name__: cls for cls in (StepLR, MultiStepLR, ExponentialLR, C
 
 
 def rate(schedule: Schedule, base: float, k: int, name: str) -> float:
-    """The learning rate of input ``name`` (base rate ``base``) at optimizer step ``k``."""
-    if isinstance(schedule, OneCycleLR):
-        return schedule.lr(base, k, name)
-    return schedule.lr(base, k)
+    """The learning rate of input ``name`` (base rate ``base``) at optimizer step ``k``: a
+    finite number >= 0, as ``step(lr=...)`` requires, or a TrainingOpError before the step
+    (the arguments are checked at construction; this catches what they combine into)."""
+    try:
+        value = schedule.lr(base, k, name) if isinstance(schedule, OneCycleLR) else schedule.lr(base, k)
+    except ArithmeticError as error:  # a zero-length phase, an overflow
+        value = f"not computable ({error})"
+    if isinstance(value, str) or not math.isfinite(value) or value < 0:
+        raise TrainingOpError(f"{type(schedule).__name__}: the learning rate of {name!r} at optimizer step {k} "
+                              f"is {value if isinstance(value, str) else repr(value)}; a rate must be a finite "
+                              "number >= 0 (the step was not taken)")
+    return float(value)
 
 
 def to_json(schedule: Schedule, k: int) -> str:
