@@ -119,7 +119,10 @@ def add_loss(model: onnx.ModelProto, loss, output, labels, types, renamed,
     spec = resolve(loss)
     if spec is None:
         _check_output_loss(loss, outputs, types)
-        return None, loss, loss, ""
+        train_name = renamed.get(loss, loss)  # mode="train": the training-mode copy's value
+        if train_name != loss:
+            algo.outputs.append(tensor_vi(train_name, outputs[loss].type.tensor_type.elem_type, []))
+        return None, train_name, loss, ""
     loss_name, eval_name, target, loss_type, loss_nodes, label_vi = _loss_nodes(
         spec, model.graph, types, outputs, output, labels, algo.taken, renamed)
     algo.nodes += loss_nodes

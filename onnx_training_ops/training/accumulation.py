@@ -49,8 +49,12 @@ class GradientAccumulation:
                 {name: numpy_helper.to_array(protos[name]) for name in stages.buffers})
             state = {**self._state, **self.accumulators}
             programs = []
+            # the apply stage computes no loss: a loss the main graph outputs (a model built on its
+            # own "loss" output) would pull the forward pass, and its feeds, into optimizer_step
+            apply_meta = {k: v for k, v in self._meta.items() if k not in ("loss", "eval_loss")}
             for derived in (stages.backward, stages.apply):
-                program = build_program(derived, 0, state, protos, self._meta, self._fast, prune_inputs=True)
+                meta = self._meta if derived is stages.backward else apply_meta
+                program = build_program(derived, 0, state, protos, meta, self._fast, prune_inputs=True)
                 program.where = "backward" if derived is stages.backward else "optimizer_step"
                 program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
                                                        rehome=False, prescale=program.prescale)
