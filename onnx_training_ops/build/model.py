@@ -30,6 +30,7 @@ bindings), :func:`.initialization.initialization_graph`, ``_finish`` (versions, 
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Mapping, Sequence
 
 import onnx
@@ -51,6 +52,7 @@ from .param_groups import groups_to_json, resolve_groups
 from .emit_update import STANDARD_OP_UPDATES
 from .train_mode import fit_opset, to_inference, training_forward
 from .trainables import check_differentiable, choose_trainables
+from .untie import describe as describe_untied, untie_merged_initializers
 from .update import add_learning_rates, add_update
 
 MIN_OPSET = 13
@@ -189,6 +191,9 @@ def build_training_model(
         model = fit_opset(model)  # Dropout masks need opset 18
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
+    untied = untie_merged_initializers(model)
+    if untied:
+        warnings.warn(describe_untied(untied), stacklevel=2)
     types = value_types(model)
     elem_types = {name: vt.elem_type for name, vt in types.items()}
     algo = Algorithm(all_names(model.graph))
