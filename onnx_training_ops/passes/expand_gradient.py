@@ -74,8 +74,8 @@ def _infer(graph: GraphProto, opset_imports, ir_version: int,
     g.initializer.extend(t for t in extra_initializers if t.name not in have)
     model = helper.make_model(g, opset_imports=list(opset_imports))
     model.ir_version = max(ir_version, 7)
-    try:
-        model = onnx.shape_inference.infer_shapes(model)
+    try:  # data_prop: shapes computed by Shape/Gather/Concat (Whisper's TorchScript Expand) carry ranks
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # inference is an aid, not a requirement
         pass
     return _meta_of_graph(model.graph, {})
