@@ -73,3 +73,38 @@ def test_mode_train_with_the_models_own_loss_output_differentiates_the_training_
                                        torch.tensor([0.1, -0.2]), training=True)
     (y * y).mean().backward()
     np.testing.assert_allclose(W0 - session.state_dict()["W"], w.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_truncated_checkpoint_says_it_is_truncated(tmp_path):
+    """docs/training.md §5 promised it; the message was protobuf's 'Wire format was corrupt'."""
+    import pytest
+
+    session = ot.TrainingSession(ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy", ot.Adam()))
+    path = session.save(tmp_path / "ck.onnx")
+    data = open(path, "rb").read()
+    for cut in (len(data) // 3, len(data) - 7, 1):
+        (tmp_path / "cut.onnx").write_bytes(data[:cut])
+        with pytest.raises(ot.TrainingOpError, match=r"'.*cut\.onnx' is truncated: .* restore it from a complete copy"):
+            ot.TrainingSession(tmp_path / "cut.onnx")
+    (tmp_path / "text.onnx").write_bytes(b"not a model at all \xff\xff\xff\xff")
+    with pytest.raises(ot.TrainingOpError, match="is not an ONNX model"):
+        ot.TrainingSession(tmp_path / "text.onnx")
+
+
+def test_properties_that_are_not_json_are_a_training_op_error(tmp_path):
+    import onnx
+    import pytest
+
+    session = ot.TrainingSession(ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy", ot.Adam()))
+    model = session.training_model()
+    for entry in model.metadata_props:
+        if entry.key == "onnx_training_ops.properties":
+            entry.value = "{not json"
+            break
+    else:
+        model.metadata_props.add(key="onnx_training_ops.properties", value="{not json")
+    from onnx_training_ops.storage import checkpoint
+
+    onnx.save(checkpoint.add_checksums(model), tmp_path / "ck.onnx")
+    with pytest.raises(ot.TrainingOpError, match="properties .* are not valid JSON"):
+        ot.TrainingSession(tmp_path / "ck.onnx")

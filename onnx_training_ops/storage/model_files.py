@@ -66,6 +66,51 @@ def _parsed(data: bytes, where: str) -> ModelProto:
     try:
         model.ParseFromString(data)
     except Exception as error:  # noqa: BLE001  protobuf's DecodeError and friends
+        cut = truncation(data)
+        if cut:
+            raise TrainingOpError(f"{where} is truncated: {cut}, so the file was cut short (a copy or "
+                                  "write that did not finish); restore it from a complete copy") from None
         raise TrainingOpError(f"{where} is not an ONNX model (protobuf could not parse it: "
                               f"{error})") from None
     return model
+
+
+def _varint(data: bytes, pos: int) -> tuple[int | None, int]:
+    value, shift = 0, 0
+    while pos < len(data):
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    return None, pos
+
+
+def truncation(data: bytes) -> str:
+    """How ``data`` ends too early, if it is a protobuf message cut short: its top-level fields
+    read well until one runs past the end ('' when the bytes are not such a prefix)."""
+    pos = 0
+    while pos < len(data):
+        tag, pos = _varint(data, pos)
+        if tag is None:
+            return f"its {len(data)} bytes end inside a field's tag"
+        field, wire = tag >> 3, tag & 7
+        if field == 0 or wire not in (0, 1, 2, 5):
+            return ""  # not a protobuf message at all
+        if wire == 0:
+            value, pos = _varint(data, pos)
+            if value is None:
+                return f"its {len(data)} bytes end inside field {field}"
+            continue
+        if wire == 2:
+            size, pos = _varint(data, pos)
+            if size is None:
+                return f"its {len(data)} bytes end inside field {field}'s length"
+        else:
+            size = 8 if wire == 1 else 4
+        if pos + size > len(data):
+            return (f"field {field} of the model needs {size} bytes from offset {pos}, the file has "
+                    f"{len(data)} bytes in all")
+        pos += size
+    return ""

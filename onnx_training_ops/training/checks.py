@@ -135,3 +135,16 @@ def checked_properties(properties: Mapping[str, Any]) -> str:
             raise TrainingOpError(f"properties[{key!r}] must be a str, int, bool or finite float, "
                                   f"found {value!r} ({type(value).__name__})")
     return json.dumps(dict(properties), sort_keys=True)
+
+
+def stored_properties(text: str) -> dict[str, Any]:
+    """The checkpoint's properties (metadata ``properties``), or a TrainingOpError saying they
+    cannot be read."""
+    try:
+        properties = json.loads(text)
+    except ValueError as error:
+        raise TrainingOpError(f"the checkpoint's properties (metadata 'onnx_training_ops.properties') are not "
+                              f"valid JSON: {error}") from None
+    if not isinstance(properties, dict):
+        raise TrainingOpError(f"the checkpoint's properties must be a JSON object, found {type(properties).__name__}")
+    return properties

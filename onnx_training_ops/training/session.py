@@ -20,7 +20,6 @@ reaching them).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import threading
 from typing import Any, Mapping, Sequence
@@ -40,7 +39,7 @@ from .session_parameters import FlatParameters
 from .session_state import StateAccess
 from .arrays import owned
 from .binding import open_program
-from .checks import batch_checker
+from .checks import batch_checker, stored_properties
 from .fast_path import flatten_cut_state
 from .flat_parameters import lay_out_flat
 from .feeds import Feed, FeedSpec, check_feed_names, feed_array, feed_list, feed_spec
@@ -131,7 +130,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         self._batch_checks = {where: batch_checker(self._meta, data_inputs, where)
                               for where in ("step", "backward", "evaluate")}
         self._run_specs: dict[str, FeedSpec] | None = None
-        self._properties: dict[str, Any] = json.loads(self._meta.get("properties") or "{}")
+        self._properties: dict[str, Any] = stored_properties(self._meta.get("properties") or "{}")
         self._eval_programs: dict[tuple[str, ...], Program] = {}
         self._step_programs: dict[tuple[str, ...], list[Program]] = {}
         self._accumulation = GradientAccumulation(model, self._state, self._state_protos, self._meta,
@@ -331,3 +330,4 @@ def _warm_up_fused_kernels() -> None:
     except ImportError:  # pragma: no cover - the reference kernels serve without numba
         return
     fused.warm_up()
+
