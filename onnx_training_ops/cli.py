@@ -100,14 +100,24 @@ def _train_data_parallel(args: argparse.Namespace) -> int:
     import socket
     import subprocess
 
+    import os
+
+    from .demo_ddp import refusal
+    from .errors import TrainingOpError
+
     _require("sklearn", "demo")
     _require("torch", "distributed")
+    checkpoint = os.path.join(args.out, "checkpoint.onnx")
+    refused = refusal(checkpoint, args.epochs, args.optimizer) if os.path.exists(checkpoint) else ""
+    if refused:  # before any rank starts (torchrun would report a rank's exit 2 as 1)
+        raise TrainingOpError(refused)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", str(args.max_restarts),
-               "-m", "onnx_training_ops.demo_ddp", "--epochs", str(args.epochs), "--out", args.out]
+               "-m", "onnx_training_ops.demo_ddp", "--epochs", str(args.epochs), "--out", args.out,
+               "--optimizer", args.optimizer, "--batch-size", str(args.batch_size), "--seed", str(args.seed)]
     if args.lr is not None:
         command += ["--lr", str(args.lr)]
     if args.shard_optimizer_state:
@@ -214,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "onnxruntime (needs the demo extra)",
             description="Train an MLP on scikit-learn's digits (shipped with the package, no "
                         "download) through a training model in onnxruntime; writes the models, "
-                        "a loss plot and a summary to --out.")
+                        "a loss plot (training and held-out loss) and summary.json to --out; with --nproc, "
+                        "a checkpoint per epoch as well.")
         _train_arguments(t)
     b = commands.add_parser(
         "bench", add_help=False,  # every argument, --help included, goes to onnx_training_ops.bench.main

@@ -5,18 +5,20 @@
 :func:`~onnx_training_ops.build_training_model` (cross-entropy + the chosen optimizer),
 trains it with :class:`~onnx_training_ops.TrainingSession` on the 1797 8x8 digit images
 that ship inside scikit-learn (no download), prints the held-out accuracy and writes to
-the output folder: ``loss_curve.png``, ``training_model.onnx`` (checkpoint: resumable) and
-``inference_model.onnx`` (the trained weights, no training_info).
+the output folder: ``loss_curve.png`` (training loss per step and per epoch, held-out loss
+per epoch), ``training_model.onnx`` (checkpoint: resumable), ``inference_model.onnx`` (the
+trained weights, no training_info) and ``summary.json`` (accuracy, losses, steps/s).
 
 Needs the ``demo`` extra: scikit-learn, tqdm, matplotlib.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -104,6 +106,8 @@ class DemoResult:
     loss_curve: str | None
     training_model: str
     inference_model: str
+    held_out_losses: list = field(default_factory=list)
+    summary: str = ""
 
 
 def train(
@@ -146,6 +150,8 @@ def train(
                    unit="step")
     start = time.perf_counter()
     feeds = {}
+    held_out_losses: list[float] = []
+    held_out = {"input": x_test, "labels": y_test}
     for epoch in range(epochs):
         order = rng.permutation(n)
         epoch_loss = 0.0
@@ -158,6 +164,7 @@ def train(
             epoch_loss += loss
             if bar is not None:
                 bar.update(1)
+        held_out_losses.append(float(session.evaluate(held_out)["loss"]))
         if bar is not None:
             bar.set_postfix(epoch=epoch + 1, loss=f"{epoch_loss / steps_per_epoch:.4f}")
         elif progress:
@@ -173,12 +180,17 @@ def train(
     curve = None
     if plot:
         curve = os.path.join(out_dir, "loss_curve.png")
-        plot_losses(losses, curve, steps_per_epoch, title=f"digits MLP, {type(opt).__name__}, accuracy {accuracy:.3f}")
+        plot_losses(losses, curve, steps_per_epoch, title=f"digits MLP, {type(opt).__name__}, accuracy {accuracy:.3f}",
+                    held_out=held_out_losses)
     training_path = session.save(os.path.join(out_dir, "training_model.onnx"))
     inference_path = os.path.join(out_dir, "inference_model.onnx")
     session.export_inference_model(inference_path)
+    summary = write_summary(out_dir, optimizer=type(opt).__name__, lr=opt.lr, epochs=epochs, batch_size=batch_size,
+                            steps=len(losses), seconds=seconds, accuracy=accuracy, train_losses_per_epoch=[
+                                float(np.mean(losses[i:i + steps_per_epoch])) for i in range(0, len(losses), steps_per_epoch)],
+                            held_out_losses_per_epoch=held_out_losses)
     result = DemoResult(accuracy, losses, seconds, len(losses), os.path.abspath(out_dir), curve,
-                        os.path.abspath(training_path), os.path.abspath(inference_path))
+                        os.path.abspath(training_path), os.path.abspath(inference_path), held_out_losses, summary)
     if verbose:
         print(f"held-out accuracy: {accuracy:.4f} on {len(y_test)} test images "
               f"({len(losses)} steps in {seconds:.1f} s, {len(losses) / seconds:.0f} steps/s)")
@@ -187,25 +199,48 @@ def train(
             print(f"  loss curve       {os.path.abspath(curve)}")
         print(f"  training model   {result.training_model}  (checkpoint: TrainingSession(path) resumes)")
         print(f"  inference model  {result.inference_model}")
+        print(f"  summary          {result.summary}")
     return result
 
 
-def plot_losses(losses, path: str, steps_per_epoch: int | None = None, title: str = "training loss") -> str:
-    """Write the loss curve (per step, and its per-epoch mean) to ``path`` as PNG (Agg backend)."""
+def write_summary(out_dir: str, **fields) -> str:
+    """``summary.json`` in ``out_dir`` (written atomically): the run's numbers, with the
+    machine's load average, since steps/s depend on it."""
+    from .storage.checkpoint import atomic_write
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    steps, seconds = fields.get("steps"), fields.get("seconds")
+    extra = {"steps_per_s": steps / seconds if steps and seconds else None, "loadavg": load, "cpus": os.cpu_count()}
+    path = os.path.join(out_dir, "summary.json")
+    atomic_write(path, (json.dumps({**fields, **extra}, indent=1) + "\n").encode())
+    return os.path.abspath(path)
+
+
+def plot_losses(losses, path: str, steps_per_epoch: int | None = None, title: str = "training loss",
+                held_out=(), per_epoch: bool = False) -> str:
+    """Write the loss curve to ``path`` as PNG (Agg backend): the training loss per step and
+    its per-epoch mean (``per_epoch``: ``losses`` are already epoch means), and ``held_out``,
+    the held-out loss after each epoch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    steps = np.arange(1, len(losses) + 1)
-    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="loss per step")
-    if steps_per_epoch and len(losses) >= steps_per_epoch:
-        k = len(losses) // steps_per_epoch
-        means = np.asarray(losses[: k * steps_per_epoch]).reshape(k, steps_per_epoch).mean(axis=1)
-        ax.plot(np.arange(1, k + 1) * steps_per_epoch, means, marker="o", ms=3, label="epoch mean")
+    epochs = np.arange(1, len(held_out) + 1)
+    if per_epoch:
+        ax.plot(np.arange(1, len(losses) + 1), losses, marker="o", ms=3, label="training, epoch mean")
+    else:
+        ax.plot(np.arange(1, len(losses) + 1), losses, lw=0.8, alpha=0.5, label="training, per step")
+        if steps_per_epoch and len(losses) >= steps_per_epoch:
+            k = len(losses) // steps_per_epoch
+            means = np.asarray(losses[: k * steps_per_epoch]).reshape(k, steps_per_epoch).mean(axis=1)
+            ax.plot(np.arange(1, k + 1) * steps_per_epoch, means, marker="o", ms=3, label="training, epoch mean")
+        epochs = epochs * (steps_per_epoch or 1)
+    if len(held_out):
+        ax.plot(epochs, held_out, marker="s", ms=3, label="held-out, after each epoch")
     ax.set_yscale("log")
-    ax.set_xlabel("step")
+    ax.set_xlabel("epoch" if per_epoch else "step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)

@@ -7,6 +7,11 @@ step. Rank 0 writes a checkpoint after every epoch (atomically, with the epoch a
 property); a restarted job resumes from it on every rank, so ``--max-restarts`` after a
 killed worker ends with the same parameters as an uninterrupted run.
 
+At the end rank 0 writes, beside the checkpoint, what ``train`` writes in one process:
+``inference_model.onnx``, ``loss_curve.png`` (training and held-out loss per epoch) and
+``summary.json``. A checkpoint already trained for ``--epochs`` epochs, or trained with
+another optimizer than ``--optimizer``, is an error (exit 2), not a silent no-op.
+
 Run under torchrun (``python -m onnx_training_ops train --nproc 2`` does it for you)::
 
     torchrun --nproc-per-node 2 -m onnx_training_ops.demo_ddp --epochs 5 --out ddp_run
@@ -17,6 +22,7 @@ Needs the ``distributed`` and ``demo`` extras.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -24,14 +30,17 @@ from typing import Sequence
 
 import numpy as np
 
-GLOBAL_BATCH = 64
+EXIT_USAGE = 2
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--out", default="ddp_run", help="checkpoint directory (resumed from if it holds one)")
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer, as train's)")
+    parser.add_argument("--optimizer", choices=("adam", "momentum", "adagrad"), default="adam")
+    parser.add_argument("--batch-size", type=int, default=64, help="the global batch, split over the ranks")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-optimizer-state", action="store_true",
                         help="ZeRO-1: each rank holds and updates the optimizer state of its share of the trainables")
     return parser.parse_args(argv)
@@ -48,6 +57,23 @@ def _session_options(world: int):
     return options
 
 
+def refusal(path: str, epochs: int, optimizer: str) -> str:
+    """Why the checkpoint at ``path`` cannot go on to ``epochs`` epochs with ``optimizer``, or ''
+    (``train --nproc`` asks before it starts the ranks)."""
+    from .build.model_metadata import metadata
+    from .storage.model_files import load_model
+
+    meta = metadata(load_model(path))
+    done = int(json.loads(meta.get("properties") or "{}").get("epoch", 0))
+    if done >= epochs:
+        return (f"{path} already holds {done} epoch(s) and --epochs is {epochs}: nothing to train "
+                "(raise --epochs to go on, or give another --out)")
+    trained = json.loads(meta.get("optimizer") or "{}").get("type", "")
+    if trained and trained.lower() != optimizer:
+        return f"{path} was trained with {trained}; --optimizer {optimizer} cannot resume it (give another --out)"
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -55,30 +81,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         init_process_group()
     except ImportError as error:
         print(error, file=sys.stderr)
-        return 2
-    from .build import Adam, build_training_model
+        return EXIT_USAGE
+    from .build import build_training_model
     from .training import TrainingSession
-    from .demo import load_digits_split, make_mlp
+    from .demo import load_digits_split, make_mlp, make_optimizer, plot_losses, write_summary
     from .training.schedules import CosineAnnealingLR
 
-    x_train, y_train, x_val, y_val = load_digits_split()
-    steps_per_epoch = len(x_train) // GLOBAL_BATCH
+    x_train, y_train, x_val, y_val = load_digits_split(args.seed)
+    steps_per_epoch = len(x_train) // args.batch_size
     path = os.path.join(args.out, "checkpoint.onnx")
     options = _session_options(int(os.environ.get("WORLD_SIZE", 1)))
     if os.path.exists(path):
+        refused = refusal(path, args.epochs, args.optimizer)
+        if refused:  # every rank reads the same file: all stop, before any collective
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"error: {refused}", file=sys.stderr)
+            destroy_process_group()
+            return EXIT_USAGE
         session = TrainingSession(path, sess_options=options)
     else:
-        model = build_training_model(make_mlp((64, 128, 10), seed=0), "cross_entropy", Adam(lr=args.lr))
+        model = build_training_model(make_mlp((64, 128, 10), seed=args.seed), "cross_entropy",
+                                     make_optimizer(args.optimizer, args.lr))
         session = TrainingSession(model, sess_options=options)
         session.set_lr_schedule(CosineAnnealingLR(T_max=args.epochs * steps_per_epoch))
     ddp = DistributedTrainingSession(session, check_every=steps_per_epoch,
                                      shard_optimizer_state=args.shard_optimizer_state)
     session = ddp.session  # sharded: reopened on this rank's shard
     rank, world = ddp.rank, ddp.world_size
-    if GLOBAL_BATCH % world:
-        raise SystemExit(f"the global batch {GLOBAL_BATCH} does not split over {world} ranks")
-    rows = GLOBAL_BATCH // world
+    if args.batch_size % world:
+        raise SystemExit(f"the global batch {args.batch_size} does not split over {world} ranks")
+    rows = args.batch_size // world
     first = int(session.properties.get("epoch", 0))
+    history = json.loads(session.properties.get("history", "[]"))  # [train, held-out] loss per epoch
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         sharding = ", optimizer state sharded (ZeRO-1)" if ddp.sharded else ""
@@ -89,22 +123,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = np.random.default_rng(epoch).permutation(len(x_train))  # the same on every rank
         losses = []
         for k in range(steps_per_epoch):
-            index = order[k * GLOBAL_BATCH + rank * rows:k * GLOBAL_BATCH + (rank + 1) * rows]
+            index = order[k * args.batch_size + rank * rows:k * args.batch_size + (rank + 1) * rows]
             losses.append(float(ddp.step({"input": x_train[index], "labels": y_train[index]})["loss"]))
         train_loss = ddp.average(float(np.mean(losses)))
+        held_out = float(session.evaluate({"input": x_val, "labels": y_val})["loss"])
+        history.append([train_loss, held_out])
         session.properties["epoch"] = epoch + 1
+        session.properties["history"] = json.dumps(history)
         ddp.save(path)
         if rank == 0:
             logits = session.run(None, {"input": x_val})[0]
             accuracy = float(np.mean(logits.argmax(1) == y_val))
-            print(f"epoch {epoch}: train loss {train_loss:.4f}, val accuracy {accuracy:.3f}", flush=True)
+            print(f"epoch {epoch}: train loss {train_loss:.4f}, held-out loss {held_out:.4f}, "
+                  f"val accuracy {accuracy:.3f}", flush=True)
     elapsed = time.perf_counter() - start
     digest = ddp.check_parameters()
     if rank == 0:
         steps = (args.epochs - first) * steps_per_epoch
-        print(f"{steps / elapsed if elapsed else 0:.0f} steps/s; state {digest[:16]} on all ranks", flush=True)
+        print(f"{steps / elapsed:.0f} steps/s; state {digest[:16]} on all ranks", flush=True)
+        _write_outputs(session, args, history, accuracy, steps, elapsed, world, plot_losses, write_summary)
     destroy_process_group()
     return 0
+
+
+def _write_outputs(session, args, history, accuracy, steps, seconds, world, plot_losses, write_summary) -> None:
+    """Rank 0: the inference model, the loss plot and the summary, as ``train`` writes them."""
+    inference = os.path.join(args.out, "inference_model.onnx")
+    session.export_inference_model(inference)
+    curve = os.path.join(args.out, "loss_curve.png")
+    train_losses, held_out = [h[0] for h in history], [h[1] for h in history]
+    plot_losses(train_losses, curve, title=f"digits MLP, {world} ranks, accuracy {accuracy:.3f}",
+                held_out=held_out, per_epoch=True)
+    summary = write_summary(args.out, optimizer=args.optimizer, learning_rates=session.learning_rates, epochs=args.epochs,
+                            batch_size=args.batch_size, ranks=world, steps=steps, seconds=seconds,
+                            accuracy=accuracy, train_losses_per_epoch=train_losses,
+                            held_out_losses_per_epoch=held_out)
+    print(f"wrote {inference}, {curve}, {summary}", flush=True)
 
 
 if __name__ == "__main__":

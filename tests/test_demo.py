@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -33,6 +35,11 @@ def test_quick_demo(tmp_path, capsys):
     assert len(checkpoint.training_info) == 1
     session = TrainingSession(tmp_path / "training_model.onnx")
     assert int(session.state_dict()["optimizer.T"]) == result.steps
+    # the summary the CLI promises, with the held-out curve the plot shows (issue 20 items 14, 16)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["accuracy"] == result.accuracy and summary["steps"] == result.steps
+    assert len(summary["held_out_losses_per_epoch"]) == 4 == len(result.held_out_losses)
+    assert summary["held_out_losses_per_epoch"][-1] < summary["held_out_losses_per_epoch"][0]
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adagrad"])

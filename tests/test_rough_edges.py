@@ -108,3 +108,15 @@ def test_properties_that_are_not_json_are_a_training_op_error(tmp_path):
     onnx.save(checkpoint.add_checksums(model), tmp_path / "ck.onnx")
     with pytest.raises(ot.TrainingOpError, match="properties .* are not valid JSON"):
         ot.TrainingSession(tmp_path / "ck.onnx")
+
+
+def test_the_readme_lists_every_exit_status_of_the_cli():
+    import re
+    from pathlib import Path
+
+    from onnx_training_ops import cli
+
+    text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    sentence = re.search(r"The CLI exits (.*?)\. Details", text, re.S).group(1)
+    listed = {int(code) for code in re.findall(r"\b(\d+) \(", sentence)}
+    assert listed == {cli.EXIT_OK, cli.EXIT_FAILED, cli.EXIT_USAGE, cli.EXIT_INTERNAL, cli.EXIT_INTERRUPTED}
