@@ -120,3 +120,31 @@ def test_the_readme_lists_every_exit_status_of_the_cli():
     sentence = re.search(r"The CLI exits (.*?)\. Details", text, re.S).group(1)
     listed = {int(code) for code in re.findall(r"\b(\d+) \(", sentence)}
     assert listed == {cli.EXIT_OK, cli.EXIT_FAILED, cli.EXIT_USAGE, cli.EXIT_INTERNAL, cli.EXIT_INTERRUPTED}
+
+
+def test_the_documented_signatures_name_every_parameter():
+    """Item 16: the README's TrainingSession signature lacked sess_options and session_config,
+    docs/training.md §1 build_training_model's groups, clipping and sparse tables."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme, training = (root / "README.md").read_text(), (root / "docs" / "training.md").read_text()
+    for text, obj, name in ((readme, ot.TrainingSession.__init__, "TrainingSession"),
+                            (training, ot.TrainingSession.__init__, "TrainingSession"),
+                            (readme, ot.build_training_model, "build_training_model"),
+                            (training, ot.build_training_model, "build_training_model")):
+        documented = re.search(rf"`{name}\((model.*?)\)", text, re.S).group(1)  # the signature
+        for parameter in inspect.signature(obj).parameters:
+            if parameter != "self":
+                assert re.search(rf"\b{parameter}\b", documented), (name, parameter)
+
+
+def test_build_training_model_says_what_loss_and_optimizer_take():
+    import typing
+
+    hints = typing.get_type_hints(ot.build_training_model)
+    assert ot.CrossEntropyLoss in typing.get_args(hints["loss"]) or \
+        any(issubclass(ot.CrossEntropyLoss, a) for a in typing.get_args(hints["loss"]) if isinstance(a, type))
+    assert ot.RMSProp in typing.get_args(hints["optimizer"])

@@ -40,12 +40,13 @@ from ..errors import TrainingOpError
 from ..passes._graph import all_names, value_types
 from ..passes.fit_runtime import fit_runtime, runtime_limits
 from ..schema import DOMAIN, OPSET_VERSION
-from ..storage.model_files import load_model
+from ..storage.model_files import ModelLike, load_model
 from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, training_info
 from .grad_clip import checked_limit
 from .initialization import initialization_graph
 from .loss_graph import add_loss, label_range, label_shape
+from .losses import Loss
 from .model_metadata import set_metadata
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .param_groups import groups_to_json, resolve_groups
@@ -117,10 +118,10 @@ def _finish(model: onnx.ModelProto, meta: dict[str, str]) -> onnx.ModelProto:
 
 
 def build_training_model(
-    model,
-    loss: str,
-    optimizer: Optimizer,
-    trainable=None,
+    model: ModelLike,
+    loss: str | Loss,
+    optimizer: Optimizer | RMSProp,
+    trainable: Sequence[str] | None = None,
     *,
     output: str | None = None,
     labels: str | None = None,
