@@ -35,3 +35,11 @@ def model_graphs(model: ModelProto) -> Iterator[GraphProto]:
     for info in model.training_info:
         yield from all_graphs(info.initialization)
         yield from all_graphs(info.algorithm)
+
+
+def drop_named(field, names) -> None:
+    """Remove from ``field`` (a graph's ``input``, ``initializer``, ``output``...) the entries
+    whose ``name`` is in ``names``, in place, keeping the order of the rest."""
+    kept = [entry for entry in field if entry.name not in names]
+    del field[:]
+    field.extend(kept)

@@ -19,6 +19,9 @@ from test_interrupts import ctrl_c, default_sigint_handler  # noqa: F401 - the f
 BATCH = {"input": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32),
          "labels": np.array([0, 1, 2, 1], np.int64)}
 POINTS = ["before_commit", "in_state_update", "after_commit", "in_bookkeeping"]
+# every test here: each point of the write, on the fast path and the full graph
+pytestmark = [pytest.mark.parametrize("fast", [True, False], ids=["fast", "graph"]),
+              pytest.mark.parametrize("point", POINTS)]
 
 
 def _session(fast: bool) -> ot.TrainingSession:
@@ -56,6 +59,14 @@ def _inject(monkeypatch, point: str) -> None:
     monkeypatch.setattr(step_module, "_commit", commit)
 
 
+def _interrupted(monkeypatch, point: str, call, *args) -> None:
+    """``call(*args)`` with a Ctrl-C at ``point`` of its state write: KeyboardInterrupt."""
+    _inject(monkeypatch, point)
+    with pytest.raises(KeyboardInterrupt):
+        call(*args)
+    monkeypatch.undo()
+
+
 def _t(session) -> int:
     return int(next(v for k, v in session.state_dict().items() if k.endswith("optimizer.T")))
 
@@ -67,35 +78,22 @@ def _same_state(got: ot.TrainingSession, want: ot.TrainingSession) -> None:
     assert got.lr_schedule_step == want.lr_schedule_step == _t(want)
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "graph"])
-@pytest.mark.parametrize("point", POINTS)
 def test_ctrl_c_in_a_steps_state_write_lands_the_whole_step(monkeypatch, point, fast):
     session, reference = _session(fast), _session(fast)
     reference.step(BATCH)
-    _inject(monkeypatch, point)
-    with pytest.raises(KeyboardInterrupt):
-        session.step(BATCH)
-    monkeypatch.undo()
+    _interrupted(monkeypatch, point, session.step, BATCH)
     _same_state(session, reference)
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "graph"])
-@pytest.mark.parametrize("point", POINTS)
 def test_ctrl_c_in_backward_and_optimizer_step_lands_their_bookkeeping(monkeypatch, point, fast):
     session, reference = _session(fast), _session(fast)
     reference.backward(BATCH)
-    _inject(monkeypatch, point)
-    with pytest.raises(KeyboardInterrupt):
-        session.backward(BATCH)
-    monkeypatch.undo()
+    _interrupted(monkeypatch, point, session.backward, BATCH)
     assert session.accumulated_batches == 1
     for name, grad in reference.gradients().items():
         np.testing.assert_array_equal(session.gradients()[name], grad, err_msg=name)
     reference.optimizer_step()
-    _inject(monkeypatch, point)
-    with pytest.raises(KeyboardInterrupt):
-        session.optimizer_step()
-    monkeypatch.undo()
+    _interrupted(monkeypatch, point, session.optimizer_step)
     assert session.accumulated_batches == 0
     assert all(not g.any() for g in session.gradients().values())
     _same_state(session, reference)

@@ -10,6 +10,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
 from ..storage.model_files import ModelLike, load_model
+from ..walk import drop_named
 from .arrays import dtype_name, np_dtype
 
 
@@ -64,12 +65,8 @@ def graph_to_training_model(
     algo = onnx.GraphProto()
     algo.CopyFrom(graph)
     algo.name = "algorithm"
-    kept_inputs = [vi for vi in algo.input if vi.name not in targets]
-    del algo.input[:]
-    algo.input.extend(kept_inputs)
-    kept_inits = [t for t in algo.initializer if t.name not in targets]
-    del algo.initializer[:]
-    algo.initializer.extend(kept_inits)
+    drop_named(algo.input, targets)
+    drop_named(algo.initializer, targets)
     main = helper.make_graph([], "state", [], [], initializer=state_tensors)
     out = helper.make_model(main, opset_imports=list(model.opset_import))
     out.ir_version = max(model.ir_version, 7)

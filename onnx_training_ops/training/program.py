@@ -17,7 +17,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..walk import all_graphs, subgraphs
+from ..walk import all_graphs, drop_named, subgraphs
 from ..passes._graph import value_types
 from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
@@ -139,14 +139,8 @@ def prune_unused_initializers(graph: onnx.GraphProto, droppable_inputs=()) -> No
     inputs = {vi.name for vi in graph.input}
     drop = {t.name for t in graph.initializer
             if t.name not in used and (t.name not in inputs or t.name in droppable_inputs)}
-    if not drop:
-        return
-    kept = [t for t in graph.initializer if t.name not in drop]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    kept_inputs = [vi for vi in graph.input if vi.name not in drop]
-    del graph.input[:]
-    graph.input.extend(kept_inputs)
+    drop_named(graph.initializer, drop)
+    drop_named(graph.input, drop)
 
 
 def combined_graph(
