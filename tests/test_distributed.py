@@ -169,3 +169,157 @@ def test_resuming_with_another_optimizer_is_refused(tmp_path):
     assert refusal(path, 3, "adam") == ""
     assert "was trained with Adam; --optimizer momentum cannot resume it" in refusal(path, 3, "momentum")
     assert "already holds 1 epoch(s) and --epochs is 1" in refusal(path, 1, "adam")
+
+
+def test_cli_sharding_needs_processes():
+    done = subprocess.run([sys.executable, "-m", "onnx_training_ops", "train", "--shard-optimizer-state"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: --shard-optimizer-state needs --nproc 2 or more (it shards over processes)"
+
+
+def test_torchrun_max_restarts_resumes_after_a_killed_worker(two_ranks, tmp_path):
+    """Rank 1 dies after step 12; torchrun restarts both ranks, which resume from the step-10
+    checkpoint and end with the uninterrupted run's state, bit for bit."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this Python")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DDP_TEST_DIE_AT": "1:12"}
+    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                           "--max-restarts", "1", str(WORKER), str(tmp_path), "float64", "2", "0", str(STEPS),
+                           "auto"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "another worker died" in done.stderr or "exitcode" in done.stderr  # the failure was seen
+    _, uninterrupted = two_ranks
+    for before, after in zip(uninterrupted, _ranks(tmp_path, 2)):
+        for name in before:
+            if name not in ("losses", "digest"):
+                assert np.array_equal(after[name], before[name]), name
+
+
+def _optimizer_state(result) -> set[str]:
+    return {name for name in result if name.endswith((".V", ".H"))}
+
+
+def test_zero1_is_bit_identical_to_unsharded(two_ranks, tmp_path):
+    """ZeRO-1 with global-norm clipping (gradients all-reduced, each rank updates its
+    trainables, owners broadcast them): the same bits as the unsharded run, and rank 0's
+    gathered checkpoint is the unsharded run's checkpoint."""
+    out, unsharded = two_ranks
+    _ok(_launch(2, tmp_path, "float64", "2", "0", str(STEPS), "-", str(SAVE_AT), env_extra={"DDP_TEST_ZERO": "1"}))
+    sharded = _ranks(tmp_path, 2)
+    for name in unsharded[0]:
+        if name != "digest":
+            assert np.array_equal(sharded[0][name], unsharded[0][name]), name
+    # each rank holds only its own trainables' optimizer state: the two halves split the whole
+    own0, own1 = _optimizer_state(TrainingSession(tmp_path / "checkpoint.onnx").state_dict()), None
+    mine = [_optimizer_state(r) for r in sharded]
+    assert mine[0] == own0  # rank 0 wrote the gathered (whole) state
+    own1 = mine[1]
+    assert own1 and own1 < own0
+    saved_z = TrainingSession(tmp_path / "checkpoint.onnx").state_dict()
+    saved = TrainingSession(out / "checkpoint.onnx").state_dict()
+    assert all(np.array_equal(saved_z[k], saved[k]) for k in saved)
+
+
+def test_zero1_resumes_from_its_checkpoint(two_ranks, tmp_path):
+    out, unsharded = two_ranks
+    _ok(_launch(2, tmp_path, "float64", "2", str(SAVE_AT), str(STEPS), str(out / "checkpoint.onnx"),
+                env_extra={"DDP_TEST_ZERO": "1"}))
+    resumed = _ranks(tmp_path, 2)
+    assert np.array_equal(resumed[0]["losses"], unsharded[0]["losses"][SAVE_AT:])
+    for name in unsharded[0]:
+        if name not in ("losses", "digest"):
+            assert np.array_equal(resumed[0][name], unsharded[0][name]), name
+
+
+def test_zero1_four_ranks_reduce_scatter_float32(tmp_path):
+    """No clipping: gradients are reduced to their owner only; 4 ranks (one trainable each)
+    equal single-process training on the full batch within float32 rounding."""
+    _ok(_launch(4, tmp_path, "float32", "1", "0", str(STEPS), env_extra={"DDP_TEST_ZERO": "1", "DDP_TEST_CLIP": "0"}))
+    losses, state = _single(np.float32, clip=False)
+    ranks = _ranks(tmp_path, 4)
+    assert len({str(r["digest"]) for r in ranks}) == 1
+    np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5)
+    for name, value in state.items():
+        np.testing.assert_allclose(ranks[0][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    held = [_optimizer_state(r) for r in ranks[1:]]
+    assert all(len(h) == 2 for h in held) and not set.intersection(*held)  # V and H of one trainable each
+
+
+def test_batchnorm_buffers_follow_rank_0(tmp_path):
+    """Running statistics come from each rank's own shard; after each optimizer step rank 0's
+    are broadcast (DDP's broadcast_buffers), so the state hash agrees every 5 steps."""
+    _ok(_launch(2, tmp_path, "float32", "1", "0", "10", env_extra={"DDP_TEST_BN": "1", "DDP_TEST_ZERO": "1"}))
+    r0, r1 = _ranks(tmp_path, 2)
+    assert str(r0["digest"]) == str(r1["digest"])
+    stats = [name for name in r0 if "running_mean" in name]
+    assert stats and all(np.array_equal(r0[n], r1[n]) and np.abs(r0[n]).max() > 0 for n in stats)
+
+
+@pytest.mark.parametrize("zero", ["0", "1"], ids=["allreduce", "zero1"])
+def test_lazy_embedding_table_two_ranks_equal_one_process(tmp_path, zero):
+    """Lazy Adam on a table: each rank scatters its rows' gradients and a touched count into
+    the flat buffer; after the reduction the rows touched on any rank are updated (and only
+    they), as one process on the full batch does."""
+    _ok(_launch(2, tmp_path, "float64", "1", "0", "10", env_extra={"DDP_TEST_EMB": "1", "DDP_TEST_ZERO": zero}))
+    session = TrainingSession(embedding_training_model())
+    initial = session.state_dict()
+    losses = [float(session.step(embedding_batch(k))["loss"]) for k in range(10)]
+    state = session.state_dict()
+    r0 = _ranks(tmp_path, 2)[0]
+    np.testing.assert_allclose(r0["losses"], losses, rtol=1e-12)
+    for name, value in state.items():
+        np.testing.assert_allclose(r0[name], value, rtol=1e-10, atol=1e-13, err_msg=name)
+    untouched = slice(TABLE_ROWS - 10, None)
+    assert np.array_equal(r0["E"][untouched], initial["E"][untouched])
+    assert not np.array_equal(r0["E"][:TABLE_ROWS - 10], initial["E"][:TABLE_ROWS - 10])
+
+
+def test_without_torch_a_one_line_hint(tmp_path):
+    """No torch: the example says how to install it, in one line and without a traceback."""
+    code = ("import sys, runpy; sys.modules['torch'] = None; sys.argv = ['train_ddp.py', '--out', %r]; "
+            "runpy.run_path(%r, run_name='__main__')" % (str(tmp_path), str(ROOT / "examples" / "train_ddp.py")))
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "distributed training needs torch: pip install 'onnx-training-ops[distributed]'"
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A world of one process (this one), for the wrapper's API without subprocesses."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_model_path_opens_the_session_and_a_sharded_world_of_one_saves_whole(one_rank, tmp_path):
+    from onnx_training_ops.distributed import DistributedTrainingSession
+
+    path = tmp_path / "model.onnx"
+    path.write_bytes(training_model(np.float64).SerializeToString())
+    ddp = DistributedTrainingSession(str(path), shard_optimizer_state=True, fast=False)
+    assert not ddp.session.fast and set(ddp.owners.values()) == {0}
+    losses, state = _single(np.float64, last=3)
+    for k in range(3):
+        x, y = batch(k)
+        assert float(ddp.step({"input": x, "labels": y})["loss"]) == losses[k]
+    ddp.save(tmp_path / "saved.onnx")
+    saved = TrainingSession(tmp_path / "saved.onnx").state_dict()
+    assert set(saved) == set(state) and all(np.array_equal(saved[k], state[k]) for k in state)
+
+
+def test_wrapper_errors_name_the_problem(one_rank):
+    from onnx_training_ops.distributed import DistributedTrainingSession
+    from onnx_training_ops.errors import TrainingOpError
+
+    session = TrainingSession(training_model(np.float64))
+    with pytest.raises(TrainingOpError, match=r"\['fast'\] apply only when a model is given"):
+        DistributedTrainingSession(session, fast=False)
+    ddp = DistributedTrainingSession(session, shard_optimizer_state=True)
+    x, y = batch(0)
+    ddp.backward({"input": x, "labels": y})
+    with pytest.raises(TrainingOpError, match=r"unknown learning-rate input\(s\) \['lr_typo'\]"):
+        ddp.optimizer_step({"lr_typo": 0.1})
