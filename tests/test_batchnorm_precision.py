@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 
 import onnx_training_ops as ot  # noqa: E402
 
-DEPTH, WIDTH = 12, 16
+DEPTH, WIDTH = 10, 12
 
 
 class DeepCNN(nn.Module):
@@ -78,7 +78,7 @@ def test_deep_cnn_float32_batchnorm_gradients_are_as_accurate_as_torchs():
         for p in module.parameters():
             p.add_(0.1 * torch.randn(p.shape))
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 3, 16, 16)).astype(np.float32)
+    x = rng.standard_normal((4, 3, 12, 12)).astype(np.float32)
     y = rng.integers(0, 5, 4).astype(np.int64)
     exact = _torch_gradients(module, x, y, torch.float64)
     theirs = _torch_gradients(module, x, y, torch.float32)
