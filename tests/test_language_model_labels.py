@@ -86,3 +86,26 @@ def test_a_sequence_of_one_token_under_shift_labels_is_a_feed_error(sessions):
     with pytest.raises(ot.TrainingOpError, match="sequence length 1: shift_labels .* at least 2"):
         shifted.step(_feeds(2, 1, _ids(2, 1, seed=1)))
     assert np.isfinite(float(shifted.step(_feeds(2, 8, _ids(2, 8, seed=1)))["loss"]))
+
+
+def test_labels_against_logits_whose_dimensions_the_export_left_unnamed():
+    """Without dynamic axes for the output, TorchScript names the logits' dims
+    ``MatMullogits_dim_1``: known only once the batch runs. onnxruntime's broadcast error in a
+    gradient Sub becomes the one-line feed error, the logits' shape computed for this batch."""
+    ids = torch.from_numpy(_ids(2, 8))
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Head(False), (ids, torch.ones_like(ids)), f, dynamo=False, opset_version=17,
+                          do_constant_folding=False, input_names=["input_ids", "attention_mask"],
+                          output_names=["logits"],
+                          dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}})
+    with pytest.warns(UserWarning):  # fresh LayerNorms: untied
+        session = ot.TrainingSession(ot.build_training_model(
+            onnx.load_from_string(f.getvalue()), ot.CrossEntropyLoss(class_axis=-1, shift_labels=True), ot.Adam()))
+    for call in (session.step, session.backward, session.evaluate):
+        with pytest.raises(ot.TrainingOpError) as info:
+            call(_feeds(2, 16, _ids(2, 8, seed=1)))
+        assert str(info.value).endswith(f"feed 'labels' has shape [2, 8]; the loss reads 'logits', of shape "
+                                        f"[2, 16, {VOCAB}] for this batch, so 'labels' must have shape [2, 16]")
+    assert session.state_dict()["optimizer.T"] == 0 and session.accumulated_batches == 0

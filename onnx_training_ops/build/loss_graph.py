@@ -45,7 +45,7 @@ def label_shape(spec, types, outputs, output) -> str:
         return ""
     expected = dims if axis is None else dims[:axis] + dims[axis + 1:]
     shown = "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
-    return json.dumps({"output": name, "output_shape": shown, "shape": expected,
+    return json.dumps({"output": name, "output_shape": shown, "shape": expected, "class_axis": axis,
                        "shift": bool(getattr(spec, "shift_labels", False))})
 
 

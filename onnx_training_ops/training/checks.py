@@ -105,6 +105,24 @@ def _check_shape(where: str, name: str, labels: np.ndarray, layout: dict, named,
                               "predicts token t+1 from tokens up to t, so it needs at least 2")
 
 
+def label_mismatch(meta: Mapping[str, str], feeds: Mapping[str, Any], output_shape, where: str) -> str:
+    """After onnxruntime failed: the one-line feed error if the labels do not fit the shape
+    the loss's output has for this batch (``output_shape``, computed by the caller; dimensions
+    the model does not name, such as the exporter's ``MatMullogits_dim_1``, are known only
+    then), else ''."""
+    layout = json.loads(meta["label_shape"]) if meta.get("label_shape") else None
+    labels = feeds.get(meta.get("labels", ""))
+    if layout is None or labels is None:
+        return ""
+    dims, axis = list(output_shape), layout.get("class_axis")
+    expected = dims if axis is None else dims[:axis] + dims[axis + 1:]
+    if list(np.shape(labels)) == expected:
+        return ""
+    return (f"{where}: feed {meta['labels']!r} has shape {list(np.shape(labels))}; the loss reads "
+            f"{layout['output']!r}, of shape {dims} for this batch, so {meta['labels']!r} must have shape "
+            f"{expected}")
+
+
 def show_shape(shape) -> str:
     """``[2, ?, 'seq']``-style text of a declared shape."""
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"

@@ -272,10 +272,13 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
             if program is last and applied[0]:
                 self._rates.step += 1
 
-        for program in programs:
-            returned, _ = run_program(program, feeds, rates, self._state, self.on_nonfinite,
-                                      functools.partial(count, program=program))
-            result.update(returned)
+        try:
+            for program in programs:
+                returned, _ = run_program(program, feeds, rates, self._state, self.on_nonfinite,
+                                          functools.partial(count, program=program))
+                result.update(returned)
+        except TrainingOpError as error:
+            self._explain_failure(feeds, "step", error)
         return result
 
     def _programs_with(self, outputs: tuple[str, ...]) -> list[Program]:

@@ -7,11 +7,13 @@ collectives reduce, and the learning-rate schedule (:mod:`.rates`).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import TrainingOpError
+from .checks import label_mismatch
 from .feeds import Feed, checked_learning_rate, feed_list
 from .binding import open_program
 from .locked import locked
@@ -35,10 +37,23 @@ class TrainingLoop:
         """The loss (the eval-mode loss of a ``mode="train"`` model: dropout off, BatchNorm
         running statistics) and ``outputs`` with the current weights; nothing changes."""
         self._check_filled("evaluate")
-        program = self._eval_program(tuple(outputs))
+        # the loss's output too, when the labels' shape is not all known before the run: onnxruntime's
+        # SoftmaxCrossEntropyLoss returned a number for labels [2, 8] against logits [2, 16, V]
+        layout = json.loads(self._meta.get("label_shape") or "{}")
+        watch = layout.get("output") if any(not isinstance(d, int) for d in layout.get("shape", ())) else None
+        extra = (watch,) if watch and watch not in outputs else ()
+        program = self._eval_program(tuple(outputs) + extra)
         required, optional = program_feeds(program)
         self._check_feeds(feeds, {f.name for f in required}, {f.name for f in optional}, "evaluate")
-        result, _ = run_program(program, feeds, None, self._state, "ignore")
+        try:
+            result, _ = run_program(program, feeds, None, self._state, "ignore")
+        except TrainingOpError as error:
+            self._explain_failure(feeds, "evaluate", error)
+        if watch:
+            message = label_mismatch(self._meta, feeds, (result.pop(watch) if extra else result[watch]).shape,
+                                     "evaluate")
+            if message:
+                raise TrainingOpError(message)
         eval_loss, loss = self._meta.get("eval_loss"), self._meta.get("loss")
         if eval_loss in result and loss not in outputs:  # the eval-mode loss, under the loss's name
             result[loss] = result.pop(eval_loss)
@@ -57,6 +72,20 @@ class TrainingLoop:
             self._eval_programs[outputs] = open_program(program, self._state, self._session_options(),
                                                         self._providers)
         return self._eval_programs[outputs]
+
+    def _explain_failure(self, feeds: Mapping[str, Any], where: str, error: TrainingOpError) -> None:
+        """Re-raise ``error``, or, when the labels do not fit what the loss's output is for this
+        batch (run the main graph to know), a one-line feed error instead of onnxruntime's."""
+        output = json.loads(self._meta.get("label_shape") or "{}").get("output")
+        if output and "onnxruntime failed" in str(error):
+            try:
+                data = {k: v for k, v in feeds.items() if k in {vi.name for vi in self._model.graph.input}}
+                message = label_mismatch(self._meta, feeds, self.run([output], data)[0].shape, where)
+            except Exception:  # noqa: BLE001 - the forward pass fails too: onnxruntime's error stands
+                message = ""
+            if message:
+                raise TrainingOpError(message) from None
+        raise error
 
     # ------------------------------------------------------------------ learning rates
 
@@ -98,7 +127,10 @@ class TrainingLoop:
         required, optional = program_feeds(backward)
         self._check_feeds(feeds, {f.name for f in required} - {GRAD_SCALE}, {f.name for f in optional}, "backward")
         scale = checked_learning_rate(scale, "backward: scale")
-        return self._accumulation.backward(feeds, scale, self.on_nonfinite, self._count_skipped)
+        try:
+            return self._accumulation.backward(feeds, scale, self.on_nonfinite, self._count_skipped)
+        except TrainingOpError as error:
+            self._explain_failure(feeds, "backward", error)
 
     def _count_skipped(self, skipped: bool) -> None:
         if skipped:
