@@ -202,3 +202,4 @@ ALL = (
     adagrad_parallel,
     adagrad_serial,
 )
+SERIAL = (adam_serial, momentum_serial, nesterov_serial, adagrad_serial)

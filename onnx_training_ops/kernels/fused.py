@@ -20,6 +20,7 @@ compiles (or loads from numba's on-disk cache) on the step path.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -78,6 +79,17 @@ _CHOICES: dict[tuple[str, int], _Choice] = {}
 # did. A thread that finds the pool busy runs the serial loop, which computes every element
 # identically; it never waits.
 _POOL = threading.Lock()
+
+
+def _fresh_pool_lock() -> None:
+    """A forked child starts with the lock free: a thread that held it in the parent (running
+    a parallel loop while another forked) does not exist there, and would hold it forever."""
+    global _POOL
+    _POOL = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_pool_lock)
 
 
 def _launch(serial, parallel, args) -> int:
@@ -314,16 +326,21 @@ def warm_up() -> float:
     parallel, float32 and float64) and start numba's thread pool; returns the seconds
     it took. Call it once at start-up so that no step pays for it."""
     start = time.perf_counter()
-    with _POOL:  # the first calls launch numba's thread pool: one thread at a time
-        _warm_up_all()
+    if _POOL.acquire(blocking=False):  # the first calls launch numba's thread pool: one thread at a time
+        try:
+            _warm_up_all(parallel=True)
+        finally:
+            _POOL.release()
+    else:  # another thread runs a parallel loop: the pool is up; its variants compile on first use
+        _warm_up_all(parallel=False)
     return time.perf_counter() - start
 
 
-def _warm_up_all() -> None:
+def _warm_up_all(parallel: bool) -> None:
     for dtype in _FLOATS:
         arrays = [np.zeros(1, dtype) for _ in range(4)]
         s = np.zeros(8, dtype)  # each kernel reads only the scalars it needs
-        for kernel in _k.ALL:
+        for kernel in _k.ALL if parallel else _k.SERIAL:
             nargs = 4 if kernel in (_k.adam_parallel, _k.adam_serial) else 3
             kernel(*arrays[:nargs], s)
         tables, u = [np.zeros((1, 1), dtype) for _ in range(4)], np.zeros(1, np.int64)
@@ -331,7 +348,7 @@ def _warm_up_all() -> None:
             nargs = 4 if kernel is _rows.adam_rows else 3
             kernel(*tables[:nargs], u, s)
         _rows.dedup_rows(u, tables[0], np.full(1, -1, np.int64), np.empty(1, np.int64), tables[1])
-        for kernel in (_rms.rmsprop_serial, _rms.rmsprop_parallel):
+        for kernel in (_rms.rmsprop_serial, _rms.rmsprop_parallel) if parallel else (_rms.rmsprop_serial,):
             kernel(*arrays, arrays[0], s, True, True, True)
         _rms.rmsprop_rows(*tables, tables[0], u, s, True, True, True)
 

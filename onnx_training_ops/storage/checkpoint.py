@@ -46,6 +46,17 @@ _IN_FLIGHT: set[str] = set()  # this process's temporaries being written (any th
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
+def _forked() -> None:
+    """A forked child writes none of its parent's temporaries, and starts with the lock free."""
+    global _IN_FLIGHT_LOCK
+    _IN_FLIGHT.clear()
+    _IN_FLIGHT_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 def atomic_write(path: str | os.PathLike, data: bytes) -> str:
     """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace); returns the path.
 
