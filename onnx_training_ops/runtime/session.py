@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 from contextlib import contextmanager
 from typing import Any, Mapping, Sequence
 
@@ -15,6 +17,18 @@ from ..interrupts import held_interrupts
 from .native import native_error_message
 from .plugin import Interrupted, take_kernel_errors
 from .options import session_options
+
+
+def _collect_before_fork() -> None:
+    """Collect garbage before the process forks. An onnxruntime session left in a reference
+    cycle would otherwise be destroyed by the child's garbage collector, and its destructor
+    waits on the thread pool's condition variables, whose threads the child does not have: a
+    multiprocessing worker hung there for good (seen in test_process_pools_work_after_training)."""
+    gc.collect()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_collect_before_fork)
 
 
 class InferenceSession(ort.InferenceSession):
