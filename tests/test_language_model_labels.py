@@ -39,16 +39,19 @@ def _ids(batch, seq, seed=0):
     return np.random.default_rng(seed).integers(1, VOCAB, (batch, seq)).astype(np.int64)
 
 
-def _export(flat: bool) -> onnx.ModelProto:
+def _export(flat: bool, name_output_axes: bool = True) -> onnx.ModelProto:
+    """The head by TorchScript; ``name_output_axes=False``: the logits' dims are left for the
+    exporter to name (``MatMullogits_dim_1``)."""
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+    if name_output_axes:
+        axes["logits"] = {0: "tokens"} if flat else {0: "batch", 1: "seq"}
     ids = torch.from_numpy(_ids(2, 8))
     f = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(Head(flat), (ids, torch.ones_like(ids)), f, dynamo=False, opset_version=17,
                           do_constant_folding=False, input_names=["input_ids", "attention_mask"],
-                          output_names=["logits"],
-                          dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
-                                        "logits": {0: "tokens"} if flat else {0: "batch", 1: "seq"}})
+                          output_names=["logits"], dynamic_axes=axes)
     return onnx.load_from_string(f.getvalue())
 
 
@@ -92,17 +95,9 @@ def test_labels_against_logits_whose_dimensions_the_export_left_unnamed():
     """Without dynamic axes for the output, TorchScript names the logits' dims
     ``MatMullogits_dim_1``: known only once the batch runs. onnxruntime's broadcast error in a
     gradient Sub becomes the one-line feed error, the logits' shape computed for this batch."""
-    ids = torch.from_numpy(_ids(2, 8))
-    f = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Head(False), (ids, torch.ones_like(ids)), f, dynamo=False, opset_version=17,
-                          do_constant_folding=False, input_names=["input_ids", "attention_mask"],
-                          output_names=["logits"],
-                          dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}})
     with pytest.warns(UserWarning):  # fresh LayerNorms: untied
         session = ot.TrainingSession(ot.build_training_model(
-            onnx.load_from_string(f.getvalue()), ot.CrossEntropyLoss(class_axis=-1, shift_labels=True), ot.Adam()))
+            _export(False, name_output_axes=False), ot.CrossEntropyLoss(class_axis=-1, shift_labels=True), ot.Adam()))
     for call in (session.step, session.backward, session.evaluate):
         with pytest.raises(ot.TrainingOpError) as info:
             call(_feeds(2, 16, _ids(2, 8, seed=1)))
