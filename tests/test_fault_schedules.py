@@ -62,3 +62,13 @@ def test_every_rate_of_a_valid_schedule_is_finite_and_not_negative():
                      schedules.CosineAnnealingLR(T_max=3, eta_min=0.01)):
         rates = [schedules.rate(schedule, 0.1, k, "learning_rate") for k in range(7)]
         assert all(math.isfinite(r) and r >= 0 for r in rates), rates
+
+
+def test_a_negative_rate_past_the_schedules_end_stops_the_step():
+    """A linear OneCycleLR read at step total_steps (one past its last) extrapolates below 0."""
+    schedule = schedules.OneCycleLR(max_lr=0.2, total_steps=4, anneal_strategy="linear")
+    assert schedules.rate(schedule, 0.1, 4, "learning_rate") < 0  # the formula, as torch's
+    session = _session()
+    session.set_lr_schedule(schedule, step=4)
+    with pytest.raises(ot.TrainingOpError, match=r"at optimizer step 4 is -[0-9.e-]+; a rate must be a finite"):
+        session.step({"input": np.ones((2, 4), np.float32), "target": np.zeros((2, 3), np.float32)})

@@ -41,7 +41,7 @@ class LearningRates:
             return checked_learning_rate(lr)
         if self.schedule is None:
             return None
-        return {name: lr_schedules.rate(self.schedule, base, self.step, name)
+        return {name: lr_schedules.checked_rate(self.schedule, base, self.step, name)
                 for name, base in self.base.items()}
 
     def advance(self) -> None:

@@ -231,17 +231,24 @@ SCHEDULES = {cls.__name__: cls for cls in (StepLR, MultiStepLR, ExponentialLR, C
 
 
 def rate(schedule: Schedule, base: float, k: int, name: str) -> float:
-    """The learning rate of input ``name`` (base rate ``base``) at optimizer step ``k``: a
-    finite number >= 0, as ``step(lr=...)`` requires, or a TrainingOpError before the step
-    (the arguments are checked at construction; this catches what they combine into)."""
+    """The learning rate of input ``name`` (base rate ``base``) at optimizer step ``k``, as
+    the schedule's formula gives it (a TrainingOpError when the formula cannot be computed:
+    a phase of length 0). :func:`checked_rate` is what a step uses."""
     try:
-        value = schedule.lr(base, k, name) if isinstance(schedule, OneCycleLR) else schedule.lr(base, k)
+        return schedule.lr(base, k, name) if isinstance(schedule, OneCycleLR) else schedule.lr(base, k)
     except ArithmeticError as error:  # a zero-length phase, an overflow
-        value = f"not computable ({error})"
-    if isinstance(value, str) or not math.isfinite(value) or value < 0:
         raise TrainingOpError(f"{type(schedule).__name__}: the learning rate of {name!r} at optimizer step {k} "
-                              f"is {value if isinstance(value, str) else repr(value)}; a rate must be a finite "
-                              "number >= 0 (the step was not taken)")
+                              f"is not computable ({error}); the step was not taken") from None
+
+
+def checked_rate(schedule: Schedule, base: float, k: int, name: str) -> float:
+    """:func:`rate`, checked as ``step(lr=...)`` checks a rate: a finite number >= 0, or a
+    TrainingOpError before the step (the arguments are checked at construction; this
+    catches what they combine into, e.g. a linear OneCycleLR read past its last step)."""
+    value = rate(schedule, base, k, name)
+    if not math.isfinite(value) or value < 0:
+        raise TrainingOpError(f"{type(schedule).__name__}: the learning rate of {name!r} at optimizer step {k} "
+                              f"is {value!r}; a rate must be a finite number >= 0 (the step was not taken)")
     return float(value)
 
 
