@@ -49,6 +49,7 @@ from .loss_graph import add_loss, label_range, label_shape
 from .losses import Loss
 from .model_metadata import set_metadata
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
+from .rmsprop import RMSProp
 from .param_groups import groups_to_json, resolve_groups
 from .emit_update import STANDARD_OP_UPDATES
 from .train_mode import fit_opset, to_inference, training_forward
