@@ -5,7 +5,7 @@ Foundation code (imports only onnx): storage, passes, build and training all wal
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto
@@ -35,3 +35,13 @@ def model_graphs(model: ModelProto) -> Iterator[GraphProto]:
     for info in model.training_info:
         yield from all_graphs(info.initialization)
         yield from all_graphs(info.algorithm)
+
+
+def remove_nodes(graph: GraphProto, doomed: Iterable[NodeProto]) -> None:
+    """Delete ``doomed`` (node objects of ``graph.node``) in place. The nodes kept stay the
+    same objects: rebuilding the list (``del graph.node[:]``, ``extend``) would copy them,
+    and a node held elsewhere (an optimizer node the fast path cuts) would then no longer
+    be one of the graph's, so removing it by identity would silently miss it."""
+    ids = {id(node) for node in doomed}
+    for i in reversed([i for i, node in enumerate(graph.node) if id(node) in ids]):
+        del graph.node[i]

@@ -21,7 +21,7 @@ from onnx import numpy_helper
 
 from ..errors import TrainingOpError, node_label
 from ..kernels.apply import STEPS, prepare
-from ..walk import all_graphs, subgraphs
+from ..walk import all_graphs, remove_nodes, subgraphs
 from ..passes.encode_exact_attributes import node_attributes
 from ..passes.fill_defaults import fill_default_attributes
 from ..schema import DOMAIN, OPTIMIZERS
@@ -123,11 +123,7 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str],
                 _, x, factor = folded[name]
                 node.input[k] = x
                 prescale[x] = factor
-    if folded:
-        muls = [m for m, _, _ in folded.values()]
-        kept = [n for n in graph.node if not any(n is m for m in muls)]
-        del graph.node[:]
-        graph.node.extend(kept)
+    remove_nodes(graph, [m for m, _, _ in folded.values()])  # in place: ``cut`` stays the graph's nodes
     return cut, prescale
 
 

@@ -17,7 +17,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..walk import all_graphs, subgraphs
+from ..walk import all_graphs, remove_nodes, subgraphs
 from ..passes._graph import value_types
 from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
@@ -116,9 +116,7 @@ def prune_dead_nodes(graph: onnx.GraphProto) -> None:
             live.add(i)
             pending += _reads(graph.node[i])
     if len(live) < len(graph.node):
-        kept = [node for i, node in enumerate(graph.node) if i in live]
-        del graph.node[:]
-        graph.node.extend(kept)
+        remove_nodes(graph, [node for i, node in enumerate(graph.node) if i not in live])
 
 
 def prune_unused_inputs(graph: onnx.GraphProto) -> None:
@@ -353,10 +351,7 @@ def build_program(
     rms = rmsprop_groups(graph, binding, state, meta, taken) if fast else []
     row_nodes = [n for g in groups for n in g.nodes] + [n for g in rms for n in g.nodes]
     cut_outputs = {o for n in cut_nodes + row_nodes for o in n.output if o}
-    if cut_nodes or row_nodes:
-        keep = [n for n in graph.node if not any(n is c for c in cut_nodes + row_nodes)]
-        del graph.node[:]
-        graph.node.extend(keep)
+    remove_nodes(graph, cut_nodes + row_nodes)
 
     # what the graph onnxruntime runs must output
     sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types,
