@@ -104,6 +104,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench.embeddings import main as embeddings_main
 
         return embeddings_main(args.bench_args[1:])
+    if args.bench_args[:1] == ["memory"]:  # peak RSS of real models: ours, torch eager, onnxruntime-training
+        from .bench.memory import main as memory_main
+
+        return memory_main(args.bench_args[1:])
     if not any(a in ("-h", "--help") for a in args.bench_args):
         for module in ("torch", "matplotlib"):
             _require(module, "test")
@@ -150,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = commands.add_parser(
         "bench", add_help=False,  # every argument, --help included, goes to onnx_training_ops.bench.main
         help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`; "
-             "`bench embeddings`: a 1M-row table, dense vs lazy Adam vs torch",
+             "`bench embeddings`: a 1M-row table, dense vs lazy Adam vs torch; "
+             "`bench memory`: peak RSS of fine-tuning GPT-2/BERT, ours vs torch vs onnxruntime-training",
     )
     b.set_defaults(func=_bench)
     return parser
