@@ -82,7 +82,8 @@ def state_digest(session) -> str:
 
 
 def ours_worker(s: zoo.Spec, path: str, steps: int, checkpoint: str | None) -> dict:
-    from onnx_training_ops import AdamW, TrainingSession, build_training_model
+    from ..build import AdamW, build_training_model
+    from ..training import TrainingSession
 
     meter = Phases()
     feeds = zoo.batches(s, min(steps + 1, 16))
@@ -104,7 +105,7 @@ def ours_worker(s: zoo.Spec, path: str, steps: int, checkpoint: str | None) -> d
 
 def resume_worker(s: zoo.Spec, checkpoint: str, steps: int) -> dict:
     """Load ``checkpoint`` in this fresh process and take the step the saver took next."""
-    from onnx_training_ops import TrainingSession
+    from ..training import TrainingSession
 
     meter = Phases()
     feeds = zoo.batches(s, min(steps + 1, 16))
