@@ -36,7 +36,7 @@ def _positive_int(text: str) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     import os
 
-    from .storage.checkpoint import save_model
+    from .storage.save import save_model
     from .errors import TrainingOpError
     from .runtime.pipeline import prepare
 

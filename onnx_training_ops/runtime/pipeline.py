@@ -6,12 +6,14 @@ from __future__ import annotations
 from onnx import ModelProto
 
 from ..passes import NATIVE_PASSES, PASSES, PORTABLE_PASSES
+from ..storage.large_model import LargeModel
+from ..storage.tensors import proto_of
 from ..storage.model_files import ModelLike, load_model
 from . import plugin
 from .options import select_kernels
 
 
-def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False) -> ModelProto:
+def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False) -> ModelProto | LargeModel:
     """Return a copy of ``model`` that a plain onnxruntime session (with :func:`session_options`) runs.
 
     Validates every node of ai.onnx.preview.training (raising TrainingOpError), expands
@@ -26,14 +28,19 @@ def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False
     ``portable=True`` (:data:`PORTABLE_PASSES`) lowers the optimizer nodes to standard ONNX
     ops instead: the result runs in any onnxruntime, or ``onnx.reference``, with nothing
     registered.
+
+    A :class:`~onnx_training_ops.storage.LargeModel`, or a file past
+    :func:`~onnx_training_ops.storage.large_model_bytes`, comes back as a LargeModel: the
+    passes rewrite its message, its big tensors stay arrays (memory-mapped from the file).
     """
     if portable:
         passes = PORTABLE_PASSES
     else:
         passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
-    result = load_model(model)
+    opened = load_model(model, large=True)
+    result = proto_of(opened)
     for _, run_pass in passes:
         result = run_pass(result)
     if not portable:
         plugin.register()
-    return result
+    return opened.with_proto(result) if isinstance(opened, LargeModel) else result

@@ -14,7 +14,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
+
+from ..storage.large_model import LargeModel
+from ..storage.tensors import tensor_value
 
 from .binding import open_program
 from .fast_path import flatten_cut_state
@@ -27,7 +29,7 @@ class GradientAccumulation:
     """The backward and apply programs of one model over the session's state, and the count of
     batches the accumulators hold."""
 
-    def __init__(self, model: onnx.ModelProto, state: dict[str, np.ndarray],
+    def __init__(self, model: LargeModel, state: dict[str, np.ndarray],
                  protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str], fast: bool,
                  options: Callable[[], ort.SessionOptions], providers: Sequence[Any]) -> None:
         self._model, self._state, self._protos, self._meta = model, state, protos, meta
@@ -40,21 +42,23 @@ class GradientAccumulation:
     def programs(self) -> tuple[Program, Program, Stages, dict[str, np.ndarray]]:
         """(backward program, apply program, the stages, state + accumulators), made once."""
         if self._built is None:
-            stages = split_stages(self._model)
+            arrays = dict(self._model.large_initializers)
+            stages = split_stages(self._model.model_proto, arrays)
             protos = dict(self._protos)
             for t in stages.backward.training_info[0].algorithm.initializer:
                 if t.name in stages.buffers:
                     protos[t.name] = t
             self.accumulators, self.buffers = flat_accumulators(
-                {name: numpy_helper.to_array(protos[name]) for name in stages.buffers})
+                {name: tensor_value(protos[name], arrays) for name in stages.buffers})
             state = {**self._state, **self.accumulators}
             programs = []
             for derived in (stages.backward, stages.apply):
+                derived = LargeModel(derived, arrays).with_proto(derived)
                 program = build_program(derived, 0, state, protos, self._meta, self._fast, prune_inputs=True)
                 program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
                                                        rehome=False, prescale=program.prescale)
                 programs.append(open_program(program, state, self._options(), self._providers,
-                                             in_place=not self._fast and derived is stages.apply))
+                                             in_place=not self._fast and derived.model_proto is stages.apply))
             self._built = (programs[0], programs[1], stages, state)
         return self._built
 

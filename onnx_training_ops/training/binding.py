@@ -15,6 +15,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..errors import TrainingOpError
+from ..storage.tensors import proto_of
 from ..schema import DOMAIN
 from ..runtime.pipeline import prepare
 from ..runtime.session import InferenceSession
@@ -41,14 +42,14 @@ def open_program(
     safe (:mod:`.in_place`), so the run updates the state without copies. ``guard``: the
     step may still be undone by the loss check, so the optimizers get a guard that stops
     the run before them on a non-finite loss (without a guard, no in-place writes)."""
-    combined, graph = program.combined, program.combined.graph
+    combined, graph = program.combined, proto_of(program.combined).graph
     state_inputs, rate_inputs = program.state_inputs, program.rate_inputs
     returned, fixed_outputs = program.returned, program.fixed_outputs
     found: dict[str, str] = {}
     if in_place:
         combined = prepare(combined)
-        found = in_place_outputs(combined.graph, program.binding, state)
-        if found and guard and program.loss_names and not add_finite_guard(combined, program.loss_names):
+        found = in_place_outputs(proto_of(combined).graph, program.binding, state)
+        if found and guard and program.loss_names and not add_finite_guard(proto_of(combined), program.loss_names):
             found = {}
         program.guarded = bool(found) and guard and bool(program.loss_names)
     session = InferenceSession(combined, sess_options=sess_options, providers=providers)

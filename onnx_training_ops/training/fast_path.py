@@ -21,6 +21,7 @@ from onnx import numpy_helper
 
 from ..errors import TrainingOpError, node_label
 from ..kernels.apply import STEPS, prepare
+from ..storage.tensors import tensor_value
 from ..walk import all_graphs, remove_nodes, subgraphs
 from ..passes.encode_exact_attributes import node_attributes
 from ..passes.fill_defaults import fill_default_attributes
@@ -135,9 +136,10 @@ def cut_sources(
     init_values: Mapping[str, onnx.TensorProto],
     input_types: Mapping[str, onnx.ValueInfoProto],
     prescale: Mapping[str, str] | None = None,
+    arrays: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """Where each input of the cut nodes (and each folded decay factor) comes from, and the
-    ones ``graph`` must output for them.
+    ones ``graph`` must output for them (``arrays``: the values of detached initializers).
 
     A source is ``("state", name)``, ``("output", name)``, ``("feed", name)`` or an array
     (a learning-rate buffer or a constant).
@@ -158,7 +160,7 @@ def cut_sources(
                 sources[name] = ("output", name)
                 extra_outputs.append(name)
             elif name in init_values and name not in input_types:
-                sources[name] = owned(numpy_helper.to_array(init_values[name]))
+                sources[name] = owned(tensor_value(init_values[name], arrays))
             elif name in input_types:
                 sources[name] = ("feed", name)
             else:

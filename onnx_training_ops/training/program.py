@@ -17,6 +17,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
+from ..storage.large_model import LargeModel
+from ..storage.tensors import proto_of
 from ..walk import all_graphs, remove_nodes, subgraphs
 from ..passes._graph import value_types
 from ..passes.validate import validate
@@ -309,7 +311,7 @@ def drop_passthrough_bindings(graph: onnx.GraphProto, binding: dict[str, str]) -
 
 
 def build_program(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | LargeModel,
     index: int,
     state: Mapping[str, np.ndarray],
     state_protos: Mapping[str, onnx.TensorProto],
@@ -318,7 +320,10 @@ def build_program(
     prune_inputs: bool = False,
 ) -> Program:
     """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs
-    (``prune_inputs``: inputs nothing reads are dropped, for the stage programs)."""
+    (``prune_inputs``: inputs nothing reads are dropped, for the stage programs). A
+    LargeModel's detached constants stay arrays: ``program.combined`` is a LargeModel then."""
+    arrays = model.large_initializers if isinstance(model, LargeModel) else None
+    model = proto_of(model)
     info = model.training_info[index]
     combined = combined_graph(model, index, state_protos, meta, prune_inputs)
     check_binding_types(model, index, combined, state)
@@ -355,11 +360,14 @@ def build_program(
 
     # what the graph onnxruntime runs must output
     sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types,
-                                         prescale)
+                                         prescale,
+                                         arrays)
     reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in groups for r in g.reads)), [])
-    row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
+    row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types,
+                                  arrays=arrays)
     reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in rms for r in g.reads)), [])
-    rms_sources, rms_outputs = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
+    rms_sources, rms_outputs = cut_sources([reads], graph, state, rate_inputs, init_values, input_types,
+                                  arrays=arrays)
     # a lazy table's rows and gradient rows change shape with the batch (or the touched rows)
     varying = {r for g in rms if g.rows for r in g.reads[1:]}
     extra_outputs += [name for name in rms_outputs if name not in extra_outputs and name not in varying]
@@ -392,7 +400,7 @@ def build_program(
         rate_defaults=rate_defaults, returned=returned, loss_names=loss_names(graph, returned, meta),
         fixed_outputs=fixed_outputs, cut_nodes=cut_nodes, cut_sources=sources,
     )
-    program.combined = combined
+    program.combined = LargeModel(combined, arrays).with_proto(combined) if arrays is not None else combined
     program.state_inputs = state_inputs
     program.init_values = init_values
     program.input_defaults = program_defaults

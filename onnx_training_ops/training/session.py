@@ -32,6 +32,8 @@ import onnxruntime as ort
 from ..build.model_metadata import metadata
 from ..errors import TrainingOpError, node_label
 from ..storage import checkpoint
+from ..storage.large_model import LargeModel, detach, is_large
+from ..storage.tensors import proto_of
 from ..storage.model_files import ModelLike, load_model
 from .accumulation import GradientAccumulation
 from .session_files import Checkpointing
@@ -48,7 +50,7 @@ from .locked import locked
 from .options import fresh_options
 from .program import Program, build_program, program_feeds
 from .rates import LearningRates
-from .state import collect_state_protos, state_array
+from .state import collect_state_protos, state_tensors
 from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
@@ -85,14 +87,19 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
-        model = load_model(model_or_path)
-        checkpoint.verify(model, model_or_path if isinstance(model_or_path, (str, os.PathLike))
-                          else None)
-        if not model.training_info:
+        path = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
+        opened = load_model(model_or_path, large=True)
+        # values outside the message are checked as they are read (each once): state_tensors
+        expected = checkpoint.verify(opened, path, data=False)
+        if not proto_of(opened).training_info:
             raise TrainingOpError(
                 "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
                 "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
             )
+        self._large = is_large(opened)
+        # the session's own message stays small: every big tensor is an array beside it
+        model = opened if isinstance(opened, LargeModel) else detach(opened)
+        del opened
         self.fast = bool(fast)
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
@@ -100,12 +107,12 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
         self._sess_options = sess_options
         self._session_config = {str(k): str(v) for k, v in (session_config or {}).items()}
         self._model = model
-        self._meta = metadata(model)
+        proto = model.model_proto
+        self._meta = metadata(proto)
         self._inference = None
-        self._state_protos: dict[str, onnx.TensorProto] = collect_state_protos(model)
-        self._state: dict[str, np.ndarray] = {
-            name: owned(state_array(name, proto)) for name, proto in self._state_protos.items()
-        }
+        self._state_protos: dict[str, onnx.TensorProto] = collect_state_protos(proto)
+        self._state: dict[str, np.ndarray] = state_tensors(model, self._state_protos, expected,
+                                                           f"checkpoint {os.fspath(path)!r}" if path else "the model")
         self._programs = self._open_programs(model)
         self._required_feeds = {}
         for program in self._programs:
@@ -118,7 +125,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
         self._required_set = set(self._required_feeds)
         self._init_sessions: list = []
         self._label_check = label_checker(
-            self._meta, model.graph.input[0].name if model.graph.input else None)
+            self._meta, proto.graph.input[0].name if proto.graph.input else None)
         self._properties: dict[str, Any] = json.loads(self._meta.get("properties") or "{}")
         self._eval_programs: dict[tuple[str, ...], Program] = {}
         self._accumulation = GradientAccumulation(model, self._state, self._state_protos, self._meta,
@@ -126,12 +133,12 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
 
-    def _open_programs(self, model: onnx.ModelProto) -> list[Program]:
+    def _open_programs(self, model: LargeModel) -> list[Program]:
         """One program per TrainingInfoProto, bound to the state. fast=False: the native
         optimizers write the state in place (guarded against a non-finite loss unless it is
         ignored; a guarded step is redone by a copying twin)."""
         analyses = [build_program(model, i, self._state, self._state_protos, self._meta, self.fast)
-                    for i in range(len(model.training_info))]
+                    for i in range(len(model.model_proto.training_info))]
         for program in analyses:  # before anything binds a state array: lay the cut state out flat
             program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state,
                                                    prescale=program.prescale)

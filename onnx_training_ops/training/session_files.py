@@ -10,6 +10,11 @@ import onnx
 from ..build.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..storage import checkpoint
+from ..storage.large_model import LargeModel
+from ..storage.tensors import attach
+from ..storage.model_files import load_model
+from ..storage.save import save_model
+from ..storage.snapshot import write_state
 from .checks import checked_properties
 from .inference import inference_model
 from .locked import locked
@@ -26,10 +31,14 @@ class Checkpointing:
         return self._properties
 
     @locked
-    def training_model(self) -> onnx.ModelProto:
+    def training_model(self) -> onnx.ModelProto | LargeModel:
         """The training model with the current state as initializers, the properties and the
-        schedule's position (what :meth:`save` writes)."""
-        return checkpoint.write_state(self._model, self._state, self.checkpoint_metadata())
+        schedule's position (what :meth:`save` writes). A large model comes back as a
+        LargeModel whose arrays are copies of the state."""
+        snapshot = write_state(self._model, self._state, self.checkpoint_metadata())
+        if self._large:
+            return snapshot
+        return checkpoint.add_checksums(attach(snapshot))
 
     def checkpoint_metadata(self) -> dict[str, str]:
         """The metadata entries a checkpoint of this session carries (properties, schedule)."""
@@ -43,17 +52,29 @@ class Checkpointing:
             raise TrainingOpError(
                 "save: this session holds one rank's shard of the optimizer state (ZeRO-1); save through "
                 "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")
-        return checkpoint.save_model(self.training_model(), path)
+        if not self._large:
+            return save_model(self.training_model(), path)
+        # the live state arrays, streamed to disk under the lock: no copy of the state
+        live = write_state(self._model, self._state, self.checkpoint_metadata(), copy=False)
+        return save_model(live, path, checksums=True)
 
     @locked
-    def export_inference_model(self, path: str | os.PathLike | None = None) -> onnx.ModelProto:
-        """The main graph with the trained weights and no training_info (written to ``path`` if given)."""
-        model = inference_model(self._model, self._state, with_state_values=True)
-        if not model.graph.output:
+    def export_inference_model(self, path: str | os.PathLike | None = None) -> onnx.ModelProto | LargeModel:
+        """The main graph with the trained weights and no training_info (written to ``path``
+        if given, atomically; a large model with its weights in external data). A large
+        model comes back as a LargeModel: memory-mapped from ``path`` when given, else over
+        copies of the weights."""
+        if not self._model.model_proto.graph.output:
             raise TrainingOpError("export_inference_model: the main graph has no outputs")
-        if path is not None:
-            checkpoint.save_model(model, path)
-        return model
+        if not self._large:
+            model = attach(inference_model(self._model, self._state, with_state_values=True))
+            if path is not None:
+                save_model(model, path)
+            return model
+        if path is None:
+            return inference_model(self._model, self._state, with_state_values=True)
+        save_model(inference_model(self._model, self._state, with_state_values=True, copy=False), path)
+        return load_model(path, large=True)
 
     @locked
     def end_profiling(self) -> list[str]:

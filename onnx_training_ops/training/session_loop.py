@@ -48,8 +48,10 @@ class TrainingLoop:
             loss = self._meta.get("eval_loss") or self._meta.get("loss", "")
             if not loss and not outputs:
                 raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
-            derived = evaluation_model(self._model, loss, list(outputs)) if loss else \
-                evaluation_model(self._model, outputs[0], list(outputs[1:]))
+            proto = self._model.model_proto
+            derived = evaluation_model(proto, loss, list(outputs)) if loss else \
+                evaluation_model(proto, outputs[0], list(outputs[1:]))
+            derived = self._model.with_proto(derived)
             program = build_program(derived, 0, self._state, self._state_protos, self._meta, False,
                                     prune_inputs=True)
             self._eval_programs[outputs] = open_program(program, self._state, self._session_options(),
