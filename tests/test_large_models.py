@@ -239,3 +239,46 @@ def test_a_checkpoint_of_a_small_model_stays_one_file(tmp_path):
     session.save(path)
     assert not data_files(path) and isinstance(session.training_model(), onnx.ModelProto)
     checkpoint.verify(onnx.load(path), path)
+
+
+def test_gradients_are_written_into_the_kernels_buffers_from_the_first_step():
+    """No step allocates gradients: onnxruntime writes them into the flat G buffer of the
+    fused kernel from the first run on."""
+    session = TrainingSession(build_training_model(make_mlp((8, 16, 4)), "cross_entropy", Adam(lr=1e-2)))
+    program = session._programs[0]
+    buffers = {name: view.__array_interface__["data"][0] for name, view in program.prebound.items()}
+    assert sorted(buffers) == ["W0.grad", "W1.grad", "b0.grad", "b1.grad"]
+    session.step({"input": np.ones((4, 8), np.float32), "labels": np.arange(4)})
+    outputs = program.io._iobinding.get_outputs()
+    names = program.returned + program.fixed_outputs
+    for name, address in buffers.items():
+        assert outputs[names.index(name)].data_ptr() == address
+
+
+def test_a_gradient_that_only_broadcasts_to_its_parameter_still_trains():
+    """A hand-written Adam whose G is [2] for X [3, 2]: the preallocated [3, 2] buffer is
+    refused on the first run and given back; the step matches the full graph."""
+    from onnx import TensorProto, helper
+
+    names = ["R", "T", "X1", "X2", "G1", "G2", "V1", "V2", "H1", "H2"]
+    adam = helper.make_node("Adam", names, ["X1n", "X2n", "V1n", "V2n", "H1n", "H2n"],
+                            domain="ai.onnx.preview.training")
+    vi = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)  # noqa: E731
+    inputs = [vi("R", []), helper.make_tensor_value_info("T", TensorProto.INT64, []), vi("g", [2])]
+    inputs += [vi(n, [3, 2]) for n in ["X1", "X2", "V1", "V2", "H1", "H2"]]
+    graph = helper.make_graph([helper.make_node("Relu", ["g"], ["G1"]), helper.make_node("Neg", ["g"], ["G2"]),
+                               adam], "g", inputs, [vi(o, [3, 2]) for o in adam.output])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("ai.onnx.preview.training", 1)])
+    init = {n: np.full((3, 2), 0.5, np.float32) for n in ["X1", "X2"]}
+    init |= {n: np.zeros((3, 2), np.float32) for n in ["V1", "V2", "H1", "H2"]}
+    feedback = {"X1n": "X1", "X2n": "X2", "V1n": "V1", "V2n": "V2", "H1n": "H1", "H2n": "H2"}
+    feed = {"g": np.array([1.0, 2.0], np.float32), "R": np.array(0.1, np.float32), "T": np.array(1, np.int64)}
+    fast = TrainingSession.from_graph(model, feedback, initial_state=init)
+    full = TrainingSession.from_graph(model, feedback, initial_state=init, fast=False)
+    for _ in range(2):
+        fast.step(feed)
+        full.step(feed)
+    assert fast.fast_path_nodes and not fast._programs[0].prebound
+    for name in init:
+        assert np.array_equal(fast.state_dict()[name], full.state_dict()[name]), name

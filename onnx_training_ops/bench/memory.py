@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from . import zoo
+from . import lora, zoo
 from .measure import loadavg
 from .report import write_json
 from .rss import Phases
@@ -49,6 +49,20 @@ CONTENDERS = ("ours", "torch", "onnxruntime_training")
 LR, WEIGHT_DECAY, EPS = 1e-4, 0.01, 1e-8
 ORTT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ortt_memory_worker.py")
 PHASES = ("build", "session", "first_step", "steady")
+
+
+# --- the models: the zoo's, and the LoRA case (:mod:`.lora`) -------------------------------
+
+def spec(name: str) -> zoo.Spec:
+    return lora.SPEC if lora.is_lora(name) else zoo.spec(name)
+
+
+def batches(s: zoo.Spec, count: int):
+    return lora.batches(s, count) if s.family == "llama" else zoo.batches(s, count)
+
+
+def model_names() -> list[str]:
+    return [*zoo.SPECS, lora.SPEC.name]
 
 
 # --- workers (each in its own process) ----------------------------------------------------
@@ -86,10 +100,12 @@ def ours_worker(s: zoo.Spec, path: str, steps: int, checkpoint: str | None) -> d
     from ..training import TrainingSession
 
     meter = Phases()
-    feeds = zoo.batches(s, min(steps + 1, 16))
+    feeds = batches(s, min(steps + 1, 16))
+    llama = s.family == "llama"
     with meter.phase("build"):
-        training = build_training_model(path, zoo.loss(s), AdamW(lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS),
-                                        mode=s.mode, labels="labels")
+        training = build_training_model(path, lora.loss(s) if llama else zoo.loss(s),
+                                        AdamW(lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS), mode=s.mode,
+                                        labels="labels", trainable=lora.trainable(path) if llama else None)
     with meter.phase("session"):
         session = TrainingSession(training)
     out = _run_steps(meter, lambda i: session.step(feeds[i % len(feeds)])["loss"], steps)
@@ -108,7 +124,7 @@ def resume_worker(s: zoo.Spec, checkpoint: str, steps: int) -> dict:
     from ..training import TrainingSession
 
     meter = Phases()
-    feeds = zoo.batches(s, min(steps + 1, 16))
+    feeds = batches(s, min(steps + 1, 16))
     with meter.phase("load"):
         session = TrainingSession(checkpoint)
     with meter.phase("next_step"):
@@ -120,17 +136,20 @@ def torch_worker(s: zoo.Spec, steps: int) -> dict:
     import torch
 
     meter = Phases()
-    feeds = zoo.batches(s, min(steps + 1, 16))
+    feeds = batches(s, min(steps + 1, 16))
     with meter.phase("build"):
-        module = zoo.torch_model(s)
-    with meter.phase("session"):
-        optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+        module = lora.torch_model(s) if s.family == "llama" else zoo.torch_model(s)
+    with meter.phase("session"):  # peft froze the base of the LoRA model: only the adapters train
+        optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=LR,
+                                      weight_decay=WEIGHT_DECAY, eps=EPS)
 
     def step(i):
         feed = feeds[i % len(feeds)]
         optimizer.zero_grad()
-        logits = module(*[torch.from_numpy(feed[n]) for n in s.input_names])
-        loss = zoo.torch_loss(s, logits, torch.from_numpy(feed["labels"]))
+        logits = module(*[torch.from_numpy(feed[n]) for n in ("input_ids", "attention_mask")]) \
+            if s.family == "llama" else module(*[torch.from_numpy(feed[n]) for n in s.input_names])
+        labels = torch.from_numpy(feed["labels"])
+        loss = lora.torch_loss(logits, labels) if s.family == "llama" else zoo.torch_loss(s, logits, labels)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -171,8 +190,12 @@ def _worker(args: list[str], python: str | None = None, script: str | None = Non
 
 
 def export_in_subprocess(name: str, cache: str | None) -> str:
-    """The zoo export of ``name`` (made in a process of its own, which frees its memory)."""
-    cmd = [sys.executable, "-m", "onnx_training_ops.bench.zoo", name] + (["--cache", cache] if cache else [])
+    """The export of ``name`` (made in a process of its own, which frees its memory)."""
+    if lora.is_lora(name):
+        code = "import sys; from onnx_training_ops.bench import lora; print(lora.export(lora.SPEC, sys.argv[1] or None))"
+        cmd = [sys.executable, "-c", code, cache or ""]
+    else:
+        cmd = [sys.executable, "-m", "onnx_training_ops.bench.zoo", name] + (["--cache", cache] if cache else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"exporting {name} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -181,13 +204,13 @@ def export_in_subprocess(name: str, cache: str | None) -> str:
 
 def measure_model(name: str, contenders, steps: int, ortt_python: str | None, cache: str | None,
                   resume: bool, log=print) -> dict:
-    s = zoo.spec(name)
+    s = spec(name)
     path = export_in_subprocess(name, cache)
     out = {"spec": dataclasses.asdict(s), "export": path, "contenders": {}}
     for contender in contenders:
         log(f"{name}: {contender} ...")
         if contender == "onnxruntime_training":
-            if not ortt_python:
+            if not ortt_python or s.family == "llama":  # its worker knows the zoo's heads only
                 continue
             spec_json = json.dumps(dataclasses.asdict(s))
             out["contenders"][contender] = _worker([path, spec_json, str(steps), str(LR), str(WEIGHT_DECAY)],
@@ -238,7 +261,7 @@ def format_table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="onnx-training-ops bench memory", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {', '.join(zoo.SPECS)}")
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {', '.join(model_names())}")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma list of {', '.join(CONTENDERS)}")
     ap.add_argument("--ortt-python", default=None, help="a Python with onnxruntime-training (its own venv)")
     ap.add_argument("--steps", type=int, default=6, help="training steps per run (first + steady), >= 2")
@@ -255,13 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     contenders = [c for c in args.contenders.split(",") if c]
     for m in models + ([args.model] if args.model else []):
-        if m not in zoo.SPECS:
-            ap.error(f"unknown model {m!r}; known: {', '.join(zoo.SPECS)}")
+        if m not in model_names():
+            ap.error(f"unknown model {m!r}; known: {', '.join(model_names())}")
     for c in contenders:
         if c not in CONTENDERS:
             ap.error(f"unknown contender {c!r}; known: {', '.join(CONTENDERS)}")
     if args.worker:
-        s = zoo.spec(args.model)
+        s = spec(args.model)
         if args.worker == "ours":
             result = ours_worker(s, args.path, args.steps, args.checkpoint)
         elif args.worker == "torch":

@@ -20,7 +20,7 @@ from ..schema import DOMAIN
 from ..runtime.pipeline import prepare
 from ..runtime.session import InferenceSession
 from .arrays import dtype_name, owned
-from .fast_path import cut_plan, flat_gradient_views, prepare_plan
+from .fast_path import cut_plan, flat_gradient_buffers, flat_gradient_views, prepare_plan
 from .feeds import feed_spec
 from .in_place import add_finite_guard, in_place_outputs
 from .program import Program
@@ -91,6 +91,13 @@ def open_program(
             io.bind_output(name, "cpu")
     for name in program.dynamic_outputs:  # after the fixed ones: their index is known
         io.bind_output(name, "cpu")
+    if not in_place:  # the gradients of flat cut nodes go straight into the kernels' G buffers
+        for name, view in flat_gradient_buffers(program.cut_nodes, program.flat_nodes).items():
+            if name in fixed_outputs:
+                value = ort.OrtValue.ortvalue_from_numpy(view)
+                io.bind_ortvalue_output(name, value)
+                program.keep_alive.append(value)
+                program.prebound[name] = view
     program.binding_copies = [
         (state[k], v) for k, v in program.binding.items()
         if v not in program.cut_outputs and v not in program.in_place
@@ -112,6 +119,9 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     for name in program.fixed_outputs:
         if name in program.in_place:  # bound onto the state array already
             program.fixed_buffers[name] = state[program.in_place[name]]
+            continue
+        if name in program.prebound:  # onnxruntime wrote it into the kernel's buffer
+            program.fixed_buffers[name] = flat_grads.get(name, program.prebound[name])
             continue
         if name in flat_grads:
             buf = flat_grads[name]
@@ -152,3 +162,14 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     program.copy_plan = copies
     program.row_plan = row_plan(program.row_groups, state)
     program.rms_plan = rms_plan(program.rms_groups, state)
+
+
+def release_prebound(program: Program) -> None:
+    """Bind the preallocated gradients back to onnxruntime's own buffers (a first run
+    refused them: a gradient not shaped like its parameter); the kernels' G buffers are
+    made after the run instead."""
+    for name in program.prebound:
+        program.io.bind_output(name, "cpu")
+    for entry in program.flat_nodes.values():
+        entry[0].pop("G", None)
+    program.prebound = {}

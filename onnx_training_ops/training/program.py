@@ -59,6 +59,7 @@ class Program:
     flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
     prescale: dict = field(default_factory=dict)  # state X -> its folded decay factor (AdamW)
     bound_feeds: dict = field(default_factory=dict)  # feed name -> (array, shape, dtype) bound last step
+    prebound: dict = field(default_factory=dict)  # gradient -> its view in a flat G buffer, bound before run 1
     # set when the session opens / after the first run
     uses_plugin: bool = False
     run: Any = None
