@@ -177,7 +177,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
 
     def _session_options(self) -> ort.SessionOptions:
         """A fresh SessionOptions per onnxruntime session (:mod:`.options`)."""
-        return fresh_options(self._sess_options, self._session_config)
+        return fresh_options(self._sess_options, self._session_config, self._large)
 
     def with_model(self, model: ModelLike) -> "TrainingSession":
         """A new session for ``model`` with this session's providers and options."""
