@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 
 import numpy as np
 
@@ -74,28 +73,12 @@ def torch_model(s: zoo.Spec):
 
 
 def export(s: zoo.Spec, cache: str | None = None) -> str:
-    """The cached export of ``s`` (made first if missing): ``model.onnx`` + one data file."""
-    import torch
-    import transformers
-
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    root = cache or zoo.cache_dir()
-    final = os.path.join(root, f"{s.name}-{s.key(versions)}")
-    path = os.path.join(final, "model.onnx")
-    if os.path.exists(path):
-        return path
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=root)
-    os.chmod(tmp, 0o755)
-    try:
-        _export_to(s, tmp)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """The cached export of ``s`` (made first if missing, :func:`.zoo.export`): ``model.onnx``
+    and one data file beside it."""
+    return zoo.export(s, cache, exporter=_export_to)
 
 
-def _export_to(s: zoo.Spec, directory: str) -> None:
+def _export_to(s: zoo.Spec, path: str) -> None:
     import warnings
 
     import torch
@@ -105,7 +88,7 @@ def _export_to(s: zoo.Spec, directory: str) -> None:
     module = torch_model(s).eval()
     feed = batches(s, 1)[0]
     args = (torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"]))
-    raw = os.path.join(directory, "raw")
+    raw = os.path.join(os.path.dirname(path), "raw")
     os.makedirs(raw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -115,8 +98,7 @@ def _export_to(s: zoo.Spec, directory: str) -> None:
     del module, args
     # one data file, whatever the exporter wrote (one file per tensor past 2 GB), streamed
     # from the memory-mapped tensors: never the whole model in memory
-    save_model(load_model(os.path.join(raw, "model.onnx"), large=True), os.path.join(directory, "model.onnx"),
-               external=True)
+    save_model(load_model(os.path.join(raw, "model.onnx"), large=True), path, external=True)
     shutil.rmtree(raw)
 
 

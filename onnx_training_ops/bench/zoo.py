@@ -240,8 +240,9 @@ def cache_dir() -> str:
         os.path.expanduser("~"), ".cache", "onnx_training_ops", "zoo")
 
 
-def export(s: Spec, cache: str | None = None) -> str:
-    """The path of ``s``'s ONNX export, exporting it first if the cache lacks it."""
+def export(s: Spec, cache: str | None = None, exporter=None) -> str:
+    """The path of ``s``'s ONNX export, exporting it first if the cache lacks it
+    (``exporter(s, path)``, default :func:`_export_to`, writes it)."""
     import torch
     import transformers
 
@@ -255,7 +256,7 @@ def export(s: Spec, cache: str | None = None) -> str:
     tmp = tempfile.mkdtemp(prefix=".export-", dir=root)
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by processes
     try:
-        _export_to(s, os.path.join(tmp, "model.onnx"))
+        (exporter or _export_to)(s, os.path.join(tmp, "model.onnx"))
         with open(os.path.join(tmp, "spec.json"), "w") as f:
             json.dump({"spec": dataclasses.asdict(s), "versions": versions}, f, indent=1)
         try:

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Mapping
+from typing import BinaryIO, Callable, Mapping
 
 import numpy as np
 import onnx
@@ -35,8 +35,12 @@ from .tensors import array_of, location, proto_of
 CHECKSUM_KEY = "onnx_training_ops.checksums"
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> str:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace); returns the path."""
+def atomic_write(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], object],
+                 final_path: Callable[[], str] | None = None) -> str:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace); returns the path.
+    ``data``: bytes, or a function that writes to the open file (streamed, never joined in
+    memory). ``final_path``: asked once the file is written (a name that depends on what
+    was written): the file goes there instead of ``path``."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -48,9 +52,11 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> str:
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            data(f) if callable(data) else f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if final_path is not None:
+            path = final_path()
         os.replace(tmp, path)
     except BaseException:
         try:

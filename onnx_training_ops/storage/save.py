@@ -23,13 +23,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 
 import onnx
 from onnx import numpy_helper
 from onnx.model_container import ModelContainer
 
-from .checkpoint import _remove_stale_temporaries, add_checksums, atomic_write, stored_checksums
+from .checkpoint import add_checksums, atomic_write, stored_checksums
 from .external_data import write_tensors
 from .tensors import (MIN_DETACHED_BYTES, array_of, attach, graphs_with_tensors, large_model_bytes, location,
                       proto_of, set_location, tensor_nbytes)
@@ -69,8 +68,6 @@ def data_files(path: str) -> list[str]:
 
 def _save_external(model: onnx.ModelProto | ModelContainer, path: str, checksums: bool) -> str:
     directory, base = os.path.split(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    _remove_stale_temporaries(directory, f".{base}.")
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(proto_of(model))
     tensors = [t for g in graphs_with_tensors(skeleton) for t in g.initializer
@@ -78,24 +75,14 @@ def _save_external(model: onnx.ModelProto | ModelContainer, path: str, checksums
     # one tensor's values at a time (a message's tensors are copied out as they are written)
     arrays = ((i, array_of(model, t) if location(t) is not None else numpy_helper.to_array(t))
               for i, t in enumerate(tensors))
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.{os.getpid()}.", suffix=".tmp", dir=directory)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            written = write_tensors(f, arrays)
-            f.flush()
-            os.fsync(f.fileno())
+    written: dict = {}
+
+    def data_file() -> str:  # named after its contents: a new version never overwrites the old
         whole = hashlib.sha256("".join(d for _, _, d in written.values()).encode()).hexdigest()
-        data_name = f"{base}.{whole[:16]}.data"
-        os.replace(tmp, os.path.join(directory, data_name))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+        return os.path.join(directory, f"{base}.{whole[:16]}.data")
+
+    data_name = os.path.basename(atomic_write(path, lambda f: written.update(write_tensors(f, arrays)),
+                                              final_path=data_file))
     data = {}
     for i, tensor in enumerate(tensors):
         offset, length, digest = written[i]

@@ -20,7 +20,7 @@ from ..schema import DOMAIN
 from ..runtime.pipeline import prepare
 from ..runtime.session import InferenceSession
 from .arrays import dtype_name, owned
-from .fast_path import cut_plan, flat_gradient_buffers, flat_gradient_views, prepare_plan
+from .fast_path import cut_plan, flat_gradient_views, prepare_plan
 from .feeds import feed_spec
 from .in_place import add_finite_guard, in_place_outputs
 from .program import Program
@@ -92,7 +92,7 @@ def open_program(
     for name in program.dynamic_outputs:  # after the fixed ones: their index is known
         io.bind_output(name, "cpu")
     if not in_place:  # the gradients of flat cut nodes go straight into the kernels' G buffers
-        for name, view in flat_gradient_buffers(program.cut_nodes, program.flat_nodes).items():
+        for name, view in flat_gradient_views(program.cut_nodes, program.flat_nodes).items():
             if name in fixed_outputs:
                 value = ort.OrtValue.ortvalue_from_numpy(view)
                 io.bind_ortvalue_output(name, value)

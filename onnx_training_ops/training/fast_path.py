@@ -230,31 +230,16 @@ def flatten_cut_state(
     return flat_nodes
 
 
-def flat_gradient_buffers(cut_nodes: list[onnx.NodeProto], flat_nodes: dict[int, tuple]) -> dict[str, np.ndarray]:
-    """Before the first run: the gradients of each flat node as views into one new flat
-    buffer (the kernel's G), shaped like its X, as a gradient is. onnxruntime writes into
-    them from the first step on, so no step allocates gradients of its own (the first one
-    used to, and its arena kept that memory)."""
-    views = {}
-    for node in cut_nodes:
-        entry = flat_nodes.get(id(node))
-        if entry is None:
-            continue
-        flat, shapes, offsets, grads, dtype = entry
-        flat["G"] = buf = np.empty(int(offsets[-1]), dtype)
-        for g, shape, a, b in zip(grads, shapes, offsets[:-1], offsets[1:]):
-            views[g] = buf[a:b].reshape(shape)
-    return views
-
-
 def flat_gradient_views(
-    cut_nodes: list[onnx.NodeProto], flat_nodes: dict[int, tuple], values: Mapping[str, np.ndarray]
+    cut_nodes: list[onnx.NodeProto], flat_nodes: dict[int, tuple], values: Mapping[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
-    """Gradients of a flat node: views into one flat buffer, the kernel's G (the buffer of
-    :func:`flat_gradient_buffers` if made, else a new one).
+    """Gradients of a flat node: views into one flat buffer, the kernel's G, shaped like X.
 
-    ``values`` are the outputs of the first run; a node whose gradients do not match its X
-    leaves ``flat_nodes`` (per-tensor updates).
+    Before the first run (``values`` None) the buffers are made, for onnxruntime to write
+    into from the first step on: no step allocates gradients of its own (the first used to,
+    and its arena kept that memory). After it, ``values`` are the first run's outputs: the
+    buffers are reused (or made) and a node whose gradients do not match its X leaves
+    ``flat_nodes`` (per-tensor updates).
     """
     flat_grads = {}
     for node in cut_nodes:
@@ -262,14 +247,14 @@ def flat_gradient_views(
         if entry is None:
             continue
         flat, shapes, offsets, grads, dtype = entry
-        if any(values[g].shape != shape or values[g].dtype != dtype for g, shape in zip(grads, shapes)):
+        if values is not None and any(values[g].shape != shape or values[g].dtype != dtype
+                                      for g, shape in zip(grads, shapes)):
             del flat_nodes[id(node)]  # gradients do not match X: per-tensor updates
             continue
-        buf = flat.get("G")
-        if buf is None:
-            flat["G"] = buf = np.empty(int(offsets[-1]), dtype)
-        for g, shape, a, b in zip(grads, shapes, offsets[:-1], offsets[1:]):
-            flat_grads[g] = buf[a:b].reshape(shape)
+        if "G" not in flat:
+            flat["G"] = np.empty(int(offsets[-1]), dtype)
+        flat_grads.update({g: flat["G"][a:b].reshape(shape)
+                           for g, shape, a, b in zip(grads, shapes, offsets[:-1], offsets[1:])})
     return flat_grads
 
 
