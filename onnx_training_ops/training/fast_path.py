@@ -182,7 +182,7 @@ def _already_flat(arrays: list[np.ndarray], offsets) -> np.ndarray | None:
 
 def flatten_cut_state(
     cut_nodes: list[onnx.NodeProto], sources: Mapping[str, Any], state: dict[str, np.ndarray],
-    rehome: bool = True, prescale: Mapping[str, str] | None = None,
+    rehome: bool = True, prescale: Mapping[str, str] | None = None, zeros: frozenset = frozenset(),
 ) -> dict[int, tuple]:
     """Re-home the X, V, H state of each cut node as views into one flat buffer per role,
     so the fast path updates all of a node's tensors with one fused kernel call.
@@ -190,7 +190,7 @@ def flatten_cut_state(
     Replaces the arrays in ``state``; returns id(node) -> (flat buffers per role, shapes,
     offsets, G names, dtype) for the nodes laid out flat. With ``rehome=False`` (a program
     opened after others bound the state) the arrays stay where they are: a node is laid out
-    flat only if its state already is.
+    flat only if its state already is. ``zeros``: state known to be all zeros (not copied).
     """
     flat_nodes = {}
     for node in cut_nodes:
@@ -220,10 +220,11 @@ def flatten_cut_state(
         for role, names in roles.items():
             if role == "G":
                 continue
-            buf = np.empty(int(offsets[-1]), dtype)
+            buf = np.zeros(int(offsets[-1]), dtype)  # pages the OS gives on first write
             for name, x, a, b in zip(names, xs, offsets[:-1], offsets[1:]):
                 view = buf[a:b].reshape(x.shape)
-                view[...] = state[name]
+                if name not in zeros:  # a zero state (fresh V, H) is not copied: its pages stay untouched
+                    view[...] = state[name]
                 state[name] = view
             flat[role] = buf
         flat_nodes[id(node)] = (flat, [x.shape for x in xs], offsets, roles["G"], dtype)

@@ -50,7 +50,7 @@ from .locked import locked
 from .options import fresh_options
 from .program import Program, build_program, program_feeds
 from .rates import LearningRates
-from .state import collect_state_protos, state_tensors
+from .state import collect_state_protos, state_tensors, zero_fill
 from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
@@ -113,6 +113,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
         self._state_protos: dict[str, onnx.TensorProto] = collect_state_protos(proto)
         self._state: dict[str, np.ndarray] = state_tensors(model, self._state_protos, expected,
                                                            f"checkpoint {os.fspath(path)!r}" if path else "the model")
+        self._zero_state = frozenset(n for n, p in self._state_protos.items() if zero_fill(model, p))
         self._programs = self._open_programs(model)
         self._required_feeds = {}
         for program in self._programs:
@@ -141,7 +142,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
                     for i in range(len(model.model_proto.training_info))]
         for program in analyses:  # before anything binds a state array: lay the cut state out flat
             program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state,
-                                                   prescale=program.prescale)
+                                                   prescale=program.prescale, zeros=self._zero_state)
         programs = [open_program(p, self._state, self._session_options(), self._providers,
                                  in_place=not self.fast, guard=self.on_nonfinite != "ignore") for p in analyses]
         for program in programs:

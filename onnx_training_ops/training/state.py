@@ -151,3 +151,12 @@ def reset_state(state: dict[str, np.ndarray], name: str, proto: onnx.TensorProto
         read_into(source.filename, source.offset, target)
     else:
         np.copyto(target, source)
+
+
+def zero_fill(model: LargeModel, proto: onnx.TensorProto) -> bool:
+    """True for a state tensor that is a constant fill of zeros (a builder's fresh V or H):
+    its array is zeros the OS has not given pages to yet."""
+    if location(proto) is None:
+        return False
+    source = model.array(proto)
+    return is_constant_fill(source) and not source.reshape(-1)[0]
