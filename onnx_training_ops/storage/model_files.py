@@ -79,12 +79,16 @@ def _load_file(path: str, large: bool) -> ModelProto | LargeModel:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 raise TrainingOpError(f"{path!r} is empty (0 bytes): not an ONNX model")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                view = memoryview(buf)  # parsed in place: no bytes copy of the file
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            view = memoryview(buf)  # parsed in place: no bytes copy of the file
+            try:
+                model = _parsed(view, repr(path))
+            finally:
                 try:
-                    model = _parsed(view, repr(path))
-                finally:
-                    view.release()  # before the map closes, even when parsing failed
+                    view.release()
+                    buf.close()
+                except BufferError:  # a failed parse may hold the buffer a while: the map closes when freed
+                    pass
     except OSError as error:
         raise TrainingOpError(f"cannot read {path!r}: {error.strerror or error}") from None
     if not _has_graph(model.graph) and not model.training_info:
