@@ -1,13 +1,15 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   create .venv, install the package with its demo extra, train on digits
-#   make test   create .venv, install the package with its test extra, run the whole suite
+#   make test   create .venv, install the package with its test extra, the JavaScript trainer's
+#               npm packages (js/, from its lockfile) and Debian's chromium, run the whole suite
+#               (the Node and headless-Chromium tests run inside it: tests/test_export_js.py)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 DEMO_OUT ?= out/demo
 
-.PHONY: demo test test-min conformance bench clean
+.PHONY: demo test test-js js-deps test-min conformance bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +25,24 @@ $(VENV)/.test-installed: pyproject.toml | $(VENV)/bin/python
 demo: $(VENV)/.demo-installed
 	$(PY) -m onnx_training_ops demo --out $(DEMO_OUT)
 
-test: $(VENV)/.test-installed
+# js/: npm with the lockfile; --ignore-scripts: onnxruntime-node's install script downloads
+# what its package already holds (the CPU binaries), which a closed network refuses
+JS_INSTALLED := js/node_modules/.installed
+$(JS_INSTALLED): js/package.json js/package-lock.json
+	@command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; }
+	cd js && npm ci --ignore-scripts --no-audit --no-fund
+	touch $@
+
+# the browser for the tests: Debian's chromium (puppeteer-core downloads none)
+js-deps: $(JS_INSTALLED)
+	@[ -x "$${CHROMIUM:-/usr/bin/chromium}" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: $(VENV)/.test-installed js-deps
 	$(PY) -m pytest
+
+# the JavaScript trainer alone: Python writes the fixtures, node --test and Chromium train them
+test-js: $(VENV)/.test-installed js-deps
+	$(PY) -m pytest tests/test_export_js.py
 
 # the declared minimum versions (pyproject.toml) in a venv of their own: conformance + a
 # training smoke test (under a minute once the wheels are cached; not part of `make test`).

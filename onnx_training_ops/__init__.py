@@ -12,6 +12,8 @@ kernels are registered with onnxruntime-extensions when first needed (:func:`ses
   lazy/sparse rows for embedding tables) -> one ONNX training model (``training_info``);
 * :class:`TrainingSession` — train any ONNX training model: ``step``, ``evaluate``,
   ``backward``/``optimizer_step``, ``run``, ``save``, ``export_inference_model``;
+* :func:`import_onnxruntime_training` — onnxruntime-training's artifacts and checkpoint ->
+  one training model that continues the run (:mod:`.migrate`, docs/migrating.md);
 * :mod:`onnx_training_ops.schedules` — learning-rate schedules with torch's names;
 * :mod:`onnx_training_ops.kernels` — the numpy reference kernels;
 * :mod:`onnx_training_ops.backend` — the onnx backend API, for ``onnx.backend.test``.
@@ -27,6 +29,7 @@ from .passes import PASSES
 from .runtime import InferenceSession, prepare, session_options
 from .schema import DOMAIN
 from .training import NonFiniteLossError, TrainingSession, schedules
+from .migrate import OrtAdamW, import_onnxruntime_training
 
 _moved.install()  # the module paths of 0.1 (onnx_training_ops.plugin, .builder, ...) keep working
 
@@ -47,10 +50,12 @@ __all__ = [
     "InferenceSession",
     "Momentum",
     "NonFiniteLossError",
+    "OrtAdamW",
     "RMSProp",
     "TrainingOpError",
     "TrainingSession",
     "build_training_model",
+    "import_onnxruntime_training",
     "kernels",
     "prepare",
     "schedules",

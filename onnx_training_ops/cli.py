@@ -1,4 +1,4 @@
-"""Command line: ``python -m onnx_training_ops {prepare,conformance,train,bench} ...`` (also ``onnx-training-ops``).
+"""Command line: ``python -m onnx_training_ops {prepare,export-step,conformance,train,bench,import-ortt} ...`` (also ``onnx-training-ops``).
 
 Exit status: 0 success; 1 the command ran and reports a failure (a conformance case
 failed, the demo's accuracy is below ``--min-accuracy``); 2 bad usage or input (argparse's
@@ -45,6 +45,42 @@ def _prepare(args: argparse.Namespace) -> int:
     model = prepare(args.input, portable=True) if args.portable else prepare(args.input)
     save_model(model, args.output)
     print(f"prepared {args.input} -> {args.output}" + (" (portable: standard ONNX ops only)" if args.portable else ""))
+    return EXIT_OK
+
+
+def _import_ortt(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from .storage.checkpoint import save_model
+    from .errors import TrainingOpError
+
+    _require("flatbuffers", "migrate")
+    from .migrate import import_onnxruntime_training
+
+    if os.path.isdir(args.output):
+        raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
+    model = import_onnxruntime_training(args.artifacts, checkpoint=args.checkpoint, lr=args.lr)
+    save_model(model, args.output)
+    meta = {m.key: m.value for m in model.metadata_props}
+    step = json.loads(meta["onnx_training_ops.imported_from"])["step"]
+    print(f"imported {args.artifacts} ({args.checkpoint}, {step} steps done) -> {args.output}: "
+          f"TrainingSession({args.output!r}) continues the run")
+    return EXIT_OK
+
+
+def _export_step(args: argparse.Namespace) -> int:
+    import os
+
+    from .errors import TrainingOpError
+    from .export import export_step
+
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise TrainingOpError(f"output {args.output!r} is a file; give a directory")
+    manifest = export_step(args.input, args.output, eval_outputs=args.eval_outputs, ort=args.ort,
+                           packed=args.packed)
+    print(f"exported {args.input} -> {args.output}: " + ", ".join(f["path"] for f in manifest["files"].values())
+          + ", manifest.json")
     return EXIT_OK
 
 
@@ -139,6 +175,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower the optimizer nodes to standard ONNX ops instead: the result runs in any "
                         "onnxruntime (any language binding) or onnx.reference with nothing registered")
     p.set_defaults(func=_prepare)
+    m = commands.add_parser(
+        "import-ortt", help="turn onnxruntime-training artifacts + checkpoint into one training model",
+        description="Read an onnxruntime-training artifact folder (eval_model.onnx, optimizer_model.onnx, "
+                    "a checkpoint) and write one ONNX training model holding the checkpoint's parameters, "
+                    "AdamW moments, step and properties (needs the migrate extra).")
+    m.add_argument("artifacts", help="the folder generate_artifacts wrote")
+    m.add_argument("output", help="the training model to write (atomically)")
+    m.add_argument("--checkpoint", default="checkpoint",
+                   help="the checkpoint's file name in the folder, or a path (default: checkpoint)")
+    m.add_argument("--lr", type=float, default=None,
+                   help="learning rate of the imported model (default: the checkpoint's initial learning rate)")
+    m.set_defaults(func=_import_ortt)
+    e = commands.add_parser(
+        "export-step", help="write a training step any onnxruntime runs (JavaScript, Java, mobile)",
+        description="Write the training step, eval and inference models in standard ONNX ops (state "
+                    "and learning rates as plain inputs), the state as .safetensors and manifest.json, "
+                    "for the JavaScript trainer (js/) or any onnxruntime binding; see docs/export.md.")
+    e.add_argument("input", help="a training model or a checkpoint (.onnx with training_info)")
+    e.add_argument("output", help="the directory to write (created; files written atomically)")
+    e.add_argument("--eval-output", dest="eval_outputs", action="append", default=None, metavar="NAME",
+                   help="a value the eval model returns beside the loss (repeatable; default: the "
+                        "main graph's outputs)")
+    e.add_argument("--ort", action="store_true",
+                   help="also write ORT-format models and required_operators.config (onnxruntime mobile "
+                        "and reduced builds)")
+    e.add_argument("--packed", action="store_true",
+                   help="also write step.packed.onnx: the state packed into one input and one output per "
+                        "dtype (faster in bindings that convert each tensor per run, such as onnxruntime-node)")
+    e.set_defaults(func=_export_step)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
     c.add_argument("--portable", action="store_true",
                    help="run them on the portable form (prepare --portable) in plain onnxruntime")

@@ -1,14 +1,15 @@
 """Emitting optimizer updates into the algorithm graph.
 
 :func:`emit_update` writes one optimizer step for a group of tensors: one multi-tensor node
-of the training domain (Adam, Momentum, Adagrad), or standard ops per tensor for optimizers
-the domain lacks (RMSProp). The builder's dense update and the row updates of
-:mod:`.sparse_updates` both go through it.
+of the training domain (Adam, Momentum, Adagrad), or standard ops for optimizers the domain
+lacks (RMSProp; onnxruntime-training's AdamW, which ``migrate/adamw.py`` registers in
+:data:`STANDARD_OP_UPDATES`). The builder's dense
+update and the row updates of :mod:`.sparse_updates` both go through it.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from onnx import helper
@@ -16,6 +17,22 @@ from onnx import helper
 from ..schema import DOMAIN
 from .ops import Ops
 from .rmsprop import RMSProp, emit_rmsprop
+
+
+def _rmsprop_update(ops: Ops, optimizer: RMSProp, r: str, t: str, xs: Sequence[str], gs: Sequence[str],
+                    states: dict[str, list[str]], new_xs: Sequence[str],
+                    new_states: dict[str, list[str]], dtypes: Sequence[np.dtype]) -> None:
+    casts: dict[np.dtype, str] = {}
+    for i, (x, g, dtype) in enumerate(zip(xs, gs, dtypes)):
+        if dtype not in casts:  # R in each tensor's dtype
+            casts[dtype] = ops.op("Cast", [r], to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        emit_rmsprop(ops, optimizer, casts[dtype], x, g, {s: v[i] for s, v in states.items()},
+                     new_xs[i], {s: v[i] for s, v in new_states.items()}, np.dtype(dtype))
+
+
+# optimizer class -> the function writing its update with standard ops (same arguments as
+# emit_update without attributes/label); optimizers of the training domain are not listed
+STANDARD_OP_UPDATES: dict[type, Callable[..., None]] = {RMSProp: _rmsprop_update}
 
 
 def emit_update(ops: Ops, optimizer, r: str, t: str, xs: Sequence[str], gs: Sequence[str],
@@ -26,13 +43,9 @@ def emit_update(ops: Ops, optimizer, r: str, t: str, xs: Sequence[str], gs: Sequ
     writing ``new_xs`` and ``new_states``. ``r``: the learning rate (float, or double when
     every tensor is double); ``attributes`` override the domain op's attributes; ``label``
     ends the node's name (a parameter group's)."""
-    if isinstance(optimizer, RMSProp):
-        casts: dict[np.dtype, str] = {}
-        for i, (x, g, dtype) in enumerate(zip(xs, gs, dtypes)):
-            if dtype not in casts:  # R in each tensor's dtype
-                casts[dtype] = ops.op("Cast", [r], to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
-            emit_rmsprop(ops, optimizer, casts[dtype], x, g, {s: v[i] for s, v in states.items()},
-                         new_xs[i], {s: v[i] for s, v in new_states.items()}, np.dtype(dtype))
+    standard = STANDARD_OP_UPDATES.get(type(optimizer))
+    if standard is not None:
+        standard(ops, optimizer, r, t, xs, gs, states, new_xs, new_states, dtypes)
         return
     inputs, outputs = [r, t, *xs, *gs], list(new_xs)
     for s in optimizer.states:

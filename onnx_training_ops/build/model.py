@@ -50,7 +50,7 @@ from .loss_graph import add_loss, label_range
 from .model_metadata import set_metadata
 from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .param_groups import groups_to_json, resolve_groups
-from .rmsprop import RMSProp
+from .emit_update import STANDARD_OP_UPDATES
 from .train_mode import fit_opset, to_inference, training_forward
 from .trainables import check_differentiable, choose_trainables
 from .update import add_learning_rates, add_update
@@ -82,9 +82,9 @@ def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
 def _check_choices(mode: str, optimizer) -> None:
     if mode not in ("eval", "train"):
         raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
-    if not isinstance(optimizer, (Adam, Momentum, Adagrad, RMSProp)):
+    if not isinstance(optimizer, (Adam, Momentum, Adagrad, *STANDARD_OP_UPDATES)):
         raise TrainingOpError(
-            f"optimizer must be onnx_training_ops.Adam, AdamW, Momentum, Adagrad or RMSProp, found "
+            f"optimizer must be onnx_training_ops.Adam, AdamW, Momentum, Adagrad, RMSProp or OrtAdamW, found "
             f"{type(optimizer).__name__}"
         )
 

@@ -18,6 +18,8 @@ from ..walk import all_graphs
 from ..passes.fit_runtime import fit_runtime
 from ..schema import DOMAIN
 from ..runtime.session import InferenceSession
+from .program import prune_dead_nodes, prune_unused_inputs, used_names
+from .stages import typed_values
 
 
 def inference_model(
@@ -52,6 +54,26 @@ def inference_model(
         exported.opset_import.extend(kept_ops)
     exported = fit_runtime(exported)
     return out.with_proto(exported) if large else exported
+
+
+def with_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """``model`` (an inference model) computing only ``outputs`` (any values of its graph),
+    without the nodes, inputs and initializers they do not need: onnxruntime-training's
+    ``export_model_for_inferencing(path, graph_output_names)``."""
+    if isinstance(outputs, str) or not outputs:
+        raise TrainingOpError(f"export_inference_model: outputs must be a non-empty list of value names, "
+                              f"found {outputs!r}")
+    values = typed_values(model, list(outputs), "export_inference_model")
+    graph = model.graph
+    del graph.output[:]
+    graph.output.extend(values)
+    prune_dead_nodes(graph)
+    prune_unused_inputs(graph)
+    used = used_names(graph)
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return model
 
 
 def inference_session(

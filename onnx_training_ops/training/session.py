@@ -33,37 +33,43 @@ from ..build.model_metadata import metadata
 from ..errors import TrainingOpError, node_label
 from ..storage import checkpoint
 from ..storage.large_model import LargeModel, detach, is_large
-from ..storage.tensors import proto_of
+from ..storage.tensors import attach, proto_of
 from ..storage.model_files import ModelLike, load_model
 from .accumulation import GradientAccumulation
 from .session_files import Checkpointing
 from .session_loop import TrainingLoop
+from .session_parameters import FlatParameters
 from .session_state import StateAccess
 from .arrays import owned
 from .binding import open_program
 from .checks import label_checker
 from .fast_path import flatten_cut_state
+from .flat_parameters import lay_out_flat
 from .feeds import Feed, check_feed_names, feed_list
 from .from_graph import graph_to_training_model
 from .inference import inference_session
 from .locked import locked
+from .nominal import materialize, nominal_names
 from .options import fresh_options
 from .program import Program, build_program, program_feeds
 from .rates import LearningRates
+from .stages import step_model
 from .state import collect_state_protos, state_tensors, zero_fill
 from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
 
 
-class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
+class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
     """Run an ONNX training model: ``initialize()``, ``step(feeds)``, ``run(...)``, checkpoints.
 
     ``model_or_path``: a ModelProto, path or bytes of a model with ``training_info`` (from
     :func:`~onnx_training_ops.build_training_model` or written by hand following the IR
     spec). The state starts at the model's initializers, so a checkpoint written by
     :meth:`save` resumes where it stopped; call :meth:`initialize` to reset the state and run
-    the initialization graphs (a model fresh from the builder is already in that state).
+    the initialization graphs (a model fresh from the builder is already in that state). A
+    nominal checkpoint (``save(path, nominal=True)``) opens with zeros in its parameters and
+    the optimizer state initialized; it trains once :meth:`load_flat_parameters` filled them.
 
     ``sess_options`` (copied for each onnxruntime session this one opens) and
     ``session_config`` (extra config entries) tune onnxruntime; ``fast`` and ``on_nonfinite``:
@@ -96,6 +102,9 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
                 "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
                 "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
             )
+        empty = nominal_names(metadata(proto_of(opened)))
+        if empty:  # a nominal checkpoint: zeros until the parameters are loaded
+            opened = materialize(attach(opened) if isinstance(opened, LargeModel) else opened)
         self._large = is_large(opened)
         # the session's own message stays small: every big tensor is an array beside it
         model = opened if isinstance(opened, LargeModel) else detach(opened)
@@ -129,32 +138,42 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
             self._meta, proto.graph.input[0].name if proto.graph.input else None)
         self._properties: dict[str, Any] = json.loads(self._meta.get("properties") or "{}")
         self._eval_programs: dict[tuple[str, ...], Program] = {}
+        self._step_programs: dict[tuple[str, ...], list[Program]] = {}
         self._accumulation = GradientAccumulation(model, self._state, self._state_protos, self._meta,
                                                   self.fast, self._session_options, self._providers)
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
+        self._unfilled: set[str] = set()
+        if empty:
+            self.initialize()  # the optimizer state at its initial values
+            self._unfilled = set(self._parameters(trainable_only=False)) & set(empty)
 
-    def _open_programs(self, model: LargeModel) -> list[Program]:
+    def _open_programs(self, model: LargeModel, rehome: bool = True) -> list[Program]:
         """One program per TrainingInfoProto, bound to the state. fast=False: the native
         optimizers write the state in place (guarded against a non-finite loss unless it is
-        ignored; a guarded step is redone by a copying twin)."""
+        ignored; a guarded step is redone by a copying twin). ``rehome``: the first programs
+        lay the state out (each cut node's flat, then the trainables as one buffer if still
+        apart: :meth:`get_flat_parameters` without a copy); later ones find it laid out."""
         analyses = [build_program(model, i, self._state, self._state_protos, self._meta, self.fast)
                     for i in range(len(model.model_proto.training_info))]
         for program in analyses:  # before anything binds a state array: lay the cut state out flat
             program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state,
-                                                   prescale=program.prescale, zeros=self._zero_state)
+                                                   rehome=rehome, prescale=program.prescale,
+                                                   zeros=self._zero_state)
+        if rehome:
+            lay_out_flat(self._state, [n for n in self._trainable_names() if n in self._state])
         programs = [open_program(p, self._state, self._session_options(), self._providers,
                                  in_place=not self.fast, guard=self.on_nonfinite != "ignore") for p in analyses]
         for program in programs:
             if program.guarded:
-                program.fallback = functools.partial(self._copying_program, program.index)
+                program.fallback = functools.partial(self._copying_program, program.index, model)
         if any(p.cut_nodes for p in analyses):
             _warm_up_fused_kernels()  # compile/load now, so no step pays for it
         return programs
 
-    def _copying_program(self, index: int) -> Program:
-        """Program ``index`` without in-place writes: it redoes a step the guard stopped."""
-        program = build_program(self._model, index, self._state, self._state_protos, self._meta, False)
+    def _copying_program(self, index: int, model: LargeModel) -> Program:
+        """Program ``index`` of ``model`` without in-place writes: it redoes a step the guard stopped."""
+        program = build_program(model, index, self._state, self._state_protos, self._meta, False)
         return open_program(program, self._state, self._session_options(), self._providers)
 
     @classmethod
@@ -223,17 +242,24 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
     # ------------------------------------------------------------------ steps, evaluation, inference
 
     @locked
-    def step(self, feeds: Mapping[str, Any], lr: float | Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
+    def step(self, feeds: Mapping[str, Any], lr: float | Mapping[str, float] | None = None,
+             outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """One training step: run each algorithm, assign its outputs by ``update_binding``.
 
         ``feeds``: the algorithm's inputs (the model's inputs and e.g. ``labels``).
         ``lr``: the learning rate for this step, one for all groups or ``{input name: lr}``
         (default: the schedule's, else the model's value, or a feed of the learning-rate
-        input). Returns the outputs not consumed by ``update_binding`` (the loss, ...).
-        With gradients accumulated by :meth:`backward`, it is ``backward(feeds)`` then
-        :meth:`optimizer_step` (the batch adds to them, as in torch).
+        input). Returns the outputs not consumed by ``update_binding`` (the loss, ...), and
+        ``outputs``: values of the same run (``["logits"]``, any value of the main graph or
+        the algorithm; onnxruntime-training's ``additional_output_names``), computed before
+        the update. With gradients accumulated by :meth:`backward`, it is ``backward(feeds)``
+        then :meth:`optimizer_step` (the batch adds to them, as in torch).
         """
+        self._check_filled("step")
         if self._accumulation.count:
+            if outputs:
+                raise TrainingOpError("step(outputs=...) with gradients accumulated by backward(): call "
+                                      "optimizer_step() first, or evaluate(feeds, outputs=...)")
             result = self.backward(feeds)
             result.update(self.optimizer_step(lr))
             return result
@@ -241,7 +267,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
         rates = self._rates.for_step(lr)
         result: dict[str, np.ndarray] = {}
         applied = True
-        for program in self._programs:
+        for program in self._programs_with(tuple(outputs)):
             outputs, skipped = run_program(program, feeds, rates, self._state, self.on_nonfinite)
             if skipped:
                 self.skipped_steps += 1
@@ -251,9 +277,19 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing):
             self._rates.step += 1
         return result
 
+    def _programs_with(self, outputs: tuple[str, ...]) -> list[Program]:
+        """The step programs, returning ``outputs`` too (opened on first use, bound to the state)."""
+        if not outputs:
+            return self._programs
+        if outputs not in self._step_programs:
+            derived = self._model.with_proto(step_model(self._model.model_proto, outputs))
+            self._step_programs[outputs] = self._open_programs(derived, rehome=False)
+        return self._step_programs[outputs]
+
     @locked
     def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
         """Run the main (inference) graph with the current state; like ``InferenceSession.run``."""
+        self._check_filled("run")
         if self._inference is None:
             self._inference = inference_session(self._model, self._state, self._session_options(), self._providers)
         session, state_inputs = self._inference

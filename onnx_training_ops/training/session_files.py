@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import onnx
 
@@ -16,8 +16,9 @@ from ..storage.model_files import load_model
 from ..storage.save import save_model
 from ..storage.snapshot import write_state
 from .checks import checked_properties
-from .inference import inference_model
+from .inference import inference_model, with_outputs
 from .locked import locked
+from .nominal import nominal_model
 
 
 class Checkpointing:
@@ -46,12 +47,21 @@ class Checkpointing:
                 META_PREFIX + "lr_schedule": self._rates.to_json()}
 
     @locked
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the training model with the current state, atomically; reloading resumes bit-exact."""
+    def save(self, path: str | os.PathLike, nominal: bool = False) -> str:
+        """Write the training model with the current state, atomically; reloading resumes bit-exact.
+
+        ``nominal=True``: names, dtypes and shapes only (onnxruntime-training's nominal
+        checkpoint): the graphs without the values of the state and the parameters, for a
+        device that opens it and loads the parameters it receives (:meth:`load_flat_parameters`)."""
         if "shard" in self._meta:
             raise TrainingOpError(
                 "save: this session holds one rank's shard of the optimizer state (ZeRO-1); save through "
                 "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")
+        if nominal:
+            names = [*self._state, *self._parameters(trainable_only=False)]
+            model = self.training_model()
+            return save_model(nominal_model(attach(model) if isinstance(model, LargeModel) else model, names), path)
+        self._check_filled("save")
         if not self._large:
             return save_model(self.training_model(), path)
         # the live state arrays, streamed to disk under the lock: no copy of the state
@@ -59,21 +69,29 @@ class Checkpointing:
         return save_model(live, path, checksums=True)
 
     @locked
-    def export_inference_model(self, path: str | os.PathLike | None = None) -> onnx.ModelProto | LargeModel:
-        """The main graph with the trained weights and no training_info (written to ``path``
-        if given, atomically; a large model with its weights in external data). A large
-        model comes back as a LargeModel: memory-mapped from ``path`` when given, else over
-        copies of the weights."""
-        if not self._model.model_proto.graph.output:
+    def export_inference_model(self, path: str | os.PathLike | None = None,
+                               outputs: Sequence[str] | None = None) -> onnx.ModelProto | LargeModel:
+        """The main graph with the trained weights and no training_info (written to ``path`` if
+        given, atomically; a large model with its weights in external data). ``outputs``: the
+        values it computes (any of the main graph; default its outputs), without what they do
+        not need (``export_model_for_inferencing(path, graph_output_names)``). A large model
+        comes back as a LargeModel: memory-mapped from ``path`` when given, else over copies
+        of the weights."""
+        self._check_filled("export_inference_model")
+        live = self._large and path is not None  # streamed to disk under the lock: no copy
+        model = inference_model(self._model, self._state, with_state_values=True, copy=not live)
+        if outputs is not None:
+            model = model.with_proto(with_outputs(model.model_proto, outputs))
+        if not model.model_proto.graph.output:
             raise TrainingOpError("export_inference_model: the main graph has no outputs")
         if not self._large:
-            model = attach(inference_model(self._model, self._state, with_state_values=True))
+            model = attach(model)
             if path is not None:
                 save_model(model, path)
             return model
         if path is None:
-            return inference_model(self._model, self._state, with_state_values=True)
-        save_model(inference_model(self._model, self._state, with_state_values=True, copy=False), path)
+            return model
+        save_model(model, path)
         return load_model(path, large=True)
 
     @locked

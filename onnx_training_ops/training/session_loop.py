@@ -34,6 +34,7 @@ class TrainingLoop:
     def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """The loss (the eval-mode loss of a ``mode="train"`` model: dropout off, BatchNorm
         running statistics) and ``outputs`` with the current weights; nothing changes."""
+        self._check_filled("evaluate")
         program = self._eval_program(tuple(outputs))
         required, optional = program_feeds(program)
         self._check_feeds(feeds, {f.name for f in required}, {f.name for f in optional})
@@ -93,6 +94,7 @@ class TrainingLoop:
         loss. Parameters and optimizer state do not change (BatchNorm running statistics do,
         as in torch's forward). For the mean over k micro-batches pass ``scale=1/k``, as
         torch users divide the loss. Non-finite losses follow ``on_nonfinite``."""
+        self._check_filled("backward")
         backward = self._accumulation.programs()[0]
         required, optional = program_feeds(backward)
         self._check_feeds(feeds, {f.name for f in required} - {GRAD_SCALE}, {f.name for f in optional})

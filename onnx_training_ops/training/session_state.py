@@ -53,6 +53,7 @@ class StateAccess:
             checked[name] = value
         for name, value in checked.items():
             np.copyto(self._state[name], value)
+        self._mark_loaded(list(checked))
 
     @locked
     def initialize(self) -> None:

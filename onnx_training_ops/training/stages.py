@@ -96,27 +96,48 @@ def _descendants(nodes, sources: set[str]) -> set[str]:
     return reached
 
 
+def typed_values(model: onnx.ModelProto, names: Sequence[str], what: str) -> list[onnx.ValueInfoProto]:
+    """A value info for each of ``names``: a value of the main graph (an output, or an inner
+    value whose type shape inference knows) or of the first algorithm graph; else an error
+    naming ``what`` asked for it."""
+    graphs = [model.graph] + [model.training_info[0].algorithm] if model.training_info else [model.graph]
+    known = {vi.name: vi for g in graphs for vi in (*g.value_info, *g.output)}
+    types = None
+    out = []
+    for name in dict.fromkeys(names):
+        if name not in known:
+            types = value_types(model) if types is None else types
+            vt = types.get(name)
+            if vt is None or not vt.elem_type:
+                raise TrainingOpError(
+                    f"{what}: {name!r} is not a value of the model with a known type; outputs: "
+                    f"{', '.join(o.name for o in model.graph.output)}")
+            known[name] = helper.make_tensor_value_info(name, vt.elem_type, None)
+        out.append(known[name])
+    return out
+
+
 def evaluation_model(model: onnx.ModelProto, loss: str, outputs: list[str]) -> onnx.ModelProto:
     """The model whose algorithm outputs ``loss`` and ``outputs`` and binds nothing.
     ``outputs`` may name any value of the main graph (an output, or an inner value whose
     type shape inference knows) or an output of the algorithm."""
     derived = _copy(model)
     info = derived.training_info[0]
-    known = {vi.name: vi for g in (model.graph, info.algorithm)
-             for vi in (*g.value_info, *g.output)}
-    types = None
+    values = typed_values(model, [loss, *outputs], "evaluate")
     del info.update_binding[:]
     del info.algorithm.output[:]
-    for name in dict.fromkeys([loss, *outputs]):
-        if name not in known:
-            types = value_types(model) if types is None else types
-            vt = types.get(name)
-            if vt is None or not vt.elem_type:
-                raise TrainingOpError(
-                    f"evaluate: {name!r} is not a value of the model with a known type; outputs: "
-                    f"{', '.join(o.name for o in model.graph.output)}")
-            known[name] = helper.make_tensor_value_info(name, vt.elem_type, None)
-        info.algorithm.output.append(known[name])
+    info.algorithm.output.extend(values)
+    return derived
+
+
+def step_model(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """The model whose first algorithm also outputs ``outputs`` (values of the same run, as
+    onnxruntime-training's ``additional_output_names``); its bindings unchanged."""
+    derived = _copy(model)
+    algorithm = derived.training_info[0].algorithm
+    present = {o.name for o in algorithm.output}
+    algorithm.output.extend(vi for vi in typed_values(model, outputs, "step(outputs=...)")
+                            if vi.name not in present)
     return derived
 
 

@@ -1,0 +1,241 @@
+// The trainer: runs the exported step model (standard ONNX ops, written by
+// `onnx-training-ops export-step`) in whichever onnxruntime binding it is handed. The state
+// lives as ORT tensors between steps: each step feeds them, and the step's outputs named in
+// the manifest's feedback map become the next state, with no copy. With a packed step
+// (`export-step --packed`), the state of each dtype is one flat tensor (the manifest's
+// `packs`), and the named state variables are views into it.
+
+import { decode, encode, arrayType } from './safetensors.js';
+import { fromJSON } from './schedules.js';
+import { readExport } from './files.js';
+import { embedWeights } from './onnx_weights.js';
+
+const FORMAT = 'onnx-training-ops/export';
+const VERSION = 1;
+
+/** Raised by step() on a NaN or infinite loss (onNonFinite "raise"); the state is left as it was. */
+export class NonFiniteLossError extends Error {}
+
+function scalarOf(tensor) {
+  const v = tensor.data[0];
+  return typeof v === 'bigint' ? Number(v) : v;
+}
+
+export class Trainer {
+  /**
+   * @param ort the onnxruntime module (onnxruntime-node or onnxruntime-web)
+   * @param files {manifest, step, stepPacked, eval, inference, state}: the manifest object, model bytes, state bytes
+   * @param options {sessionOptions, onNonFinite: "raise" | "skip" | "ignore", packed: use the packed
+   *   step (default: when the export has one)}
+   */
+  static async create(ort, files, options = {}) {
+    const { manifest } = files;
+    if (manifest?.format !== FORMAT) throw new Error(`not an onnx-training-ops export manifest (format ${JSON.stringify(manifest?.format)})`);
+    if (manifest.version !== VERSION) throw new Error(`manifest version ${manifest.version}; this trainer reads version ${VERSION}`);
+    const packed = options.packed ?? Boolean(manifest.packs && files.stepPacked);
+    if (packed && !(manifest.packs && files.stepPacked)) throw new Error('packed: the export has no packed step (export-step --packed)');
+    const trainer = new Trainer(ort, manifest, { ...options, packed });
+    const sessionOptions = options.sessionOptions ?? {};
+    trainer.stepSession = await ort.InferenceSession.create(packed ? files.stepPacked : files.step, sessionOptions);
+    trainer.evalSession = files.eval ? await ort.InferenceSession.create(files.eval, sessionOptions) : null;
+    trainer.inferenceBytes = files.inference ?? null;
+    trainer.loadState(files.state);
+    return trainer;
+  }
+
+  /** Load an export directory (a path in Node, a URL in the browser) and create the trainer. */
+  static async load(ort, location, options = {}) {
+    return Trainer.create(ort, await readExport(location), options);
+  }
+
+  constructor(ort, manifest, options) {
+    this.ort = ort;
+    this.manifest = manifest;
+    this.onNonFinite = options.onNonFinite ?? 'raise';
+    if (!['raise', 'skip', 'ignore'].includes(this.onNonFinite)) throw new Error(`onNonFinite must be raise, skip or ignore, found ${this.onNonFinite}`);
+    this.inputs = Object.fromEntries(manifest.inputs.map((e) => [e.name, e]));
+    this.evalInputs = Object.fromEntries(manifest.eval_inputs.map((e) => [e.name, e]));
+    this.schedule = manifest.schedule ? fromJSON(manifest.schedule) : null;
+    this.scheduleOffset = manifest.schedule ? manifest.schedule.step_offset : 0;
+    this.counter = manifest.counter;
+    this.skippedSteps = 0;
+    this.rateTensors = {};
+    this.packs = options.packed ? manifest.packs : [];
+    const packed = new Set(this.packs.flatMap((p) => p.members.map((m) => m.name)));
+    // what the step model takes and gives back for the state: the packs, and any variable outside them
+    this.stepFeedback = Object.fromEntries([
+      ...this.packs.map((p) => [p.input, p.output]),
+      ...Object.entries(manifest.feedback).filter(([name]) => !packed.has(name)),
+    ]);
+    this.stepState = {};
+    this.views = null; // the named state over the packs, made when asked for
+  }
+
+  /** The state variables by name, as ORT tensors (views into the packs of a packed step). */
+  get state() {
+    if (!this.packs.length) return this.stepState;
+    if (!this.views) {
+      this.views = { ...this.stepState };
+      for (const p of this.packs) {
+        const flat = this.stepState[p.input].data;
+        delete this.views[p.input];
+        for (const m of p.members) {
+          const size = m.shape.reduce((a, b) => a * b, 1);
+          this.views[m.name] = new this.ort.Tensor(p.dtype, flat.subarray(m.offset, m.offset + size), m.shape);
+        }
+      }
+    }
+    return this.views;
+  }
+
+  _counterValue() {
+    for (const p of this.packs) {
+      const m = p.members.find((member) => member.name === this.counter);
+      if (m) return Number(this.stepState[p.input].data[m.offset]);
+    }
+    return scalarOf(this.stepState[this.counter]);
+  }
+
+  /** A tensor for input `name` of the step (or eval) model from plain data: numbers or a TypedArray, converted to the manifest's dtype (labels become BigInt64Array). */
+  tensor(name, data, dims) {
+    const spec = this.inputs[name] ?? this.evalInputs[name];
+    if (!spec) throw new Error(`${JSON.stringify(name)} is not an input; inputs: ${Object.keys(this.inputs).join(', ')}`);
+    const Type = arrayType(spec.dtype);
+    let values = data;
+    if (!(data instanceof Type)) {
+      values = Type === BigInt64Array || Type === BigUint64Array ? Type.from(data, (v) => BigInt(v)) : Type.from(data);
+    }
+    return new this.ort.Tensor(spec.dtype, values, dims);
+  }
+
+  _feeds(batch, specs, what) {
+    const feeds = {};
+    for (const [name, spec] of Object.entries(specs)) {
+      let value = batch[name];
+      if (value === undefined) {
+        const fallback = this.manifest.defaults?.[name];
+        if (!fallback) throw new Error(`${what}: batch has no ${JSON.stringify(name)}; needs ${Object.keys(specs).join(', ')}`);
+        value = this.tensor(name, fallback.values, fallback.shape);
+      } else if (!(value instanceof this.ort.Tensor)) {
+        value = this.tensor(name, value.data, value.dims);
+      }
+      if (value.type !== spec.dtype) throw new Error(`${what}: input ${JSON.stringify(name)} must be ${spec.dtype}, found ${value.type}`);
+      if (spec.shape && (value.dims.length !== spec.shape.length || spec.shape.some((d, i) => typeof d === 'number' && d !== value.dims[i]))) {
+        throw new Error(`${what}: input ${JSON.stringify(name)} must have shape [${spec.shape}], found [${value.dims}]`);
+      }
+      feeds[name] = value;
+    }
+    for (const name of Object.keys(batch)) {
+      if (!(name in specs)) throw new Error(`${what}: unknown input ${JSON.stringify(name)}; inputs: ${Object.keys(specs).join(', ')}`);
+    }
+    return feeds;
+  }
+
+  /** Optimizer steps taken under the schedule (torch's last_epoch): the update count plus the manifest's offset. */
+  get scheduleStep() {
+    return this.counter ? this._counterValue() + this.scheduleOffset : 0;
+  }
+
+  /** The learning rate of each input for the next step: the schedule's, else the base rate. */
+  get learningRates() {
+    const k = this.scheduleStep;
+    return Object.fromEntries(this.manifest.learning_rates.map((e) => [e.name, this.schedule ? this.schedule.lr(e.base, k, e.name) : e.base]));
+  }
+
+  /** Attach a schedule (or null) from optimizer step `step` on. */
+  setSchedule(schedule, step = 0) {
+    this.schedule = schedule;
+    this.scheduleOffset = step - (this.counter ? this._counterValue() : 0);
+  }
+
+  _rateFeeds(lr) {
+    const rates = lr === undefined ? this.learningRates
+      : typeof lr === 'number' ? Object.fromEntries(this.manifest.learning_rates.map((e) => [e.name, lr])) : lr;
+    const feeds = {};
+    for (const e of this.manifest.learning_rates) {
+      if (!(e.name in rates)) throw new Error(`step: no learning rate for ${JSON.stringify(e.name)}`);
+      let t = this.rateTensors[e.name];
+      if (!t) {
+        t = new this.ort.Tensor(e.dtype, new (arrayType(e.dtype))(1), e.shape);
+        this.rateTensors[e.name] = t;
+      }
+      t.data[0] = rates[e.name];
+      feeds[e.name] = t;
+    }
+    return feeds;
+  }
+
+  /**
+   * One training step. `batch`: {input: ort.Tensor | {data, dims}}. `lr`: a number for every
+   * group, or {input name: rate}; default: the schedule's. Returns the step's returned
+   * outputs (loss, grad_norm...): one-element ones as numbers, others as ORT tensors.
+   */
+  async step(batch, { lr } = {}) {
+    const feeds = { ...this._feeds(batch, this.inputs, 'step'), ...this._rateFeeds(lr), ...this.stepState };
+    const out = await this.stepSession.run(feeds);
+    const result = {};
+    for (const name of this.manifest.returned) result[name] = out[name].size === 1 ? scalarOf(out[name]) : out[name];
+    const loss = this.manifest.loss;
+    if (this.onNonFinite !== 'ignore' && loss && !Number.isFinite(result[loss])) {
+      if (this.onNonFinite === 'raise') throw new NonFiniteLossError(`step: the loss is ${result[loss]}; the state is unchanged`);
+      this.skippedSteps += 1;
+      return result;
+    }
+    for (const [name, output] of Object.entries(this.stepFeedback)) this.stepState[name] = out[output];
+    this.views = null;
+    return result;
+  }
+
+  /** The loss and eval outputs with the current weights (eval mode); nothing changes. */
+  async evaluate(batch) {
+    if (!this.evalSession) throw new Error('evaluate: the export was loaded without its eval model');
+    const feeds = this._feeds(batch, this.evalInputs, 'evaluate');
+    const state = this.state;
+    for (const name of this.evalSession.inputNames) if (name in state) feeds[name] = state[name];
+    const out = await this.evalSession.run(feeds);
+    return Object.fromEntries(this.manifest.eval_outputs.map((n) => [n, out[n].size === 1 ? scalarOf(out[n]) : out[n]]));
+  }
+
+  /** The state as safetensors bytes (tensor names = state input names): resume here, in Python, or on another device. */
+  exportState() {
+    return encode(this.state, { format: FORMAT });
+  }
+
+  /** Replace the state with safetensors bytes (every state variable, same dtype and shape). */
+  loadState(bytes) {
+    const { tensors } = decode(bytes, 'state');
+    const declared = this.manifest.state;
+    const missing = declared.filter((e) => !(e.name in tensors)).map((e) => e.name);
+    const unknown = Object.keys(tensors).filter((n) => !declared.some((e) => e.name === n));
+    if (missing.length || unknown.length) throw new Error(`loadState: missing ${JSON.stringify(missing)}, unknown ${JSON.stringify(unknown)}`);
+    const state = {};
+    for (const e of declared) {
+      const t = tensors[e.name];
+      if (t.dtype !== e.dtype || t.dims.length !== e.shape.length || t.dims.some((d, i) => d !== e.shape[i])) {
+        throw new Error(`loadState: ${e.name} must be ${e.dtype} [${e.shape}], found ${t.dtype} [${t.dims}]`);
+      }
+      state[e.name] = new this.ort.Tensor(e.dtype, t.data, e.shape);
+    }
+    for (const p of this.packs) {  // one copy into the flat buffer of each pack
+      const flat = new (arrayType(p.dtype))(p.size);
+      for (const m of p.members) {
+        flat.set(state[m.name].data, m.offset);
+        delete state[m.name];
+      }
+      state[p.input] = new this.ort.Tensor(p.dtype, flat, [p.size]);
+    }
+    this.stepState = state;
+    this.views = null;
+  }
+
+  /** The inference model with the current weights embedded: a self-contained .onnx file's bytes. */
+  inferenceModel() {
+    if (!this.inferenceBytes) throw new Error('inferenceModel: the export was loaded without inference.onnx');
+    return embedWeights(this.inferenceBytes, this.state);
+  }
+
+  async release() {
+    await this.stepSession?.release?.();
+    await this.evalSession?.release?.();
+  }
+}

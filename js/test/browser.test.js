@@ -1,0 +1,119 @@
+// Headless Chromium (Debian's chromium, driven by puppeteer-core: no browser download) runs
+// the same parity check with onnxruntime-web (wasm), then the browser example; screenshots of
+// both are saved. Pages are served by `python3 -m http.server` from a folder linking the
+// repository's js/ and examples/ and the fixtures.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { mkdir, mkdtemp, readFile, rm, symlink, writeFile, readdir } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { dirname, join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import puppeteer from 'puppeteer-core';
+import { FIXTURES } from './helpers.js';
+import { MODELS, TOLERANCE } from './parity.js';
+
+const REPO = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..');
+const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
+const SCREENSHOTS = process.env.OTO_SCREENSHOTS ?? join(REPO, 'out', 'screenshots');
+// the flags this machine needs (closed network, root, no GPU); a fresh profile each run
+const FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+  '--disable-background-networking', '--disable-component-update', '--disable-sync'];
+
+let server;
+let browser;
+let root;
+let profile;
+let origin;
+
+async function serve(directory) {
+  const python = process.env.PYTHON ?? 'python3';
+  const child = spawn(python, ['-u', '-m', 'http.server', '0', '--bind', '127.0.0.1', '--directory', directory],
+    { stdio: ['ignore', 'pipe', 'pipe'] });
+  const port = await new Promise((resolvePort, reject) => {
+    let text = '';
+    child.stdout.on('data', (chunk) => {
+      text += chunk;
+      const match = /port (\d+)/.exec(text);
+      if (match) resolvePort(Number(match[1]));
+    });
+    child.on('exit', (code) => reject(new Error(`${python} -m http.server exited with ${code}`)));
+    setTimeout(() => reject(new Error('http.server did not start in 20 s')), 20000);
+  });
+  child.stderr.resume();
+  return { child, origin: `http://127.0.0.1:${port}` };
+}
+
+before(async () => {
+  assert.ok(existsSync(CHROMIUM), `no Chromium at ${CHROMIUM}: apt-get install -y chromium (make test does it)`);
+  root = await mkdtemp(join(tmpdir(), 'oto-serve-'));
+  profile = await mkdtemp(join(tmpdir(), 'oto-chromium-'));
+  await symlink(join(REPO, 'js'), join(root, 'js'));
+  await symlink(join(REPO, 'examples'), join(root, 'examples'));
+  await symlink(resolve(FIXTURES), join(root, 'fixtures'));
+  ({ child: server, origin } = await serve(root));
+  browser = await puppeteer.launch({ executablePath: CHROMIUM, headless: true, args: [...FLAGS, `--user-data-dir=${profile}`] });
+  await mkdir(SCREENSHOTS, { recursive: true });
+});
+
+after(async () => {
+  await browser?.close();
+  server?.kill();
+  await rm(root, { recursive: true, force: true });
+  await rm(profile, { recursive: true, force: true });
+});
+
+async function open(path) {
+  const page = await browser.newPage();
+  await page.setViewport({ width: 1100, height: 720 });
+  const errors = [];
+  page.on('pageerror', (e) => errors.push(String(e)));
+  await page.goto(`${origin}${path}`, { waitUntil: 'load' });
+  return { page, errors };
+}
+
+test('the three models train in onnxruntime-web (wasm) in Chromium, each step within 1e-5 of Python', async () => {
+  const { page, errors } = await open('/js/test/browser/index.html?fixtures=/fixtures/');
+  await page.waitForFunction('window.parity && window.parity.done', { timeout: 180000, polling: 200 });
+  const parity = await page.evaluate('window.parity');
+  await page.screenshot({ path: join(SCREENSHOTS, 'browser-parity.png') });
+  assert.equal(parity.error, null, parity.error);
+  assert.deepEqual(errors, []);
+  assert.deepEqual(parity.reports.map((r) => r.name), MODELS);
+  for (const r of parity.reports) {
+    assert.ok(r.worstLoss <= TOLERANCE, `${r.name}: worst relative loss difference ${r.worstLoss}`);
+    assert.ok(r.worstReturned <= TOLERANCE, `${r.name}: returned outputs differ by ${r.worstReturned}`);
+    assert.equal(r.worstRate, 0, `${r.name}: learning rates`);
+    await writeFile(join(FIXTURES, r.name, 'browser_state.safetensors'), Uint8Array.from(r.state));
+    await writeFile(join(FIXTURES, r.name, 'browser_report.json'), JSON.stringify({ ...r, state: undefined }));
+  }
+  await page.close();
+});
+
+test('examples/browser fine-tunes in the page, charts the loss and downloads the trained model', async () => {
+  const downloads = join(root, 'downloads');
+  await mkdir(downloads);
+  const { page, errors } = await open('/examples/browser/index.html?model=/fixtures/example/&steps=120&autostart=1');
+  const cdp = await page.createCDPSession();
+  await cdp.send('Browser.setDownloadBehavior', { behavior: 'allow', downloadPath: downloads });
+  await page.waitForFunction('window.example && window.example.done', { timeout: 120000, polling: 200 });
+  const example = await page.evaluate('window.example');
+  await page.screenshot({ path: join(SCREENSHOTS, 'browser-example.png') });
+  assert.equal(example.error, null, example.error);
+  assert.deepEqual(errors, []);
+  assert.equal(example.losses.length, 120);
+  assert.ok(example.losses.at(-1) < example.losses[0], `the loss fell: ${example.losses[0]} -> ${example.losses.at(-1)}`);
+  await page.click('#download');
+  let files = [];
+  for (let i = 0; i < 100 && !files.some((f) => f.endsWith('.onnx')); i++) {
+    await new Promise((r) => setTimeout(r, 100));
+    files = await readdir(downloads);
+  }
+  const name = files.find((f) => f.endsWith('.onnx'));
+  assert.ok(name, `a .onnx file was downloaded (found ${files})`);
+  const bytes = await readFile(join(downloads, name));
+  await writeFile(join(FIXTURES, 'example', 'downloaded.onnx'), bytes);
+  await writeFile(join(FIXTURES, 'example', 'browser_example.json'), JSON.stringify(example));
+  await page.close();
+});

@@ -1,0 +1,158 @@
+""":func:`export_step`: a training model or checkpoint -> a directory any onnxruntime trains from.
+
+The directory holds ``step.onnx``, ``eval.onnx``, ``inference.onnx`` (:mod:`.graphs`),
+``state.safetensors`` (:mod:`.safetensors`: every state variable once, named as the step
+model's inputs) and ``manifest.json`` (:mod:`.manifest`, written last: a directory with a
+manifest is complete). Each file is written atomically. ``ort=True`` adds ORT-format models
+and the reduced-build operator config (:mod:`.ort_format`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..build.model_metadata import metadata
+from ..errors import TrainingOpError
+from ..schema import DOMAIN, OPTIMIZERS
+from ..storage import checkpoint
+from ..storage.model_files import ModelLike, load_model
+from ..training.state import collect_state_protos
+from . import graphs, manifest as manifest_, packing, safetensors
+
+FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
+         "state": "state.safetensors"}
+
+
+def _training_model(model_or_checkpoint: Any) -> onnx.ModelProto:
+    if hasattr(model_or_checkpoint, "training_model") and hasattr(model_or_checkpoint, "state_names"):
+        return model_or_checkpoint.training_model()  # a TrainingSession: its current state
+    model = load_model(model_or_checkpoint)
+    checkpoint.verify(model, model_or_checkpoint if isinstance(model_or_checkpoint, (str, os.PathLike)) else None)
+    if len(model.training_info) != 1:
+        raise TrainingOpError(f"export: expected a training model with one training_info (what "
+                              f"build_training_model writes), found {len(model.training_info)}")
+    return model
+
+
+def _rate_names(model: onnx.ModelProto, meta: dict[str, str]) -> list[str]:
+    """The learning-rate inputs: R of each optimizer node, the builder's named rates."""
+    names = [n.input[0] for n in model.training_info[0].algorithm.node
+             if n.domain == DOMAIN and n.op_type in OPTIMIZERS and n.input]
+    names += [meta.get("learning_rate", "")]
+    names += [g["learning_rate"] for g in json.loads(meta.get("param_groups") or "[]")]
+    return list(dict.fromkeys(filter(None, names)))
+
+
+def _counter(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> str | None:
+    """The update count T (the one int64 scalar state variable an update binding advances), if any."""
+    names = [e.key for e in model.training_info[0].update_binding
+             if state[e.key].dtype == np.int64 and state[e.key].size == 1]
+    return names[0] if len(names) == 1 else None
+
+
+def _schedule(meta: dict[str, str], counter: str | None, state: dict[str, np.ndarray]) -> dict | None:
+    text = meta.get("lr_schedule")
+    if not text:
+        return None
+    data = json.loads(text)
+    if counter is None:
+        raise TrainingOpError("export: the model has a learning-rate schedule but no update count T "
+                              "(an int64 scalar state the optimizers read): a client could not tell its "
+                              "position")
+    offset = int(data["step"]) - int(state[counter].reshape(-1)[0])
+    return {"type": data["type"], "args": data["args"], "counter": counter, "step_offset": offset}
+
+
+def _write(out_dir: str, kind: str, model: onnx.ModelProto) -> dict[str, Any]:
+    """Write one exported model; its manifest entry."""
+    checkpoint.atomic_write(os.path.join(out_dir, FILES[kind]), model.SerializeToString())
+    return {"path": FILES[kind], "operators": graphs.operators(model)}
+
+
+def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
+                eval_outputs: Sequence[str] | None = None, ort: bool = False,
+                packed: bool = False) -> dict[str, Any]:
+    """Write the step, eval and inference models, the state and the manifest to ``out_dir``
+    (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
+    whose main graph has no outputs no inference model).
+
+    ``model_or_checkpoint``: a training model (ModelProto, path or bytes; a checkpoint
+    written by :meth:`TrainingSession.save` exports its state mid-run) or a
+    :class:`TrainingSession` (its current state). ``eval_outputs``: what the eval model
+    returns beside the loss (default: the main graph's outputs). ``ort``: also write
+    ORT-format models and ``required_operators.config`` for onnxruntime mobile builds.
+    ``packed``: also write ``step.packed.onnx``, the same step with the state packed into one
+    input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to convert
+    each step). Returns the manifest.
+    """
+    model = _training_model(model_or_checkpoint)
+    meta = metadata(model)
+    state_protos = collect_state_protos(model)
+    state = {name: numpy_helper.to_array(proto) for name, proto in state_protos.items()}
+    step = graphs.step_graph(model, state_protos, meta)
+    outputs = list(eval_outputs) if eval_outputs is not None else [o.name for o in model.graph.output]
+    # a model without a loss (from_graph) has no eval model; one without outputs no inference model
+    evaluation = graphs.eval_graph(model, state_protos, meta, outputs) if meta.get("loss") else None
+    state_bytes = safetensors.encode(state, {"format": manifest_.FORMAT})
+    inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes)) \
+        if model.graph.output else None
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(os.path.join(out_dir, manifest_.MANIFEST)):  # until the new one: incomplete
+        os.remove(os.path.join(out_dir, manifest_.MANIFEST))
+    checkpoint.atomic_write(os.path.join(out_dir, FILES["state"]), state_bytes)
+    files: dict[str, Any] = {"step": _write(out_dir, "step", step.model), "state": {"path": FILES["state"]}}
+    if evaluation is not None:
+        files["eval"] = _write(out_dir, "eval", evaluation.model)
+    if inference is not None:
+        files["inference"] = {**_write(out_dir, "inference", inference), "external_data": FILES["state"]}
+        graphs.check_file(os.path.join(out_dir, FILES["inference"]), "inference model")
+    binding = {e.key: e.value for e in model.training_info[0].update_binding}
+    packs = None
+    if packed:
+        packed_model, packs = packing.packed_step(step.model, state, binding)
+        files["step_packed"] = _write(out_dir, "step_packed", packed_model)
+    if ort:
+        from .ort_format import convert
+
+        files.update(convert(out_dir, [files[k]["path"] for k in ("step", "step_packed", "eval") if k in files]))
+
+    rates = {n: v for n, v in step.defaults.items() if n in set(_rate_names(model, meta))}
+    step_inputs = list(step.model.graph.input)
+    state_order = [vi.name for vi in step_inputs if vi.name in state]
+    counter = _counter(model, state)
+    roles = manifest_.state_roles(list(state), meta, counter)
+    eval_graph = evaluation.model.graph if evaluation is not None else onnx.GraphProto()
+    manifest = {
+        "format": manifest_.FORMAT,
+        "version": manifest_.VERSION,
+        "files": files,
+        "opset": {(o.domain or "ai.onnx"): o.version for o in step.model.opset_import},
+        "ir_version": step.model.ir_version,
+        "inputs": [manifest_.value_entry(vi) for vi in step_inputs if vi.name not in state and vi.name not in rates],
+        "eval_inputs": [manifest_.value_entry(vi) for vi in eval_graph.input if vi.name not in state],
+        "defaults": manifest_.default_entries({**{n: v for n, v in step.defaults.items() if n not in rates},
+                                               **(evaluation.defaults if evaluation is not None else {})}),
+        "learning_rates": manifest_.learning_rate_entries(rates, meta),
+        "feedback": {name: binding[name] for name in state_order if name in binding},
+        "packs": packs,
+        "returned": [o.name for o in step.model.graph.output if o.name not in set(binding.values())],
+        "eval_outputs": [o.name for o in eval_graph.output],
+        "state": [manifest_.tensor_entry(n, state[n], role=roles[n])
+                  for n in [*state_order, *(n for n in state if n not in state_order)]],
+        "loss": meta.get("loss") or None,
+        "labels": meta.get("labels") or None,
+        "optimizer": json.loads(meta["optimizer"]) if meta.get("optimizer") else None,
+        "param_groups": json.loads(meta["param_groups"]) if meta.get("param_groups") else None,
+        "schedule": _schedule(meta, counter, state),
+        "counter": counter,
+    }
+    checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
+    return manifest

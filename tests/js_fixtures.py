@@ -1,0 +1,165 @@
+"""Fixtures for the JavaScript trainer's tests (``js/test/``), written by Python.
+
+For each test model: ``export_step`` of a fresh TrainingSession (``<model>/export/``), the
+batches it trains on (``batches.safetensors``: each input stacked over a cycle of distinct
+batches), and what Python's TrainingSession did with them (``expected.json``: the loss and
+learning rates of every step; ``expected_state.safetensors``: the state after the last
+step). The Node and browser tests train the export on the same batches and compare.
+
+Models: the digits-sized MLP 64-128-10 (Adam); a tiny BERT classifier (transformers, 2
+layers, AdamW with weight decay, clipping by global norm, warm-up + cosine schedule); a small
+CNN with BatchNorm in train mode (running statistics are state) and Nesterov momentum, with
+a StepLR schedule. Also ``example/``: the browser example's digits MLP, pre-trained in Python.
+
+Run ``python tests/js_fixtures.py OUT_DIR`` to write them by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import onnx_training_ops as ot  # noqa: E402
+from onnx_training_ops import schedules  # noqa: E402
+from onnx_training_ops.demo import make_mlp  # noqa: E402
+from onnx_training_ops.export import export_step, safetensors  # noqa: E402
+
+STEPS = 200
+CYCLE = 8
+
+
+def _mlp(rng):
+    training = ot.build_training_model(make_mlp((64, 128, 10)), "cross_entropy", ot.Adam(lr=1e-3))
+    teacher = rng.standard_normal((64, 10)).astype(np.float32)
+    x = rng.standard_normal((CYCLE, 32, 64)).astype(np.float32)
+    return training, {"input": x, "labels": np.argmax(x @ teacher, axis=-1).astype(np.int64)}, None
+
+
+def _bert(rng):
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import real_models
+
+    module, _ = real_models.build("bert")
+    ids = rng.integers(2, 100, (CYCLE, 4, 8)).astype(np.int64)
+    mask = np.ones((CYCLE, 4, 8), np.int64)
+    mask[:, :, 6:] = rng.integers(0, 2, (CYCLE, 4, 2))
+    model = real_models.export(module, {"input_ids": torch.from_numpy(ids[0]),
+                                        "attention_mask": torch.from_numpy(mask[0])}, "torchscript")
+    training = ot.build_training_model(model, "cross_entropy", ot.AdamW(lr=1e-3, weight_decay=0.01),
+                                       clip_grad_norm=1.0)
+    labels = (ids[:, :, 0] % 3).astype(np.int64)
+    return training, {"input_ids": ids, "attention_mask": mask, "labels": labels}, \
+        schedules.WarmupCosineLR(warmup_steps=20, total_steps=STEPS)
+
+
+def _cnn(rng):
+    def tensor(name, *shape, scale=0.3):
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    inits = [tensor("conv1.w", 6, 1, 3, 3), tensor("conv1.b", 6), tensor("bn.scale", 6, scale=0.1),
+             tensor("bn.bias", 6, scale=0.1), tensor("bn.mean", 6, scale=0.1),
+             numpy_helper.from_array(rng.uniform(0.5, 1.5, 6).astype(np.float32), "bn.var"),
+             tensor("conv2.w", 8, 6, 3, 3), tensor("conv2.b", 8), tensor("fc.w", 8, 10), tensor("fc.b", 10)]
+    inits[2].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(inits[2]) + 1, "bn.scale"))
+    nodes = [helper.make_node("Conv", ["image", "conv1.w", "conv1.b"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c1", "bn.scale", "bn.bias", "bn.mean", "bn.var"], ["n1"]),
+             helper.make_node("Relu", ["n1"], ["r1"]),
+             helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p1", "conv2.w", "conv2.b"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("GlobalAveragePool", ["r2"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc.w", "fc.b"], ["logits"])]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 1, 8, 8])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    training = ot.build_training_model(model, "cross_entropy", ot.Momentum(lr=0.05, momentum=0.9, nesterov=True),
+                                       mode="train")
+    images = rng.standard_normal((CYCLE, 16, 1, 8, 8)).astype(np.float32)
+    labels = (images.reshape(CYCLE, 16, -1)[:, :, :10].argmax(-1)).astype(np.int64)
+    return training, {"image": images, "labels": labels}, schedules.StepLR(step_size=50, gamma=0.5)
+
+
+MODELS = {"mlp": _mlp, "bert": _bert, "cnn": _cnn}
+
+
+def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
+    """Export ``name`` fresh, train it ``steps`` steps in Python, write what JS must match."""
+    training, batches, schedule = MODELS[name](np.random.default_rng(0))
+    directory = out_dir / name
+    session = ot.TrainingSession(training)
+    if schedule is not None:
+        session.set_lr_schedule(schedule)
+    export_step(session, directory / "export", packed=True)
+    (directory / "batches.safetensors").write_bytes(safetensors.encode(batches))
+    losses, rates, returned = [], [], []
+    for i in range(steps):
+        rates.append(session.learning_rates)
+        result = session.step({k: v[i % CYCLE] for k, v in batches.items()})
+        losses.append(float(result["loss"]))
+        returned.append({k: float(v) for k, v in result.items() if np.size(v) == 1})
+    evaluation = session.evaluate({k: v[0] for k, v in batches.items()})
+    (directory / "expected.json").write_text(json.dumps({
+        "steps": steps, "cycle": CYCLE, "losses": losses, "learning_rates": rates, "returned": returned,
+        "eval_loss": float(evaluation["loss"])}))
+    (directory / "expected_state.safetensors").write_bytes(safetensors.encode(session.state_dict()))
+    return directory
+
+
+def write_example(out_dir: Path) -> Path:
+    """The browser example's export (``examples/browser/export_model.py``) in ``out_dir/example``."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "browser" / "export_model.py"
+    spec = importlib.util.spec_from_file_location("browser_export_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_example(Path(out_dir) / "example")
+
+
+SCHEDULES = [
+    schedules.StepLR(step_size=7, gamma=0.3), schedules.MultiStepLR(milestones=(30, 5, 12), gamma=0.7),
+    schedules.ExponentialLR(gamma=0.97), schedules.CosineAnnealingLR(T_max=17, eta_min=1e-4),
+    schedules.LinearLR(start_factor=0.2, end_factor=0.9, total_iters=9),
+    schedules.OneCycleLR(max_lr={"lr_a": 0.3, "lr_b": 0.05}, total_steps=60, pct_start=0.25),
+    schedules.OneCycleLR(max_lr=0.2, total_steps=60, anneal_strategy="linear", three_phase=True),
+    schedules.WarmupCosineLR(warmup_steps=6, total_steps=50, num_cycles=1.5),
+    schedules.WarmupLinearLR(warmup_steps=5, total_steps=40),
+]
+
+
+def write_schedules(out_dir: Path, steps: int = 60) -> None:
+    """Each schedule's rate at steps 0..steps for two learning-rate inputs (base 0.1 and 0.02)."""
+    table = []
+    for schedule in SCHEDULES:
+        spec = json.loads(schedules.to_json(schedule, 0))
+        rates = {name: [schedules.rate(schedule, base, k, name) for k in range(steps + 1)]
+                 for name, base in (("lr_a", 0.1), ("lr_b", 0.02))}
+        table.append({"type": spec["type"], "args": spec["args"], "bases": {"lr_a": 0.1, "lr_b": 0.02},
+                      "rates": rates})
+    (out_dir / "schedules.json").write_text(json.dumps(table))
+
+
+def write_all(out_dir: Path, steps: int = STEPS) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_schedules(out_dir)
+    for name in MODELS:
+        write_model(name, out_dir, steps)
+    write_example(out_dir)
+    return out_dir
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/js_fixtures.py OUT_DIR")
+    print(write_all(Path(sys.argv[1])))

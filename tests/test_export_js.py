@@ -1,0 +1,108 @@
+"""The JavaScript trainer (js/) for real: Python writes the fixtures (tests/js_fixtures.py), then
+``node --test`` trains them in onnxruntime-node and headless Chromium trains them in
+onnxruntime-web (js/test/*.test.js); here the states and models they wrote come back to Python.
+
+Needs node and js/node_modules (``cd js && npm ci --ignore-scripts``) and Debian's chromium:
+``make test`` installs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import js_fixtures
+from onnx_training_ops.export import load_state, safetensors, session_from_export
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    return js_fixtures.write_all(tmp_path_factory.mktemp("js"))
+
+
+def _node_test(files: list[str], fixtures: Path) -> str:
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node is not installed (make test installs it with apt-get)")
+    if not (REPO / "js" / "node_modules" / "onnxruntime-node").is_dir():
+        pytest.fail("js/node_modules is missing: cd js && npm ci --ignore-scripts (make test does it)")
+    env = {**os.environ, "OTO_FIXTURES": str(fixtures), "PYTHON": sys.executable}
+    run = subprocess.run([node, "--test", *files], cwd=REPO / "js", env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def _continue_one_step(fixtures: Path, name: str, state_file: str) -> dict:
+    """A TrainingSession on the export's step model, loaded with ``state_file``, one step on."""
+    session = session_from_export(fixtures / name / "export")
+    load_state(session, fixtures / name / state_file)
+    batches, _ = safetensors.read(fixtures / name / "batches.safetensors")
+    rate = np.array(json.loads((fixtures / name / "expected.json").read_text())["learning_rates"][-1]["learning_rate"],
+                    np.float32)
+    result = session.step({**{k: v[0] for k, v in batches.items()}, "learning_rate": rate})
+    return {"loss": result["loss"], **session.state_dict()}
+
+
+def test_node_trains_the_models_like_python_and_python_continues(fixtures):
+    """Node: each step's loss within 1e-5 of Python's (js/test/train.test.js); here: the state
+    Node reached equals Python's, loads into a TrainingSession and continues like Python's."""
+    _node_test(["test/train.test.js", "test/unit.test.js", "test/readme.test.js"], fixtures)
+    for name in js_fixtures.MODELS:
+        expected, _ = safetensors.read(fixtures / name / "expected_state.safetensors")
+        trained, _ = safetensors.read(fixtures / name / "node_state.safetensors")
+        assert set(trained) == set(expected)
+        for key, value in expected.items():
+            np.testing.assert_allclose(trained[key], value, rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
+        ours = _continue_one_step(fixtures, name, "node_state.safetensors")
+        theirs = _continue_one_step(fixtures, name, "expected_state.safetensors")
+        for key, value in theirs.items():
+            np.testing.assert_allclose(ours[key], value, rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
+
+
+def test_node_writes_a_self_contained_trained_inference_model(fixtures):
+    """trainer.inferenceModel(): the trained weights embedded; Python's onnxruntime runs it and
+    it computes what the eval model computes with those weights."""
+    for name in js_fixtures.MODELS:
+        path = fixtures / name / "node_inference.onnx"
+        if not path.exists():
+            _node_test(["test/train.test.js"], fixtures)
+        model = ort.InferenceSession(path.read_bytes())
+        state, _ = safetensors.read(fixtures / name / "node_state.safetensors")
+        batches, _ = safetensors.read(fixtures / name / "batches.safetensors")
+        feeds = {i.name: batches[i.name][0] for i in model.get_inputs()}
+        evaluation = ort.InferenceSession(str(fixtures / name / "export" / "eval.onnx"))
+        eval_feeds = {i.name: (state[i.name] if i.name in state else batches[i.name][0]) for i in evaluation.get_inputs()}
+        output = model.get_outputs()[0].name
+        np.testing.assert_allclose(model.run([output], feeds)[0], evaluation.run([output], eval_feeds)[0],
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_chromium_trains_the_models_and_the_browser_example(fixtures):
+    """onnxruntime-web (wasm) in headless Chromium: each step's loss within 1e-5 of Python's, the
+    final state close to Python's; the example page's downloaded model scores what the page said."""
+    _node_test(["test/browser.test.js"], fixtures)
+    for name in js_fixtures.MODELS:
+        report = json.loads((fixtures / name / "browser_report.json").read_text())
+        assert report["worstLoss"] <= 1e-5 and report["steps"] == js_fixtures.STEPS
+        expected, _ = safetensors.read(fixtures / name / "expected_state.safetensors")
+        trained, _ = safetensors.read(fixtures / name / "browser_state.safetensors")
+        for key, value in expected.items():
+            np.testing.assert_allclose(trained[key], value, rtol=1e-3, atol=1e-5, err_msg=f"{name} {key}")
+    example = json.loads((fixtures / "example" / "browser_example.json").read_text())
+    data, _ = safetensors.read(fixtures / "example" / "data.safetensors")
+    downloaded = ort.InferenceSession((fixtures / "example" / "downloaded.onnx").read_bytes())
+    logits = downloaded.run(None, {"input": data["test_x"]})[0]
+    accuracy = float(np.mean(logits.argmax(-1) == data["test_y"]))
+    assert abs(accuracy - example["accuracyAfter"]) <= 1 / len(data["test_y"])
+    assert example["accuracyAfter"] > example["accuracyBefore"]
