@@ -285,3 +285,27 @@ def test_a_gradient_that_only_broadcasts_to_its_parameter_still_trains():
     assert fast.fast_path_nodes and not fast._programs[0].prebound
     for name in init:
         assert np.array_equal(fast.state_dict()[name], full.state_dict()[name]), name
+
+
+def test_a_transposed_frozen_weight_is_one_copy(tmp_path, large):
+    """torch's Linear is MatMul(x, Transpose(W)): prepare folds the transpose of a frozen,
+    memory-mapped weight into one transposed array (onnxruntime would keep both)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 300)).astype(np.float32)  # [out, in], 38 KB
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Wt"], ["y"])],
+        "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 300])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])], [numpy_helper.from_array(w, "W")])
+    path = str(tmp_path / "linear.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path,
+              save_as_external_data=True, location="linear.onnx.data")
+    prepared = prepare(path)
+    assert [n.op_type for n in prepared.model_proto.graph.node] == ["MatMul"]
+    (key, array), = prepared.large_initializers.items()
+    assert array.shape == (300, 32) and np.array_equal(array, w.T) and not isinstance(array, np.memmap)
+    x = rng.standard_normal((2, 300)).astype(np.float32)
+    from onnx_training_ops import InferenceSession
+
+    np.testing.assert_allclose(InferenceSession(path).run(None, {"x": x})[0], x @ w.T, rtol=1e-5, atol=1e-5)

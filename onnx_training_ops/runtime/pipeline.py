@@ -3,12 +3,15 @@ of the chosen kernels."""
 
 from __future__ import annotations
 
+import onnx
 from onnx import ModelProto
 
 from ..passes import NATIVE_PASSES, PASSES, PORTABLE_PASSES
+from ..storage.external_data import transposed
 from ..storage.large_model import LargeModel
-from ..storage.tensors import proto_of
 from ..storage.model_files import ModelLike, load_model
+from ..storage.tensors import add_array, all_tensors, location, proto_of
+from ..walk import remove_nodes
 from . import plugin
 from .options import select_kernels
 
@@ -38,9 +41,47 @@ def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False
     else:
         passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
     opened = load_model(model, large=True)
+    if isinstance(opened, LargeModel):
+        fold_constant_transposes(opened)
     result = proto_of(opened)
     for _, run_pass in passes:
         result = run_pass(result)
     if not portable:
         plugin.register()
     return opened.with_proto(result) if isinstance(opened, LargeModel) else result
+
+
+def fold_constant_transposes(model: LargeModel) -> None:
+    """``Transpose`` of a detached initializer read by nothing else becomes a detached
+    initializer of the transposed values (in place). torch exports ``nn.Linear`` as
+    ``MatMul(x, Transpose(W))``: onnxruntime's constant folding would keep a transposed copy
+    of every frozen weight next to the original (a LoRA base model twice); this copy is read
+    from the file without mapping it, and the original leaves the model."""
+    graph = model.model_proto.graph
+    inits = {t.name: t for t in graph.initializer if location(t) is not None}
+    reads: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            reads[name] = reads.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    folded = []
+    for node in graph.node:
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(node.input) != 1:
+            continue
+        source = inits.get(node.input[0])
+        if source is None or reads.get(source.name) != 1 or source.name in outputs:
+            continue
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        array = model.array(source)
+        perm = perm or list(reversed(range(array.ndim)))
+        tensor = onnx.TensorProto(name=node.output[0], data_type=source.data_type,
+                                  dims=[array.shape[p] for p in perm])
+        add_array(model, tensor, transposed(array, perm))
+        graph.initializer.append(tensor)
+        folded.append((node, source))
+    for node, source in folded:
+        graph.initializer.remove(source)
+    remove_nodes(graph, [node for node, _ in folded])
+    if folded:  # the originals' arrays go with them
+        used = {location(t) for t in all_tensors(model.model_proto)}
+        model.large_initializers = {k: v for k, v in model.large_initializers.items() if k in used}

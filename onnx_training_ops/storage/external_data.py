@@ -186,3 +186,21 @@ def read_into(path: str, offset: int, out: np.ndarray, hasher=None) -> np.ndarra
     if sys.byteorder == "big":  # pragma: no cover - the files are little-endian
         out.byteswap(inplace=True)
     return out
+
+
+def transposed(array: np.ndarray, perm) -> np.ndarray:
+    """``array.transpose(perm)`` as a new C-contiguous array. A 2-D memory map is read in
+    blocks of rows by ``readinto`` (its pages are never mapped into the process), so the
+    result is the only copy the resident set counts."""
+    perm = tuple(perm)
+    if not (isinstance(array, np.memmap) and array.ndim == 2 and perm == (1, 0)):
+        return np.ascontiguousarray(np.asarray(array).transpose(perm))
+    rows, cols = array.shape
+    out = np.empty((cols, rows), array.dtype)
+    step = max(1, CHUNK // max(1, cols * array.itemsize))
+    block = np.empty((step, cols), array.dtype)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        read_into(array.filename, array.offset + start * cols * array.itemsize, block[:n])
+        out[:, start:start + n] = block[:n].T
+    return out
