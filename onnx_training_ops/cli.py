@@ -52,7 +52,7 @@ def _import_ortt(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from .storage.checkpoint import save_model
+    from .storage.save import save_model
     from .errors import TrainingOpError
 
     _require("flatbuffers", "migrate")
