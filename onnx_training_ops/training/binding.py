@@ -12,10 +12,11 @@ from typing import Sequence
 
 import numpy as np
 import onnxruntime as ort
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..storage.tensors import proto_of
+from ..storage.large_model import LargeModel
+from ..storage.tensors import location, proto_of
 from ..schema import DOMAIN
 from ..runtime.pipeline import prepare
 from ..runtime.session import InferenceSession
@@ -35,14 +36,21 @@ def open_program(
     providers: Sequence[str | tuple[str, dict]],
     in_place: bool = False,
     guard: bool = False,
+    constants_as_inputs: bool = False,
 ) -> Program:
     """Create the onnxruntime session and the IOBinding of an analysed program.
 
     ``in_place``: bind the native optimizers' outputs onto their state arrays where that is
     safe (:mod:`.in_place`), so the run updates the state without copies. ``guard``: the
     step may still be undone by the loss check, so the optimizers get a guard that stops
-    the run before them on a non-finite loss (without a guard, no in-place writes)."""
-    combined, graph = program.combined, proto_of(program.combined).graph
+    the run before them on a non-finite loss (without a guard, no in-place writes).
+    ``constants_as_inputs``: a large model's detached constants become inputs bound to
+    their arrays (onnxruntime copies initializers, reads bound inputs in place)."""
+    combined = program.combined
+    constants: dict[str, np.ndarray] = {}
+    if constants_as_inputs and isinstance(combined, LargeModel):  # after prepare's transpose fold
+        combined, constants = _constants_as_inputs(prepare(combined))
+    graph = proto_of(combined).graph
     state_inputs, rate_inputs = program.state_inputs, program.rate_inputs
     returned, fixed_outputs = program.returned, program.fixed_outputs
     found: dict[str, str] = {}
@@ -68,13 +76,18 @@ def open_program(
         program.keep_alive.append(value)
         state_values[name] = value
     program.in_place = {out: name for out, name in found.items() if name in state_values}
+    for name, array in constants.items():  # bound once, read in place (no copy in onnxruntime)
+        if name in session_inputs:
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            io.bind_ortvalue_input(name, value)
+            program.keep_alive += [array, value]
     for name, buf in rate_inputs.items():
         if name in session_inputs:
             value = ort.OrtValue.ortvalue_from_numpy(buf)
             io.bind_ortvalue_input(name, value)
             program.keep_alive.append(value)
     for vi in graph.input:
-        if vi.name in state or vi.name in rate_inputs or vi.name not in session_inputs:
+        if vi.name in state or vi.name in rate_inputs or vi.name in constants or vi.name not in session_inputs:
             continue
         spec = feed_spec(vi)
         if vi.name in program.input_defaults:  # optional: bound every step, to the default if not fed
@@ -107,6 +120,24 @@ def open_program(
                                           *program.rms_sources.values()))
     del program.combined  # the session holds what it needs
     return program
+
+
+def _constants_as_inputs(model: LargeModel) -> tuple[LargeModel, dict[str, np.ndarray]]:
+    """``model`` whose detached constants are graph inputs, and their arrays. onnxruntime
+    copies the initializers it is given (``add_external_initializers`` too: measured), but
+    reads a bound input in place: a frozen base model stays one copy."""
+    graph = model.model_proto.graph
+    constants, kept = {}, []
+    for tensor in graph.initializer:
+        if location(tensor) is None:
+            kept.append(tensor)
+            continue
+        array = model.array(tensor)
+        constants[tensor.name] = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return model.with_proto(model.model_proto), constants
 
 
 def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:

@@ -163,7 +163,8 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         if rehome:
             lay_out_flat(self._state, [n for n in self._trainable_names() if n in self._state])
         programs = [open_program(p, self._state, self._session_options(), self._providers,
-                                 in_place=not self.fast, guard=self.on_nonfinite != "ignore") for p in analyses]
+                                 in_place=not self.fast, guard=self.on_nonfinite != "ignore",
+                                 constants_as_inputs=self._large) for p in analyses]
         for program in programs:
             if program.guarded:
                 program.fallback = functools.partial(self._copying_program, program.index, model)
