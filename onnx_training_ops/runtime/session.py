@@ -31,9 +31,10 @@ class InferenceSession(ort.InferenceSession):
 
     A large model (a LargeModel, or a file past
     :func:`~onnx_training_ops.storage.large_model_bytes`) reaches onnxruntime as its small
-    message plus its big tensors as OrtValues over the arrays themselves
-    (``SessionOptions.add_external_initializers``: no copy, no 2 GB limit; the options
-    object gains them too, so give each large model options of its own).
+    message plus its big tensors as OrtValues over the arrays
+    (``SessionOptions.add_external_initializers``: no 2 GB limit, but onnxruntime copies
+    them; a TrainingSession binds them as inputs instead. The options object gains them
+    too, so give each large model options of its own).
     """
 
     def __init__(
@@ -79,7 +80,7 @@ class InferenceSession(ort.InferenceSession):
 
 def external_initializers(model: LargeModel, options: ort.SessionOptions) -> list:
     """Hand the main graph's detached tensors of ``model`` to onnxruntime through ``options``
-    as OrtValues over the arrays (zero-copy); returns what must outlive the session."""
+    as OrtValues over the arrays (onnxruntime copies them); returns what must outlive the session."""
     names, values, keep = [], [], []
     for tensor in model.model_proto.graph.initializer:
         if location(tensor) is None:
