@@ -36,7 +36,7 @@ def _positive_int(text: str) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     import os
 
-    from .storage.checkpoint import save_model
+    from .storage.save import save_model
     from .errors import TrainingOpError
     from .runtime.pipeline import prepare
 
@@ -52,7 +52,7 @@ def _import_ortt(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from .storage.checkpoint import save_model
+    from .storage.save import save_model
     from .errors import TrainingOpError
 
     _require("flatbuffers", "migrate")
@@ -154,6 +154,11 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench.overhead import main as overhead_main
 
         return overhead_main(args.bench_args[1:])
+    if args.bench_args[:1] == ["memory"]:  # peak RSS of real models: ours, torch eager, onnxruntime-training
+        from .bench.memory import main as memory_main
+
+        return memory_main(args.bench_args[1:])
+
     if not any(a in ("-h", "--help") for a in args.bench_args):
         for module in ("torch", "matplotlib"):
             _require(module, "test")
@@ -231,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", add_help=False,  # every argument, --help included, goes to onnx_training_ops.bench.main
         help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`; "
              "`bench embeddings`: a 1M-row table, dense vs lazy Adam vs torch; `bench overhead`: import and "
-             "Gradient-expansion times",
+             "Gradient-expansion times; `bench memory`: peak RSS of fine-tuning GPT-2/BERT, ours vs torch vs "
+             "onnxruntime-training",
     )
     b.set_defaults(func=_bench)
     return parser

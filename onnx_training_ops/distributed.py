@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from .storage import checkpoint
 from .build.model_metadata import metadata
 from .errors import TrainingOpError
 from .storage.model_files import load_model
+from .storage.save import save_model
+from .storage.snapshot import write_state
+from .storage.tensors import proto_of
 from .training.fingerprint import differences, fingerprint
 from .training.session import TrainingSession
 from .training.shard import optimizer_state, partition, shard_model, skeleton
@@ -128,7 +130,7 @@ class DistributedTrainingSession:
         else:
             if not isinstance(session, TrainingSession):
                 session = TrainingSession(session, **session_kwargs)
-            self._fingerprint = fingerprint(session._model)
+            self._fingerprint = fingerprint(proto_of(session._model))
         self.session = session
         self._check_same_model()
         self._rate_names = sorted({name for names in self._gather(session.learning_rate_names) for name in names})
@@ -393,8 +395,8 @@ class DistributedTrainingSession:
         else:
             state = self.full_state_dict()
             if self.rank == 0:
-                model = checkpoint.write_state(self._skeleton[0], state, self.session.checkpoint_metadata())
-                path = checkpoint.save_model(model, path)
+                model = write_state(self._skeleton[0], state, self.session.checkpoint_metadata())
+                path = save_model(model, path)
         self._collective("barrier", self._dist.barrier, group=self.group)
         return os.fspath(path)
 

@@ -5,7 +5,7 @@ Foundation code (imports only onnx): storage, passes, build and training all wal
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto
@@ -43,3 +43,13 @@ def drop_named(field, names) -> None:
     kept = [entry for entry in field if entry.name not in names]
     del field[:]
     field.extend(kept)
+
+
+def remove_nodes(graph: GraphProto, doomed: Iterable[NodeProto]) -> None:
+    """Delete ``doomed`` (node objects of ``graph.node``) in place. The nodes kept stay the
+    same objects: rebuilding the list (``del graph.node[:]``, ``extend``) would copy them,
+    and a node held elsewhere (an optimizer node the fast path cuts) would then no longer
+    be one of the graph's, so removing it by identity would silently miss it."""
+    ids = {id(node) for node in doomed}
+    for i in reversed([i for i, node in enumerate(graph.node) if id(node) in ids]):
+        del graph.node[i]

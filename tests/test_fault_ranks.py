@@ -26,7 +26,7 @@ def test_ranks_with_different_models_fail_cleanly_on_every_rank(tmp_path):
             variant = case.removesuffix("-zero")
             if variant in EXPECTED:
                 assert lines[case].startswith("clean-error"), (case, lines[case])
-                assert f"rank 1 differs from rank 0 in" in lines[case] and EXPECTED[variant] in lines[case]
+                assert "rank 1 differs from rank 0 in" in lines[case] and EXPECTED[variant] in lines[case]
             else:  # same graph (other initial values: rank 0's are broadcast)
                 assert lines[case].startswith("ran"), (case, lines[case])
     assert done[0].stdout == done[1].stdout  # the same outcome and digests on both ranks

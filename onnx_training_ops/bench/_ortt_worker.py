@@ -27,7 +27,6 @@ from timing import time_step  # noqa: E402
 
 def build(sizes, batch, out_dir):
     import numpy as np
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime.training import artifacts
 

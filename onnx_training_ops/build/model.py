@@ -40,6 +40,8 @@ from ..errors import TrainingOpError
 from ..passes._graph import all_names, value_types
 from ..passes.fit_runtime import fit_runtime, runtime_limits
 from ..schema import DOMAIN, OPSET_VERSION
+from ..storage.large_model import LargeModel
+from ..storage.tensors import all_tensors, large_model_bytes, proto_of, tensor_nbytes
 from ..storage.model_files import ModelLike, load_model
 from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, training_info
@@ -133,14 +135,21 @@ def build_training_model(
     clip_grad_norm: float | None = None,
     clip_grad_value: float | None = None,
     sparse_updates: Mapping[str, str] | None = None,
-) -> onnx.ModelProto:
+) -> onnx.ModelProto | LargeModel:
     """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
+
+    A large model comes back as a :class:`~onnx_training_ops.storage.LargeModel` (its
+    message and its big tensors as arrays): when ``model`` is one, or a file past
+    :func:`~onnx_training_ops.storage.large_model_bytes` of tensors (its weights then stay
+    memory-mapped from the file), or when the training model's tensors (weights and
+    optimizer state) would pass that size. Its optimizer state takes no memory: read-only
+    constant arrays that a :class:`~onnx_training_ops.TrainingSession` materializes.
 
     Parameters
     ----------
     model:
-        an inference model (ModelProto, path or bytes), e.g. from ``onnx.helper`` or
-        ``torch.onnx.export``. Opsets below 13 are converted.
+        an inference model (ModelProto, LargeModel, path or bytes), e.g. from ``onnx.helper``
+        or ``torch.onnx.export`` (past 2 GB: with external data). Opsets below 13 are converted.
     loss:
         a loss of :mod:`onnx_training_ops.build.losses` (``CrossEntropyLoss(...)``, ``MSELoss()``,
         ``L1Loss()``, ``HuberLoss()``, ``SmoothL1Loss()``, ``BCEWithLogitsLoss()``), one of
@@ -188,7 +197,8 @@ def build_training_model(
     _check_choices(mode, optimizer)
     clip_grad_norm = checked_limit("clip_grad_norm", clip_grad_norm)
     clip_grad_value = checked_limit("clip_grad_value", clip_grad_value)
-    model = _fit_opset(load_model(model))
+    opened = load_model(model, large=True)
+    model = _fit_opset(proto_of(opened))
     if mode == "train":
         model = fit_opset(model)  # Dropout masks need opset 18
     if model.training_info:
@@ -214,8 +224,10 @@ def build_training_model(
                                          algo.nodes if mode == "train" else model.graph.node)
     state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
                                      clip_grad_value, algo, tables)
+    large = isinstance(opened, LargeModel) or _training_bytes(model, params, groups) > large_model_bytes()
+    arrays = dict(opened.large_initializers) if isinstance(opened, LargeModel) else {}
     initialization, init_binding = initialization_graph(params, groups, state_names, t_name,
-                                                   algo.taken, algo.inits)
+                                                        algo.taken, algo.inits, arrays if large else None)
     inits = {t.name: t for t in model.graph.initializer}
     for stat, new in stat_updates:  # running statistics (mode="train"): state, not trained
         algo.bind(stat, new, inits[stat].data_type, inits[stat].dims)
@@ -244,4 +256,12 @@ def build_training_model(
         meta["grad_norm"] = norm_name
     if modes:
         meta["sparse_updates"] = json.dumps(modes)
-    return _finish(model, meta)
+    model = _finish(model, meta)
+    return LargeModel(model, arrays).with_proto(model) if large else model
+
+
+def _training_bytes(model: onnx.ModelProto, params, groups) -> int:
+    """Bytes of the training model's tensors: the inference model's and the optimizer state."""
+    states = {p: len(g.optimizer.states) for g in groups for p in g.params}
+    return sum(tensor_nbytes(t) for t in all_tensors(model)) + \
+        sum(tensor_nbytes(p) * states.get(p.name, 0) for p in params)

@@ -29,6 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrainingOpError
+from ..storage.tensors import constant_values
 from ..walk import all_graphs
 from ..passes._graph import all_names, unique_name
 
@@ -282,7 +283,7 @@ def _dropout_ratio(node: onnx.NodeProto, constants: Mapping[str, np.ndarray]) ->
 
 
 def _constants(graph: onnx.GraphProto, nodes) -> dict[str, np.ndarray]:
-    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    values = constant_values(graph.initializer)
     for n in nodes:
         if _is(n, "Constant") and n.attribute and n.attribute[0].name == "value":
             values[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)

@@ -39,7 +39,7 @@ import onnx
 from ..build import META_PREFIX, build_training_model
 from ..build.optimizers import Momentum
 from ..errors import TrainingOpError
-from ..storage.checkpoint import write_state
+from ..storage.snapshot import write_state
 from ..training.nominal import nominal_model
 from ..training.state import collect_state_protos
 from .adamw import OrtAdamW

@@ -28,6 +28,7 @@ from ..autodiff.emitter import FLOAT_TYPES
 from ..autodiff import Emitter, ValueMeta, backprop, topological_sort
 from ..autodiff.graph import ancestors, node_reads, producer_map
 from ..errors import TrainingOpError, node_label
+from ..storage.tensors import location
 from ..walk import all_graphs
 from ._graph import all_names, concatenated
 
@@ -95,8 +96,8 @@ class _Constants(Mapping):
         self._cache: dict[str, np.ndarray | None] = {}
 
     def _convert(self, proto) -> np.ndarray | None:
-        if isinstance(proto, onnx.TensorProto):
-            return numpy_helper.to_array(proto)
+        if isinstance(proto, onnx.TensorProto):  # a weight outside the message is no constant here
+            return None if location(proto) is not None else numpy_helper.to_array(proto)
         for a in proto.attribute:
             v = helper.get_attribute_value(a)
             if a.name == "value":

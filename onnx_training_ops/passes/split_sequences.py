@@ -11,12 +11,13 @@ import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, helper, numpy_helper
 
+from ..storage.tensors import constant_values
 from ..walk import all_graphs
 from ._graph import value_types
 
 
 def _constants(graph: GraphProto) -> dict[str, np.ndarray]:
-    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    values = constant_values(graph.initializer)
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
             value = helper.get_attribute_value(node.attribute[0])  # value, value_ints, ...

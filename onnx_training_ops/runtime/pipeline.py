@@ -3,15 +3,20 @@ of the chosen kernels."""
 
 from __future__ import annotations
 
+import onnx
 from onnx import ModelProto
 
 from ..passes import NATIVE_PASSES, PASSES, PORTABLE_PASSES
+from ..storage.external_data import transposed
+from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, load_model
+from ..storage.tensors import add_array, all_tensors, location, proto_of
+from ..walk import remove_nodes
 from . import plugin
 from .options import select_kernels
 
 
-def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False) -> ModelProto:
+def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False) -> ModelProto | LargeModel:
     """Return a copy of ``model`` that a plain onnxruntime session (with :func:`session_options`) runs.
 
     Validates every node of ai.onnx.preview.training (raising TrainingOpError), expands
@@ -26,14 +31,57 @@ def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False
     ``portable=True`` (:data:`PORTABLE_PASSES`) lowers the optimizer nodes to standard ONNX
     ops instead: the result runs in any onnxruntime, or ``onnx.reference``, with nothing
     registered.
+
+    A :class:`~onnx_training_ops.storage.LargeModel`, or a file past
+    :func:`~onnx_training_ops.storage.large_model_bytes`, comes back as a LargeModel: the
+    passes rewrite its message, its big tensors stay arrays (memory-mapped from the file).
     """
     if portable:
         passes = PORTABLE_PASSES
     else:
         passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
-    result = load_model(model)
+    opened = load_model(model, large=True)
+    if isinstance(opened, LargeModel):
+        fold_constant_transposes(opened)
+    result = proto_of(opened)
     for _, run_pass in passes:
         result = run_pass(result)
     if not portable:
         plugin.register()
-    return result
+    return opened.with_proto(result) if isinstance(opened, LargeModel) else result
+
+
+def fold_constant_transposes(model: LargeModel) -> None:
+    """``Transpose`` of a detached initializer read by nothing else becomes a detached
+    initializer of the transposed values (in place). torch exports ``nn.Linear`` as
+    ``MatMul(x, Transpose(W))``: onnxruntime's constant folding would keep a transposed copy
+    of every frozen weight next to the original (a LoRA base model twice); this copy is read
+    from the file without mapping it, and the original leaves the model."""
+    graph = model.model_proto.graph
+    inits = {t.name: t for t in graph.initializer if location(t) is not None}
+    reads: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            reads[name] = reads.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    folded = []
+    for node in graph.node:
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(node.input) != 1:
+            continue
+        source = inits.get(node.input[0])
+        if source is None or reads.get(source.name) != 1 or source.name in outputs:
+            continue
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        array = model.array(source)
+        perm = perm or list(reversed(range(array.ndim)))
+        tensor = onnx.TensorProto(name=node.output[0], data_type=source.data_type,
+                                  dims=[array.shape[p] for p in perm])
+        add_array(model, tensor, transposed(array, perm))
+        graph.initializer.append(tensor)
+        folded.append((node, source))
+    for node, source in folded:
+        graph.initializer.remove(source)
+    remove_nodes(graph, [node for node, _ in folded])
+    if folded:  # the originals' arrays go with them
+        used = {location(t) for t in all_tensors(model.model_proto)}
+        model.large_initializers = {k: v for k, v in model.large_initializers.items() if k in used}

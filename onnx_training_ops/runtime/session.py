@@ -10,6 +10,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from ..storage.large_model import LargeModel
+from ..storage.tensors import location, proto_of
 from ..storage.model_files import ModelLike
 from .pipeline import prepare
 from ..errors import TrainingOpError
@@ -34,11 +36,19 @@ if hasattr(os, "register_at_fork"):
 class InferenceSession(ort.InferenceSession):
     """``onnxruntime.InferenceSession`` for models that use ai.onnx.preview.training.
 
-    Takes a path, serialized bytes or a ModelProto, runs :func:`prepare` on it (``kernels``:
+    Takes a path, serialized bytes, a ModelProto or a
+    :class:`~onnx_training_ops.storage.LargeModel`, runs :func:`prepare` on it (``kernels``:
     ``"native"``, ``"pyop"`` or None for the default, see :func:`prepare`) and
     registers the kernel library in ``sess_options`` (a copy is not made: the options
     object gains the library). Everything else — ``run``, ``get_inputs``,
     ``get_outputs``, ``io_binding`` — is onnxruntime's own.
+
+    A large model (a LargeModel, or a file past
+    :func:`~onnx_training_ops.storage.large_model_bytes`) reaches onnxruntime as its small
+    message plus its big tensors as OrtValues over the arrays
+    (``SessionOptions.add_external_initializers``: no 2 GB limit, but onnxruntime copies
+    them; a TrainingSession binds them as inputs instead. The options object gains them
+    too, so give each large model options of its own).
     """
 
     def __init__(
@@ -50,10 +60,12 @@ class InferenceSession(ort.InferenceSession):
         **kwargs: Any,
     ) -> None:
         prepared = prepare(model, kernels=kernels)
-        self.prepared_model = prepared
+        self.prepared_model = proto_of(prepared)
+        options = session_options(sess_options)
+        self._external = external_initializers(prepared, options) if isinstance(prepared, LargeModel) else []
         super().__init__(
-            prepared.SerializeToString(),
-            sess_options=session_options(sess_options),
+            self.prepared_model.SerializeToString(),
+            sess_options=options,
             providers=list(providers) if providers is not None else ["CPUExecutionProvider"],
             **kwargs,
         )
@@ -78,6 +90,25 @@ class InferenceSession(ort.InferenceSession):
         with held_interrupts(), native_errors_raised():
             super().run_with_iobinding(iobinding, run_options)
         raise_kernel_errors()
+
+
+def external_initializers(model: LargeModel, options: ort.SessionOptions) -> list:
+    """Hand the main graph's detached tensors of ``model`` to onnxruntime through ``options``
+    as OrtValues over the arrays (onnxruntime copies them); returns what must outlive the session."""
+    names, values, keep = [], [], []
+    for tensor in model.model_proto.graph.initializer:
+        if location(tensor) is None:
+            continue
+        array = model.array(tensor)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)  # a broadcast constant: onnxruntime needs the values
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        names.append(tensor.name)
+        values.append(value)
+        keep += [array, value]
+    if names:
+        options.add_external_initializers(names, values)
+    return keep
 
 
 @contextmanager

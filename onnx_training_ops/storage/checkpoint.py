@@ -12,7 +12,7 @@ Temporary files left by a writer that died (or by this process's own interrupted
 removed by the next save to the same path, and only those: a save to ``ck.onnx`` never touches
 the temporary of a concurrent save to ``ck.onnx.bak``.
 
-**Integrity**: :func:`write_state` stores SHA-256 checksums of every initializer and of the
+**Integrity**: :func:`.snapshot.write_state` stores SHA-256 checksums of every initializer and of the
 rest of the model in ``metadata_props`` (``onnx_training_ops.checksums``); :func:`verify`
 (run by TrainingSession on load) names the first tensor that no longer matches. A checkpoint
 without checksums (written before they existed) loads unchecked.
@@ -26,14 +26,17 @@ import os
 import re
 import tempfile
 import threading
-from typing import Mapping
+from typing import BinaryIO, Callable, Mapping
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from onnx.model_container import ModelContainer
 
 from ..errors import FileWriteError, TrainingOpError
 from ..interrupts import held_interrupts
+from .external_data import digest
+from .tensors import array_of, location, proto_of
 
 CHECKSUM_KEY = "onnx_training_ops.checksums"
 
@@ -57,8 +60,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> str:
+def atomic_write(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], object],
+                 final_path: Callable[[], str] | None = None) -> str:
     """Write ``data`` to ``path`` atomically (temp file + fsync + os.replace); returns the path.
+    ``data``: bytes, or a function that writes to the open file (streamed, never joined in
+    memory). ``final_path``: asked once the file is written (a name that depends on what
+    was written): the file goes there instead of ``path``.
 
     A Ctrl-C (or any error) while writing removes the temporary; its creation and
     registration are one Ctrl-C-held step, so none is ever left behind unnamed. An OSError
@@ -75,7 +82,7 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> str:
             with _IN_FLIGHT_LOCK:
                 _IN_FLIGHT.add(tmp)
         f, fd = os.fdopen(fd, "wb"), None
-        _write_and_rename(f, tmp, path, data)
+        path = _write_and_rename(f, tmp, path, data, final_path)
     except BaseException as error:
         if fd is not None:
             os.close(fd)
@@ -102,15 +109,18 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> str:
     return path
 
 
-def _write_and_rename(f, tmp: str, path: str, data: bytes) -> None:
+def _write_and_rename(f, tmp: str, path: str, data, final_path) -> str:
     with f:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(f.fileno(), 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        f.write(data)
+        data(f) if callable(data) else f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if final_path is not None:
+        path = final_path()
     os.replace(tmp, path)
+    return path
 
 
 def _remove_stale_temporaries(directory: str, prefix: str) -> None:
@@ -156,83 +166,113 @@ def _graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
     return graphs
 
 
-def checksums(model: onnx.ModelProto) -> dict:
-    """SHA-256 of every initializer (by name) and of the model without them."""
-    tensors = {}
+def header_digest(tensor: onnx.TensorProto) -> str:
+    """SHA-256 of what a tensor stored as external data keeps in the message: name, type, dims."""
+    header = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type)
+    header.dims.extend(tensor.dims)
+    return hashlib.sha256(header.SerializeToString()).hexdigest()
+
+
+def checksums(model: onnx.ModelProto | ModelContainer, data: Mapping[str, str] | None = None) -> dict:
+    """SHA-256 of every initializer (by name) and of the model without them. A tensor whose
+    values are outside the message (a LargeModel's array, external data) gets the digest of
+    its header (:func:`header_digest`) under ``tensors`` and of its values under ``data``
+    (``data[name]`` when given: computed while they were written)."""
+    proto = proto_of(model)
+    tensors, values = {}, {}
+    for graph in _graphs(proto):
+        for tensor in graph.initializer:
+            if location(tensor) is None:
+                tensors[tensor.name] = hashlib.sha256(tensor.SerializeToString()).hexdigest()
+                continue
+            tensors[tensor.name] = header_digest(tensor)
+            values[tensor.name] = data[tensor.name] if data and tensor.name in data else \
+                digest(array_of(model, tensor))
+    out = {"tensors": tensors, "model": _skeleton_digest(proto)}
+    if values:
+        out["data"] = values
+    return out
+
+
+def _skeleton_digest(model: onnx.ModelProto) -> str:
+    """SHA-256 of the model without its initializers and its checksum record (a copy of the
+    message: small for a LargeModel, whose big tensors are outside it)."""
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(model)
     kept = [m for m in skeleton.metadata_props if m.key != CHECKSUM_KEY]
     del skeleton.metadata_props[:]
     skeleton.metadata_props.extend(kept)
-    for graph in _graphs(model):
-        for tensor in graph.initializer:
-            tensors[tensor.name] = hashlib.sha256(tensor.SerializeToString()).hexdigest()
     for graph in _graphs(skeleton):
         del graph.initializer[:]
-    return {"tensors": tensors,
-            "model": hashlib.sha256(skeleton.SerializeToString()).hexdigest()}
+    return hashlib.sha256(skeleton.SerializeToString()).hexdigest()
 
 
-def add_checksums(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` (in place) with its checksums in metadata_props."""
-    kept = [m for m in model.metadata_props if m.key != CHECKSUM_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    model.metadata_props.add(key=CHECKSUM_KEY, value=json.dumps(checksums(model)))
+def add_checksums(model: onnx.ModelProto | ModelContainer, data: Mapping[str, str] | None = None):
+    """``model`` (in place) with its checksums in metadata_props (``data``: see :func:`checksums`)."""
+    proto = proto_of(model)
+    record = json.dumps(checksums(model, data))
+    kept = [m for m in proto.metadata_props if m.key != CHECKSUM_KEY]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    proto.metadata_props.add(key=CHECKSUM_KEY, value=record)
     return model
 
 
-def verify(model: onnx.ModelProto, path=None) -> None:
-    """Raise TrainingOpError naming the file and the first tensor that does not match the
-    stored checksums (nothing to check when there are none)."""
-    stored = next((m.value for m in model.metadata_props if m.key == CHECKSUM_KEY), None)
+def stored_checksums(model: onnx.ModelProto | ModelContainer, where: str = "the model") -> dict | None:
+    """The checksum record of ``model`` (None when it has none)."""
+    stored = next((m.value for m in proto_of(model).metadata_props if m.key == CHECKSUM_KEY), None)
     if stored is None:
-        return
-    where = f"checkpoint {os.fspath(path)!r}" if path is not None else "the model"
+        return None
     try:
-        expected = json.loads(stored)
-        want_tensors, want_model = dict(expected["tensors"]), expected["model"]
-    except (ValueError, KeyError, TypeError):
+        record = json.loads(stored)
+        return {"tensors": dict(record["tensors"]), "model": record["model"], "data": dict(record.get("data", {}))}
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise TrainingOpError(f"{where}: its checksum record is damaged") from None
-    got = checksums(model)
-    for name, digest in got["tensors"].items():
-        if want_tensors.pop(name, None) != digest:
-            raise TrainingOpError(f"{where}: tensor {name!r} does not match its checksum: the "
-                                  "file is damaged (restore it from a copy)")
+
+
+def verify(model: onnx.ModelProto | ModelContainer, path=None, data: bool = True) -> dict[str, str]:
+    """Raise TrainingOpError naming the file and the first tensor that does not match the
+    stored checksums (nothing to check when there are none). ``data=False`` leaves the
+    values of tensors outside the message unchecked and returns their expected digests
+    (name -> SHA-256), for a reader that hashes them as it reads them (a TrainingSession
+    loading a checkpoint reads each tensor once)."""
+    where = f"checkpoint {os.fspath(path)!r}" if path is not None else "the model"
+    expected = stored_checksums(model, where)
+    if expected is None:
+        return {}
+    proto = proto_of(model)
+    want_tensors, want_data = expected["tensors"], expected["data"]
+    unchecked = {}
+    for graph in _graphs(proto):
+        for tensor in graph.initializer:
+            name = tensor.name
+            if name in want_data:  # saved as external data: header and values apart
+                got = header_digest(tensor)
+                if location(tensor) is None:
+                    values_ok = digest(numpy_helper.to_array(tensor)) == want_data[name]
+                elif data:
+                    values_ok = digest(array_of(model, tensor)) == want_data[name]
+                else:
+                    values_ok, unchecked[name] = True, want_data[name]
+            else:
+                got, values_ok = hashlib.sha256(tensor.SerializeToString()).hexdigest(), True
+            if want_tensors.pop(name, None) != got or not values_ok:
+                raise damaged(where, name)
     if want_tensors:
         raise TrainingOpError(f"{where}: tensor(s) {sorted(want_tensors)} are missing")
-    if got["model"] != want_model:
+    if _skeleton_digest(proto) != expected["model"]:
         raise TrainingOpError(f"{where}: the graph (not a tensor) does not match its checksum: "
                               "the file is damaged")
+    return unchecked
+
+
+def damaged(where: str, name: str) -> TrainingOpError:
+    """The error for a tensor whose bytes do not match their checksum."""
+    return TrainingOpError(f"{where}: tensor {name!r} does not match its checksum: the "
+                           "file is damaged (restore it from a copy)")
 
 
 def set_initializer(tensor: onnx.TensorProto, value: np.ndarray) -> None:
     """Overwrite ``tensor`` (in place, keeping its name) with ``value``'s exact bytes."""
     name = tensor.name
     tensor.CopyFrom(numpy_helper.from_array(np.array(value, order="C", copy=True), name))  # keeps 0-d
-
-
-def write_state(model: onnx.ModelProto, state: Mapping[str, np.ndarray],
-                metadata: Mapping[str, str] | None = None) -> onnx.ModelProto:
-    """A copy of ``model`` whose initializers named in ``state`` (main graph and training_info
-    algorithm graphs) hold the given values, with ``metadata`` entries set (an empty value
-    removes the key)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    if metadata:
-        kept = [m for m in out.metadata_props if m.key not in metadata]
-        del out.metadata_props[:]
-        out.metadata_props.extend(kept)
-        out.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v)
-                                  for k, v in metadata.items() if v)
-    graphs = [out.graph] + [info.algorithm for info in out.training_info]
-    for graph in graphs:
-        for tensor in graph.initializer:
-            if tensor.name in state:
-                set_initializer(tensor, state[tensor.name])
-    return add_checksums(out)
-
-
-def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> str:
-    """Serialize ``model`` to ``path`` atomically."""
-    return atomic_write(path, model.SerializeToString())

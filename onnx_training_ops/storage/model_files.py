@@ -1,66 +1,141 @@
-"""Model files: read a ModelProto from a ModelProto, a path or bytes, external data included."""
+"""Model files: read a model from a ModelProto, a LargeModel, a path or bytes, external data included.
+
+:func:`load_model` gives a ModelProto holding every tensor (what most code wants for small
+models). With ``large=True`` a model past :func:`.large_model.large_model_bytes` comes back
+as a :class:`.large_model.LargeModel` instead, its big tensors memory-mapped from the files
+(external data, or the ``.onnx`` itself when they are stored inline): nothing is read until
+used, and nothing is serialized. The message is parsed from a memory map of the file (no
+second copy of the file in the process), and a message whose tensors left it is copied into
+a fresh one: protobuf frees a message's memory only when no part of it is referenced.
+"""
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Union
 
+import onnx
 from onnx import ModelProto
+from onnx.model_container import ModelContainer
 
 from ..errors import TrainingOpError
-from ..walk import model_graphs
+from .external_data import map_external, map_inline, span
+from .large_model import LargeModel, detach
+from .tensors import all_tensors, attach, large_model_bytes, location, tensor_nbytes
+ModelLike = Union[ModelProto, ModelContainer, str, os.PathLike, bytes]
 
-ModelLike = Union[ModelProto, str, os.PathLike, bytes]
 
+def load_model(model: ModelLike, large: bool = False) -> ModelProto | LargeModel:
+    """A ModelProto (a copy) from a ModelProto, LargeModel, path or serialized bytes.
 
-def load_model(model: ModelLike) -> ModelProto:
-    """A ModelProto from a ModelProto (copied), a path or serialized bytes."""
+    ``large=True``: a LargeModel given stays one (a copy of its message over the same
+    arrays) and a file past :func:`.large_model.large_model_bytes` of tensors is opened as
+    one, its big tensors memory-mapped; otherwise every tensor is read into the message.
+    """
     if isinstance(model, ModelProto):
         copy = ModelProto()
         copy.CopyFrom(model)
+        if large and model.ByteSize() > large_model_bytes():
+            return compact(detach(copy))
         return copy
+    if isinstance(model, ModelContainer):
+        opened = model.copy() if isinstance(model, LargeModel) else _container(model)
+        return opened if large else attach(opened)
     if isinstance(model, (bytes, bytearray)):
         return _parsed(bytes(model), "the model bytes")
     if not isinstance(model, (str, os.PathLike)):
-        raise TrainingOpError(f"expected an onnx.ModelProto, a path or bytes, found {type(model).__name__}")
+        raise TrainingOpError(f"expected an onnx.ModelProto, a LargeModel, a path or bytes, found "
+                              f"{type(model).__name__}")
     path = os.fspath(model)
+    before = _stat(path)
+    try:
+        return _load_file(path, large)
+    except TrainingOpError:
+        # a writer may have replaced the message and removed the data file of the version
+        # just read (storage.save): a changed file is read again, once
+        if _stat(path) == before:
+            raise
+        return _load_file(path, large)
+
+
+def _stat(path: str):
+    try:
+        st = os.stat(path)
+        return st.st_ino, st.st_mtime_ns, st.st_size
+    except OSError:
+        return None
+
+
+def _container(model: ModelContainer) -> LargeModel:
+    proto = ModelProto()
+    proto.CopyFrom(model.model_proto)
+    return LargeModel(proto, model.large_initializers)
+
+
+def _load_file(path: str, large: bool) -> ModelProto | LargeModel:
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise TrainingOpError(f"{path!r} is empty (0 bytes): not an ONNX model")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            view = memoryview(buf)  # parsed in place: no bytes copy of the file
+            try:
+                model = _parsed(view, repr(path))
+            finally:
+                try:
+                    view.release()
+                    buf.close()
+                except BufferError:  # a failed parse may hold the buffer a while: the map closes when freed
+                    pass
     except OSError as error:
         raise TrainingOpError(f"cannot read {path!r}: {error.strerror or error}") from None
-    model = _parsed(data, repr(path))
-    if data and len(data) > 0 and model.graph.ByteSize() == 0 and not model.training_info:
+    if not _has_graph(model.graph) and not model.training_info:
         raise TrainingOpError(f"{path!r} holds no ONNX model (no graph)")
-    _load_external_data(model, os.path.dirname(os.path.abspath(path)))
-    return model
+    base_dir = os.path.dirname(os.path.abspath(path))
+    external = [t for t in all_tensors(model) if location(t) is not None]
+    for tensor in external:
+        span(tensor, base_dir)  # a missing or short file is named now
+    if not large or sum(tensor_nbytes(t) for t in all_tensors(model)) <= large_model_bytes():
+        _read_external(external, base_dir)
+        return model
+    opened = map_external(LargeModel(model), base_dir)
+    _read_external([t for t in all_tensors(model) if location(t) not in (None, *opened.large_initializers)],
+                   base_dir)  # tensors in node attributes: small, read into the message
+    if size > large_model_bytes():
+        map_inline(opened, path)
+    del model, external
+    return compact(opened)
 
 
-def _load_external_data(model: ModelProto, base_dir: str) -> None:
-    """Read the tensors stored beside the model file (``onnx.save(..., save_as_external_data=True)``)
-    into the model, in every graph (training_info included, which onnx's own loader skips)."""
-    from onnx import AttributeProto
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
-    for graph in model_graphs(model):
-        tensors = list(graph.initializer)
-        for node in graph.node:
-            for attr in node.attribute:
-                if attr.type == AttributeProto.TENSOR:
-                    tensors.append(attr.t)
-                elif attr.type == AttributeProto.TENSORS:
-                    tensors.extend(attr.tensors)
-        for tensor in tensors:
-            if uses_external_data(tensor):
-                try:
-                    load_external_data_for_tensor(tensor, base_dir)
-                except Exception as error:  # noqa: BLE001 - onnx's ValidationError, OSError...
-                    raise TrainingOpError(f"tensor {tensor.name!r}: cannot read its external data "
-                                          f"(relative to {base_dir!r}): {error}") from None
+def compact(model: LargeModel) -> LargeModel:
+    """``model`` over a fresh copy of its message: protobuf frees a message's memory (the
+    values of tensors that left it included) only when no part of it is referenced, so the
+    caller drops the old message and keeps this one."""
+    skeleton = ModelProto()
+    skeleton.CopyFrom(model.model_proto)
+    return LargeModel(skeleton, model.large_initializers)
 
 
-def _parsed(data: bytes, where: str) -> ModelProto:
-    if not data:
+def _has_graph(graph: onnx.GraphProto) -> bool:
+    return bool(graph.node or graph.initializer or graph.input or graph.output)
+
+
+def _read_external(tensors: list[onnx.TensorProto], base_dir: str) -> None:
+    """Read the values of ``tensors`` (stored beside the model file) into the message."""
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    for tensor in tensors:
+        try:
+            load_external_data_for_tensor(tensor, base_dir)
+        except Exception as error:  # noqa: BLE001 - onnx's ValidationError, OSError...
+            raise TrainingOpError(f"tensor {tensor.name!r}: cannot read its external data "
+                                  f"(relative to {base_dir!r}): {error}") from None
+
+
+def _parsed(data, where: str) -> ModelProto:
+    if not len(data):
         raise TrainingOpError(f"{where} is empty (0 bytes): not an ONNX model")
     model = ModelProto()
     try:

@@ -14,7 +14,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
+
+from ..storage.large_model import LargeModel
+from ..storage.tensors import tensor_value
 
 from .binding import open_program
 from .fast_path import flatten_cut_state
@@ -27,7 +29,7 @@ class GradientAccumulation:
     """The backward and apply programs of one model over the session's state, and the count of
     batches the accumulators hold."""
 
-    def __init__(self, model: onnx.ModelProto, state: dict[str, np.ndarray],
+    def __init__(self, model: LargeModel, state: dict[str, np.ndarray],
                  protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str], fast: bool,
                  options: Callable[[], ort.SessionOptions], providers: Sequence[Any]) -> None:
         self._model, self._state, self._protos, self._meta = model, state, protos, meta
@@ -40,26 +42,29 @@ class GradientAccumulation:
     def programs(self) -> tuple[Program, Program, Stages, dict[str, np.ndarray]]:
         """(backward program, apply program, the stages, state + accumulators), made once."""
         if self._built is None:
-            stages = split_stages(self._model)
+            arrays = dict(self._model.large_initializers)
+            stages = split_stages(self._model.model_proto, arrays)
             protos = dict(self._protos)
             for t in stages.backward.training_info[0].algorithm.initializer:
                 if t.name in stages.buffers:
                     protos[t.name] = t
             self.accumulators, self.buffers = flat_accumulators(
-                {name: numpy_helper.to_array(protos[name]) for name in stages.buffers})
+                {name: tensor_value(protos[name], arrays) for name in stages.buffers})
             state = {**self._state, **self.accumulators}
             programs = []
             # the apply stage computes no loss: a loss the main graph outputs (a model built on its
             # own "loss" output) would pull the forward pass, and its feeds, into optimizer_step
             apply_meta = {k: v for k, v in self._meta.items() if k not in ("loss", "eval_loss")}
-            for derived in (stages.backward, stages.apply):
-                meta = self._meta if derived is stages.backward else apply_meta
-                program = build_program(derived, 0, state, protos, meta, self._fast, prune_inputs=True)
-                program.where = "backward" if derived is stages.backward else "optimizer_step"
+            for stage in (stages.backward, stages.apply):
+                backward = stage is stages.backward
+                derived = LargeModel(stage, arrays).with_proto(stage)
+                program = build_program(derived, 0, state, protos, self._meta if backward else apply_meta,
+                                        self._fast, prune_inputs=True)
+                program.where = "backward" if backward else "optimizer_step"
                 program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
                                                        rehome=False, prescale=program.prescale)
                 programs.append(open_program(program, state, self._options(), self._providers,
-                                             in_place=not self._fast and derived is stages.apply))
+                                             in_place=not self._fast and not backward))
             self._built = (programs[0], programs[1], stages, state)
         return self._built
 

@@ -12,9 +12,11 @@ from typing import Sequence
 
 import numpy as np
 import onnxruntime as ort
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
+from ..storage.large_model import LargeModel
+from ..storage.tensors import location, proto_of
 from ..schema import DOMAIN
 from ..runtime.pipeline import prepare
 from ..runtime.session import InferenceSession
@@ -34,24 +36,31 @@ def open_program(
     providers: Sequence[str | tuple[str, dict]],
     in_place: bool = False,
     guard: bool = False,
+    constants_as_inputs: bool = False,
 ) -> Program:
     """Create the onnxruntime session and the IOBinding of an analysed program.
 
     ``in_place``: bind the native optimizers' outputs onto their state arrays where that is
     safe (:mod:`.in_place`), so the run updates the state without copies. ``guard``: the
     step may still be undone by the loss check, so the optimizers get a guard that stops
-    the run before them on a non-finite loss (without a guard, no in-place writes)."""
-    combined, graph = program.combined, program.combined.graph
+    the run before them on a non-finite loss (without a guard, no in-place writes).
+    ``constants_as_inputs``: a large model's detached constants become inputs bound to
+    their arrays (onnxruntime copies initializers, reads bound inputs in place)."""
+    combined = program.combined
+    constants: dict[str, np.ndarray] = {}
+    if constants_as_inputs and isinstance(combined, LargeModel):  # after prepare's transpose fold
+        combined, constants = _constants_as_inputs(prepare(combined))
+    graph = proto_of(combined).graph
     state_inputs, rate_inputs = program.state_inputs, program.rate_inputs
     returned, fixed_outputs = program.returned, program.fixed_outputs
     found: dict[str, str] = {}
     if in_place:
         combined = prepare(combined)
-        found = in_place_outputs(combined.graph, program.binding, state)
-        if found and guard and program.loss_names and not add_finite_guard(combined, program.loss_names):
+        found = in_place_outputs(proto_of(combined).graph, program.binding, state)
+        if found and guard and program.loss_names and not add_finite_guard(proto_of(combined), program.loss_names):
             found = {}
         program.guarded = bool(found) and guard and bool(program.loss_names)
-    prune_unused_initializers(combined.graph, rate_inputs)
+    prune_unused_initializers(proto_of(combined).graph, rate_inputs)
     session = InferenceSession(combined, sess_options=sess_options, providers=providers)
     io = session.io_binding()
     program.session, program.io = session, io
@@ -68,13 +77,18 @@ def open_program(
         program.keep_alive.append(value)
         state_values[name] = value
     program.in_place = {out: name for out, name in found.items() if name in state_values}
+    for name, array in constants.items():  # bound once, read in place (no copy in onnxruntime)
+        if name in session_inputs:
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            io.bind_ortvalue_input(name, value)
+            program.keep_alive += [array, value]
     for name, buf in rate_inputs.items():
         if name in session_inputs:
             value = ort.OrtValue.ortvalue_from_numpy(buf)
             io.bind_ortvalue_input(name, value)
             program.keep_alive.append(value)
     for vi in graph.input:
-        if vi.name in state or vi.name in rate_inputs or vi.name not in session_inputs:
+        if vi.name in state or vi.name in rate_inputs or vi.name in constants or vi.name not in session_inputs:
             continue
         spec = feed_spec(vi)
         if vi.name in program.input_defaults:  # optional: bound every step, to the default if not fed
@@ -91,6 +105,13 @@ def open_program(
             io.bind_output(name, "cpu")
     for name in program.dynamic_outputs:  # after the fixed ones: their index is known
         io.bind_output(name, "cpu")
+    if not in_place:  # the gradients of flat cut nodes go straight into the kernels' G buffers
+        for name, view in flat_gradient_views(program.cut_nodes, program.flat_nodes).items():
+            if name in fixed_outputs:
+                value = ort.OrtValue.ortvalue_from_numpy(view)
+                io.bind_ortvalue_output(name, value)
+                program.keep_alive.append(value)
+                program.prebound[name] = view
     program.binding_copies = [
         (state[k], v) for k, v in program.binding.items()
         if v not in program.cut_outputs and v not in program.in_place
@@ -100,6 +121,24 @@ def open_program(
                                           *program.rms_sources.values()))
     del program.combined  # the session holds what it needs
     return program
+
+
+def _constants_as_inputs(model: LargeModel) -> tuple[LargeModel, dict[str, np.ndarray]]:
+    """``model`` whose detached constants are graph inputs, and their arrays. onnxruntime
+    copies the initializers it is given (``add_external_initializers`` too: measured), but
+    reads a bound input in place: a frozen base model stays one copy."""
+    graph = model.model_proto.graph
+    constants, kept = {}, []
+    for tensor in graph.initializer:
+        if location(tensor) is None:
+            kept.append(tensor)
+            continue
+        array = model.array(tensor)
+        constants[tensor.name] = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return model.with_proto(model.model_proto), constants
 
 
 def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
@@ -112,6 +151,9 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     for name in program.fixed_outputs:
         if name in program.in_place:  # bound onto the state array already
             program.fixed_buffers[name] = state[program.in_place[name]]
+            continue
+        if name in program.prebound:  # onnxruntime wrote it into the kernel's buffer
+            program.fixed_buffers[name] = flat_grads.get(name, program.prebound[name])
             continue
         if name in flat_grads:
             buf = flat_grads[name]
@@ -152,3 +194,14 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     program.copy_plan = copies
     program.row_plan = row_plan(program.row_groups, state)
     program.rms_plan = rms_plan(program.rms_groups, state)
+
+
+def release_prebound(program: Program) -> None:
+    """Bind the preallocated gradients back to onnxruntime's own buffers (a first run
+    refused them: a gradient not shaped like its parameter); the kernels' G buffers are
+    made after the run instead."""
+    for name in program.prebound:
+        program.io.bind_output(name, "cpu")
+    for entry in program.flat_nodes.values():
+        entry[0].pop("G", None)
+    program.prebound = {}

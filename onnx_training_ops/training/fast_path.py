@@ -17,11 +17,11 @@ from typing import Any, Mapping
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..errors import TrainingOpError, node_label
 from ..kernels.apply import STEPS, prepare
-from ..walk import all_graphs, subgraphs
+from ..storage.tensors import tensor_value
+from ..walk import all_graphs, remove_nodes, subgraphs
 from ..passes.encode_exact_attributes import node_attributes
 from ..passes.fill_defaults import fill_default_attributes
 from ..schema import DOMAIN, OPTIMIZERS
@@ -123,11 +123,7 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str],
                 _, x, factor = folded[name]
                 node.input[k] = x
                 prescale[x] = factor
-    if folded:
-        muls = [m for m, _, _ in folded.values()]
-        kept = [n for n in graph.node if not any(n is m for m in muls)]
-        del graph.node[:]
-        graph.node.extend(kept)
+    remove_nodes(graph, [m for m, _, _ in folded.values()])  # in place: ``cut`` stays the graph's nodes
     return cut, prescale
 
 
@@ -139,9 +135,10 @@ def cut_sources(
     init_values: Mapping[str, onnx.TensorProto],
     input_types: Mapping[str, onnx.ValueInfoProto],
     prescale: Mapping[str, str] | None = None,
+    arrays: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """Where each input of the cut nodes (and each folded decay factor) comes from, and the
-    ones ``graph`` must output for them.
+    ones ``graph`` must output for them (``arrays``: the values of detached initializers).
 
     A source is ``("state", name)``, ``("output", name)``, ``("feed", name)`` or an array
     (a learning-rate buffer or a constant).
@@ -162,7 +159,7 @@ def cut_sources(
                 sources[name] = ("output", name)
                 extra_outputs.append(name)
             elif name in init_values and name not in input_types:
-                sources[name] = owned(numpy_helper.to_array(init_values[name]))
+                sources[name] = owned(tensor_value(init_values[name], arrays))
             elif name in input_types:
                 sources[name] = ("feed", name)
             else:
@@ -184,7 +181,7 @@ def _already_flat(arrays: list[np.ndarray], offsets) -> np.ndarray | None:
 
 def flatten_cut_state(
     cut_nodes: list[onnx.NodeProto], sources: Mapping[str, Any], state: dict[str, np.ndarray],
-    rehome: bool = True, prescale: Mapping[str, str] | None = None,
+    rehome: bool = True, prescale: Mapping[str, str] | None = None, zeros: frozenset = frozenset(),
 ) -> dict[int, tuple]:
     """Re-home the X, V, H state of each cut node as views into one flat buffer per role,
     so the fast path updates all of a node's tensors with one fused kernel call.
@@ -192,7 +189,7 @@ def flatten_cut_state(
     Replaces the arrays in ``state``; returns id(node) -> (flat buffers per role, shapes,
     offsets, G names, dtype) for the nodes laid out flat. With ``rehome=False`` (a program
     opened after others bound the state) the arrays stay where they are: a node is laid out
-    flat only if its state already is.
+    flat only if its state already is. ``zeros``: state known to be all zeros (not copied).
     """
     flat_nodes = {}
     for node in cut_nodes:
@@ -222,10 +219,11 @@ def flatten_cut_state(
         for role, names in roles.items():
             if role == "G":
                 continue
-            buf = np.empty(int(offsets[-1]), dtype)
+            buf = np.zeros(int(offsets[-1]), dtype)  # pages the OS gives on first write
             for name, x, a, b in zip(names, xs, offsets[:-1], offsets[1:]):
                 view = buf[a:b].reshape(x.shape)
-                view[...] = state[name]
+                if name not in zeros:  # a zero state (fresh V, H) is not copied: its pages stay untouched
+                    view[...] = state[name]
                 state[name] = view
             flat[role] = buf
         flat_nodes[id(node)] = (flat, [x.shape for x in xs], offsets, roles["G"], dtype)
@@ -233,12 +231,15 @@ def flatten_cut_state(
 
 
 def flat_gradient_views(
-    cut_nodes: list[onnx.NodeProto], flat_nodes: dict[int, tuple], values: Mapping[str, np.ndarray]
+    cut_nodes: list[onnx.NodeProto], flat_nodes: dict[int, tuple], values: Mapping[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
-    """Gradients of a flat node: views into one flat buffer, the kernel's G.
+    """Gradients of a flat node: views into one flat buffer, the kernel's G, shaped like X.
 
-    ``values`` are the outputs of the first run; a node whose gradients do not match its X
-    leaves ``flat_nodes`` (per-tensor updates).
+    Before the first run (``values`` None) the buffers are made, for onnxruntime to write
+    into from the first step on: no step allocates gradients of its own (the first used to,
+    and its arena kept that memory). After it, ``values`` are the first run's outputs: the
+    buffers are reused (or made) and a node whose gradients do not match its X leaves
+    ``flat_nodes`` (per-tensor updates).
     """
     flat_grads = {}
     for node in cut_nodes:
@@ -246,13 +247,14 @@ def flat_gradient_views(
         if entry is None:
             continue
         flat, shapes, offsets, grads, dtype = entry
-        if any(values[g].shape != shape or values[g].dtype != dtype for g, shape in zip(grads, shapes)):
+        if values is not None and any(values[g].shape != shape or values[g].dtype != dtype
+                                      for g, shape in zip(grads, shapes)):
             del flat_nodes[id(node)]  # gradients do not match X: per-tensor updates
             continue
-        buf = np.empty(int(offsets[-1]), dtype)
-        for g, shape, a, b in zip(grads, shapes, offsets[:-1], offsets[1:]):
-            flat_grads[g] = buf[a:b].reshape(shape)
-        flat["G"] = buf
+        if "G" not in flat:
+            flat["G"] = np.empty(int(offsets[-1]), dtype)
+        flat_grads.update({g: flat["G"][a:b].reshape(shape)
+                           for g, shape, a, b in zip(grads, shapes, offsets[:-1], offsets[1:])})
     return flat_grads
 
 

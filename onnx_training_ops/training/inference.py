@@ -10,6 +10,8 @@ import onnxruntime as ort
 from onnx import helper
 
 from ..storage import checkpoint
+from ..storage.large_model import LargeModel
+from ..storage.tensors import MIN_DETACHED_BYTES, add_array, proto_of, tensor_nbytes
 from ..build.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..walk import all_graphs
@@ -21,25 +23,37 @@ from .stages import typed_values
 
 
 def inference_model(
-    model: onnx.ModelProto, state: Mapping[str, np.ndarray], with_state_values: bool = True
-) -> onnx.ModelProto:
-    """The main graph without training_info and the builder's metadata (with the current state if asked)."""
-    exported = onnx.ModelProto()
-    exported.CopyFrom(model)
+    model: onnx.ModelProto | LargeModel, state: Mapping[str, np.ndarray], with_state_values: bool = True,
+    copy: bool = True,
+) -> onnx.ModelProto | LargeModel:
+    """The main graph without training_info and the builder's metadata (with the current
+    state if asked). A LargeModel gives a LargeModel: the state's big arrays are copies,
+    or with ``copy=False`` the live arrays (for a writer that holds them still)."""
+    large = isinstance(model, LargeModel)
+    out = model.copy() if large else onnx.ModelProto()
+    if not large:
+        out.CopyFrom(model)
+    exported = proto_of(out)
     del exported.training_info[:]
     kept = [m for m in exported.metadata_props if not m.key.startswith(META_PREFIX)]
     del exported.metadata_props[:]
     exported.metadata_props.extend(kept)
     if with_state_values:
         for tensor in exported.graph.initializer:
-            if tensor.name in state:
+            if tensor.name not in state:
+                continue
+            if large and tensor_nbytes(tensor) >= MIN_DETACHED_BYTES:
+                value = state[tensor.name]
+                add_array(out, tensor, np.array(value, copy=True) if copy else value)
+            else:
                 checkpoint.set_initializer(tensor, state[tensor.name])
     uses_domain = any(n.domain == DOMAIN for g in all_graphs(exported.graph) for n in g.node)
     if not uses_domain:
         kept_ops = [o for o in exported.opset_import if o.domain != DOMAIN]
         del exported.opset_import[:]
         exported.opset_import.extend(kept_ops)
-    return fit_runtime(exported)
+    exported = fit_runtime(exported)
+    return out.with_proto(exported) if large else exported
 
 
 def with_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
@@ -63,14 +77,14 @@ def with_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelPr
 
 
 def inference_session(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | LargeModel,
     state: Mapping[str, np.ndarray],
     sess_options: ort.SessionOptions | None,
     providers: Sequence[str | tuple[str, dict]],
 ) -> tuple[InferenceSession, list[str]]:
     """A session of the main graph taking the state as inputs; returns it and the names of those inputs."""
     model = inference_model(model, state, with_state_values=False)
-    graph = model.graph
+    graph = proto_of(model).graph
     if not graph.output:
         raise TrainingOpError("run: the main graph has no outputs (a from_graph session has no inference graph)")
     state_inputs = []
@@ -85,5 +99,7 @@ def inference_session(
             kept.append(tensor)
     del graph.initializer[:]
     graph.initializer.extend(kept)
+    if isinstance(model, LargeModel):
+        model = model.with_proto(model.model_proto)  # the state's initial values are inputs now
     session = InferenceSession(model, sess_options=sess_options, providers=providers)
     return session, state_inputs

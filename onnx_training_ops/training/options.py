@@ -26,13 +26,29 @@ CONFIG_KEYS = (
 )
 
 
-def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str]) -> ort.SessionOptions:
+# A large model's sessions (without sess_options of the caller's): no arena (onnxruntime's
+# BFC arena keeps the peak of a step, rounded up to powers of two, for the session's life),
+# no memory pattern (one block for a whole step's plan, beside what the arena holds) and no
+# prepacking (a packed second copy of every constant MatMul weight: a frozen base model twice).
+# Measured on GPT-2 124M, AdamW, batch 4 x 128 (docs/training.md, "Memory").
+LARGE_MODEL_OPTIONS = {"enable_cpu_mem_arena": False, "enable_mem_pattern": False}
+LARGE_MODEL_CONFIG = {"session.disable_prepacking": "1"}
+
+
+def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
+                  large: bool = False) -> ort.SessionOptions:
     """A new SessionOptions: ``base``'s attributes and known config entries, then ``config``.
     Without ``base``, onnxruntime's own log is silenced (errors come back as our exception;
-    its log line would repeat them)."""
+    its log line would repeat them), and for a ``large`` model memory goes first
+    (:data:`LARGE_MODEL_OPTIONS`)."""
     so = ort.SessionOptions()
     if base is None:
         so.log_severity_level = 4
+        if large:
+            for attr, value in LARGE_MODEL_OPTIONS.items():
+                setattr(so, attr, value)
+            for key, value in LARGE_MODEL_CONFIG.items():
+                so.add_session_config_entry(key, value)
     else:
         for attr in _OPTION_ATTRIBUTES:
             setattr(so, attr, getattr(base, attr))

@@ -17,7 +17,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..walk import all_graphs, drop_named, subgraphs
+from ..storage.large_model import LargeModel
+from ..storage.tensors import proto_of
+from ..walk import all_graphs, drop_named, remove_nodes, subgraphs
 from ..passes._graph import value_types
 from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
@@ -58,6 +60,7 @@ class Program:
     flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
     prescale: dict = field(default_factory=dict)  # state X -> its folded decay factor (AdamW)
     bound_feeds: dict = field(default_factory=dict)  # feed name -> (array, shape, dtype) bound last step
+    prebound: dict = field(default_factory=dict)  # gradient -> its view in a flat G buffer, bound before run 1
     # set when the session opens / after the first run
     uses_plugin: bool = False
     run: Any = None
@@ -117,9 +120,7 @@ def prune_dead_nodes(graph: onnx.GraphProto) -> None:
             live.add(i)
             pending += _reads(graph.node[i])
     if len(live) < len(graph.node):
-        kept = [node for i, node in enumerate(graph.node) if i in live]
-        del graph.node[:]
-        graph.node.extend(kept)
+        remove_nodes(graph, [node for i, node in enumerate(graph.node) if i not in live])
 
 
 def prune_unused_inputs(graph: onnx.GraphProto) -> None:
@@ -325,7 +326,7 @@ def drop_passthrough_bindings(graph: onnx.GraphProto, binding: dict[str, str]) -
 
 
 def build_program(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | LargeModel,
     index: int,
     state: Mapping[str, np.ndarray],
     state_protos: Mapping[str, onnx.TensorProto],
@@ -334,7 +335,10 @@ def build_program(
     prune_inputs: bool = False,
 ) -> Program:
     """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs
-    (``prune_inputs``: inputs nothing reads are dropped, for the stage programs)."""
+    (``prune_inputs``: inputs nothing reads are dropped, for the stage programs). A
+    LargeModel's detached constants stay arrays: ``program.combined`` is a LargeModel then."""
+    arrays = model.large_initializers if isinstance(model, LargeModel) else None
+    model = proto_of(model)
     info = model.training_info[index]
     combined = combined_graph(model, index, state_protos, meta, prune_inputs)
     check_binding_types(model, index, combined, state)
@@ -367,18 +371,18 @@ def build_program(
     rms = rmsprop_groups(graph, binding, state, meta, taken) if fast else []
     row_nodes = [n for g in groups for n in g.nodes] + [n for g in rms for n in g.nodes]
     cut_outputs = {o for n in cut_nodes + row_nodes for o in n.output if o}
-    if cut_nodes or row_nodes:
-        keep = [n for n in graph.node if not any(n is c for c in cut_nodes + row_nodes)]
-        del graph.node[:]
-        graph.node.extend(keep)
+    remove_nodes(graph, cut_nodes + row_nodes)
 
     # what the graph onnxruntime runs must output
     sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types,
-                                         prescale)
+                                         prescale,
+                                         arrays)
     reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in groups for r in g.reads)), [])
-    row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
+    row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types,
+                                  arrays=arrays)
     reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in rms for r in g.reads)), [])
-    rms_sources, rms_outputs = cut_sources([reads], graph, state, rate_inputs, init_values, input_types)
+    rms_sources, rms_outputs = cut_sources([reads], graph, state, rate_inputs, init_values, input_types,
+                                  arrays=arrays)
     # a lazy table's rows and gradient rows change shape with the batch (or the touched rows)
     varying = {r for g in rms if g.rows for r in g.reads[1:]}
     extra_outputs += [name for name in rms_outputs if name not in extra_outputs and name not in varying]
@@ -411,7 +415,7 @@ def build_program(
         rate_defaults=rate_defaults, returned=returned, loss_names=loss_names(graph, returned, meta),
         fixed_outputs=fixed_outputs, cut_nodes=cut_nodes, cut_sources=sources,
     )
-    program.combined = combined
+    program.combined = LargeModel(combined, arrays).with_proto(combined) if arrays is not None else combined
     program.state_inputs = state_inputs
     program.init_values = init_values
     program.input_defaults = program_defaults

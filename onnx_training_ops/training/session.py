@@ -31,13 +31,14 @@ import onnxruntime as ort
 from ..build.model_metadata import metadata
 from ..errors import TrainingOpError, node_label
 from ..storage import checkpoint
+from ..storage.large_model import LargeModel, detach, is_large
+from ..storage.tensors import attach, proto_of
 from ..storage.model_files import ModelLike, load_model
 from .accumulation import GradientAccumulation
 from .session_files import Checkpointing
 from .session_loop import TrainingLoop
 from .session_parameters import FlatParameters
 from .session_state import StateAccess
-from .arrays import owned
 from .binding import open_program
 from .checks import batch_checker, stored_properties
 from .fast_path import flatten_cut_state
@@ -51,7 +52,7 @@ from .options import fresh_options
 from .program import Program, build_program, program_feeds
 from .rates import LearningRates
 from .stages import step_model
-from .state import collect_state_protos, state_array
+from .state import collect_state_protos, state_tensors, zero_fill
 from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
@@ -90,17 +91,22 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
-        model = load_model(model_or_path)
-        checkpoint.verify(model, model_or_path if isinstance(model_or_path, (str, os.PathLike))
-                          else None)
-        if not model.training_info:
+        path = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
+        opened = load_model(model_or_path, large=True)
+        # values outside the message are checked as they are read (each once): state_tensors
+        expected = checkpoint.verify(opened, path, data=False)
+        if not proto_of(opened).training_info:
             raise TrainingOpError(
                 "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
                 "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
             )
-        empty = nominal_names(metadata(model))
+        empty = nominal_names(metadata(proto_of(opened)))
         if empty:  # a nominal checkpoint: zeros until the parameters are loaded
-            model = materialize(model)
+            opened = materialize(attach(opened) if isinstance(opened, LargeModel) else opened)
+        self._large = is_large(opened)
+        # the session's own message stays small: every big tensor is an array beside it
+        model = opened if isinstance(opened, LargeModel) else detach(opened)
+        del opened
         self.fast = bool(fast)
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
@@ -108,12 +114,13 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         self._sess_options = sess_options
         self._session_config = {str(k): str(v) for k, v in (session_config or {}).items()}
         self._model = model
-        self._meta = metadata(model)
+        proto = model.model_proto
+        self._meta = metadata(proto)
         self._inference = None
-        self._state_protos: dict[str, onnx.TensorProto] = collect_state_protos(model)
-        self._state: dict[str, np.ndarray] = {
-            name: owned(state_array(name, proto)) for name, proto in self._state_protos.items()
-        }
+        self._state_protos: dict[str, onnx.TensorProto] = collect_state_protos(proto)
+        self._state: dict[str, np.ndarray] = state_tensors(model, self._state_protos, expected,
+                                                           f"checkpoint {os.fspath(path)!r}" if path else "the model")
+        self._zero_state = frozenset(n for n, p in self._state_protos.items() if zero_fill(model, p))
         self._programs = self._open_programs(model)
         self._required_feeds = {}
         for program in self._programs:
@@ -125,8 +132,8 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         }
         self._required_set = set(self._required_feeds)
         self._init_sessions: list = []
-        initializers = {t.name for t in model.graph.initializer}
-        data_inputs = [vi for vi in model.graph.input if vi.name not in initializers]
+        initializers = {t.name for t in proto.graph.initializer}
+        data_inputs = [vi for vi in proto.graph.input if vi.name not in initializers]
         self._batch_checks = {where: batch_checker(self._meta, data_inputs, where)
                               for where in ("step", "backward", "evaluate")}
         self._run_specs: dict[str, FeedSpec] | None = None
@@ -142,21 +149,23 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
             self.initialize()  # the optimizer state at its initial values
             self._unfilled = set(self._parameters(trainable_only=False)) & set(empty)
 
-    def _open_programs(self, model: onnx.ModelProto, rehome: bool = True) -> list[Program]:
+    def _open_programs(self, model: LargeModel, rehome: bool = True) -> list[Program]:
         """One program per TrainingInfoProto, bound to the state. fast=False: the native
         optimizers write the state in place (guarded against a non-finite loss unless it is
         ignored; a guarded step is redone by a copying twin). ``rehome``: the first programs
         lay the state out (each cut node's flat, then the trainables as one buffer if still
         apart: :meth:`get_flat_parameters` without a copy); later ones find it laid out."""
         analyses = [build_program(model, i, self._state, self._state_protos, self._meta, self.fast)
-                    for i in range(len(model.training_info))]
+                    for i in range(len(model.model_proto.training_info))]
         for program in analyses:  # before anything binds a state array: lay the cut state out flat
             program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state,
-                                                   rehome=rehome, prescale=program.prescale)
+                                                   rehome=rehome, prescale=program.prescale,
+                                                   zeros=self._zero_state)
         if rehome:
             lay_out_flat(self._state, [n for n in self._trainable_names() if n in self._state])
         programs = [open_program(p, self._state, self._session_options(), self._providers,
-                                 in_place=not self.fast, guard=self.on_nonfinite != "ignore") for p in analyses]
+                                 in_place=not self.fast, guard=self.on_nonfinite != "ignore",
+                                 constants_as_inputs=self._large) for p in analyses]
         for program in programs:
             if program.guarded:
                 program.fallback = functools.partial(self._copying_program, program.index, model)
@@ -164,7 +173,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
             _warm_up_fused_kernels()  # compile/load now, so no step pays for it
         return programs
 
-    def _copying_program(self, index: int, model: onnx.ModelProto) -> Program:
+    def _copying_program(self, index: int, model: LargeModel) -> Program:
         """Program ``index`` of ``model`` without in-place writes: it redoes a step the guard stopped."""
         program = build_program(model, index, self._state, self._state_protos, self._meta, False)
         return open_program(program, self._state, self._session_options(), self._providers)
@@ -190,7 +199,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
 
     def _session_options(self) -> ort.SessionOptions:
         """A fresh SessionOptions per onnxruntime session (:mod:`.options`)."""
-        return fresh_options(self._sess_options, self._session_config)
+        return fresh_options(self._sess_options, self._session_config, self._large)
 
     def with_model(self, model: ModelLike) -> "TrainingSession":
         """A new session for ``model`` with this session's providers and options."""
@@ -286,7 +295,8 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         if not outputs:
             return self._programs
         if outputs not in self._step_programs:
-            self._step_programs[outputs] = self._open_programs(step_model(self._model, outputs), rehome=False)
+            derived = self._model.with_proto(step_model(self._model.model_proto, outputs))
+            self._step_programs[outputs] = self._open_programs(derived, rehome=False)
         return self._step_programs[outputs]
 
     @locked
@@ -297,7 +307,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
             self._inference = inference_session(self._model, self._state, self._session_options(), self._providers)
         session, state_inputs = self._inference
         if self._run_specs is None:
-            self._run_specs = {vi.name: feed_spec(vi) for vi in self._model.graph.input}
+            self._run_specs = {vi.name: feed_spec(vi) for vi in proto_of(self._model).graph.input}
         if not isinstance(feeds, Mapping):
             raise TrainingOpError(f"run: feeds must be a mapping of input name to array, found {type(feeds).__name__}")
         full = {name: feed_array(self._run_specs[name], value, "run") if name in self._run_specs else value

@@ -10,6 +10,11 @@ import onnx
 from ..build.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..storage import checkpoint
+from ..storage.large_model import LargeModel
+from ..storage.tensors import attach
+from ..storage.model_files import load_model
+from ..storage.save import save_model
+from ..storage.snapshot import write_state
 from .checks import checked_properties
 from .inference import inference_model, with_outputs
 from .locked import locked
@@ -27,10 +32,14 @@ class Checkpointing:
         return self._properties
 
     @locked
-    def training_model(self) -> onnx.ModelProto:
+    def training_model(self) -> onnx.ModelProto | LargeModel:
         """The training model with the current state as initializers, the properties and the
-        schedule's position (what :meth:`save` writes)."""
-        return checkpoint.write_state(self._model, self._state, self.checkpoint_metadata())
+        schedule's position (what :meth:`save` writes). A large model comes back as a
+        LargeModel whose arrays are copies of the state."""
+        snapshot = write_state(self._model, self._state, self.checkpoint_metadata())
+        if self._large:
+            return snapshot
+        return checkpoint.add_checksums(attach(snapshot))
 
     def checkpoint_metadata(self) -> dict[str, str]:
         """The metadata entries a checkpoint of this session carries (properties, schedule)."""
@@ -50,25 +59,40 @@ class Checkpointing:
                 "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")
         if nominal:
             names = [*self._state, *self._parameters(trainable_only=False)]
-            return checkpoint.save_model(nominal_model(self.training_model(), names), path)
+            model = self.training_model()
+            return save_model(nominal_model(attach(model) if isinstance(model, LargeModel) else model, names), path)
         self._check_filled("save")
-        return checkpoint.save_model(self.training_model(), path)
+        if not self._large:
+            return save_model(self.training_model(), path)
+        # the live state arrays, streamed to disk under the lock: no copy of the state
+        live = write_state(self._model, self._state, self.checkpoint_metadata(), copy=False)
+        return save_model(live, path, checksums=True)
 
     @locked
     def export_inference_model(self, path: str | os.PathLike | None = None,
-                               outputs: Sequence[str] | None = None) -> onnx.ModelProto:
+                               outputs: Sequence[str] | None = None) -> onnx.ModelProto | LargeModel:
         """The main graph with the trained weights and no training_info (written to ``path`` if
-        given). ``outputs``: the values it computes (any of the main graph; default its outputs),
-        without what they do not need (``export_model_for_inferencing(path, graph_output_names)``)."""
+        given, atomically; a large model with its weights in external data). ``outputs``: the
+        values it computes (any of the main graph; default its outputs), without what they do
+        not need (``export_model_for_inferencing(path, graph_output_names)``). A large model
+        comes back as a LargeModel: memory-mapped from ``path`` when given, else over copies
+        of the weights."""
         self._check_filled("export_inference_model")
-        model = inference_model(self._model, self._state, with_state_values=True)
+        live = self._large and path is not None  # streamed to disk under the lock: no copy
+        model = inference_model(self._model, self._state, with_state_values=True, copy=not live)
         if outputs is not None:
-            model = with_outputs(model, outputs)
-        if not model.graph.output:
+            model = model.with_proto(with_outputs(model.model_proto, outputs))
+        if not model.model_proto.graph.output:
             raise TrainingOpError("export_inference_model: the main graph has no outputs")
-        if path is not None:
-            checkpoint.save_model(model, path)
-        return model
+        if not self._large:
+            model = attach(model)
+            if path is not None:
+                save_model(model, path)
+            return model
+        if path is None:
+            return model
+        save_model(model, path)
+        return load_model(path, large=True)
 
     @locked
     def end_profiling(self) -> list[str]:

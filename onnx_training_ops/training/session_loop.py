@@ -13,9 +13,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..errors import TrainingOpError
+from ..storage.tensors import proto_of
+from .binding import open_program
 from .checks import label_mismatch
 from .feeds import Feed, checked_learning_rate, feed_list
-from .binding import open_program
 from .locked import locked
 from .program import Program, build_program, program_feeds
 from .stages import GRAD_SCALE, evaluation_model
@@ -64,8 +65,10 @@ class TrainingLoop:
             loss = self._meta.get("eval_loss") or self._meta.get("loss", "")
             if not loss and not outputs:
                 raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
-            derived = evaluation_model(self._model, loss, list(outputs)) if loss else \
-                evaluation_model(self._model, outputs[0], list(outputs[1:]))
+            proto = self._model.model_proto
+            derived = evaluation_model(proto, loss, list(outputs)) if loss else \
+                evaluation_model(proto, outputs[0], list(outputs[1:]))
+            derived = self._model.with_proto(derived)
             program = build_program(derived, 0, self._state, self._state_protos, self._meta, False,
                                     prune_inputs=True)
             program.where = "evaluate"
@@ -79,7 +82,7 @@ class TrainingLoop:
         output = json.loads(self._meta.get("label_shape") or "{}").get("output")
         if output and "onnxruntime failed" in str(error):
             try:
-                data = {k: v for k, v in feeds.items() if k in {vi.name for vi in self._model.graph.input}}
+                data = {k: v for k, v in feeds.items() if k in {vi.name for vi in proto_of(self._model).graph.input}}
                 message = label_mismatch(self._meta, feeds, self.run([output], data)[0].shape, where)
             except Exception:  # noqa: BLE001 - the forward pass fails too: onnxruntime's error stands
                 message = ""

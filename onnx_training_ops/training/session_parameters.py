@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from onnx import numpy_helper
 
 from ..errors import TrainingOpError
 from ..storage import checkpoint
+from ..storage.large_model import LargeModel
+from ..storage.tensors import add_array, location, proto_of
 from .flat_parameters import contiguous, flat_copy, parameter_names, split_into
 from .locked import locked
 
@@ -30,14 +31,14 @@ class FlatParameters:
         listed = [n for n in self._meta.get("trainable", "").split(",") if n]
         if listed:
             return listed
-        main = {t.name for t in self._model.graph.initializer}
+        main = {t.name for t in self._model.model_proto.graph.initializer}
         return [n for n in self._state if n in main]
 
     def _parameters(self, trainable_only: bool) -> dict[str, np.ndarray]:
         """name -> live state array (trainables) or the model's value (frozen), in flat order."""
-        names = parameter_names(self._model, self._trainable_names(), trainable_only)
-        constants = {t.name: t for t in self._model.graph.initializer}
-        return {n: self._state[n] if n in self._state else numpy_helper.to_array(constants[n]) for n in names}
+        names = parameter_names(self._model.model_proto, self._trainable_names(), trainable_only)
+        constants = {t.name: t for t in self._model.model_proto.graph.initializer}
+        return {n: self._state[n] if n in self._state else self._model.array(constants[n]) for n in names}
 
     @locked
     def parameters_size(self, trainable_only: bool = True) -> int:
@@ -85,11 +86,14 @@ class FlatParameters:
     def _reopen_with_constants(self, values: dict[str, np.ndarray]) -> None:
         """Rebuild this session on its current training model with new constant values."""
         model = self.training_model()
-        for tensor in model.graph.initializer:
+        for tensor in proto_of(model).graph.initializer:
             if tensor.name in values:
-                checkpoint.set_initializer(tensor, values[tensor.name])
+                if isinstance(model, LargeModel) and location(tensor) is not None:
+                    add_array(model, tensor, np.array(values[tensor.name], copy=True))
+                else:
+                    checkpoint.set_initializer(tensor, values[tensor.name])
         unfilled, skipped, lock = set(self._unfilled), self.skipped_steps, self._lock
-        fresh = self.with_model(checkpoint.add_checksums(model))
+        fresh = self.with_model(model if isinstance(model, LargeModel) else checkpoint.add_checksums(model))
         self.__dict__.update(fresh.__dict__)
         self._lock, self.skipped_steps, self._unfilled = lock, skipped, unfilled
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import numpy as np
-from onnx import numpy_helper
 
 from ..errors import TrainingOpError
 from ..runtime.session import InferenceSession
 from .arrays import dtype_name
 from .locked import locked
-from .state import run_initialization
+from .state import reset_state, run_initialization
 
 
 class StateAccess:
@@ -62,8 +61,8 @@ class StateAccess:
         (accumulated gradients are dropped)."""
         self.zero_grad()
         for name, proto in self._state_protos.items():
-            np.copyto(self._state[name], numpy_helper.to_array(proto))
-        run_initialization(self._model, self._state, self._init_sessions,
+            reset_state(self._state, name, proto, self._model)
+        run_initialization(self._model.model_proto, self._state, self._init_sessions,
                            lambda init: InferenceSession(init, providers=self._providers))
 
     @locked

@@ -155,7 +155,7 @@ def shard_model(model: onnx.ModelProto, owners: Mapping[str, int], rank: int, wo
 
 def skeleton(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, tuple]]:
     """``model`` without its state values (rank 0 keeps it to write whole checkpoints from
-    gathered state, :func:`~onnx_training_ops.storage.checkpoint.write_state`), and each state
+    gathered state, :func:`~onnx_training_ops.storage.snapshot.write_state`), and each state
     variable's (shape, numpy dtype)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)

@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrainingOpError
+from ..storage.tensors import constant_array, set_location
 from ..passes._graph import value_types
 from ..schema import DOMAIN, OPTIMIZERS
 from ..build.sparse_updates import Table, find_gradient_rows, lookup_rows
@@ -140,8 +141,10 @@ def step_model(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProt
     return derived
 
 
-def split_stages(model: onnx.ModelProto) -> Stages:
-    """The backward and apply models of ``model`` (see the module doc)."""
+def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
+    """The backward and apply models of ``model`` (see the module doc). With ``arrays`` (a
+    large model's) the dense accumulators' zeros stay out of the messages: constant arrays
+    added to ``arrays`` under ``#<name>`` (they take no memory)."""
     if len(model.training_info) != 1:
         raise TrainingOpError(f"backward/optimizer_step need a model with one training_info, "
                               f"found {len(model.training_info)}")
@@ -200,7 +203,7 @@ def split_stages(model: onnx.ModelProto) -> Stages:
     for g, (acc, _) in accumulators.items():
         elem, dims = types[g]
         scale, scaled, new = unique(f"{g}.scale"), unique(f"{g}.scaled"), unique(f"{acc}.new")
-        b_algo.initializer.append(_zeros(acc, elem, dims))
+        b_algo.initializer.append(_zeros(acc, elem, dims, arrays))
         b_algo.node.extend([
             helper.make_node("Cast", [GRAD_SCALE], [scale], to=elem, name=scale),
             helper.make_node("Mul", [g, scale], [scaled], name=scaled),
@@ -241,7 +244,7 @@ def split_stages(model: onnx.ModelProto) -> Stages:
     a_algo.node.extend(a_nodes)
     for g, (acc, _) in accumulators.items():
         elem, dims = types[g]
-        a_algo.initializer.append(_zeros(acc, elem, dims))
+        a_algo.initializer.append(_zeros(acc, elem, dims, arrays))
     for x, (table, _) in tables.items():
         a_algo.initializer.extend(_table_zeros(table, *table_accs[x]))
     del a_algo.output[:]
@@ -308,5 +311,12 @@ def _table_zeros(table: Table, acc: str, touched: str) -> list[onnx.TensorProto]
             numpy_helper.from_array(np.zeros(table.dims[:1], table.dtype), touched)]
 
 
-def _zeros(name: str, elem: int, dims: list[int]) -> onnx.TensorProto:
-    return numpy_helper.from_array(np.zeros(dims, helper.tensor_dtype_to_np_dtype(elem)), name)
+def _zeros(name: str, elem: int, dims: list[int], arrays: dict | None = None) -> onnx.TensorProto:
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    if arrays is None:
+        return numpy_helper.from_array(np.zeros(dims, dtype), name)
+    tensor = onnx.TensorProto(name=name, data_type=elem)
+    tensor.dims.extend(dims)
+    set_location(tensor, f"#{name}")
+    arrays[f"#{name}"] = constant_array(0, dtype, dims)
+    return tensor

@@ -3,14 +3,19 @@ run the initialization graphs."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import hashlib
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from .arrays import dtype_name
+from ..storage.checkpoint import damaged
+from ..storage.external_data import digest, read_into
+from ..storage.large_model import LargeModel
+from ..storage.tensors import graphs_with_tensors, is_constant_fill, location
+from .arrays import dtype_name, owned
 
 
 def collect_state_protos(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
@@ -53,8 +58,6 @@ def collect_state_protos(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
                             "the spec allows each key once"
                         )
                     keys_seen[entry.key] = where
-                if proto.data_location == onnx.TensorProto.EXTERNAL:
-                    raise TrainingOpError(f"state variable {entry.key!r} uses external data; load it first")
                 state_protos.setdefault(entry.key, proto)
     return state_protos
 
@@ -72,13 +75,36 @@ def assign(state: dict[str, np.ndarray], name: str, value: np.ndarray, what: str
 
 
 
-def state_array(name: str, proto: onnx.TensorProto) -> np.ndarray:
-    """The value of state variable ``name``, or a TrainingOpError when its data is malformed."""
+def state_array(name: str, proto: onnx.TensorProto, model: LargeModel | None = None,
+                expected: str | None = None, where: str = "the model") -> np.ndarray:
+    """A new array the session owns holding the value of state variable ``name`` (a
+    TrainingOpError when its data is malformed or, with ``expected``, does not match that
+    SHA-256). Values outside the message (``model``'s arrays) are read once: a
+    memory-mapped file by ``readinto`` into the new array, hashed on the way (its pages are
+    never mapped into the process, so this array is the one copy); a constant fill (a
+    builder's optimizer state) as ``np.full`` (zeros: pages the OS gives on first write)."""
     try:
-        return numpy_helper.to_array(proto)
+        if model is None or location(proto) is None:
+            value, got = owned(numpy_helper.to_array(proto)), expected  # checked with the message
+        else:
+            source = model.array(proto)
+            if isinstance(source, np.memmap):
+                hasher = hashlib.sha256() if expected else None
+                value = read_into(source.filename, source.offset, np.empty(source.shape, source.dtype), hasher)
+                got = hasher.hexdigest() if expected else None
+            elif is_constant_fill(source):
+                fill = source.reshape(-1)[0]
+                value = np.zeros(source.shape, source.dtype) if not fill else np.full(source.shape, fill, source.dtype)
+                got = digest(value) if expected else None
+            else:
+                value = owned(source)
+                got = digest(value) if expected else None
     except (ValueError, TypeError) as error:  # e.g. raw data of the wrong size for its dims
         raise TrainingOpError(f"state variable {name!r}: its stored data does not match its "
                               f"type and shape {list(proto.dims)}: {error}") from None
+    if expected and got != expected:
+        raise damaged(where, name)
+    return value
 
 
 def run_initialization(model: onnx.ModelProto, state: dict[str, np.ndarray],
@@ -100,3 +126,37 @@ def run_initialization(model: onnx.ModelProto, state: dict[str, np.ndarray],
         names = [e.value for e in info.initialization_binding]
         for entry, value in zip(info.initialization_binding, session.run(names, {})):
             assign(state, entry.key, value, f"initialization_binding {entry.key!r} <- {entry.value!r}")
+
+
+def state_tensors(model: LargeModel, protos: Mapping[str, onnx.TensorProto], expected: Mapping[str, str],
+                  where: str) -> dict[str, np.ndarray]:
+    """Every state variable as an array the session owns (:func:`state_array`), and the
+    detached constants of ``model`` checked against ``expected`` (name -> SHA-256 of the
+    values, from the checkpoint's record) as they stay: read where they lie, once."""
+    state = {name: state_array(name, proto, model, expected.get(name), where) for name, proto in protos.items()}
+    for graph in graphs_with_tensors(model.model_proto):
+        for tensor in graph.initializer:
+            if tensor.name not in protos and tensor.name in expected and \
+                    digest(model.array(tensor)) != expected[tensor.name]:
+                raise damaged(where, tensor.name)
+    return state
+
+
+def reset_state(state: dict[str, np.ndarray], name: str, proto: onnx.TensorProto, model: LargeModel) -> None:
+    """Write the initial value of state variable ``name`` (its tensor in ``model``) into its
+    array, in place (a memory-mapped source is read straight into it)."""
+    source = model.array(proto)
+    target = state[name]
+    if isinstance(source, np.memmap) and target.flags.c_contiguous:
+        read_into(source.filename, source.offset, target)
+    else:
+        np.copyto(target, source)
+
+
+def zero_fill(model: LargeModel, proto: onnx.TensorProto) -> bool:
+    """True for a state tensor that is a constant fill of zeros (a builder's fresh V or H):
+    its array is zeros the OS has not given pages to yet."""
+    if location(proto) is None:
+        return False
+    source = model.array(proto)
+    return is_constant_fill(source) and not source.reshape(-1)[0]

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import TrainingOpError
 from ..interrupts import held_interrupts
-from .binding import finish_binding
+from .binding import finish_binding, release_prebound
 from .fast_path import apply_plan, apply_step_with_feeds
 from .rmsprop_fast_path import apply_rmsprop
 from .row_updates import apply_row_groups
@@ -100,6 +100,9 @@ def _run(program: Program) -> bool:
     except Exception as error:  # onnxruntime's own errors: name what failed
         if program.guarded and GUARD_FAILURE in str(error):
             return False
+        if program.prebound and program.copy_plan is None:  # a gradient not shaped like X
+            release_prebound(program)
+            return _run(program)
         raise TrainingOpError(f"{program.where}: onnxruntime failed on training_info[{program.index}]: "
                               f"{error}") from error
     return True
