@@ -180,6 +180,14 @@ class Emitter:
         ends = [end if end is not None else np.iinfo(np.int64).max]
         return self.op("Slice", [full, self.ints([start]), self.ints(ends)], "dims")
 
+    def flat_rows(self, name: str, axis: int) -> str:
+        """``[-1, Shape(name)[axis]]``: the target that reshapes a tensor into rows as long
+        as that dim of ``name`` (static when known)."""
+        dims = self.shape(name)
+        if dims is not None and isinstance(dims[axis], int):
+            return self.ints([-1, dims[axis]])
+        return self.op("Concat", [self.ints([-1]), self.dims_of(name, axis, axis + 1)], "rows", axis=0)
+
     def reduce_sum(self, x: str, axes: Sequence[int] | str, keepdims: bool) -> str:
         """ReduceSum over ``axes`` (a static list, or a 1-D int64 tensor name for opset >= 13)."""
         if self.opset >= 13:

@@ -67,17 +67,21 @@ def _meta_of_graph(graph: GraphProto, into: dict[str, ValueMeta]) -> dict[str, V
 
 def _infer(graph: GraphProto, opset_imports, ir_version: int,
            extra_initializers=()) -> dict[str, ValueMeta]:
-    """Shape-inferred value facts of every graph under ``graph`` (best effort)."""
+    """Shape-inferred value facts of every graph under ``graph`` (best effort). With data
+    propagation: shapes computed by Shape/Gather/Concat... subgraphs (the exporters' reshape
+    targets) become static, so the rules emit static shapes instead of runtime ones."""
     g = GraphProto()
     g.CopyFrom(graph)
     have = {t.name for t in g.initializer} | {v.name for v in g.input}
     g.initializer.extend(t for t in extra_initializers if t.name not in have)
     model = helper.make_model(g, opset_imports=list(opset_imports))
     model.ir_version = max(ir_version, 7)
-    try:  # data_prop: shapes computed by Shape/Gather/Concat (Whisper's TorchScript Expand) carry ranks
-        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # inference is an aid, not a requirement
-        pass
+    for data_prop in (True, False):  # data_prop: shapes computed by Shape/Gather/Concat (the
+        try:  # exporters' reshape targets, Whisper's TorchScript Expand) become static
+            model = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+            break
+        except Exception:  # inference is an aid, not a requirement
+            pass
     return _meta_of_graph(model.graph, {})
 
 
