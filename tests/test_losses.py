@@ -111,6 +111,36 @@ def test_shifted_next_token_loss_matches_transformers_recipe():
     _compare(ours, theirs, np.float32)
 
 
+@pytest.mark.parametrize("ignore_index,smoothing", [(None, 0.0), (None, 0.2), (-100, 0.2)])
+def test_shifted_loss_without_ignore_index_and_with_smoothing_matches_torch(ignore_index, smoothing):
+    """The shift ignores the last position even when ``ignore_index=None`` (an index no class
+    equals), label smoothing included."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    labels = rng.integers(0, 4, (2, 5)).astype(np.int64)
+    model, w, b = _linear_model(x.shape, 4, np.float32, class_axis_last=True)
+
+    def causal(out):
+        return F.cross_entropy(out[:, :-1].reshape(-1, 4), torch.tensor(labels[:, 1:]).reshape(-1),
+                               label_smoothing=smoothing)
+    theirs = _torch_step(w, b, x, causal, 0.5)
+    loss = ot.CrossEntropyLoss(shift_labels=True, ignore_index=ignore_index, label_smoothing=smoothing)
+    _compare(_ours(model, loss, {"x": x, "labels": labels}, 0.5), theirs, np.float32)
+
+
+def test_causal_lm_loss_builds_no_tensor_the_size_of_the_logits_but_its_gradient():
+    """The label shift moves the labels, not the logits: no slice, transpose or index map of
+    [N, T, C] in the step graph (forward or backward)."""
+    model, _, _ = _linear_model((2, 5, 3), 4, np.float32, class_axis_last=True)
+    training = ot.build_training_model(model, ot.CrossEntropyLoss(shift_labels=True),
+                                         ot.Momentum(lr=0.1, momentum=0.0))
+    graph = ot.prepare(training).training_info[0].algorithm
+    ops = [n.op_type for n in graph.node]
+    assert not {"Range", "ScatterND", "ScatterElements", "Transpose"} & set(ops), ops
+    slices = [n for n in graph.node if n.op_type == "Slice"]
+    assert [n.input[0] for n in slices] == ["labels"], "only the labels are sliced"
+
+
 REGRESSION = {
     "mse": (ot.MSELoss, F.mse_loss, {}),
     "l1": (ot.L1Loss, F.l1_loss, {}),
