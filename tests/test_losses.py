@@ -77,6 +77,22 @@ def test_cross_entropy_matches_torch(dtype, options):
     _compare(ours, theirs, dtype)
 
 
+@pytest.mark.parametrize("options", [{}, {"reduction": "sum"}, {"ignore_index": None},
+                                     {"ignore_index": 7, "reduction": "sum"}, {"label_smoothing": 0.1}])
+def test_cross_entropy_over_many_classes_matches_torch(options):
+    """Past GATHER_FORM_CLASSES classes the loss and its gradient pick the label columns
+    (GatherElements / ScatterElements) instead of a one-hot."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((6, 3)).astype(np.float32)
+    labels = np.array([0, 7, 99, 7, -100, 42], np.int64)
+    if options.get("ignore_index", -100) != -100:
+        labels[4] = 3
+    model, w, b = _linear_model(x.shape, 100, np.float32)
+    theirs = _torch_step(w, b, x, lambda out: F.cross_entropy(
+        out, torch.tensor(labels), **{k: -200 if v is None else v for k, v in options.items()}), 0.5)
+    _compare(_ours(model, ot.CrossEntropyLoss(**options), {"x": x, "labels": labels}, 0.5), theirs, np.float32)
+
+
 @pytest.mark.parametrize("class_axis_last", [False, True])
 def test_cross_entropy_over_sequences_reads_the_stated_class_axis(class_axis_last):
     """[N, T, C] (LM head, class_axis=-1) and [N, C, T] (torch layout, class_axis=1), with
