@@ -1,0 +1,121 @@
+"""Convolution gradients as single matrix products (im2col / col2im written in standard ops).
+
+For ``y = Conv(x, w)`` with x [N, C, *S], w [O, C, *K], group 1 and static shapes, with the
+output gradient as a matrix ``g2 = g`` [O, N*P] (channels first, P output positions):
+
+* ``dW = g2 @ cols^T``: ``cols`` [K*C, N*P] stacks, for each kernel offset, the strided
+  window of the padded input that offset reads (one Slice each, Concat on axis 0).
+* ``dX = col2im(W2^T @ g2)``: each kernel offset's rows of the product are put back where
+  that offset read them (Pad; zeros interleaved for strides), summed, and the padding cut.
+
+One Gemm each, with the whole batch in the inner dimension: onnxruntime's ConvTranspose
+(for dX) runs one narrow product per image, and a Conv with the gradient as kernel (for dW)
+an im2col as large as the kernel is wide; both were several times slower on ResNet-18's
+layers. Kernel rows are ordered (offset, channel); ``w`` is permuted to match.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from .emitter import Emitter, static_dims
+
+
+def gemm_geometry(em: Emitter, x: str, w: str, g: str, group: int, pb, pe) -> tuple | None:
+    """``(x dims, w dims, g dims)`` when the Gemm forms apply (group 1, static shapes and
+    pads), else None."""
+    dims = [static_dims(em.shape(v)) for v in (x, w, g)]
+    if group != 1 or any(d is None for d in dims) or not isinstance(pb, list) or not isinstance(pe, list):
+        return None
+    return tuple(dims)
+
+
+def _channels_first(em: Emitter, v: str, rank: int) -> str:
+    return em.op("Transpose", [v], "chfirst", perm=[1, 0] + list(range(2, rank)))
+
+
+def gradient_rows(em: Emitter, g: str, geometry) -> str:
+    """The output gradient (shaped like y) as [O, N*P]."""
+    y_dims = geometry[2]
+    return em.op("Reshape", [_channels_first(em, g, len(y_dims)), em.ints([y_dims[1], -1])], "g2")
+
+
+def _offsets(kernel, dilations):
+    return list(itertools.product(*[[k * d for k in range(size)] for size, d in zip(kernel, dilations)]))
+
+
+def weight_grad(em: Emitter, x: str, g2: str, geometry, strides, dilations, pb, pe) -> str:
+    """``dW`` [O, C, *K] = ``g2 @ cols^T`` (module docstring)."""
+    (n_, c, *spatial), (o, _, *kernel), (_, _, *out) = geometry
+    rank = len(spatial) + 2
+    xt = _channels_first(em, x, rank)
+    if any(pb) or any(pe):
+        xt = em.op("Pad", [xt, em.ints([0, 0, *pb, 0, 0, *pe])], "pad")
+    axes = em.ints(list(range(2, rank)))
+    steps = em.ints(strides)
+    windows = []
+    for start in _offsets(kernel, dilations):
+        ends = [b + s * (size - 1) + 1 for b, s, size in zip(start, strides, out)]
+        padded = [size + b + e for size, b, e in zip(spatial, pb, pe)]
+        if list(start) == [0] * len(start) and ends == padded and strides == [1] * len(strides):
+            windows.append(xt)  # the whole (padded) input: a 1x1 kernel, stride 1
+        else:
+            windows.append(em.op("Slice", [xt, em.ints(start), em.ints(ends), axes, steps], "window"))
+    stacked = windows[0] if len(windows) == 1 else em.op("Concat", windows, "cols", axis=0)
+    cols = em.op("Reshape", [stacked, em.ints([-1, n_ * _prod(out)])], "cols")
+    dw = em.op("Gemm", [g2, cols], "gemm", transB=1)  # [O, K*C]
+    dw = em.op("Reshape", [dw, em.ints([o, *kernel, c])], "dw")
+    return em.op("Transpose", [dw], "dw", perm=[0, rank - 1] + list(range(1, rank - 1)))
+
+
+def input_grad(em: Emitter, w: str, g2: str, geometry, strides, dilations, pb, pe) -> str:
+    """``dX`` [N, C, *S] = col2im(``W2^T @ g2``) (module docstring)."""
+    (n_, c, *spatial), (o, _, *kernel), (_, _, *out) = geometry
+    rank = len(spatial) + 2
+    w2 = em.op("Transpose", [w], "w2", perm=[0] + list(range(2, rank)) + [1])  # [O, *K, C]
+    w2 = em.op("Reshape", [w2, em.ints([o, -1])], "w2")
+    rows = em.op("Gemm", [w2, g2], "gemm", transA=1)  # [K*C, N*P]
+    offsets = _offsets(kernel, dilations)
+    rows = em.op("Reshape", [rows, em.ints([len(offsets) * c, n_, *out])], "rows")
+    parts = em.op_n("Split", [rows, em.ints([c] * len(offsets))], len(offsets), "part", axis=0) \
+        if len(offsets) > 1 else [rows]
+    padded = [size + b + e for size, b, e in zip(spatial, pb, pe)]
+    placed = []
+    for part, start in zip(parts, offsets):
+        part, spread = _spread(em, part, out, strides, c, n_)
+        before = [0, 0, *start]
+        after = [0, 0, *[p - b - s for p, b, s in zip(padded, start, spread)]]
+        placed.append(em.op("Pad", [part, em.ints(before + after)], "place") if any(before + after) else part)
+    total = placed[0] if len(placed) == 1 else em.op("Sum", placed, "col2im")
+    if any(pb) or any(pe):
+        total = em.op("Slice", [total, em.ints(pb), em.ints([b + s for b, s in zip(pb, spatial)]),
+                                em.ints(list(range(2, rank)))], "interior")
+    return _channels_first(em, total, rank)
+
+
+def _spread(em: Emitter, part: str, out, strides, c: int, n_: int) -> tuple[str, list]:
+    """``part`` [C, N, *out] with ``stride - 1`` zeros after each element on each strided
+    axis (the last ones cut); returns it and its spatial extent."""
+    if all(s == 1 for s in strides):
+        return part, list(out)
+    dims = [c, n_]
+    for size, s in zip(out, strides):
+        dims += [size, 1]
+    spaced = em.op("Reshape", [part, em.ints(dims)], "spread")
+    pads = [0] * (2 * len(dims))
+    for i, s in enumerate(strides):
+        pads[len(dims) + 3 + 2 * i] = s - 1
+    spaced = em.op("Pad", [spaced, em.ints(pads)], "spread")
+    extent = [s * size for size, s in zip(out, strides)]
+    spaced = em.op("Reshape", [spaced, em.ints([c, n_, *extent])], "spread")
+    cut = [s * (size - 1) + 1 for size, s in zip(out, strides)]
+    spaced = em.op("Slice", [spaced, em.ints([0] * len(out)), em.ints(cut),
+                             em.ints(list(range(2, 2 + len(out))))], "spread")
+    return spaced, cut
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
