@@ -35,7 +35,7 @@ def training_model(spec: zoo.Spec, cache: str | None = None):
     """Our training model of ``spec``'s export (AdamW as above)."""
     import onnx
 
-    from .. import AdamW, build_training_model
+    from ..build import AdamW, build_training_model
 
     model = onnx.load(zoo.export(spec, cache))
     return build_training_model(model, zoo.loss(spec), AdamW(lr=LR, betas=BETAS, eps=EPS,
@@ -68,7 +68,7 @@ def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
 
 def trainable_names(training) -> list[str]:
     """The tensors one of our training models trains (the other contenders train the same)."""
-    from ..builder import metadata
+    from ..build import metadata
 
     return [n for n in metadata(training).get("trainable", "").split(",") if n]
 

@@ -225,7 +225,7 @@ def torch_loss(s: Spec, logits, labels):
 
 def loss(s: Spec):
     """The builder's loss for ``s`` (same math as :func:`torch_loss`)."""
-    from onnx_training_ops import CrossEntropyLoss
+    from onnx_training_ops.build import CrossEntropyLoss
 
     if s.family == "gpt2":
         return CrossEntropyLoss(class_axis=-1, shift_labels=True)
