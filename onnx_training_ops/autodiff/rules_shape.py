@@ -80,11 +80,12 @@ def _gather(ctx: RuleContext) -> list:
     em, g = ctx.em, ctx.grad(0)
     data = ctx.node.input[0]
     axis = int(ctx.attr("axis", 0))
-    r = ctx.rank(data)
-    axis = axis + r if axis < 0 else axis
+    if axis < 0:
+        axis += ctx.rank(data)
     window = _gathered_window(ctx, axis)
     if window is not None:
         first, count = window
+        r = ctx.rank(data)
         dim = ctx.shape(data)[axis]
         if ctx.rank(ctx.node.input[1]) != 1:  # the indices' axes folded into one axis of `count`
             dims = list(ctx.shape(data))
@@ -108,7 +109,7 @@ def _gather(ctx: RuleContext) -> list:
     if axis == 0:
         zeros = em.filled_like(0.0, data)
         return [em.op("ScatterND", [zeros, idx, g], "scatter", reduction="add"), None]
-    q = ctx.rank(indices)
+    r, q = ctx.rank(data), ctx.rank(indices)
     # Move the gathered axis to the front, scatter there, move it back.
     perm_d = [axis] + [i for i in range(r) if i != axis]
     inv_d = [perm_d.index(i) for i in range(r)]
