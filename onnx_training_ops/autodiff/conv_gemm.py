@@ -8,6 +8,9 @@ output gradient as a matrix ``g2 = g`` [O, N*P] (channels first, P output positi
 * ``dX = col2im(W2^T @ g2)``: each kernel offset's rows of the product are put back where
   that offset read them (Pad; zeros interleaved for strides), summed, and the padding cut.
 
+On the native path (2-D) the im2col and col2im are one node each, the native
+``TrainingIm2Col``/``TrainingCol2Im`` (:mod:`onnx_training_ops.kernels._native_grad_kernels`).
+
 One Gemm each, with the whole batch in the inner dimension: onnxruntime's ConvTranspose
 (for dX) runs one narrow product per image, and a Conv with the gradient as kernel (for dW)
 an im2col as large as the kernel is wide; both were several times slower on ResNet-18's
@@ -19,6 +22,7 @@ from __future__ import annotations
 import itertools
 
 from .emitter import Emitter, static_dims
+from .native_ops import COL2IM, IM2COL
 
 
 def gemm_geometry(em: Emitter, x: str, w: str, g: str, group: int, pb, pe) -> tuple | None:
@@ -40,6 +44,16 @@ def gradient_rows(em: Emitter, g: str, geometry) -> str:
     return em.op("Reshape", [_channels_first(em, g, len(y_dims)), em.ints([y_dims[1], -1])], "g2")
 
 
+def _native_geometry(em: Emitter, op: str, geometry, strides, dilations, pb) -> str | None:
+    """The int64 geometry input of the native Im2Col/Col2Im (2-D convolutions, when the
+    expansion allows native ops), else None."""
+    (n_, c, *spatial), _, (_, _, *out) = geometry
+    if op not in em.native or len(spatial) != 2:
+        return None
+    kernel = geometry[1][2:]
+    return em.ints([n_, c, *spatial, *out, *kernel, *strides, *pb, *dilations])
+
+
 def _offsets(kernel, dilations):
     return list(itertools.product(*[[k * d for k in range(size)] for size, d in zip(kernel, dilations)]))
 
@@ -48,6 +62,9 @@ def weight_grad(em: Emitter, x: str, g2: str, geometry, strides, dilations, pb, 
     """``dW`` [O, C, *K] = ``g2 @ cols^T`` (module docstring)."""
     (n_, c, *spatial), (o, _, *kernel), (_, _, *out) = geometry
     rank = len(spatial) + 2
+    native = _native_geometry(em, IM2COL, geometry, strides, dilations, pb)
+    if native is not None:
+        return _weight_from_cols(em, g2, em.native_op(IM2COL, [x, native], "cols"), o, kernel, c, rank)
     xt = _channels_first(em, x, rank)
     if any(pb) or any(pe):
         xt = em.op("Pad", [xt, em.ints([0, 0, *pb, 0, 0, *pe])], "pad")
@@ -63,6 +80,10 @@ def weight_grad(em: Emitter, x: str, g2: str, geometry, strides, dilations, pb, 
             windows.append(em.op("Slice", [xt, em.ints(start), em.ints(ends), axes, steps], "window"))
     stacked = windows[0] if len(windows) == 1 else em.op("Concat", windows, "cols", axis=0)
     cols = em.op("Reshape", [stacked, em.ints([-1, n_ * _prod(out)])], "cols")
+    return _weight_from_cols(em, g2, cols, o, kernel, c, rank)
+
+
+def _weight_from_cols(em: Emitter, g2: str, cols: str, o: int, kernel, c: int, rank: int) -> str:
     dw = em.op("Gemm", [g2, cols], "gemm", transB=1)  # [O, K*C]
     dw = em.op("Reshape", [dw, em.ints([o, *kernel, c])], "dw")
     return em.op("Transpose", [dw], "dw", perm=[0, rank - 1] + list(range(1, rank - 1)))
@@ -75,6 +96,9 @@ def input_grad(em: Emitter, w: str, g2: str, geometry, strides, dilations, pb, p
     w2 = em.op("Transpose", [w], "w2", perm=[0] + list(range(2, rank)) + [1])  # [O, *K, C]
     w2 = em.op("Reshape", [w2, em.ints([o, -1])], "w2")
     rows = em.op("Gemm", [w2, g2], "gemm", transA=1)  # [K*C, N*P]
+    native = _native_geometry(em, COL2IM, geometry, strides, dilations, pb)
+    if native is not None:
+        return em.native_op(COL2IM, [rows, native], "dx")
     offsets = _offsets(kernel, dilations)
     rows = em.op("Reshape", [rows, em.ints([len(offsets) * c, n_, *out])], "rows")
     parts = em.op_n("Split", [rows, em.ints([c] * len(offsets))], len(offsets), "part", axis=0) \

@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .native_ops import DOMAIN as NATIVE_DOMAIN
+
 Dim = Union[int, str, None]
 Shape = Union[tuple, None]  # tuple[Dim, ...] or None when the rank is unknown
 
@@ -62,13 +64,16 @@ class Emitter:
 
     ``meta`` maps value names to :class:`ValueMeta`; ``opset`` is the default-domain opset
     of the graph, which decides the form of ops whose signature changed (ReduceSum,
-    Squeeze/Unsqueeze, Split, Pad...).
+    Squeeze/Unsqueeze, Split, Pad...). ``native``: the native backward ops
+    (:mod:`.native_ops`) rules may emit; empty for the standard-op forms.
     """
 
-    def __init__(self, prefix: str, opset: int, meta: dict[str, ValueMeta]):
+    def __init__(self, prefix: str, opset: int, meta: dict[str, ValueMeta],
+                 native: frozenset = frozenset()):
         self.prefix = prefix
         self.opset = opset
         self.meta = meta
+        self.native = native
         self.nodes: list[onnx.NodeProto] = []
         self._count = 0
         self._const_cache: dict[tuple, str] = {}
@@ -90,6 +95,13 @@ class Emitter:
         attrs = {k: v for k, v in attrs.items() if v is not None}
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=outs[0], **attrs))
         return outs
+
+    def native_op(self, op_type: str, inputs: Sequence[str], hint: str | None = None) -> str:
+        """One node of a native backward op (:mod:`.native_ops`); the caller checked
+        ``op_type in self.native``."""
+        out = self.fresh(hint or op_type)
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=NATIVE_DOMAIN))
+        return out
 
     def add_node(self, node: onnx.NodeProto) -> None:
         self.nodes.append(node)

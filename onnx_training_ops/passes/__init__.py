@@ -15,7 +15,7 @@ from typing import Callable
 from onnx import ModelProto
 
 from .encode_exact_attributes import encode_exact_attributes
-from .expand_gradient import expand_gradient
+from .expand_gradient import expand_gradient, expand_gradient_native
 from .fill_defaults import fill_default_attributes
 from .fit_runtime import fit_runtime
 from .lower_cross_entropy import lower_cross_entropy
@@ -44,8 +44,11 @@ _SHARED: list[tuple[str, Pass]] = [
     (name, run_pass) for name, run_pass in PASSES
     if name not in ("split_multi_tensor_nodes", "encode_exact_attributes", "fit_runtime")
 ]
-# The native kernels take multi-tensor nodes whole and read the attributes themselves.
-NATIVE_PASSES: list[tuple[str, Pass]] = _SHARED + [("target_native", target_native), ("fit_runtime", fit_runtime)]
+# The native kernels take multi-tensor nodes whole and read the attributes themselves; the
+# Gradient is expanded with the native backward kernels where a rule has one.
+NATIVE_PASSES: list[tuple[str, Pass]] = [
+    (name, expand_gradient_native if name == "expand_gradient" else run_pass) for name, run_pass in _SHARED
+] + [("target_native", target_native), ("fit_runtime", fit_runtime)]
 # The portable form: every optimizer node lowered to standard ONNX ops (no plugin needed).
 PORTABLE_PASSES: list[tuple[str, Pass]] = _SHARED + [("lower_optimizers", lower_optimizers),
                                                      ("fit_runtime", fit_runtime)]
