@@ -138,6 +138,16 @@ class RuleContext:
     def output(self, i: int) -> str | None:
         return self.node.output[i] if i < len(self.node.output) and self.node.output[i] else None
 
+    def name_output(self, i: int, hint: str) -> str:
+        """Output ``i`` of the forward node, given a fresh name if the node leaves it out
+        (an optional output the op computes anyway, e.g. LayerNormalization's Mean): the
+        rule reads it instead of recomputing it."""
+        if self.output(i) is None:
+            while len(self.node.output) <= i:
+                self.node.output.append("")
+            self.node.output[i] = self.em.fresh(hint)
+        return self.node.output[i]
+
     def grad(self, i: int = 0) -> str | None:
         return self.grads[i] if i < len(self.grads) else None
 
