@@ -34,7 +34,8 @@ class RuleError(Exception):
 
 
 def register(*op_types: str) -> Callable[[Rule], Rule]:
-    """Register ``fn`` as the derivative rule of default-domain ``op_types``."""
+    """Register ``fn`` as the derivative rule of ``op_types``: default-domain op names, or
+    ``"domain::Op"`` for another domain's op (:func:`rule_key`)."""
 
     def deco(fn: Rule) -> Rule:
         for op in op_types:
@@ -48,9 +49,14 @@ def supported_ops() -> list[str]:
     return sorted(RULES)
 
 
+def rule_key(node: onnx.NodeProto) -> str:
+    """The key of ``node``'s rule in :data:`RULES`: its op type, ``domain::op`` outside ai.onnx."""
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
 def has_rule(node: onnx.NodeProto) -> bool:
-    """A rule is registered for the op of ``node`` (default domain only)."""
-    return node.domain in ("", "ai.onnx") and node.op_type in RULES
+    """A rule is registered for the op of ``node``."""
+    return rule_key(node) in RULES
 
 
 # ------------------------------------------------------------------ ops without a rule
