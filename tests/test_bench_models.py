@@ -77,6 +77,17 @@ def test_bench_models_smoke_run_writes_its_report(tmp_path):
     assert "MLP 64-128-10" in result.stdout
 
 
+def test_an_unusable_ortt_python_is_an_na_cell_with_its_reason(tmp_path):
+    """--ortt-python names a Python with onnxruntime-training; this one lacks it."""
+    from onnx_training_ops.bench.models import ORTT, measure_model
+
+    result = measure_model(zoo.SPECS["mlp"], ["ours_fast"], ortt_python=sys.executable, rounds=1,
+                           round_seconds=0.05, profile_steps=0, cache=str(tmp_path), warmup_seconds=0,
+                           log=lambda m: None)
+    assert "onnxruntime" in result["contenders"][ORTT]["n/a"]
+    assert result["contenders"]["ours_fast"]["median_s"] > 0
+
+
 def test_bench_models_rejects_an_unknown_model():
     result = subprocess.run([sys.executable, "-m", "onnx_training_ops", "bench", "models", "--models", "vgg"],
                             capture_output=True, text=True, timeout=60)

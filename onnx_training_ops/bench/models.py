@@ -48,7 +48,8 @@ def _worker(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "onnx_training_ops.bench.models", *args]
 
 
-def _commands(spec: zoo.Spec, contenders, ortt_python, trainable_path, common, cache) -> dict:
+def _commands(spec: zoo.Spec, contenders, ortt_python, trainable_path, common, cache, threads,
+              warmup_seconds) -> dict:
     commands = {c: _worker(["--worker", c, *common]) for c in contenders}
     if ortt_python:
         commands[ORTT] = [ortt_python, ORTT_WORKER, "model", zoo.export(spec, cache),
@@ -75,7 +76,7 @@ def measure_model(spec: zoo.Spec, contenders, ortt_python=None, rounds=7, round_
     try:
         common = ["--model", spec.name, "--threads", str(threads), "--warmup-seconds", str(warmup_seconds)] + (
             ["--cache", cache] if cache else [])
-        commands = _commands(spec, contenders, ortt_python, f.name, common, cache)
+        commands = _commands(spec, contenders, ortt_python, f.name, common, cache, threads, warmup_seconds)
         outcomes = interleaved(commands, lambda name, ready: max(1, round(round_seconds / ready["step_s"])),
                                rounds, log=log)
         result = {"spec": dataclasses.asdict(spec), "contenders": {}, "profiles": {}}

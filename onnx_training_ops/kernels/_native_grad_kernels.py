@@ -133,6 +133,23 @@ def col2im_worker(job, index):
 
 
 @njit(**_OPTIONS)
+def _output(fns, context, index, dims, out):
+    """``(status, data address)`` of output ``index``, allocated by onnxruntime with ``dims``."""
+    status = _call5(fns[API_KERNEL_CONTEXT_GET_OUTPUT], context, np.int64(index), dims.ctypes.data,
+                    np.int64(dims.size), out.ctypes.data)
+    if status != 0:
+        return status, 0
+    status = _call2(fns[API_GET_TENSOR_MUTABLE_DATA], out[0], out.ctypes.data)
+    return status, out[0]
+
+
+@njit(**_OPTIONS)
+def _invalid(fns, state):
+    """The kernel's error status (its message names the node)."""
+    return _call2(fns[API_CREATE_STATUS], np.int64(ORT_INVALID_ARGUMENT), state[ST_MESSAGE])
+
+
+@njit(**_OPTIONS)
 def _compute(state_addr, context, col2im):
     state = carray(_ptr(state_addr, _I64), ST_WORDS)
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
@@ -142,13 +159,13 @@ def _compute(state_addr, context, col2im):
     if status != 0:
         return status
     if elem != ELEM_FLOAT:
-        return _call2(fns[API_CREATE_STATUS], np.int64(ORT_INVALID_ARGUMENT), state[ST_MESSAGE])
+        return _invalid(fns, state)
     x_dims = dims.copy()
     status, elem, dims, geo = _input(fns, 0, context, 1, out)
     if status != 0:
         return status
     if elem != ELEM_INT64 or dims.size != 1 or dims[0] != GEO_WORDS:
-        return _call2(fns[API_CREATE_STATUS], np.int64(ORT_INVALID_ARGUMENT), state[ST_MESSAGE])
+        return _invalid(fns, state)
     g = carray(_ptr(geo, _I64), GEO_WORDS)
     for k in range(GEO_WORDS):
         job[k] = g[k]
@@ -164,15 +181,11 @@ def _compute(state_addr, context, col2im):
         out_dims = np.empty(2, np.int64)
         out_dims[0], out_dims[1] = rows, row_len
     if not ok:
-        return _call2(fns[API_CREATE_STATUS], np.int64(ORT_INVALID_ARGUMENT), state[ST_MESSAGE])
-    status = _call5(fns[API_KERNEL_CONTEXT_GET_OUTPUT], context, np.int64(0), out_dims.ctypes.data,
-                    np.int64(out_dims.size), out.ctypes.data)
+        return _invalid(fns, state)
+    status, data = _output(fns, context, 0, out_dims, out)
     if status != 0:
         return status
-    status = _call2(fns[API_GET_TENSOR_MUTABLE_DATA], out[0], out.ctypes.data)
-    if status != 0:
-        return status
-    job[JOB_SRC], job[JOB_DST] = src, out[0]
+    job[JOB_SRC], job[JOB_DST] = src, data
     status = _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, state[ST_WORKER], g[GEO_C], np.int64(0),
                     job.ctypes.data)
     _keep(out_dims)

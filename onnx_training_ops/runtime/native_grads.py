@@ -21,16 +21,17 @@ _FLOAT, _INT64 = 1, 7
 
 
 def _ops() -> dict[str, tuple]:
-    """op name -> (compute cfunc, worker cfunc, input types, output types)."""
+    """op name -> (compute cfunc, worker cfunc, input types, output types, what it expects)."""
     from ..kernels import _native_grad_kernels as k
 
+    geometry = f"float32 data and an int64 geometry of {k.GEO_WORDS} values that matches it"
     return {
-        IM2COL: (k.im2col_compute, k.im2col_worker, (_FLOAT, _INT64), (_FLOAT,)),
-        COL2IM: (k.col2im_compute, k.col2im_worker, (_FLOAT, _INT64), (_FLOAT,)),
+        IM2COL: (k.im2col_compute, k.im2col_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
+        COL2IM: (k.col2im_compute, k.col2im_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
     }
 
 
-def _create_kernel(name: str, worker: int):
+def _create_kernel(name: str, worker: int, expects: str):
     def create(op, api, info, kernel):
         from ..kernels import _native_grad_kernels as k
 
@@ -42,8 +43,7 @@ def _create_kernel(name: str, worker: int):
             if api not in _checked_apis:
                 calls.check()
                 _checked_apis.add(api)
-            message = (f"{name} node {calls.node_name(info)!r}: expected float32 data and an int64 geometry "
-                       f"of {k.GEO_WORDS} values that matches it").encode() + b"\0"
+            message = f"{name} node {calls.node_name(info)!r}: expected {expects}".encode() + b"\0"
             header = 8 * k.ST_WORDS
             memory = _libc().malloc(header + len(message))
             if not memory:
@@ -65,7 +65,7 @@ def custom_ops() -> list[OrtCustomOp]:
     from ..kernels import _native_grad_kernels as k
 
     out = []
-    for name, (compute, worker, inputs, outputs) in _ops().items():
+    for name, (compute, worker, inputs, outputs, expects) in _ops().items():
         name_c, provider = _string(name), _string("CPUExecutionProvider")
         callbacks = {
             "GetName": _GetName(lambda op, n=name_c: n),
@@ -81,7 +81,7 @@ def custom_ops() -> list[OrtCustomOp]:
             "GetVariadicInputHomogeneity": _GetInt(lambda op: 1),
             "GetVariadicOutputMinArity": _GetInt(lambda op: 1),
             "GetVariadicOutputHomogeneity": _GetInt(lambda op: 1),
-            "CreateKernelV2": _CreateKernelV2(_create_kernel(name, worker.address)),
+            "CreateKernelV2": _CreateKernelV2(_create_kernel(name, worker.address, expects)),
         }
         op = OrtCustomOp()
         op.version = OP_VERSION
