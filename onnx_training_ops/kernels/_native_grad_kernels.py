@@ -57,18 +57,25 @@ def _inside(size, stride, offset, limit):
 
 
 @njit(**_OPTIONS)
+def _window(job, c, i, j):
+    """Kernel offset (i, j) on channel ``c``: the output rows ``[a0, a1)`` and columns
+    ``[b0, b1)`` that read inside the image, and where row ``k*C + c`` of cols starts."""
+    ch, h, w, oh, ow, kw = job[GEO_C], job[GEO_H], job[GEO_W], job[GEO_OH], job[GEO_OW], job[GEO_KW]
+    a0, a1 = _inside(oh, job[GEO_SH], i * job[GEO_DH] - job[GEO_PH], h)
+    b0, b1 = _inside(ow, job[GEO_SW], j * job[GEO_DW] - job[GEO_PW], w)
+    return a0, a1, b0, b1, ((i * kw + j) * ch + c) * job[GEO_N] * oh * ow
+
+
+@njit(**_OPTIONS)
 def _im2col_channel(job, c):
     """Rows ``k*C + c`` of cols for one channel ``c``."""
     n_, ch, h, w, oh, ow, kh, kw = job[0], job[1], job[2], job[3], job[4], job[5], job[6], job[7]
     sh, sw, ph, pw, dh, dw = job[8], job[9], job[10], job[11], job[12], job[13]
     x = carray(_ptr(job[JOB_SRC], _F32), n_ * ch * h * w)
     cols = carray(_ptr(job[JOB_DST], _F32), kh * kw * ch * n_ * oh * ow)
-    row_len = n_ * oh * ow
     for i in range(kh):
-        a0, a1 = _inside(oh, sh, i * dh - ph, h)
         for j in range(kw):
-            b0, b1 = _inside(ow, sw, j * dw - pw, w)
-            base = ((i * kw + j) * ch + c) * row_len
+            a0, a1, b0, b1, base = _window(job, c, i, j)
             for n in range(n_):
                 src = (n * ch + c) * h * w + j * dw - pw
                 for a in range(oh):
@@ -94,21 +101,18 @@ def _im2col_channel(job, c):
 def _col2im_channel(job, c):
     """``dx[:, c]``: every element of rows ``k*C + c`` added back where Im2Col read it."""
     n_, ch, h, w, oh, ow, kh, kw = job[0], job[1], job[2], job[3], job[4], job[5], job[6], job[7]
-    sh, sw, ph, pw, dh, dw = job[8], job[9], job[10], job[11], job[12], job[13]
+    sw, ph, sh, dh = job[GEO_SW], job[GEO_PH], job[GEO_SH], job[GEO_DH]
     rows = carray(_ptr(job[JOB_SRC], _F32), kh * kw * ch * n_ * oh * ow)
     dx = carray(_ptr(job[JOB_DST], _F32), n_ * ch * h * w)
-    row_len = n_ * oh * ow
     for n in range(n_):
-        dst = (n * ch + c) * h * w
+        start = (n * ch + c) * h * w
         for e in range(h * w):
-            dx[dst + e] = 0.0
+            dx[start + e] = 0.0
     for i in range(kh):
-        a0, a1 = _inside(oh, sh, i * dh - ph, h)
         for j in range(kw):
-            b0, b1 = _inside(ow, sw, j * dw - pw, w)
-            base = ((i * kw + j) * ch + c) * row_len
+            a0, a1, b0, b1, base = _window(job, c, i, j)
             for n in range(n_):
-                dst = (n * ch + c) * h * w + j * dw - pw
+                dst = (n * ch + c) * h * w + j * job[GEO_DW] - job[GEO_PW]
                 for a in range(a0, a1):
                     src = base + (n * oh + a) * ow
                     row = dst + (a * sh - ph + i * dh) * w
