@@ -118,7 +118,8 @@ BATCH_STATISTICS_DOC = "onnx_training_ops: batch statistics (mode='train')"
 
 def batch_norm_training(ctx: RuleContext) -> list:
     """BatchNormalization with ``training_mode=1``: ``y`` normalizes ``x`` over every axis
-    but 1 with the *batch* statistics (recomputed here from ``x``); the running-statistic
+    but 1 with the *batch* statistics (recomputed here from ``x``: the same nodes as the
+    builder's running-statistic update, which onnxruntime merges); the running-statistic
     inputs do not reach ``y`` and get no gradient."""
     em, g = ctx.em, ctx.grad(0)
     if any(ctx.grad(i) for i in (1, 2)):

@@ -64,8 +64,10 @@ class _Emit:
                                            value=numpy_helper.from_array(np.asarray(value))))
         return out
 
-    def like(self, value: float, x: str) -> str:
-        """A float32 constant cast to ``x``'s type."""
+    def like(self, value: float, x: str, dtype=None) -> str:
+        """A constant of ``x``'s type: of ``dtype`` when known, else a float32 CastLike ``x``."""
+        if dtype is not None:
+            return self.const(np.asarray(value, dtype))
         return self.op("CastLike", [self.const(np.float32(value)), x])
 
     def output(self, op_type: str, inputs, out: str) -> None:
@@ -149,10 +151,11 @@ def _replace(nodes: list[onnx.NodeProto], op_type: str, lower) -> list[onnx.Node
 # ---------------------------------------------------------------- BatchNormalization
 
 def lower_batch_norm(nodes: list[onnx.NodeProto], ranks: Mapping[str, int], opset: int,
-                     running: set[str], unique: Callable[[str], str]
+                     running: Mapping[str, np.dtype], unique: Callable[[str], str]
                      ) -> tuple[list[onnx.NodeProto], list[tuple[str, str]]]:
     """Every BatchNormalization of ``nodes`` on batch statistics. ``ranks``: the rank of
-    each BN input; ``running``: the initializers whose running update is emitted.
+    each BN input; ``running``: the initializers (name -> numpy dtype) whose running update
+    is emitted.
     Returns (nodes, [(running-statistic initializer, its new value)])."""
     updates: list[tuple[str, str]] = []
 
@@ -173,7 +176,7 @@ def lower_batch_norm(nodes: list[onnx.NodeProto], ranks: Mapping[str, int], opse
     return _replace(nodes, "BatchNormalization", lower), updates
 
 
-def _batch_norm(em: _Emit, node: onnx.NodeProto, rank: int, running: set[str]):
+def _batch_norm(em: _Emit, node: onnx.NodeProto, rank: int, running: Mapping[str, np.dtype]):
     x, scale, bias, mean, var = node.input[:5]
     axes = [0] + list(range(2, rank))
     stats = mean in running and var in running  # torch's running-statistic update wanted
@@ -202,11 +205,12 @@ def _batch_norm(em: _Emit, node: onnx.NodeProto, rank: int, running: set[str]):
     m = 1.0 - float(_attr(node, "momentum", 0.9))
     channels = em.op("Gather", [em.op("Shape", [x]), em.const(np.int64(1))], axis=0)
     n = em.op("CastLike", [em.op("Div", [em.op("Size", [x]), channels]), x])
-    bessel = em.op("Div", [n, em.op("Sub", [n, em.like(1.0, x)])])
+    dtype = running.get(scale)  # constants of the parameters' type, no CastLike each step
+    bessel = em.op("Div", [n, em.op("Sub", [n, em.like(1.0, x, dtype)])])
     updates = []
     for stat, batch in ((mean, mean_in), (var, em.op("Mul", [var_in, bessel]))):
-        new = em.op("Add", [em.op("Mul", [stat, em.like(1.0 - m, x)]),
-                            em.op("Mul", [batch, em.like(m, x)])])
+        new = em.op("Add", [em.op("Mul", [stat, em.like(1.0 - m, x, dtype)]),
+                            em.op("Mul", [batch, em.like(m, x, dtype)])])
         updates.append((stat, new))
     return updates
 
@@ -311,7 +315,7 @@ def training_forward(graph: onnx.GraphProto, ranks: Mapping[str, int], opset: in
     """
     nodes, renamed = copy_forward(graph, unique)
     copy_ranks = {renamed.get(name, name): r for name, r in ranks.items()}
-    running = {t.name for t in graph.initializer}
+    running = {t.name: helper.tensor_dtype_to_np_dtype(t.data_type) for t in graph.initializer}
     nodes, updates = lower_batch_norm(nodes, copy_ranks, opset, running, unique)
     nodes = lower_dropout(nodes, step, seed, opset, _constants(graph, nodes), unique)
     return nodes, renamed, updates
