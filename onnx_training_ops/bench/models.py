@@ -101,6 +101,12 @@ def _fmt(x, spec="7.1f"):
     return "n/a" if x is None else format(x, spec)
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds with 3 significant digits (an MLP step is a tenth of a millisecond)."""
+    ms = seconds * 1e3
+    return f"{ms:8.1f}" if ms >= 100 else f"{ms:8.2f}" if ms >= 1 else f"{ms:8.3f}"
+
+
 def format_model(result: dict) -> str:
     s = result["spec"]
     title = {"bert": f"BERT {s['layers']}L/{s['hidden']}, batch {s['batch']} x {s['seq']}",
@@ -117,7 +123,7 @@ def format_model(result: dict) -> str:
             lines.append(f"  {label:40s}     n/a  {cell['n/a']}")
             continue
         nodes = profiles.get(name, {}).get("nodes_per_step")
-        lines.append(f"  {label:40s} {cell['median_s'] * 1e3:8.1f} ms  {_fmt(cell['peak_rss_mb'], '7.0f')} MB  "
+        lines.append(f"  {label:40s} {_ms(cell['median_s'])} ms  {_fmt(cell['peak_rss_mb'], '7.0f')} MB  "
                      f"ratio {_fmt(cell.get('ours_fast_over_this'), '5.2f')}"
                      + (f"  nodes/step {nodes:.0f}" if nodes is not None else ""))
     ours = profiles.get("ours_fast", {})
