@@ -26,13 +26,16 @@ CONFIG_KEYS = (
 )
 
 
-def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str]) -> ort.SessionOptions:
+def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
+                  threads: int = 0) -> ort.SessionOptions:
     """A new SessionOptions: ``base``'s attributes and known config entries, then ``config``.
     Without ``base``, onnxruntime's own log is silenced (errors come back as our exception;
-    its log line would repeat them)."""
+    its log line would repeat them) and ``threads`` intra-op threads are used (0: onnxruntime's
+    default)."""
     so = ort.SessionOptions()
     if base is None:
         so.log_severity_level = 4
+        so.intra_op_num_threads = threads
     else:
         for attr in _OPTION_ATTRIBUTES:
             setattr(so, attr, getattr(base, attr))
