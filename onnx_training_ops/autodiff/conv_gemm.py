@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 
 from .emitter import Emitter, static_dims
-from .native_ops import COL2IM, IM2COL
+from .native_ops import COL2IM, COLS_OF, IM2COL
 
 
 def gemm_geometry(em: Emitter, x: str, w: str, g: str, group: int, pb, pe) -> tuple | None:
@@ -58,13 +58,15 @@ def _offsets(kernel, dilations):
     return list(itertools.product(*[[k * d for k in range(size)] for size, d in zip(kernel, dilations)]))
 
 
-def weight_grad(em: Emitter, x: str, g2: str, geometry, strides, dilations, pb, pe) -> str:
-    """``dW`` [O, C, *K] = ``g2 @ cols^T`` (module docstring)."""
+def weight_grad(em: Emitter, x: str, g2: str, geometry, strides, dilations, pb, pe, conv: str = "") -> str:
+    """``dW`` [O, C, *K] = ``g2 @ cols^T`` (module docstring); ``conv``: the forward node's
+    name, written on a native Im2Col (``passes.conv_forward_gemm`` reuses its cols)."""
     (n_, c, *spatial), (o, _, *kernel), (_, _, *out) = geometry
     rank = len(spatial) + 2
     native = _native_geometry(em, IM2COL, geometry, strides, dilations, pb)
     if native is not None:
-        return _weight_from_cols(em, g2, em.native_op(IM2COL, [x, native], "cols"), o, kernel, c, rank)
+        cols = em.native_op(IM2COL, [x, native], "cols", doc=COLS_OF + conv if conv else "")
+        return _weight_from_cols(em, g2, cols, o, kernel, c, rank)
     xt = _channels_first(em, x, rank)
     if any(pb) or any(pe):
         xt = em.op("Pad", [xt, em.ints([0, 0, *pb, 0, 0, *pe])], "pad")

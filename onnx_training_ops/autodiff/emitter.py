@@ -96,11 +96,12 @@ class Emitter:
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=outs[0], **attrs))
         return outs
 
-    def native_op(self, op_type: str, inputs: Sequence[str], hint: str | None = None) -> str:
+    def native_op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, doc: str = "") -> str:
         """One node of a native backward op (:mod:`.native_ops`); the caller checked
-        ``op_type in self.native``."""
+        ``op_type in self.native``. ``doc``: the node's doc_string (what a later pass reads)."""
         out = self.fresh(hint or op_type)
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=NATIVE_DOMAIN))
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=NATIVE_DOMAIN,
+                                           doc_string=doc or None))
         return out
 
     def add_node(self, node: onnx.NodeProto) -> None:

@@ -11,3 +11,4 @@ DOMAIN = "ai.onnx.contrib"  # where onnxruntime-extensions registers external op
 IM2COL = "TrainingIm2Col"
 COL2IM = "TrainingCol2Im"
 ALL = frozenset({IM2COL, COL2IM})
+COLS_OF = "cols of Conv node "  # doc_string of an Im2Col a Conv's rule emits, + the Conv's name

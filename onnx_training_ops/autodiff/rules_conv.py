@@ -192,7 +192,7 @@ def _conv(ctx: RuleContext) -> list:
         if ctx.need(0):
             out[0] = conv_gemm.input_grad(em, w, g2, geometry, strides, dilations, pb, pe)
         if ctx.need(1):
-            out[1] = conv_gemm.weight_grad(em, x, g2, geometry, strides, dilations, pb, pe)
+            out[1] = conv_gemm.weight_grad(em, x, g2, geometry, strides, dilations, pb, pe, ctx.node.name)
         if ctx.need(2):
             out[2] = em.reduce_sum(g2, [1], keepdims=False)
         return out

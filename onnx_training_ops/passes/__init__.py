@@ -14,6 +14,7 @@ from typing import Callable
 
 from onnx import ModelProto
 
+from .conv_forward_gemm import conv_forward_gemm
 from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient, expand_gradient_native
 from .fill_defaults import fill_default_attributes
@@ -47,10 +48,11 @@ _SHARED: list[tuple[str, Pass]] = [
     if name not in ("split_multi_tensor_nodes", "encode_exact_attributes", "fit_runtime")
 ]
 # The native kernels take multi-tensor nodes whole and read the attributes themselves; the
-# Gradient is expanded with the native backward kernels where a rule has one.
+# Gradient is expanded with the native backward kernels where a rule has one, and a forward
+# Conv reuses its native im2col columns.
 NATIVE_PASSES: list[tuple[str, Pass]] = [
     (name, expand_gradient_native if name == "expand_gradient" else run_pass) for name, run_pass in _SHARED
-] + [("target_native", target_native), ("fit_runtime", fit_runtime)]
+] + [("conv_forward_gemm", conv_forward_gemm), ("target_native", target_native), ("fit_runtime", fit_runtime)]
 # The portable form: standard ONNX ops only (no com.microsoft Gelu, every optimizer node
 # lowered; no plugin needed).
 PORTABLE_PASSES: list[tuple[str, Pass]] = [(name, run_pass) for name, run_pass in _SHARED if name != "fuse_gelu"] + [
