@@ -99,7 +99,7 @@ def open_training(out_dir: str, threads: int, profile_prefix: str | None = None)
 
     def options(prefix):
         so = onnxruntime.SessionOptions()
-        so.intra_op_num_threads = threads
+        so.intra_op_num_threads = threads  # 0: onnxruntime's default
         if prefix:
             so.enable_profiling = True
             so.profile_file_prefix = prefix

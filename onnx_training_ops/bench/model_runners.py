@@ -4,7 +4,8 @@ Python (:mod:`._ortt_models`).
 
 Every contender trains the model of a :class:`.zoo.Spec` with AdamW (lr 1e-4, betas
 0.9/0.999, eps 1e-8, weight decay 0.01) on the same cycle of :func:`.zoo.batches`, with
-``threads`` intra-op threads. ``runner(...)`` returns ``run(steps)`` and facts to report.
+``threads`` intra-op threads (0: each one's own default; ours picks one thread for a small
+model). ``runner(...)`` returns ``run(steps)`` and facts to report.
 """
 
 from __future__ import annotations
@@ -47,14 +48,17 @@ def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
     """``(run, facts, session)`` for our TrainingSession."""
     import onnxruntime as ort
 
+    from ..runtime.options import default_intra_op_threads
     from ..training import TrainingSession
 
+    training = training_model(spec, cache)
+    if not threads:  # our own default (what a TrainingSession without options picks)
+        threads = default_intra_op_threads(sum(a.size for a in _trainable_arrays(training)))
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     if profile_prefix:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
-    training = training_model(spec, cache)
     session = TrainingSession(training, fast=fast, sess_options=so)
     feeds = zoo.batches(spec, BATCHES)
     step = session.step
@@ -64,6 +68,13 @@ def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
             step(feeds[i % BATCHES])
 
     return run, {"trainable": len(trainable_names(training))}, session
+
+
+def _trainable_arrays(training):
+    from onnx import numpy_helper
+
+    names = set(trainable_names(training))
+    return [numpy_helper.to_array(t) for t in training.graph.initializer if t.name in names]
 
 
 def trainable_names(training) -> list[str]:
@@ -77,7 +88,8 @@ def torch_runner(spec: zoo.Spec, compiled: bool, threads: int) -> Callable[[int]
     """torch eager (or ``torch.compile``d) training steps, AdamW as above."""
     import torch
 
-    torch.set_num_threads(threads)
+    if threads:  # 0: torch's own default
+        torch.set_num_threads(threads)
     module = zoo.torch_model(spec)
     forward = torch.compile(module) if compiled else module
     opt = torch.optim.AdamW(module.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)

@@ -139,7 +139,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ortt-python", default=None, help="a Python with onnxruntime-training 1.19 (own venv)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--round-seconds", type=float, default=3.0, help="about this long per contender and round")
-    ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every contender")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="intra-op threads of every contender; 0: each one's own default")
     ap.add_argument("--profile-steps", type=int, default=4, help="steps of the profiled run (first left out)")
     ap.add_argument("--warmup-seconds", type=float, default=1.0, help="each worker warms up at least this long")
     ap.add_argument("--no-profile", action="store_true")
