@@ -159,6 +159,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         return memory_main(args.bench_args[1:])
 
+    if args.bench_args[:1] == ["models"]:  # real models: ours vs onnxruntime-training, torch eager, torch.compile
+        from .bench.models import main as models_main
+
+        return models_main(args.bench_args[1:])
+
     if not any(a in ("-h", "--help") for a in args.bench_args):
         for module in ("torch", "matplotlib"):
             _require(module, "test")
@@ -237,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`; "
              "`bench embeddings`: a 1M-row table, dense vs lazy Adam vs torch; `bench overhead`: import and "
              "Gradient-expansion times; `bench memory`: peak RSS of fine-tuning GPT-2/BERT, ours vs torch vs "
-             "onnxruntime-training",
+             "onnxruntime-training; `bench models`: BERT, GPT-2, ResNet-18, MLP training steps vs "
+             "onnxruntime-training and torch",
     )
     b.set_defaults(func=_bench)
     return parser

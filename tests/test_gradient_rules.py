@@ -411,3 +411,31 @@ def test_batch_normalization_inference(shape, opset):
     node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["z"],
                             epsilon=1e-3)
     check([node], inputs, list(inputs), opset=opset)
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (2, 3, 5), (2, 3, 4, 3)])
+def test_batch_normalization_training_mode(shape):
+    """training_mode=1: y on the batch statistics (closed-form rule); the running-statistic
+    inputs get no gradient (they do not reach y)."""
+    rng = np.random.default_rng(21)
+    c = shape[1]
+    inputs = {"x": rand(rng, shape), "scale": rand(rng, (c,)), "bias": rand(rng, (c,)),
+              "mean": rand(rng, (c,)), "var": rand(rng, (c,), 0.5, 2.0)}
+    node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"],
+                            ["z", "running_mean", "running_var"], epsilon=1e-3, training_mode=1)
+    check([node], inputs, ["x", "scale", "bias"], opset=15)
+
+
+def test_batch_normalization_training_mode_matches_torch():
+    torch = pytest.importorskip("torch")
+    from test_gradient_rules_activation_norm import _torch_parity
+
+    rng = np.random.default_rng(22)
+    feeds = {"x": rng.standard_normal((4, 3, 5, 2)).astype(np.float32),
+             "s": rng.standard_normal(3).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
+    inits = [helper.make_node("Constant", [], [k], value=helper.make_tensor(k, 1, [3], v))
+             for k, v in (("m", [0.0] * 3), ("v", [1.0] * 3))]
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["z", "rm", "rv"],
+                            epsilon=1e-5, training_mode=1)
+    _torch_parity(inits + [node], feeds, ["x", "s", "b"], lambda x, s, b: torch.nn.functional.batch_norm(
+        x, None, None, s, b, training=True, eps=1e-5), 15)

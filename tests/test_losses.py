@@ -77,6 +77,22 @@ def test_cross_entropy_matches_torch(dtype, options):
     _compare(ours, theirs, dtype)
 
 
+@pytest.mark.parametrize("options", [{}, {"reduction": "sum"}, {"ignore_index": None},
+                                     {"ignore_index": 7, "reduction": "sum"}, {"label_smoothing": 0.1}])
+def test_cross_entropy_over_many_classes_matches_torch(options):
+    """Past GATHER_FORM_CLASSES classes the loss and its gradient pick the label columns
+    (GatherElements / ScatterElements) instead of a one-hot."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((6, 3)).astype(np.float32)
+    labels = np.array([0, 7, 99, 7, -100, 42], np.int64)
+    if options.get("ignore_index", -100) != -100:
+        labels[4] = 3
+    model, w, b = _linear_model(x.shape, 100, np.float32)
+    theirs = _torch_step(w, b, x, lambda out: F.cross_entropy(
+        out, torch.tensor(labels), **{k: -200 if v is None else v for k, v in options.items()}), 0.5)
+    _compare(_ours(model, ot.CrossEntropyLoss(**options), {"x": x, "labels": labels}, 0.5), theirs, np.float32)
+
+
 @pytest.mark.parametrize("class_axis_last", [False, True])
 def test_cross_entropy_over_sequences_reads_the_stated_class_axis(class_axis_last):
     """[N, T, C] (LM head, class_axis=-1) and [N, C, T] (torch layout, class_axis=1), with
@@ -109,6 +125,36 @@ def test_shifted_next_token_loss_matches_transformers_recipe():
     theirs = _torch_step(w, b, x, causal, 0.5)
     ours = _ours(model, ot.CrossEntropyLoss(shift_labels=True), {"x": x, "labels": labels}, 0.5)
     _compare(ours, theirs, np.float32)
+
+
+@pytest.mark.parametrize("ignore_index,smoothing", [(None, 0.0), (None, 0.2), (-100, 0.2)])
+def test_shifted_loss_without_ignore_index_and_with_smoothing_matches_torch(ignore_index, smoothing):
+    """The shift ignores the last position even when ``ignore_index=None`` (an index no class
+    equals), label smoothing included."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    labels = rng.integers(0, 4, (2, 5)).astype(np.int64)
+    model, w, b = _linear_model(x.shape, 4, np.float32, class_axis_last=True)
+
+    def causal(out):
+        return F.cross_entropy(out[:, :-1].reshape(-1, 4), torch.tensor(labels[:, 1:]).reshape(-1),
+                               label_smoothing=smoothing)
+    theirs = _torch_step(w, b, x, causal, 0.5)
+    loss = ot.CrossEntropyLoss(shift_labels=True, ignore_index=ignore_index, label_smoothing=smoothing)
+    _compare(_ours(model, loss, {"x": x, "labels": labels}, 0.5), theirs, np.float32)
+
+
+def test_causal_lm_loss_builds_no_tensor_the_size_of_the_logits_but_its_gradient():
+    """The label shift moves the labels, not the logits: no slice, transpose or index map of
+    [N, T, C] in the step graph (forward or backward)."""
+    model, _, _ = _linear_model((2, 5, 3), 4, np.float32, class_axis_last=True)
+    training = ot.build_training_model(model, ot.CrossEntropyLoss(shift_labels=True),
+                                         ot.Momentum(lr=0.1, momentum=0.0))
+    graph = ot.prepare(training).training_info[0].algorithm
+    ops = [n.op_type for n in graph.node]
+    assert not {"Range", "ScatterND", "ScatterElements", "Transpose"} & set(ops), ops
+    slices = [n for n in graph.node if n.op_type == "Slice"]
+    assert [n.input[0] for n in slices] == ["labels"], "only the labels are sliced"
 
 
 REGRESSION = {

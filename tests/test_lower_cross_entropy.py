@@ -35,8 +35,9 @@ def _model(n, c, dtype, label_type, reduction, ignore, weights=False):
 @pytest.mark.parametrize("label_type", [TensorProto.INT64, TensorProto.INT32])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("ignore", [None, -100, 2])
-def test_lowered_loss_equals_the_reference(dtype, label_type, reduction, ignore):
-    n, c = 12, 150  # C > 100: ignore_index -100 must not wrap around to class 50
+@pytest.mark.parametrize("c", [150, 40])  # the gather form, the one-hot form
+def test_lowered_loss_equals_the_reference(dtype, label_type, reduction, ignore, c):
+    n = 12  # C > 100: ignore_index -100 must not wrap around to class 50
     model = _model(n, c, dtype, label_type, reduction, ignore)
     lowered = lower_cross_entropy(_model(n, c, dtype, label_type, reduction, ignore))
     assert not any(x.op_type == "SoftmaxCrossEntropyLoss" for x in lowered.graph.node)

@@ -597,3 +597,18 @@ def test_a_feed_array_reused_across_steps_is_read_with_its_new_contents():
         np.testing.assert_array_equal(reused.state_dict()[name], value)
     with pytest.raises(TrainingOpError, match="must have shape"):  # still checked when it changes
         reused.step({"input": x[:, :4].copy(), "labels": y})
+
+
+@pytest.mark.parametrize("sizes,threads", [((8, 16, 4), 1), ((512, 256, 4), 0)])
+def test_a_small_model_gets_one_intra_op_thread_unless_options_are_given(sizes, threads):
+    """Defaults by measurement (benchmarks/bench_threads.py): up to SMALL_GRAPH_PARAMETERS
+    trainable values one thread, else onnxruntime's default; the caller's options win."""
+    from onnx_training_ops import Adam, build_training_model
+
+    model = build_training_model(make_mlp(sizes), "cross_entropy", Adam())
+    session = TrainingSession(model)
+    assert {p.session.get_session_options().intra_op_num_threads for p in session._programs} == {threads}
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    given = TrainingSession(model, sess_options=so)
+    assert {p.session.get_session_options().intra_op_num_threads for p in given._programs} == {2}

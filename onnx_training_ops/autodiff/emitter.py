@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .native_ops import DOMAIN as NATIVE_DOMAIN
+
 Dim = Union[int, str, None]
 Shape = Union[tuple, None]  # tuple[Dim, ...] or None when the rank is unknown
 
@@ -62,13 +64,16 @@ class Emitter:
 
     ``meta`` maps value names to :class:`ValueMeta`; ``opset`` is the default-domain opset
     of the graph, which decides the form of ops whose signature changed (ReduceSum,
-    Squeeze/Unsqueeze, Split, Pad...).
+    Squeeze/Unsqueeze, Split, Pad...). ``native``: the native backward ops
+    (:mod:`.native_ops`) rules may emit; empty for the standard-op forms.
     """
 
-    def __init__(self, prefix: str, opset: int, meta: dict[str, ValueMeta]):
+    def __init__(self, prefix: str, opset: int, meta: dict[str, ValueMeta],
+                 native: frozenset = frozenset()):
         self.prefix = prefix
         self.opset = opset
         self.meta = meta
+        self.native = native
         self.nodes: list[onnx.NodeProto] = []
         self._count = 0
         self._const_cache: dict[tuple, str] = {}
@@ -90,6 +95,14 @@ class Emitter:
         attrs = {k: v for k, v in attrs.items() if v is not None}
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=outs[0], **attrs))
         return outs
+
+    def native_op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, doc: str = "") -> str:
+        """One node of a native backward op (:mod:`.native_ops`); the caller checked
+        ``op_type in self.native``. ``doc``: the node's doc_string (what a later pass reads)."""
+        out = self.fresh(hint or op_type)
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, domain=NATIVE_DOMAIN,
+                                           doc_string=doc or None))
+        return out
 
     def add_node(self, node: onnx.NodeProto) -> None:
         self.nodes.append(node)
@@ -179,6 +192,14 @@ class Emitter:
         full = self.shape_of(name)
         ends = [end if end is not None else np.iinfo(np.int64).max]
         return self.op("Slice", [full, self.ints([start]), self.ints(ends)], "dims")
+
+    def flat_rows(self, name: str, axis: int) -> str:
+        """``[-1, Shape(name)[axis]]``: the target that reshapes a tensor into rows as long
+        as that dim of ``name`` (static when known)."""
+        dims = self.shape(name)
+        if dims is not None and isinstance(dims[axis], int):
+            return self.ints([-1, dims[axis]])
+        return self.op("Concat", [self.ints([-1]), self.dims_of(name, axis, axis + 1)], "rows", axis=0)
 
     def reduce_sum(self, x: str, axes: Sequence[int] | str, keepdims: bool) -> str:
         """ReduceSum over ``axes`` (a static list, or a 1-D int64 tensor name for opset >= 13)."""

@@ -25,7 +25,7 @@ import onnx
 
 from ..errors import TrainingOpError
 from .emitter import FLOAT_TYPES, Emitter
-from .registry import RULES, RuleContext, RuleError, describe_missing, has_rule, missing_rules_of
+from .registry import RULES, RuleContext, RuleError, describe_missing, has_rule, missing_rules_of, rule_key
 
 # Ops whose outputs never carry a gradient even when their inputs are float (comparisons
 # and logic give bool whatever their inputs, also where a value's type is not known yet).
@@ -191,7 +191,7 @@ def backprop(nodes: Sequence[onnx.NodeProto], y: str, leaves: Sequence[str], cut
         reads = node_reads(node)
         if not any(i in active for i in reads):
             continue
-        rule = RULES[node.op_type]  # the path check above found one for every node here
+        rule = RULES[rule_key(node)]  # the path check above found one for every node here
         needs = [bool(i) and i in active for i in node.input]
         ctx = RuleContext(node, grads, needs, em, constants)
         try:

@@ -34,7 +34,8 @@ class RuleError(Exception):
 
 
 def register(*op_types: str) -> Callable[[Rule], Rule]:
-    """Register ``fn`` as the derivative rule of default-domain ``op_types``."""
+    """Register ``fn`` as the derivative rule of ``op_types``: default-domain op names, or
+    ``"domain::Op"`` for another domain's op (:func:`rule_key`)."""
 
     def deco(fn: Rule) -> Rule:
         for op in op_types:
@@ -48,9 +49,14 @@ def supported_ops() -> list[str]:
     return sorted(RULES)
 
 
+def rule_key(node: onnx.NodeProto) -> str:
+    """The key of ``node``'s rule in :data:`RULES`: its op type, ``domain::op`` outside ai.onnx."""
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
 def has_rule(node: onnx.NodeProto) -> bool:
-    """A rule is registered for the op of ``node`` (default domain only)."""
-    return node.domain in ("", "ai.onnx") and node.op_type in RULES
+    """A rule is registered for the op of ``node``."""
+    return rule_key(node) in RULES
 
 
 # ------------------------------------------------------------------ ops without a rule
@@ -137,6 +143,16 @@ class RuleContext:
 
     def output(self, i: int) -> str | None:
         return self.node.output[i] if i < len(self.node.output) and self.node.output[i] else None
+
+    def name_output(self, i: int, hint: str) -> str:
+        """Output ``i`` of the forward node, given a fresh name if the node leaves it out
+        (an optional output the op computes anyway, e.g. LayerNormalization's Mean): the
+        rule reads it instead of recomputing it."""
+        if self.output(i) is None:
+            while len(self.node.output) <= i:
+                self.node.output.append("")
+            self.node.output[i] = self.em.fresh(hint)
+        return self.node.output[i]
 
     def grad(self, i: int = 0) -> str | None:
         return self.grads[i] if i < len(self.grads) else None

@@ -31,12 +31,17 @@ def _erf(ctx: RuleContext) -> list:
     return [em.op("Mul", [ctx.grad(0), slope])]
 
 
-@register("Gelu")
+@register("Gelu", "com.microsoft::Gelu", "com.microsoft::FastGelu")
 def _gelu(ctx: RuleContext) -> list:
-    """approximate="none": Phi(x) + x phi(x); "tanh": the derivative of the tanh form."""
+    """approximate="none": Phi(x) + x phi(x); "tanh": the derivative of the tanh form.
+    onnxruntime's ``com.microsoft`` Gelu and FastGelu (what ``passes.fuse_gelu`` writes):
+    the same two forms, x their only input."""
     em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    if ctx.node.domain == "com.microsoft" and len([i for i in ctx.node.input if i]) > 1:
+        raise RuleError(f"{ctx.node.op_type} with a bias input has no derivative rule")
+    tanh_form = ctx.node.op_type == "FastGelu" or ctx.attr("approximate", "none") == "tanh"
     half, one = em.scalar(0.5, x), em.scalar(1.0, x)
-    if ctx.attr("approximate", "none") == "tanh":
+    if tanh_form:
         c = em.scalar(0.044715, x)
         x2 = em.op("Mul", [x, x])
         inner = em.op("Mul", [em.op("Add", [x, em.op("Mul", [c, em.op("Mul", [x2, x])])]),

@@ -1,6 +1,7 @@
 """Convolutions: Conv and ConvTranspose, and the window helpers pooling shares.
 
-Convolution gradients are written with the forward op's own adjoints:
+Conv with group 1 and static shapes: one Gemm per gradient (:mod:`.conv_gemm`). Otherwise
+convolution gradients are written with the forward op's own adjoints:
 
 * dX: ``ConvTranspose`` of the output gradient with W (no padding) gives the gradient with
   respect to the *padded* input, short of the trailing rows no window touched; it is padded
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from typing import Union
 
+from . import conv_gemm
 from .emitter import Emitter, static_dims
 from .registry import RuleContext, RuleError, register
 
@@ -184,6 +186,16 @@ def _conv(ctx: RuleContext) -> list:
     x, w, kernel, n, strides, dilations, group = _geometry(ctx)
     pb, pe = _pads(ctx, x, kernel, strides, dilations)
     out = ctx.empty()
+    geometry = conv_gemm.gemm_geometry(em, x, w, ctx.output(0), group, pb, pe)
+    if geometry is not None:  # one Gemm per gradient (conv_gemm)
+        g2 = conv_gemm.gradient_rows(em, g, geometry)
+        if ctx.need(0):
+            out[0] = conv_gemm.input_grad(em, w, g2, geometry, strides, dilations, pb, pe)
+        if ctx.need(1):
+            out[1] = conv_gemm.weight_grad(em, x, g2, geometry, strides, dilations, pb, pe, ctx.node.name)
+        if ctx.need(2):
+            out[2] = em.reduce_sum(g2, [1], keepdims=False)
+        return out
     if ctx.need(0):
         out[0] = _input_grad(em, g, w, x, _spatial(em, ctx.output(0)), kernel, strides,
                              dilations, group, pb, pe)

@@ -20,7 +20,9 @@ def _insert_one(shape: Shape, axis: int) -> Shape:
 def _matmul(ctx: RuleContext) -> list:
     """Y = A @ B. Rank-1 operands are promoted (A: [1, k], B: [k, 1]) as numpy does, the
     gradient ``dA = g @ B^T``, ``dB = A^T @ g`` is taken in the promoted shapes, summed
-    over broadcast batch dims and squeezed back."""
+    over broadcast batch dims and squeezed back. ``g @ B^T`` with the Transpose next to the
+    MatMul is what onnxruntime fuses into one FusedMatMul (transB); a 2-D ``B`` gets its
+    gradient from one Gemm (:func:`_weight_grad`)."""
     em, g = ctx.em, ctx.grad(0)
     a, b = ctx.node.input[:2]
     ra, rb = ctx.rank(a), ctx.rank(b)
@@ -39,12 +41,25 @@ def _matmul(ctx: RuleContext) -> list:
         ga_shape = None if batch is None or sa is None else batch + sa[-2:]
         ga = em.unbroadcast(ga, ga_shape, a2, sa)
         out[0] = em.squeeze(ga, [0]) if ra == 1 else ga
-    if ctx.need(1):
+    if ctx.need(1) and rb == 2 and ra >= 2:
+        out[1] = _weight_grad(em, a, g, b)
+    elif ctx.need(1):
         gb = em.op("MatMul", [em.swap_last_two(a2, max(ra, 2)), g2])
         gb_shape = None if batch is None or sb is None else batch + sb[-2:]
         gb = em.unbroadcast(gb, gb_shape, b2, sb)
         out[1] = em.squeeze(gb, [1]) if rb == 1 else gb
     return out
+
+
+def _weight_grad(em, a: str, g: str, b: str) -> str:
+    """dB of ``A @ B`` for a 2-D ``B`` [K, N] (a Linear layer's weight): A's leading axes
+    are rows of one product, ``dB = A2^T @ g2`` with ``A2 = A`` as [M, K] and ``g2 = g`` as
+    [M, N] (Reshape, no copy), one Gemm with transA. Batched products then summed over the
+    batch axes would write batch x K x N and reduce it."""
+    if em.rank(a) > 2:
+        a = em.op("Reshape", [a, em.flat_rows(b, 0)], "rows")
+        g = em.op("Reshape", [g, em.flat_rows(b, 1)], "rows")
+    return em.op("Gemm", [a, g], "gemm", transA=1)
 
 
 @register("Gemm")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .emitter import Emitter
 from .registry import RuleContext, RuleError, register
@@ -84,6 +84,46 @@ def ignore_needs_mapping(ignore: int | None, classes: int) -> bool:
     return ignore is not None and -classes <= ignore < classes
 
 
+GATHER_FORM_CLASSES = 64  # more classes: the label's column is gathered/scattered, no one-hot
+
+
+def gathers_labels(classes: int) -> bool:
+    """Whether the lean loss of ``classes`` classes picks each row's label column
+    (GatherElements / ScatterElements of [N, 1]) instead of a one-hot [N, C]: a language
+    model's vocabulary makes the one-hot, and every pass over it, as big as the logits."""
+    return classes > GATHER_FORM_CLASSES
+
+
+def label_columns(op, const, labels: str, ignore: int | None, dtype) -> tuple[str, str | None]:
+    """(index, kept) for the gather form: ``index`` [N, 1] int64, the label's column (0 for
+    an ignored label), ``kept`` [N, 1] of ``dtype`` (1, or 0 where ignored; None without an
+    ignore_index). ``op(op_type, inputs, **attrs)`` and ``const(value, np dtype)`` write the
+    nodes: the lowering pass and the gradient rule write the same ones, and onnxruntime
+    merges them."""
+    index = op("Unsqueeze", [labels, const([1], np.int64)])
+    if ignore is None:
+        return index, None
+    ignored = op("Equal", [index, const(ignore, np.int64)])
+    kept = op("Cast", [op("Not", [ignored])], to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+    return op("Where", [ignored, const(0, np.int64), index]), kept
+
+
+def _gathered_gradient(ctx: RuleContext, log_prob: str, labels: str, dtype) -> str:
+    """``d = exp(log_prob) * c``, then ``-c`` added at each row's label column (one
+    ScatterElements of [N, 1]), ``c = g [* kept] / count``."""
+    em = ctx.em
+    index, kept = label_columns(lambda t, i, **a: em.op(t, i, **a), lambda v, d: em.const(np.asarray(v, d)),
+                                labels, ctx.attr("ignore_index"), dtype)
+    c = ctx.grad(0)
+    if ctx.attr("reduction", "mean") == "mean":
+        count = em.op("ReduceSum", [kept], "count", keepdims=0) if kept is not None else \
+            em.cast_like(em.op("Size", [labels]), log_prob)
+        c = em.op("Div", [c, count])
+    c = em.op("Mul", [kept, c]) if kept is not None else em.op("Expand", [c, em.shape_of(index)])
+    d = em.op("Mul", [em.op("Exp", [log_prob]), c])
+    return em.op("ScatterElements", [d, index, em.op("Neg", [c])], "scatter", axis=1, reduction="add")
+
+
 def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
     """The gradient in the terms of :mod:`~onnx_training_ops.passes.lower_cross_entropy`, for
     the form it lowers (2-D float32 scores, static class count C, int64 labels, no weights,
@@ -94,7 +134,8 @@ def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
 
         d = (exp(log_prob) [* sum(hot, axis=1)] - hot) * g [/ count]
 
-    (the row sum, 1 or 0, only with an ``ignore_index``)."""
+    (the row sum, 1 or 0, only with an ``ignore_index``). Past :data:`GATHER_FORM_CLASSES`
+    classes, the label columns instead (:func:`_gathered_gradient`)."""
     em = ctx.em
     scores, labels = ctx.node.input[:2]
     shape = em.shape(scores)
@@ -104,6 +145,10 @@ def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
             shape is None or len(shape) != 2 or not isinstance(shape[1], int):
         return None
     classes, ignore = shape[1], ctx.attr("ignore_index")
+    if gathers_labels(classes):
+        if ctx.opset < 16:
+            return None  # ScatterElements reduction="add"
+        return _gathered_gradient(ctx, log_prob, labels, np.float32)
     index = labels
     if ignore_needs_mapping(ignore, classes):
         ignored = em.op("Equal", [labels, em.const(np.int64(ignore))])

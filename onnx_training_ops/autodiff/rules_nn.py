@@ -10,6 +10,7 @@ from onnx import helper, numpy_helper
 
 from .registry import RuleContext, RuleError, register
 from .rules_conv import _input_grad, _is_zero, _kernel, _pads, _spatial, _window
+from .rules_norm import batch_norm_training
 
 
 # ----------------------------------------------------------------------- softmax family
@@ -125,10 +126,13 @@ def _average_pool(ctx: RuleContext) -> list:
 @register("BatchNormalization")
 def _batch_norm(ctx: RuleContext) -> list:
     """Inference-mode BatchNormalization, ``y = scale (x - mean) / sqrt(var + eps) + B``
-    per channel (axis 1). Gradients for x, scale, B, and (if asked) mean and var."""
+    per channel (axis 1). Gradients for x, scale, B, and (if asked) mean and var. With
+    ``training_mode=1`` (opset >= 14): :func:`.rules_norm.batch_norm_training`."""
+    if int(ctx.attr("training_mode", 0)) and ctx.opset >= 14:
+        return batch_norm_training(ctx)
     if int(ctx.attr("training_mode", 0)) or ctx.opset < 9:
         raise RuleError("only inference-mode BatchNormalization (training_mode=0, opset >= 9) "
-                        "has a derivative rule")
+                        "or training_mode=1 at opset >= 14 has a derivative rule")
     em, g = ctx.em, ctx.grad(0)
     x, scale, bias, mean, var = ctx.node.input[:5]
     r = ctx.rank(x)

@@ -6,8 +6,9 @@ All three normalizations are ``y = xhat * scale + bias`` with ``xhat = (x - mean
 
     dx = inv * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),   dxhat = g * scale
 
-(means over the normalized axes). The statistics are recomputed from ``x`` (a few reductions)
-unless the node already outputs them.
+(means over the normalized axes). The statistics are recomputed from ``x`` (a few reductions);
+LayerNormalization on float32 reads them from its forward node's Mean and InvStdDev outputs,
+named by the rule if the export left them out (onnxruntime computes them anyway).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+from onnx import TensorProto
 
 from .emitter import Emitter
 from .registry import RuleContext, RuleError, register
@@ -61,7 +63,11 @@ def _layer_norm(ctx: RuleContext) -> list:
     r = ctx.rank(x)
     axis = int(ctx.attr("axis", -1))
     axes = list(range(axis + r if axis < 0 else axis, r))
-    xhat, inv = statistics(em, x, axes, float(ctx.attr("epsilon", 1e-5)))
+    if em.dtype(x) == TensorProto.FLOAT:  # statistics of the forward node (float32, as x)
+        mean, inv = ctx.name_output(1, "ln_mean"), ctx.name_output(2, "ln_inv_std")
+        xhat = em.op("Mul", [em.op("Sub", [x, mean]), inv])
+    else:
+        xhat, inv = statistics(em, x, axes, float(ctx.attr("epsilon", 1e-5)))
     out = ctx.empty()
     if ctx.need(0):
         out[0] = normalized_input_grad(em, em.op("Mul", [g, scale]), xhat, inv, axes)
@@ -102,6 +108,31 @@ def _instance_norm(ctx: RuleContext) -> list:
         em.set_meta(b, em.dtype(x), (1, shape[1]) + (1,) * len(spatial))
     dx, ds, db = _channel_stats_grad(ctx, x, g, scale_b, bias_b, spatial)
     return [dx, ds and em.squeeze(ds, [0] + spatial), db and em.squeeze(db, [0] + spatial)]
+
+
+# doc_string of the training-mode BatchNormalization that build_training_model(mode="train")
+# writes: the builder's own (with torch's running-statistic update beside it). One in an
+# exported graph is refused with a hint (autodiff.coverage): it would train without updates.
+BATCH_STATISTICS_DOC = "onnx_training_ops: batch statistics (mode='train')"
+
+
+def batch_norm_training(ctx: RuleContext) -> list:
+    """BatchNormalization with ``training_mode=1``: ``y`` normalizes ``x`` over every axis
+    but 1 with the *batch* statistics (recomputed here from ``x``: the same nodes as the
+    builder's running-statistic update, which onnxruntime merges); the running-statistic
+    inputs do not reach ``y`` and get no gradient."""
+    em, g = ctx.em, ctx.grad(0)
+    if any(ctx.grad(i) for i in (1, 2)):
+        raise RuleError("gradients flowing into the running-statistic outputs are not supported")
+    x, scale, bias = ctx.node.input[:3]
+    r = ctx.rank(x)
+    shape = ctx.shape(x)
+    axes = [0] + list(range(2, r))
+    scale_b, bias_b = em.unsqueeze(scale, axes), em.unsqueeze(bias, axes)
+    for b in (scale_b, bias_b):
+        em.set_meta(b, em.dtype(x), (1, shape[1]) + (1,) * (r - 2))
+    dx, ds, db = _channel_stats_grad(ctx, x, g, scale_b, bias_b, axes)
+    return [dx, ds and em.squeeze(ds, axes), db and em.squeeze(db, axes)] + [None] * (len(ctx.node.input) - 3)
 
 
 @register("GroupNormalization")

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .emitter import static_dims
 from .registry import RuleContext, RuleError, register
+from .rules_slicing import pad_back
 
 
 @register("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -56,18 +57,47 @@ def _concat(ctx: RuleContext) -> list:
     return [p if ctx.need(i) else None for i, p in enumerate(parts)]
 
 
+def _gathered_window(ctx: RuleContext, axis: int) -> tuple[int, int] | None:
+    """(first, count) when Gather's indices are constants naming consecutive positions
+    ``first, first + 1, ...`` on a static axis (a scalar index is a window of one)."""
+    known = ctx.const_value(ctx.node.input[1])
+    shape = ctx.shape(ctx.node.input[0])
+    if known is None or shape is None or not isinstance(shape[axis], int) or np.asarray(known).size == 0:
+        return None
+    flat = np.asarray(known, dtype=np.int64).reshape(-1)
+    flat = np.where(flat < 0, flat + shape[axis], flat)
+    if not np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):
+        return None
+    return int(flat[0]), int(flat.size)
+
+
 @register("Gather")
 def _gather(ctx: RuleContext) -> list:
-    """Scatter-add the gradient rows back into zeros shaped like ``data`` (ScatterND with
-    ``reduction="add"``, opset >= 16), so repeated indices accumulate."""
-    if ctx.opset < 16:
-        raise RuleError(f"the Gather gradient needs ScatterND reduction='add' (opset >= 16), "
-                        f"graph has opset {ctx.opset}")
+    """Indices that are a constant window of consecutive positions (``x[:, 0]``, a slice
+    written as a Gather): the gradient padded back with zeros, one Pad. Others: scatter-add
+    the gradient rows back into zeros shaped like ``data`` on the gathered axis (ScatterND
+    with ``reduction="add"``, opset >= 16), so repeated indices accumulate."""
     em, g = ctx.em, ctx.grad(0)
-    data, indices = ctx.node.input[:2]
+    data = ctx.node.input[0]
     axis = int(ctx.attr("axis", 0))
     if axis < 0:
         axis += ctx.rank(data)
+    window = _gathered_window(ctx, axis)
+    if window is not None:
+        first, count = window
+        r = ctx.rank(data)
+        dim = ctx.shape(data)[axis]
+        if ctx.rank(ctx.node.input[1]) != 1:  # the indices' axes folded into one axis of `count`
+            dims = list(ctx.shape(data))
+            dims[axis] = count
+            target = em.ints(dims) if static_dims(tuple(dims)) is not None else em.op("Concat", [
+                em.dims_of(data, 0, axis), em.ints([count]), em.dims_of(data, axis + 1)], "dims", axis=0)
+            g = em.op("Reshape", [g, target], "window")
+        return [pad_back(em, g, r, {axis: first}, {axis: dim - first - count}), None]
+    if ctx.opset < 16:
+        raise RuleError(f"the Gather gradient needs ScatterND reduction='add' (opset >= 16), "
+                        f"graph has opset {ctx.opset}")
+    indices = ctx.node.input[1]
     idx = indices if em.dtype(indices) == TensorProto.INT64 else em.op(
         "Cast", [indices], "idx", to=TensorProto.INT64)
     known = ctx.const_value(indices)

@@ -1,7 +1,9 @@
 """onnxruntime-training's side of ``python -m onnx_training_ops bench --ortt-python PATH``.
 
 Runs in *another* Python (onnxruntime-training 1.19.2 needs numpy < 2 and onnx <= 1.16,
-so it lives in its own virtualenv) and imports nothing of this package. Two modes:
+so it lives in its own virtualenv) and imports nothing of this package (its stdlib/numpy
+modules ``timing``, ``dataset``, ``zoo``, ``ort_profile`` and ``_ortt_models`` by path).
+Three modes:
 
 * ``python _ortt_worker.py mlp SIZES BATCH`` (SIZES like ``64,128,10``): the MLP worker
   protocol of :mod:`.mlp`: prints ``{"ready": ...}``, then for each line ``N`` on stdin runs
@@ -11,6 +13,10 @@ so it lives in its own virtualenv) and imports nothing of this package. Two mode
   AdamW ``Optimizer.step()`` on a parameter of n float32 per size, the gradient computed
   once by a training step beforehand; prints ``{"adam/n": {"median_s", "min_s", "reps"}}``
   timed by :func:`.timing.time_step`, as the bench's own contenders.
+* ``python _ortt_worker.py model ONNX SPEC_JSON TRAINABLE_JSON THREADS WARMUP_SECONDS
+  [--profile STEPS]``: a real model of :mod:`.zoo` (:mod:`._ortt_models`), served as in
+  ``mlp`` mode; with ``--profile``, that many profiled steps and the profile's summary
+  (:mod:`.ort_profile`).
 """
 
 import json
@@ -18,11 +24,10 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dataset import BATCHES, WARMUP_STEPS, mlp_batches  # noqa: E402  (by path: this package is not importable here)
-from timing import time_step  # noqa: E402
+from timing import serve, time_step, warm_up  # noqa: E402
 
 
 def build(sizes, batch, out_dir):
@@ -124,21 +129,47 @@ def mlp_main(sizes, batch):
             module.lazy_reset_grad()
 
     run(WARMUP_STEPS)
-    print(json.dumps({"ready": "ortt"}), flush=True)
-    for line in sys.stdin:
-        steps = int(line)
-        t0 = time.perf_counter()
-        run(steps)
-        print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+    serve(run, {"ready": "ortt"})
+
+
+def model_main(onnx_path, spec_json, trainable_path, threads, warmup_seconds, profile_steps=None):
+    """A real model of :mod:`.zoo` (see :mod:`._ortt_models`): serve timed steps, or with
+    ``profile_steps`` run that many profiled steps and print the profile's summary."""
+    import glob
+
+    from _ortt_models import model_runner
+    from ort_profile import summarize
+    from zoo import Spec, batches
+
+    fields = json.loads(spec_json)
+    spec = Spec(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    with open(trainable_path) as f:
+        trainable = json.load(f)
+    prefix = os.path.join(tempfile.mkdtemp(prefix="ortt_profile_"), "p") if profile_steps else None
+    run, facts, close = model_runner(onnx_path, spec.family, trainable, batches(spec, 16), threads, prefix)
+    if not profile_steps:
+        serve(run, {"ready": "ortt", "step_s": warm_up(run, min_seconds=warmup_seconds), **facts})
+        close()
+        return
+    run(profile_steps)
+    close()
+    paths = glob.glob(prefix + "*.json")
+    print(json.dumps({**summarize(paths), **facts}))
+    shutil.rmtree(os.path.dirname(prefix), ignore_errors=True)
 
 
 def main(argv):
     if argv[:1] == ["mlp"] and len(argv) == 3:
         mlp_main([int(s) for s in argv[1].split(",")], int(argv[2]))
+    elif argv[:1] == ["model"] and len(argv) == 6:
+        model_main(argv[1], argv[2], argv[3], int(argv[4]), float(argv[5]))
+    elif argv[:1] == ["model"] and len(argv) == 8 and argv[6] == "--profile":
+        model_main(argv[1], argv[2], argv[3], int(argv[4]), float(argv[5]), int(argv[7]))
     elif argv[:1] == ["step"] and len(argv) == 4:
         step_main([int(s) for s in argv[1].split(",")], float(argv[2]), int(argv[3]))
     else:
-        sys.exit("usage: _ortt_worker.py mlp SIZES BATCH | step NS MIN_TIME MAX_REPS")
+        sys.exit("usage: _ortt_worker.py mlp SIZES BATCH | step NS MIN_TIME MAX_REPS | "
+                 "model ONNX SPEC_JSON TRAINABLE_JSON THREADS WARMUP_SECONDS [--profile STEPS]")
 
 
 if __name__ == "__main__":

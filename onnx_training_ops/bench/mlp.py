@@ -11,18 +11,15 @@ onnxruntime-training, the median of the per-round ratios.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from typing import Callable
 
 from . import threads
 from .contenders import ORTT
 from .dataset import BATCHES, WARMUP_STEPS, mlp_batches
 from .measure import ORTT_WORKER, worker_command
+from .rounds import interleaved, median_ratio
+from .timing import serve
 
 MLP_CONTENDERS = {
     "training_session_fast": "TrainingSession fast path (in-place fused Adam)",
@@ -89,15 +86,10 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
 
 
 def mlp_worker(name: str, shape: tuple[tuple[int, ...], int]) -> None:
-    """Serve ``N`` requests on stdin with ``{"seconds": ...}`` on stdout."""
+    """Warm up, then serve steps on stdin (:func:`.timing.serve`)."""
     run = mlp_runner(name, shape)
     run(WARMUP_STEPS)
-    print(json.dumps({"ready": name, "threads": threads.in_use()}), flush=True)
-    for line in sys.stdin:
-        steps = int(line)
-        t0 = time.perf_counter()
-        run(steps)
-        print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+    serve(run, {"ready": name, "threads": threads.in_use()})
 
 
 def _command(name: str, shape, worker_script: str | None, ortt_python: str | None) -> list[str]:
@@ -109,46 +101,24 @@ def _command(name: str, shape, worker_script: str | None, ortt_python: str | Non
 
 def measure_mlp(names, steps: int = 1000, rounds: int = 5, worker_script: str | None = None,
                 shape=((64, 128, 10), 64), ortt_python: str | None = None, settle: float = 0.2) -> dict:
-    """Steps/s per contender (best round, median round, every round) and, with
+    """Steps/s per contender (best round, median round, every round), peak RSS and, with
     onnxruntime-training, each contender's median per-round ratio to it."""
     names = list(names) + ([ORTT] if ortt_python else [])
-    procs, logs, out = {}, {}, {}
-    try:
-        for name in names:
-            logs[name] = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill and stall the worker
-            procs[name] = subprocess.Popen(_command(name, shape, worker_script, ortt_python), stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=logs[name], text=True)
-        pools = {}
-        for name, p in list(procs.items()):
-            line = p.stdout.readline()
-            if line:
-                pools[name] = json.loads(line).get("threads")
-            else:
-                code = p.wait()
-                logs[name].seek(0)
-                err = logs[name].read().strip().splitlines()
-                out[name] = {"n/a": f"worker exited with {code}: {err[-1] if err else ''}"}
-                del procs[name]
-        rates = {name: [] for name in procs}
-        for _ in range(rounds):
-            for name, p in procs.items():
-                time.sleep(settle)  # let the previous contender's thread pools stop spinning
-                p.stdin.write(f"{steps}\n")
-                p.stdin.flush()
-                rates[name].append(steps / json.loads(p.stdout.readline())["seconds"])
-        for name, r in rates.items():
-            out[name] = {"steps_per_s": max(r), "median_steps_per_s": statistics.median(r), "rounds": r,
-                         "steps_per_round": steps, "label": ORTT_LABEL if name == ORTT else MLP_CONTENDERS[name],
-                         "threads": pools.get(name)}
-        if ORTT in rates:
-            for name, r in rates.items():
-                out[name]["vs_ortt"] = statistics.median(a / b for a, b in zip(r, rates[ORTT]))
-    finally:
-        for p in procs.values():
-            p.stdin.close()
-            p.wait()
-        for log in logs.values():
-            log.close()
+    outcomes = interleaved({name: _command(name, shape, worker_script, ortt_python) for name in names},
+                           steps, rounds, settle)
+    out = {}
+    for name, o in outcomes.items():
+        if o.na is not None:
+            out[name] = {"n/a": o.na}
+            continue
+        rates = [1 / s for s in o.seconds_per_step]
+        out[name] = {"steps_per_s": max(rates), "median_steps_per_s": statistics.median(rates), "rounds": rates,
+                     "steps_per_round": steps, "peak_rss_mb": o.peak_rss_mb,
+                     "label": ORTT_LABEL if name == ORTT else MLP_CONTENDERS[name], "threads": o.ready.get("threads")}
+        if ORTT in outcomes:
+            ratio = median_ratio(outcomes[ORTT], o)  # their time / ours = our steps/s / theirs
+            if ratio is not None:
+                out[name]["vs_ortt"] = ratio
     return out
 
 

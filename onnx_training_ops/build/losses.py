@@ -36,6 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import TrainingOpError
 
 REDUCTIONS = ("mean", "sum")
+NEVER_A_LABEL = -(2 ** 62)  # an ignore_index no class number equals
 
 
 class Emit:
@@ -221,14 +222,27 @@ class CrossEntropyLoss(Loss):
     def emit(self, em: Emit, pred: str, label: str, shape) -> str:
         axis = self.axis(shape)
         rank = 2 if shape is None else len(shape)
-        logits, labels = pred, label
+        logits, labels, ignore_index = pred, label, self.ignore_index
         if self.shift_labels:
-            logits = em.op("Slice", [logits, em.const([0], np.int64), em.const([-1], np.int64),
-                                     em.const([1], np.int64)])
-            labels = em.op("Slice", [labels, em.const([1], np.int64),
-                                     em.const([np.iinfo(np.int64).max], np.int64),
-                                     em.const([1], np.int64)])
-        if axis != 1:  # classes to axis 1, as the ONNX loss ops read them
+            # position t predicts label t + 1: the labels move left by one and the last
+            # position is ignored. The logits are not sliced: no copy of them, and their
+            # gradient is the loss node's own (zero where ignored)
+            ignore_index = NEVER_A_LABEL if ignore_index is None else ignore_index
+            shifted = em.op("Slice", [labels, em.const([1], np.int64),
+                                      em.const([np.iinfo(np.int64).max], np.int64),
+                                      em.const([1], np.int64)])
+            label_rank = rank - 1
+            pads = [0] * label_rank + [0, 1] + [0] * (label_rank - 2)
+            labels = em.op("Pad", [shifted, em.const(pads, np.int64), em.const(ignore_index, np.int64)])
+        if shape is not None and rank > 2 and axis == rank - 1:
+            # classes last ([N, T, C], an LM head): rows of classes, no transpose
+            classes = shape[-1]
+            rows = em.const([-1, classes], np.int64) if isinstance(classes, int) else em.op("Concat", [
+                em.const([-1], np.int64), em.op("Shape", [logits], start=-1)], axis=0)
+            logits = em.op("Reshape", [logits, rows])
+            labels = em.op("Reshape", [labels, em.const([-1], np.int64)])
+            rank = 2
+        elif axis != 1:  # classes to axis 1, as the ONNX loss ops read them
             perm = [0, axis] + [i for i in range(1, rank) if i != axis]
             logits = em.op("Transpose", [logits], perm=perm)
         weights = [em.const(self.weight)] if self.weight is not None else []
@@ -236,15 +250,16 @@ class CrossEntropyLoss(Loss):
         # (softmax - onehot) * coefficient and reuses the log-probabilities it outputs
         log_probs = em.unique("loss/log_prob")
         nll = em.unique("loss/SoftmaxCrossEntropyLoss")
-        ignore = {} if self.ignore_index is None else {"ignore_index": self.ignore_index}
+        ignore = {} if ignore_index is None else {"ignore_index": ignore_index}
         em.nodes.append(helper.make_node(
             "SoftmaxCrossEntropyLoss", [logits, labels, *weights], [nll, log_probs], name=nll,
             reduction=self.reduction, **ignore))
         if not self.label_smoothing:
             return nll
-        return self._smoothed(em, nll, log_probs, labels, rank)
+        return self._smoothed(em, nll, log_probs, labels, rank, ignore_index)
 
-    def _smoothed(self, em: Emit, nll: str, log_probs: str, labels: str, rank: int) -> str:
+    def _smoothed(self, em: Emit, nll: str, log_probs: str, labels: str, rank: int,
+                  ignore_index: int | None) -> str:
         """torch: (1 - eps) nll + eps * sum_c(-log p_c * w_c) / C, reduced like nll (the mean
         divides by the number, or the total weight, of the non-ignored targets)."""
         eps = self.label_smoothing
@@ -253,7 +268,7 @@ class CrossEntropyLoss(Loss):
             shape = [1, len(self.weight)] + [1] * (rank - 2)
             per_class = em.op("Mul", [per_class, em.const(np.reshape(self.weight, shape))])
         smooth = em.op("ReduceSum", [per_class, em.const([1], np.int64)], keepdims=0)
-        ignored = -(2 ** 62) if self.ignore_index is None else self.ignore_index  # never a label
+        ignored = NEVER_A_LABEL if ignore_index is None else ignore_index
         kept = em.op("Not", [em.op("Equal", [labels, em.const(ignored, np.int64)])])
         smooth = em.op("Where", [kept, smooth, em.const(0.0)])
         total = em.op("ReduceSum", [smooth], keepdims=0)

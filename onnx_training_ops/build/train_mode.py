@@ -7,7 +7,8 @@ forward pass (:func:`training_forward`), built by three named passes:
 * :func:`copy_forward` — every node copied, every value it computes renamed under ``train/``;
   initializers and graph inputs keep their names (the parameters are shared).
 * :func:`lower_batch_norm` — BatchNormalization on the batch statistics (mean and biased
-  variance over every axis but 1), written in standard ops, plus torch's running-statistic
+  variance over every axis but 1): the standard op with ``training_mode=1`` (opset >= 14,
+  its derivative rule the closed form of ``autodiff.rules_norm``), plus torch's running-statistic
   update ``running = (1 - m) running + m batch`` with ``m = 1 - momentum(ONNX)`` and the
   *unbiased* batch variance for ``running_var``. The new running statistics are returned
   for the builder to bind to the main graph's initializers: state, never trained.
@@ -28,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..autodiff.rules_norm import BATCH_STATISTICS_DOC
 from ..errors import TrainingOpError
 from ..storage.tensors import constant_values
 from ..walk import all_graphs
@@ -63,8 +65,10 @@ class _Emit:
                                            value=numpy_helper.from_array(np.asarray(value))))
         return out
 
-    def like(self, value: float, x: str) -> str:
-        """A float32 constant cast to ``x``'s type."""
+    def like(self, value: float, x: str, dtype=None) -> str:
+        """A constant of ``x``'s type: of ``dtype`` when known, else a float32 CastLike ``x``."""
+        if dtype is not None:
+            return self.const(np.asarray(value, dtype))
         return self.op("CastLike", [self.const(np.float32(value)), x])
 
     def output(self, op_type: str, inputs, out: str) -> None:
@@ -148,10 +152,11 @@ def _replace(nodes: list[onnx.NodeProto], op_type: str, lower) -> list[onnx.Node
 # ---------------------------------------------------------------- BatchNormalization
 
 def lower_batch_norm(nodes: list[onnx.NodeProto], ranks: Mapping[str, int], opset: int,
-                     running: set[str], unique: Callable[[str], str]
+                     running: Mapping[str, np.dtype], unique: Callable[[str], str]
                      ) -> tuple[list[onnx.NodeProto], list[tuple[str, str]]]:
     """Every BatchNormalization of ``nodes`` on batch statistics. ``ranks``: the rank of
-    each BN input; ``running``: the initializers whose running update is emitted.
+    each BN input; ``running``: the initializers (name -> numpy dtype) whose running update
+    is emitted.
     Returns (nodes, [(running-statistic initializer, its new value)])."""
     updates: list[tuple[str, str]] = []
 
@@ -172,31 +177,41 @@ def lower_batch_norm(nodes: list[onnx.NodeProto], ranks: Mapping[str, int], opse
     return _replace(nodes, "BatchNormalization", lower), updates
 
 
-def _batch_norm(em: _Emit, node: onnx.NodeProto, rank: int, running: set[str]):
+def _batch_norm(em: _Emit, node: onnx.NodeProto, rank: int, running: Mapping[str, np.dtype]):
     x, scale, bias, mean, var = node.input[:5]
     axes = [0] + list(range(2, rank))
-    per_channel = em.const(np.array([1, -1] + [1] * (rank - 2), np.int64))
-    batch_mean = em.reduce_mean(x, axes)
-    centered = em.op("Sub", [x, batch_mean])
-    batch_var = em.reduce_mean(em.op("Mul", [centered, centered]), axes)  # biased, as torch
-    eps = em.like(_attr(node, "epsilon", 1e-5), x)
-    inv_std = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [batch_var, eps])])])
-    scaled = em.op("Mul", [em.op("Mul", [centered, inv_std]),
-                           em.op("Reshape", [scale, per_channel])])
-    em.output("Add", [scaled, em.op("Reshape", [bias, per_channel])], node.output[0])
-    if mean not in running or var not in running:
+    stats = mean in running and var in running  # torch's running-statistic update wanted
+    if stats:
+        batch_mean = em.reduce_mean(x, axes)
+        centered = em.op("Sub", [x, batch_mean])
+        batch_var = em.reduce_mean(em.op("Mul", [centered, centered]), axes)  # biased, as torch
+        flat = em.const(np.array([-1], np.int64))
+        # the node's mean/var inputs only feed its running-statistic outputs, unused here:
+        # given the batch statistics, it reads no state (which would then look trainable)
+        mean_in, var_in = em.op("Reshape", [batch_mean, flat]), em.op("Reshape", [batch_var, flat])
+    else:
+        mean_in, var_in = mean, var
+    # y from onnxruntime's BatchNormalization in training mode (batch statistics, one pass;
+    # its derivative rule is the closed form); its running-statistic outputs follow ONNX
+    # (biased variance) and stay unused: torch's update is written below
+    em.nodes.append(helper.make_node(
+        "BatchNormalization", [x, scale, bias, mean_in, var_in],
+        [node.output[0], em.unique(f"{PREFIX}{em.hint}/unused_mean"), em.unique(f"{PREFIX}{em.hint}/unused_var")],
+        name=em.unique(f"{PREFIX}{em.hint}/output"), training_mode=1, epsilon=float(_attr(node, "epsilon", 1e-5)),
+        doc_string=BATCH_STATISTICS_DOC))
+    if not stats:
         return []
     # torch: running = (1 - m) running + m batch, m = 1 - momentum(ONNX); running_var takes
     # the unbiased variance n / (n - 1) * biased, n = elements per channel
     m = 1.0 - float(_attr(node, "momentum", 0.9))
     channels = em.op("Gather", [em.op("Shape", [x]), em.const(np.int64(1))], axis=0)
     n = em.op("CastLike", [em.op("Div", [em.op("Size", [x]), channels]), x])
-    bessel = em.op("Div", [n, em.op("Sub", [n, em.like(1.0, x)])])
-    flat = em.const(np.array([-1], np.int64))
+    dtype = running.get(scale)  # constants of the parameters' type, no CastLike each step
+    bessel = em.op("Div", [n, em.op("Sub", [n, em.like(1.0, x, dtype)])])
     updates = []
-    for stat, batch in ((mean, batch_mean), (var, em.op("Mul", [batch_var, bessel]))):
-        new = em.op("Add", [em.op("Mul", [stat, em.like(1.0 - m, x)]),
-                            em.op("Mul", [em.op("Reshape", [batch, flat]), em.like(m, x)])])
+    for stat, batch in ((mean, mean_in), (var, em.op("Mul", [var_in, bessel]))):
+        new = em.op("Add", [em.op("Mul", [stat, em.like(1.0 - m, x, dtype)]),
+                            em.op("Mul", [batch, em.like(m, x, dtype)])])
         updates.append((stat, new))
     return updates
 
@@ -301,7 +316,7 @@ def training_forward(graph: onnx.GraphProto, ranks: Mapping[str, int], opset: in
     """
     nodes, renamed = copy_forward(graph, unique)
     copy_ranks = {renamed.get(name, name): r for name, r in ranks.items()}
-    running = {t.name for t in graph.initializer}
+    running = {t.name: helper.tensor_dtype_to_np_dtype(t.data_type) for t in graph.initializer}
     nodes, updates = lower_batch_norm(nodes, copy_ranks, opset, running, unique)
     nodes = lower_dropout(nodes, step, seed, opset, _constants(graph, nodes), unique)
     return nodes, renamed, updates

@@ -14,9 +14,11 @@ from typing import Callable
 
 from onnx import ModelProto
 
+from .conv_forward_gemm import conv_forward_gemm
 from .encode_exact_attributes import encode_exact_attributes
-from .expand_gradient import expand_gradient
+from .expand_gradient import expand_gradient, expand_gradient_native
 from .fill_defaults import fill_default_attributes
+from .fuse_gelu import fuse_gelu
 from .fit_runtime import fit_runtime
 from .lower_cross_entropy import lower_cross_entropy
 from .lower_optimizers import lower_optimizers
@@ -32,6 +34,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("validate", validate),
     ("split_sequences", split_sequences),
     ("lower_recurrent", lower_recurrent),
+    ("fuse_gelu", fuse_gelu),
     ("expand_gradient", expand_gradient),
     ("lower_cross_entropy", lower_cross_entropy),
     ("fill_default_attributes", fill_default_attributes),
@@ -44,8 +47,13 @@ _SHARED: list[tuple[str, Pass]] = [
     (name, run_pass) for name, run_pass in PASSES
     if name not in ("split_multi_tensor_nodes", "encode_exact_attributes", "fit_runtime")
 ]
-# The native kernels take multi-tensor nodes whole and read the attributes themselves.
-NATIVE_PASSES: list[tuple[str, Pass]] = _SHARED + [("target_native", target_native), ("fit_runtime", fit_runtime)]
-# The portable form: every optimizer node lowered to standard ONNX ops (no plugin needed).
-PORTABLE_PASSES: list[tuple[str, Pass]] = _SHARED + [("lower_optimizers", lower_optimizers),
-                                                     ("fit_runtime", fit_runtime)]
+# The native kernels take multi-tensor nodes whole and read the attributes themselves; the
+# Gradient is expanded with the native backward kernels where a rule has one, and a forward
+# Conv reuses its native im2col columns.
+NATIVE_PASSES: list[tuple[str, Pass]] = [
+    (name, expand_gradient_native if name == "expand_gradient" else run_pass) for name, run_pass in _SHARED
+] + [("conv_forward_gemm", conv_forward_gemm), ("target_native", target_native), ("fit_runtime", fit_runtime)]
+# The portable form: standard ONNX ops only (no com.microsoft Gelu, every optimizer node
+# lowered; no plugin needed).
+PORTABLE_PASSES: list[tuple[str, Pass]] = [(name, run_pass) for name, run_pass in _SHARED if name != "fuse_gelu"] + [
+    ("lower_optimizers", lower_optimizers), ("fit_runtime", fit_runtime)]

@@ -25,6 +25,8 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from ..autodiff.emitter import FLOAT_TYPES
+from ..autodiff.native_ops import ALL as NATIVE_GRAD_OPS
+from ..autodiff.native_ops import DOMAIN as NATIVE_DOMAIN
 from ..autodiff import Emitter, ValueMeta, backprop, topological_sort
 from ..autodiff.graph import ancestors, node_reads, producer_map
 from ..errors import TrainingOpError, node_label
@@ -34,7 +36,7 @@ from ._graph import all_names, concatenated
 
 DOMAIN = "ai.onnx.preview.training"
 
-__all__ = ["expand_gradient", "expand_gradients_in_graph"]
+__all__ = ["expand_gradient", "expand_gradient_native", "expand_gradients_in_graph"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -68,17 +70,21 @@ def _meta_of_graph(graph: GraphProto, into: dict[str, ValueMeta]) -> dict[str, V
 
 def _infer(graph: GraphProto, opset_imports, ir_version: int,
            extra_initializers=()) -> dict[str, ValueMeta]:
-    """Shape-inferred value facts of every graph under ``graph`` (best effort)."""
+    """Shape-inferred value facts of every graph under ``graph`` (best effort). With data
+    propagation: shapes computed by Shape/Gather/Concat... subgraphs (the exporters' reshape
+    targets) become static, so the rules emit static shapes instead of runtime ones."""
     g = GraphProto()
     g.CopyFrom(graph)
     have = {t.name for t in g.initializer} | {v.name for v in g.input}
     g.initializer.extend(t for t in extra_initializers if t.name not in have)
     model = helper.make_model(g, opset_imports=list(opset_imports))
     model.ir_version = max(ir_version, 7)
-    try:  # data_prop: shapes computed by Shape/Gather/Concat (Whisper's TorchScript Expand) carry ranks
-        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # inference is an aid, not a requirement
-        pass
+    for data_prop in (True, False):  # data_prop: shapes computed by Shape/Gather/Concat (the
+        try:  # exporters' reshape targets, Whisper's TorchScript Expand) become static
+            model = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+            break
+        except Exception:  # inference is an aid, not a requirement
+            pass
     return _meta_of_graph(model.graph, {})
 
 
@@ -212,7 +218,7 @@ def _check_forward_accepts(label: str, copies: list[NodeProto], meta: Mapping[st
 
 def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: int,
                  meta: dict[str, ValueMeta], constants: Mapping, taken: set[str],
-                 visible: frozenset | None = None) -> list[NodeProto]:
+                 visible: frozenset | None = None, native: frozenset = frozenset()) -> list[NodeProto]:
     label = node_label(gnode)
     xs = _strings(gnode, "xs")
     zs = _strings(gnode, "zs") or []
@@ -245,7 +251,7 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
     _check_independent(label, nodes, producers, xs, zs, cut)
 
     prefix = _prefix(gnode, index, taken)
-    em = Emitter(prefix, opset, meta)
+    em = Emitter(prefix, opset, meta, native)
     copies: list[NodeProto] = []
     if list(gnode.input) == xs + zs:
         fwd_nodes, leaves, y_name, leaf_cut = nodes, list(xs), y, cut
@@ -328,7 +334,7 @@ def _subgraph_reads(nodes, name: str) -> bool:
 # ----------------------------------------------------------------------------- graphs
 def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
                   constants: Mapping, taken: set[str], refresh=None,
-                  outer: frozenset | None = frozenset()) -> GraphProto:
+                  outer: frozenset | None = frozenset(), native: frozenset = frozenset()) -> GraphProto:
     """Expand the Gradient nodes of ``graph`` (bodies first). ``outer``: the names visible
     from enclosing scopes (None when unknown: then undefined xs/y are not diagnosed)."""
     out = GraphProto()
@@ -348,7 +354,7 @@ def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
             sub = attr.g if i is None else attr.graphs[i]
             if _has_gradient(sub):
                 new = _expand_graph(sub, opset, meta, _Constants(constants, sub), taken,
-                                    outer=visible())
+                                    outer=visible(), native=native)
                 sub.CopyFrom(new)
     expanded = 0
     grad_outputs: set[str] = set()
@@ -360,7 +366,7 @@ def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
             meta.update(refresh(nodes))
         grad_outputs.update(o for o in nodes[idx].output if o)
         new_nodes = _expand_node(nodes[idx], expanded, nodes, opset, meta, constants, taken,
-                                 visible())
+                                 visible(), native)
         nodes = topological_sort(nodes[:idx] + new_nodes + nodes[idx + 1:])
         expanded += 1
     del out.node[:]
@@ -425,11 +431,13 @@ def _default_opset(model: ModelProto) -> int:
                           "needs one to emit ordinary ONNX ops")
 
 
-def expand_gradient(model: ModelProto) -> ModelProto:
+def expand_gradient(model: ModelProto, native: frozenset = frozenset()) -> ModelProto:
     """Return a copy of ``model`` whose Gradient nodes are replaced by ordinary ONNX ops.
 
     Covers the main graph, control-flow subgraphs and ``training_info`` graphs. The
     training-domain opset import is kept (other nodes of the domain may remain).
+    ``native``: native backward ops (``autodiff.native_ops``) the rules may emit instead
+    of their standard-op forms (:func:`expand_gradient_native`).
     """
     out = ModelProto()
     out.CopyFrom(model)
@@ -454,24 +462,32 @@ def expand_gradient(model: ModelProto) -> ModelProto:
     if _has_gradient(out.graph):
         meta = _infer(out.graph, imports, out.ir_version)
         new = _expand_graph(out.graph, opset, meta, _Constants(None, out.graph), taken,
-                            refresh(out.graph))
+                            refresh(out.graph), native=native)
         out.graph.CopyFrom(new)
     main_inits = list(model.graph.initializer)
     for ti in out.training_info:
         if _has_gradient(ti.algorithm):
-            _expand_algorithm(ti.algorithm, model.graph, opset, imports, out.ir_version, taken)
+            _expand_algorithm(ti.algorithm, model.graph, opset, imports, out.ir_version, taken, native)
         g = ti.initialization
         if _has_gradient(g):
             meta = _infer(g, imports, out.ir_version, main_inits)
             consts = _Constants(_Constants(None, model.graph), g)
             new = _expand_graph(g, opset, meta, consts, taken, refresh(g, main_inits),
-                                outer=frozenset(t.name for t in main_inits))
+                                outer=frozenset(t.name for t in main_inits), native=native)
             g.CopyFrom(new)
+    if any(n.domain == NATIVE_DOMAIN for g in graphs for n in g.node) and \
+            not any(o.domain == NATIVE_DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, 1))
     return out
 
 
+def expand_gradient_native(model: ModelProto) -> ModelProto:
+    """:func:`expand_gradient` for the native path: rules may emit every native backward op."""
+    return expand_gradient(model, native=NATIVE_GRAD_OPS)
+
+
 def _expand_algorithm(algorithm: GraphProto, main: GraphProto, opset: int, imports,
-                      ir_version: int, taken: set[str]) -> None:
+                      ir_version: int, taken: set[str], native: frozenset = frozenset()) -> None:
     """Expand an algorithm graph's Gradient nodes in place. The IR runs the algorithm on the
     main graph and the algorithm graph concatenated, so y may depend on xs through the main
     graph's nodes (a loss reading the model's logits): differentiate the concatenation, then
@@ -487,7 +503,7 @@ def _expand_algorithm(algorithm: GraphProto, main: GraphProto, opset: int, impor
 
     meta = _infer(combined, imports, ir_version)
     consts = _Constants(None, combined)
-    new = _expand_graph(combined, opset, meta, consts, taken, run)
+    new = _expand_graph(combined, opset, meta, consts, taken, run, native=native)
     main_outputs = {o for n in main.node for o in n.output if o}
     nodes = [n for n in new.node if not (n.output and all(o in main_outputs for o in n.output if o))]
     del algorithm.node[:]

@@ -9,6 +9,10 @@ and reduction ``mean`` or ``sum``, this pass writes the same loss as::
     hot      = OneHot(labels, C)        # ignore_index first mapped to C when in [-C, C): a row of zeros
     loss     = -ReduceSum(hot * log_prob) [/ ReduceSum(hot)]   # mean over kept labels
 
+or, past ``GATHER_FORM_CLASSES`` classes (a language model's vocabulary: a one-hot as big as
+the logits), from each row's label column: ``-ReduceSum(GatherElements(log_prob, label) *
+kept)`` [/ ``ReduceSum(kept)``].
+
 (``log_prob`` keeps its name: the gradient reads it; the gradient rule writes ``hot`` and the
 count with the same nodes, which onnxruntime's common-subexpression elimination merges).
 Other forms are left to onnxruntime.
@@ -19,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import ModelProto, helper, numpy_helper
 
-from ..autodiff.rules_loss import ignore_needs_mapping
+from ..autodiff.rules_loss import gathers_labels, ignore_needs_mapping, label_columns
 from ._graph import value_types
 
 _INT_LABELS = {6: np.int32, 7: np.int64}
@@ -81,6 +85,9 @@ def _lowered(node, types, fresh) -> list | None:
     out = []
     log_prob = node.output[1] if len(node.output) > 1 and node.output[1] else fresh(f"{prefix}/log_prob")
     out.append(helper.make_node("LogSoftmax", [scores], [log_prob], axis=1, name=fresh(f"{prefix}/LogSoftmax")))
+    if gathers_labels(classes):
+        return out + _gathered(prefix, labels, label_dtype, log_prob, node.output[0], attrs.get("ignore_index"),
+                               reduction, dtype, fresh)
     index = labels
     if ignore_needs_mapping(attrs.get("ignore_index"), classes):
         ignore, n1 = const(attrs["ignore_index"], label_dtype, "ignore_index")
@@ -112,3 +119,32 @@ def _lowered(node, types, fresh) -> list | None:
             helper.make_node("ReduceSum", [hot], [count], keepdims=0, name=count),
             helper.make_node("Div", [negative, count], [loss], name=fresh(f"{prefix}/Div"))]
     return out
+
+
+def _gathered(prefix, labels, label_dtype, log_prob, loss, ignore, reduction, dtype, fresh) -> list:
+    """The loss from each row's label column: ``-sum(kept * log_prob[i, label_i])`` [/ count]
+    (:func:`~onnx_training_ops.autodiff.rules_loss.label_columns`, as the gradient rule)."""
+    nodes = []
+
+    def op(op_type, inputs, **attrs):
+        name = fresh(f"{prefix}/{op_type}")
+        nodes.append(helper.make_node(op_type, list(inputs), [name], name=name, **attrs))
+        return name
+
+    def const(value, dt):
+        return op("Constant", [], value=numpy_helper.from_array(np.asarray(value, dt)))
+
+    if label_dtype is not np.int64:
+        labels = op("Cast", [labels], to=7)
+    index, kept = label_columns(op, const, labels, ignore, dtype)
+    picked = op("GatherElements", [log_prob, index], axis=1)
+    if kept is not None:
+        picked = op("Mul", [picked, kept])
+    total = op("Neg", [op("ReduceSum", [picked], keepdims=0)])
+    if reduction == "sum":
+        nodes.append(helper.make_node("Identity", [total], [loss], name=fresh(f"{prefix}/loss")))
+        return nodes
+    count = op("ReduceSum", [kept], keepdims=0) if kept is not None else \
+        op("CastLike", [op("Size", [labels]), total])
+    nodes.append(helper.make_node("Div", [total, count], [loss], name=fresh(f"{prefix}/Div")))
+    return nodes

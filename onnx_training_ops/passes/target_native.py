@@ -11,12 +11,13 @@ from __future__ import annotations
 import onnx
 from onnx import ModelProto
 
+from ..autodiff import native_ops
 from ..schema import DOMAIN, OPTIMIZERS
 from ._graph import all_names, unique_name
 from ..walk import model_graphs
 from .encode_exact_attributes import EXACT_ATTRIBUTE
 
-NATIVE_DOMAIN = "ai.onnx.contrib"  # where onnxruntime-extensions registers external ops
+NATIVE_DOMAIN = native_ops.DOMAIN  # where onnxruntime-extensions registers external ops
 NATIVE_OP_TYPES = {"Adam": "TrainingAdam", "Momentum": "TrainingMomentum", "Adagrad": "TrainingAdagrad"}
 
 

@@ -1,5 +1,6 @@
 """Native optimizer kernels: numba ``cfunc`` kernels registered as ``OrtCustomOp`` structs
-through onnxruntime-extensions' exported ``AddExternalCustomOp``.
+through onnxruntime-extensions' exported ``AddExternalCustomOp`` (with them, the native
+backward kernels of :mod:`.native_grads`).
 
 Ops added that way are registered in the ``ai.onnx.contrib`` domain the next time
 ``SessionOptions.register_custom_ops_library(get_library_path())`` runs, so
@@ -41,128 +42,24 @@ import onnxruntime as ort
 
 from ..passes.target_native import NATIVE_DOMAIN, NATIVE_OP_TYPES
 from ..schema import OPTIMIZERS
+from .custom_op import (_INT64, _REQUIRED, _UNDEFINED, _VARIADIC, OP_VERSION, OrtCustomOp, _Api, _checked_apis,
+                        _CreateKernelV2, _free_address, _GetAt, _GetCount, _GetInt, _GetName, _keepalive, _libc,
+                        _string)
 from .extensions import extensions_library_path
 
 _log = logging.getLogger(__name__)
 
 MIN_API_VERSION = 17  # KernelContext_ParallelFor
-OP_VERSION = 16  # OrtCustomOp fields read up to KernelComputeV2 (CreateKernelV2/KernelComputeV2 need 16)
 PARALLEL_MIN = 1 << 15  # elements: below, one thread (waking the pool costs more)
 CHUNK = 1 << 16  # elements per ParallelFor task
 # Read shapes with GetTensorElementTypeAndShapeDataReference (API >= 24, no allocation) where
 # the runtime has it; False forces the older GetTensorTypeAndShape route (tests cover both).
 USE_SHAPE_REFERENCE = True
 
-# ONNXTensorElementDataType, OrtCustomOpInputOutputCharacteristic
-_UNDEFINED, _INT64 = 0, 7
-_REQUIRED, _VARIADIC = 0, 2
-
-_c_op_p = ctypes.c_void_p
-_FIELDS = (  # struct OrtCustomOp after ``uint32_t version``, in order (onnxruntime_c_api.h)
-    "CreateKernel", "GetName", "GetExecutionProviderType", "GetInputType", "GetInputTypeCount",
-    "GetOutputType", "GetOutputTypeCount", "KernelCompute", "KernelDestroy",
-    "GetInputCharacteristic", "GetOutputCharacteristic",  # version >= 8
-    "GetInputMemoryType",  # 11
-    "GetVariadicInputMinArity", "GetVariadicInputHomogeneity",  # 14
-    "GetVariadicOutputMinArity", "GetVariadicOutputHomogeneity",
-    "CreateKernelV2", "KernelComputeV2",  # 16
-    "InferOutputShapeFn", "GetStartVersion", "GetEndVersion",  # 17
-    "GetMayInplace", "ReleaseMayInplace", "GetAliasMap", "ReleaseAliasMap",  # 18
-)
-
-
-class OrtCustomOp(ctypes.Structure):
-    """``struct OrtCustomOp`` (all callbacks as plain addresses)."""
-
-    _fields_ = [("version", ctypes.c_uint32)] + [(name, ctypes.c_void_p) for name in _FIELDS]
-
-
-_GetName = ctypes.CFUNCTYPE(ctypes.c_void_p, _c_op_p)
-_GetCount = ctypes.CFUNCTYPE(ctypes.c_size_t, _c_op_p)
-_GetAt = ctypes.CFUNCTYPE(ctypes.c_int, _c_op_p, ctypes.c_size_t)
-_GetInt = ctypes.CFUNCTYPE(ctypes.c_int, _c_op_p)
-_CreateKernelV2 = ctypes.CFUNCTYPE(ctypes.c_void_p, _c_op_p, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.POINTER(ctypes.c_void_p))
-# OrtApi entries called from Python (kernel creation only)
-_CreateStatus = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
-_GetErrorCode = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-_GetErrorMessage = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)
-_ReleaseStatus = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_GetAttrFloat = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float))
-_GetAttrString = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
-                                  ctypes.POINTER(ctypes.c_size_t))
-_GetNodeName = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
 
 lock = threading.RLock()  # registration and the availability probe, one thread at a time
 _availability: tuple[bool, str] | None = None
-_keepalive: list = []  # structs, callbacks and strings onnxruntime points to: never freed
 _registered = False
-_checked_apis: set[int] = set()
-
-
-# ---------------------------------------------------------------- the OrtApi table, from Python
-
-
-class _Api:
-    """The few ``OrtApi`` functions kernel creation calls, read from the live table."""
-
-    def __init__(self, address: int) -> None:
-        from ..kernels import _native_kernels as nk
-
-        table = ctypes.cast(address, ctypes.POINTER(ctypes.c_void_p))
-        self.create_status = _CreateStatus(table[nk.API_CREATE_STATUS])
-        self.get_error_code = _GetErrorCode(table[nk.API_GET_ERROR_CODE])
-        self.get_error_message = _GetErrorMessage(table[nk.API_GET_ERROR_MESSAGE])
-        self.release_status = _ReleaseStatus(table[nk.API_RELEASE_STATUS])
-        self.get_attr_float = _GetAttrFloat(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT])
-        self.get_attr_string = _GetAttrString(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_STRING])
-        self.get_node_name = _GetNodeName(table[nk.API_KERNEL_INFO_GET_NODE_NAME])
-
-    def check(self) -> None:
-        """Round-trip a status through the table: catches a layout we do not know."""
-        status = self.create_status(2, b"onnx_training_ops probe")
-        try:
-            if self.get_error_code(status) != 2 or self.get_error_message(status) != b"onnx_training_ops probe":
-                raise RuntimeError("the OrtApi table does not have the layout onnx_training_ops expects")
-        finally:
-            self.release_status(status)
-
-    def status(self, message: str) -> int:
-        return self.create_status(2, message.encode(errors="replace"))  # ORT_INVALID_ARGUMENT
-
-    def float_attribute(self, info: int, name: str) -> float | None:
-        value = ctypes.c_float()
-        status = self.get_attr_float(info, name.encode(), ctypes.byref(value))
-        if status:
-            self.release_status(status)
-            return None
-        return float(value.value)
-
-    def string_attribute(self, info: int, name: str) -> str | None:
-        size = ctypes.c_size_t(0)
-        status = self.get_attr_string(info, name.encode(), None, ctypes.byref(size))
-        if status:
-            self.release_status(status)
-            return None
-        buffer = ctypes.create_string_buffer(size.value + 1)
-        status = self.get_attr_string(info, name.encode(), buffer, ctypes.byref(size))
-        if status:
-            self.release_status(status)
-            return None
-        return buffer.value.decode(errors="replace")
-
-    def node_name(self, info: int) -> str:
-        size = ctypes.c_size_t(0)
-        status = self.get_node_name(info, None, ctypes.byref(size))
-        if status:
-            self.release_status(status)
-            return ""
-        buffer = ctypes.create_string_buffer(size.value + 1)
-        status = self.get_node_name(info, buffer, ctypes.byref(size))
-        if status:
-            self.release_status(status)
-            return ""
-        return buffer.value.decode(errors="replace")
 
 
 # ---------------------------------------------------------------- kernel creation
@@ -263,31 +160,7 @@ def _create_kernel(op_type: str) -> Callable:
     return create
 
 
-_libc_handle = None
-
-
-def _libc():
-    global _libc_handle
-    if _libc_handle is None:
-        import ctypes.util
-
-        _libc_handle = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        _libc_handle.malloc.restype = ctypes.c_void_p
-        _libc_handle.malloc.argtypes = [ctypes.c_size_t]
-    return _libc_handle
-
-
-def _free_address() -> int:
-    return ctypes.cast(_libc().free, ctypes.c_void_p).value
-
-
 # ---------------------------------------------------------------- the OrtCustomOp structs
-
-
-def _string(text: str) -> int:
-    buffer = ctypes.create_string_buffer(text.encode())
-    _keepalive.append(buffer)
-    return ctypes.addressof(buffer)
 
 
 def _custom_op(op_type: str) -> OrtCustomOp:
@@ -351,7 +224,7 @@ def unavailable_reason() -> str:
     if not hasattr(library, "AddExternalCustomOp"):
         return "the onnxruntime-extensions library does not export AddExternalCustomOp"
     try:
-        from ..kernels import _native_kernels  # noqa: F401 - compiles or loads the cfuncs
+        from ..kernels import _native_grad_kernels, _native_kernels  # noqa: F401 - compiles or loads the cfuncs
     except Exception as error:  # noqa: BLE001
         return f"cannot build the numba kernels: {error}"
     return ""
@@ -370,10 +243,11 @@ def register() -> bool:
         library = _extensions_library()
         library.AddExternalCustomOp.restype = ctypes.c_bool
         library.AddExternalCustomOp.argtypes = [ctypes.c_void_p]
-        for op_type in NATIVE_OP_TYPES:
-            op = _custom_op(op_type)
+        from .native_grads import custom_ops
+
+        for label, op in [(t, _custom_op(t)) for t in NATIVE_OP_TYPES] + [("backward kernels", o) for o in custom_ops()]:
             if not library.AddExternalCustomOp(ctypes.addressof(op)):
-                _log.warning("onnx_training_ops: AddExternalCustomOp refused %s", op_type)
+                _log.warning("onnx_training_ops: AddExternalCustomOp refused %s", label)
                 return False
         _keepalive.append(library)
         _registered = True

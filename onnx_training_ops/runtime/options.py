@@ -22,6 +22,10 @@ _REGISTERED_MARK = "onnx_training_ops.custom_ops_library"  # a session-config en
 KERNELS_ENV = "ONNX_TRAINING_OPS_KERNELS"
 KERNEL_PATHS = ("native", "pyop")
 _announced: set[str] = set()
+# Up to this many trainable elements a training step is small: one intra-op thread (measured
+# with benchmarks/bench_threads.py: MLP 64-128-10 0.48x the 2-thread step on the shared
+# 2-core machine, within noise on a quiet one; README, "Performance").
+SMALL_GRAPH_PARAMETERS = 100_000
 
 
 def library_path() -> str:
@@ -42,6 +46,13 @@ def session_options(so: ort.SessionOptions | None = None) -> ort.SessionOptions:
         so.register_custom_ops_library(library_path())
         so.add_session_config_entry(_REGISTERED_MARK, "1")
     return so
+
+
+def default_intra_op_threads(trainable_elements: int) -> int:
+    """Intra-op threads for a training step that updates ``trainable_elements`` values: 1 for a
+    small graph (waking a second thread costs more than it gains), else 0 (onnxruntime's
+    default, one per physical core). Only used when the caller passes no SessionOptions."""
+    return 1 if trainable_elements <= SMALL_GRAPH_PARAMETERS else 0
 
 
 def _register_native() -> None:

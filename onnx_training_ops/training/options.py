@@ -36,14 +36,15 @@ LARGE_MODEL_CONFIG = {"session.disable_prepacking": "1"}
 
 
 def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
-                  large: bool = False) -> ort.SessionOptions:
+                  large: bool = False, threads: int = 0) -> ort.SessionOptions:
     """A new SessionOptions: ``base``'s attributes and known config entries, then ``config``.
     Without ``base``, onnxruntime's own log is silenced (errors come back as our exception;
-    its log line would repeat them), and for a ``large`` model memory goes first
-    (:data:`LARGE_MODEL_OPTIONS`)."""
+    its log line would repeat them), ``threads`` intra-op threads are used (0: onnxruntime's
+    default), and for a ``large`` model memory goes first (:data:`LARGE_MODEL_OPTIONS`)."""
     so = ort.SessionOptions()
     if base is None:
         so.log_severity_level = 4
+        so.intra_op_num_threads = threads
         if large:
             for attr, value in LARGE_MODEL_OPTIONS.items():
                 setattr(so, attr, value)

@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from ..build.model_metadata import metadata
 from ..errors import TrainingOpError, node_label
+from ..runtime.options import default_intra_op_threads
 from ..storage import checkpoint
 from ..storage.large_model import LargeModel, detach, is_large
 from ..storage.tensors import attach, proto_of
@@ -121,6 +122,9 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         self._state: dict[str, np.ndarray] = state_tensors(model, self._state_protos, expected,
                                                            f"checkpoint {os.fspath(path)!r}" if path else "the model")
         self._zero_state = frozenset(n for n, p in self._state_protos.items() if zero_fill(model, p))
+        trainable = [n for n in self._meta.get("trainable", "").split(",") if n in self._state] or \
+            [n for n, a in self._state.items() if a.dtype.kind == "f"]
+        self._threads = default_intra_op_threads(sum(self._state[n].size for n in trainable))
         self._programs = self._open_programs(model)
         self._required_feeds = {}
         for program in self._programs:
@@ -198,8 +202,9 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
 
     def _session_options(self) -> ort.SessionOptions:
-        """A fresh SessionOptions per onnxruntime session (:mod:`.options`)."""
-        return fresh_options(self._sess_options, self._session_config, self._large)
+        """A fresh SessionOptions per onnxruntime session (:mod:`.options`); without the
+        caller's options, one intra-op thread for a small model (:func:`default_intra_op_threads`)."""
+        return fresh_options(self._sess_options, self._session_config, self._large, self._threads)
 
     def with_model(self, model: ModelLike) -> "TrainingSession":
         """A new session for ``model`` with this session's providers and options."""

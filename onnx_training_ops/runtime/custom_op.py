@@ -1,0 +1,141 @@
+"""The ctypes side of onnxruntime's custom-op C API, shared by the native optimizers
+(:mod:`.native`) and the native backward kernels (:mod:`.native_grads`): the
+``OrtCustomOp`` struct, the callback types, the few ``OrtApi`` functions kernel creation
+calls from Python, and what must outlive every session (structs, callbacks, strings).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+OP_VERSION = 16  # OrtCustomOp fields read up to KernelComputeV2 (CreateKernelV2/KernelComputeV2 need 16)
+# ONNXTensorElementDataType, OrtCustomOpInputOutputCharacteristic
+_UNDEFINED, _INT64 = 0, 7
+_REQUIRED, _VARIADIC = 0, 2
+_keepalive: list = []  # structs, callbacks and strings onnxruntime points to: never freed
+_checked_apis: set[int] = set()  # OrtApi tables whose layout passed _Api.check
+
+_c_op_p = ctypes.c_void_p
+_FIELDS = (  # struct OrtCustomOp after ``uint32_t version``, in order (onnxruntime_c_api.h)
+    "CreateKernel", "GetName", "GetExecutionProviderType", "GetInputType", "GetInputTypeCount",
+    "GetOutputType", "GetOutputTypeCount", "KernelCompute", "KernelDestroy",
+    "GetInputCharacteristic", "GetOutputCharacteristic",  # version >= 8
+    "GetInputMemoryType",  # 11
+    "GetVariadicInputMinArity", "GetVariadicInputHomogeneity",  # 14
+    "GetVariadicOutputMinArity", "GetVariadicOutputHomogeneity",
+    "CreateKernelV2", "KernelComputeV2",  # 16
+    "InferOutputShapeFn", "GetStartVersion", "GetEndVersion",  # 17
+    "GetMayInplace", "ReleaseMayInplace", "GetAliasMap", "ReleaseAliasMap",  # 18
+)
+
+
+class OrtCustomOp(ctypes.Structure):
+    """``struct OrtCustomOp`` (all callbacks as plain addresses)."""
+
+    _fields_ = [("version", ctypes.c_uint32)] + [(name, ctypes.c_void_p) for name in _FIELDS]
+
+
+_GetName = ctypes.CFUNCTYPE(ctypes.c_void_p, _c_op_p)
+_GetCount = ctypes.CFUNCTYPE(ctypes.c_size_t, _c_op_p)
+_GetAt = ctypes.CFUNCTYPE(ctypes.c_int, _c_op_p, ctypes.c_size_t)
+_GetInt = ctypes.CFUNCTYPE(ctypes.c_int, _c_op_p)
+_CreateKernelV2 = ctypes.CFUNCTYPE(ctypes.c_void_p, _c_op_p, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.POINTER(ctypes.c_void_p))
+# OrtApi entries called from Python (kernel creation only)
+_CreateStatus = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+_GetErrorCode = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_GetErrorMessage = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)
+_ReleaseStatus = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_GetAttrFloat = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float))
+_GetAttrString = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
+                                  ctypes.POINTER(ctypes.c_size_t))
+_GetNodeName = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
+
+
+# ---------------------------------------------------------------- the OrtApi table, from Python
+
+
+class _Api:
+    """The few ``OrtApi`` functions kernel creation calls, read from the live table."""
+
+    def __init__(self, address: int) -> None:
+        from ..kernels import _native_kernels as nk
+
+        table = ctypes.cast(address, ctypes.POINTER(ctypes.c_void_p))
+        self.create_status = _CreateStatus(table[nk.API_CREATE_STATUS])
+        self.get_error_code = _GetErrorCode(table[nk.API_GET_ERROR_CODE])
+        self.get_error_message = _GetErrorMessage(table[nk.API_GET_ERROR_MESSAGE])
+        self.release_status = _ReleaseStatus(table[nk.API_RELEASE_STATUS])
+        self.get_attr_float = _GetAttrFloat(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT])
+        self.get_attr_string = _GetAttrString(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_STRING])
+        self.get_node_name = _GetNodeName(table[nk.API_KERNEL_INFO_GET_NODE_NAME])
+
+    def check(self) -> None:
+        """Round-trip a status through the table: catches a layout we do not know."""
+        status = self.create_status(2, b"onnx_training_ops probe")
+        try:
+            if self.get_error_code(status) != 2 or self.get_error_message(status) != b"onnx_training_ops probe":
+                raise RuntimeError("the OrtApi table does not have the layout onnx_training_ops expects")
+        finally:
+            self.release_status(status)
+
+    def status(self, message: str) -> int:
+        return self.create_status(2, message.encode(errors="replace"))  # ORT_INVALID_ARGUMENT
+
+    def float_attribute(self, info: int, name: str) -> float | None:
+        value = ctypes.c_float()
+        status = self.get_attr_float(info, name.encode(), ctypes.byref(value))
+        if status:
+            self.release_status(status)
+            return None
+        return float(value.value)
+
+    def string_attribute(self, info: int, name: str) -> str | None:
+        size = ctypes.c_size_t(0)
+        status = self.get_attr_string(info, name.encode(), None, ctypes.byref(size))
+        if status:
+            self.release_status(status)
+            return None
+        buffer = ctypes.create_string_buffer(size.value + 1)
+        status = self.get_attr_string(info, name.encode(), buffer, ctypes.byref(size))
+        if status:
+            self.release_status(status)
+            return None
+        return buffer.value.decode(errors="replace")
+
+    def node_name(self, info: int) -> str:
+        size = ctypes.c_size_t(0)
+        status = self.get_node_name(info, None, ctypes.byref(size))
+        if status:
+            self.release_status(status)
+            return ""
+        buffer = ctypes.create_string_buffer(size.value + 1)
+        status = self.get_node_name(info, buffer, ctypes.byref(size))
+        if status:
+            self.release_status(status)
+            return ""
+        return buffer.value.decode(errors="replace")
+
+
+_libc_handle = None
+
+
+def _libc():
+    global _libc_handle
+    if _libc_handle is None:
+        import ctypes.util
+
+        _libc_handle = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        _libc_handle.malloc.restype = ctypes.c_void_p
+        _libc_handle.malloc.argtypes = [ctypes.c_size_t]
+    return _libc_handle
+
+
+def _free_address() -> int:
+    return ctypes.cast(_libc().free, ctypes.c_void_p).value
+
+
+def _string(text: str) -> int:
+    buffer = ctypes.create_string_buffer(text.encode())
+    _keepalive.append(buffer)
+    return ctypes.addressof(buffer)

@@ -1,0 +1,94 @@
+"""Native backward kernels as ``OrtCustomOp`` structs: fixed arity, registered beside the
+native optimizers (:func:`.native.register`) in ``ai.onnx.contrib``.
+
+Each op of :data:`OPS` names its kernel (``KernelComputeV2`` cfunc), the
+``KernelContext_ParallelFor`` worker it hands to onnxruntime's thread pool, and its input
+and output element types. The derivative rules emit these ops only when the Gradient is
+expanded for the native path (:data:`onnx_training_ops.passes.NATIVE_PASSES`); every other
+path (PyOp fallback, ``prepare(..., portable=True)``) keeps the standard-op rules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+from ..autodiff.native_ops import COL2IM, IM2COL
+from .custom_op import (_REQUIRED, OP_VERSION, OrtCustomOp, _Api, _CreateKernelV2, _GetAt, _GetCount, _GetInt,
+                     _GetName, _checked_apis, _free_address, _keepalive, _libc, _string)
+
+_FLOAT, _INT64 = 1, 7
+
+
+def _ops() -> dict[str, tuple]:
+    """op name -> (compute cfunc, worker cfunc, input types, output types, what it expects)."""
+    from ..kernels import _native_grad_kernels as k
+
+    geometry = f"float32 data and an int64 geometry of {k.GEO_WORDS} values that matches it"
+    return {
+        IM2COL: (k.im2col_compute, k.im2col_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
+        COL2IM: (k.col2im_compute, k.col2im_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
+    }
+
+
+def _create_kernel(name: str, worker: int, expects: str):
+    def create(op, api, info, kernel):
+        from ..kernels import _native_grad_kernels as k
+
+        try:
+            calls = _Api(api)
+        except Exception:  # noqa: BLE001 - cannot even build a status: fail creation
+            return None
+        try:
+            if api not in _checked_apis:
+                calls.check()
+                _checked_apis.add(api)
+            message = f"{name} node {calls.node_name(info)!r}: expected {expects}".encode() + b"\0"
+            header = 8 * k.ST_WORDS
+            memory = _libc().malloc(header + len(message))
+            if not memory:
+                raise MemoryError(f"{name}: cannot allocate the kernel state")
+            words = [0] * k.ST_WORDS
+            words[k.ST_API], words[k.ST_MESSAGE] = api, memory + header
+            words[k.ST_FREE], words[k.ST_WORKER] = _free_address(), worker
+            ctypes.memmove(memory, struct.pack(f"<{k.ST_WORDS}q", *words) + message, header + len(message))
+            kernel[0] = memory
+            return None
+        except Exception as error:  # noqa: BLE001 - never let an exception reach onnxruntime
+            return calls.status(str(error))
+
+    return create
+
+
+def custom_ops() -> list[OrtCustomOp]:
+    """One ``OrtCustomOp`` per op of :data:`OPS` (kept alive for the process)."""
+    from ..kernels import _native_grad_kernels as k
+
+    out = []
+    for name, (compute, worker, inputs, outputs, expects) in _ops().items():
+        name_c, provider = _string(name), _string("CPUExecutionProvider")
+        callbacks = {
+            "GetName": _GetName(lambda op, n=name_c: n),
+            "GetExecutionProviderType": _GetName(lambda op, p=provider: p),
+            "GetInputType": _GetAt(lambda op, i, t=inputs: t[i]),
+            "GetInputTypeCount": _GetCount(lambda op, t=inputs: len(t)),
+            "GetOutputType": _GetAt(lambda op, i, t=outputs: t[i]),
+            "GetOutputTypeCount": _GetCount(lambda op, t=outputs: len(t)),
+            "GetInputCharacteristic": _GetAt(lambda op, i: _REQUIRED),
+            "GetOutputCharacteristic": _GetAt(lambda op, i: _REQUIRED),
+            "GetInputMemoryType": _GetAt(lambda op, i: 0),
+            "GetVariadicInputMinArity": _GetInt(lambda op: 1),
+            "GetVariadicInputHomogeneity": _GetInt(lambda op: 1),
+            "GetVariadicOutputMinArity": _GetInt(lambda op: 1),
+            "GetVariadicOutputHomogeneity": _GetInt(lambda op: 1),
+            "CreateKernelV2": _CreateKernelV2(_create_kernel(name, worker.address, expects)),
+        }
+        op = OrtCustomOp()
+        op.version = OP_VERSION
+        for field, callback in callbacks.items():
+            setattr(op, field, ctypes.cast(callback, ctypes.c_void_p).value)
+        op.KernelComputeV2 = compute.address
+        op.KernelDestroy = k.kernel_destroy.address
+        _keepalive.extend([op, callbacks])
+        out.append(op)
+    return out
