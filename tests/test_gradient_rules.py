@@ -439,3 +439,22 @@ def test_batch_normalization_training_mode_matches_torch():
                             epsilon=1e-5, training_mode=1)
     _torch_parity(inits + [node], feeds, ["x", "s", "b"], lambda x, s, b: torch.nn.functional.batch_norm(
         x, None, None, s, b, training=True, eps=1e-5), 15)
+
+
+def test_batch_normalization_on_its_input_batch_statistics():
+    """The builder's mode="train" node: mean/var inputs are x's batch statistics (computed in
+    the graph, marked by doc_string); the closed form covers their dependence on x."""
+    from onnx_training_ops.autodiff.rules_norm import BATCH_STATISTICS_DOC
+
+    rng = np.random.default_rng(23)
+    inputs = {"x": rand(rng, (4, 3, 5)), "scale": rand(rng, (3,)), "bias": rand(rng, (3,))}
+    inits = {"axes": np.array([0, 2], np.int64), "flat": np.array([-1], np.int64)}
+    nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["m"], keepdims=1),
+             helper.make_node("Sub", ["x", "m"], ["c"]),
+             helper.make_node("Mul", ["c", "c"], ["c2"]),
+             helper.make_node("ReduceMean", ["c2", "axes"], ["v"], keepdims=1),
+             helper.make_node("Reshape", ["m", "flat"], ["mf"]),
+             helper.make_node("Reshape", ["v", "flat"], ["vf"]),
+             helper.make_node("BatchNormalization", ["x", "scale", "bias", "mf", "vf"], ["z"], epsilon=1e-3,
+                              doc_string=BATCH_STATISTICS_DOC)]
+    check(nodes, inputs, list(inputs), opset=18, initializers=inits)

@@ -19,7 +19,6 @@ from onnx import numpy_helper
 from .emitter import FLOAT_TYPES
 from .graph import active_values, gradient_path, node_reads
 from .registry import Missing, has_rule, missing_rules_of
-from .rules_norm import BATCH_STATISTICS_DOC
 
 # unrolled or rewritten into ops with rules by the prepare passes before differentiation
 LOWERED_BY_PASSES = frozenset({"LSTM", "GRU", "RNN", "SplitToSequence", "SequenceAt"})
@@ -42,11 +41,9 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 
 def _training_mode(node: onnx.NodeProto, constants: Mapping) -> bool:
-    """torch's training-mode BatchNormalization / Dropout, which the rules refuse (the
-    builder's own training-mode BatchNormalization excepted: ``BATCH_STATISTICS_DOC``)."""
+    """torch's training-mode BatchNormalization / Dropout, which the rules refuse."""
     if node.op_type == "BatchNormalization":
-        return any(a.name == "training_mode" and a.i for a in node.attribute) and \
-            node.doc_string != BATCH_STATISTICS_DOC
+        return any(a.name == "training_mode" and a.i for a in node.attribute)
     if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
         flag = constants.get(node.input[2])
         return flag is None or bool(numpy_helper.to_array(flag).reshape(-1)[0])

@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper
 
 from .registry import RuleContext, RuleError, register
 from .rules_conv import _input_grad, _is_zero, _kernel, _pads, _spatial, _window
-from .rules_norm import batch_norm_training
+from .rules_norm import BATCH_STATISTICS_DOC, batch_norm_batch_statistics
 
 
 # ----------------------------------------------------------------------- softmax family
@@ -126,10 +126,11 @@ def _average_pool(ctx: RuleContext) -> list:
 @register("BatchNormalization")
 def _batch_norm(ctx: RuleContext) -> list:
     """Inference-mode BatchNormalization, ``y = scale (x - mean) / sqrt(var + eps) + B``
-    per channel (axis 1). Gradients for x, scale, B, and (if asked) mean and var. With
-    ``training_mode=1`` (opset >= 14): :func:`.rules_norm.batch_norm_training`."""
-    if int(ctx.attr("training_mode", 0)) and ctx.opset >= 14:
-        return batch_norm_training(ctx)
+    per channel (axis 1). Gradients for x, scale, B, and (if asked) mean and var. On batch
+    statistics (``training_mode=1`` at opset >= 14, or the builder's mode="train" node):
+    :func:`.rules_norm.batch_norm_batch_statistics`."""
+    if (int(ctx.attr("training_mode", 0)) and ctx.opset >= 14) or ctx.node.doc_string == BATCH_STATISTICS_DOC:
+        return batch_norm_batch_statistics(ctx)
     if int(ctx.attr("training_mode", 0)) or ctx.opset < 9:
         raise RuleError("only inference-mode BatchNormalization (training_mode=0, opset >= 9) "
                         "or training_mode=1 at opset >= 14 has a derivative rule")

@@ -79,10 +79,17 @@ def _layer_norm(ctx: RuleContext) -> list:
 
 
 def _channel_stats_grad(ctx: RuleContext, x4: str, g4: str, scale_b: str, bias_b: str | None,
-                        axes: Sequence[int]) -> tuple[str | None, str | None, str | None]:
-    """(dx4, dscale_b, dbias_b) for x4 normalized over ``axes``, scale/bias broadcast."""
+                        axes: Sequence[int], stats: tuple[str, str] | None = None
+                        ) -> tuple[str | None, str | None, str | None]:
+    """(dx4, dscale_b, dbias_b) for x4 normalized over ``axes``, scale/bias broadcast;
+    ``stats``: (mean, variance) shaped for broadcasting, else recomputed from x4."""
     em = ctx.em
-    xhat, inv = statistics(em, x4, axes, float(ctx.attr("epsilon", 1e-5)))
+    eps = float(ctx.attr("epsilon", 1e-5))
+    if stats is None:
+        xhat, inv = statistics(em, x4, axes, eps)
+    else:
+        inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [stats[1], em.scalar(eps, x4)])])])
+        xhat = em.op("Mul", [em.op("Sub", [x4, stats[0]]), inv])
     dx = normalized_input_grad(em, em.op("Mul", [g4, scale_b]), xhat, inv, axes) \
         if ctx.need(0) else None
     dscale = em.unbroadcast(em.op("Mul", [g4, xhat]), em.shape(x4), scale_b) \
@@ -110,17 +117,17 @@ def _instance_norm(ctx: RuleContext) -> list:
     return [dx, ds and em.squeeze(ds, [0] + spatial), db and em.squeeze(db, [0] + spatial)]
 
 
-# doc_string of the training-mode BatchNormalization that build_training_model(mode="train")
-# writes: the builder's own (with torch's running-statistic update beside it). One in an
-# exported graph is refused with a hint (autodiff.coverage): it would train without updates.
+# doc_string of the BatchNormalization that build_training_model(mode="train") writes: its
+# mean and var inputs are the batch mean and biased variance of its x (computed just before).
 BATCH_STATISTICS_DOC = "onnx_training_ops: batch statistics (mode='train')"
 
 
-def batch_norm_training(ctx: RuleContext) -> list:
-    """BatchNormalization with ``training_mode=1``: ``y`` normalizes ``x`` over every axis
-    but 1 with the *batch* statistics (recomputed here from ``x``: the same nodes as the
-    builder's running-statistic update, which onnxruntime merges); the running-statistic
-    inputs do not reach ``y`` and get no gradient."""
+def batch_norm_batch_statistics(ctx: RuleContext) -> list:
+    """BatchNormalization on the *batch* statistics of ``x`` (over every axis but 1): with
+    ``training_mode=1``, recomputed here from ``x``; the builder's node (``BATCH_STATISTICS_DOC``)
+    gets them as inputs 3 and 4. The closed form includes the statistics' dependence on x, so
+    inputs 3 and 4 get no gradient of their own (the running statistics, or values already
+    accounted for)."""
     em, g = ctx.em, ctx.grad(0)
     if any(ctx.grad(i) for i in (1, 2)):
         raise RuleError("gradients flowing into the running-statistic outputs are not supported")
@@ -131,7 +138,10 @@ def batch_norm_training(ctx: RuleContext) -> list:
     scale_b, bias_b = em.unsqueeze(scale, axes), em.unsqueeze(bias, axes)
     for b in (scale_b, bias_b):
         em.set_meta(b, em.dtype(x), (1, shape[1]) + (1,) * (r - 2))
-    dx, ds, db = _channel_stats_grad(ctx, x, g, scale_b, bias_b, axes)
+    stats = None
+    if ctx.node.doc_string == BATCH_STATISTICS_DOC:
+        stats = tuple(em.unsqueeze(ctx.node.input[i], axes) for i in (3, 4))
+    dx, ds, db = _channel_stats_grad(ctx, x, g, scale_b, bias_b, axes, stats)
     return [dx, ds and em.squeeze(ds, axes), db and em.squeeze(db, axes)] + [None] * (len(ctx.node.input) - 3)
 
 

@@ -7,8 +7,8 @@ forward pass (:func:`training_forward`), built by three named passes:
 * :func:`copy_forward` — every node copied, every value it computes renamed under ``train/``;
   initializers and graph inputs keep their names (the parameters are shared).
 * :func:`lower_batch_norm` — BatchNormalization on the batch statistics (mean and biased
-  variance over every axis but 1): the standard op with ``training_mode=1`` (opset >= 14,
-  its derivative rule the closed form of ``autodiff.rules_norm``), plus torch's running-statistic
+  variance over every axis but 1, given to the standard op, its derivative rule the closed
+  form of ``autodiff.rules_norm``), plus torch's running-statistic
   update ``running = (1 - m) running + m batch`` with ``m = 1 - momentum(ONNX)`` and the
   *unbiased* batch variance for ``running_var``. The new running statistics are returned
   for the builder to bind to the main graph's initializers: state, never trained.
@@ -180,26 +180,20 @@ def lower_batch_norm(nodes: list[onnx.NodeProto], ranks: Mapping[str, int], opse
 def _batch_norm(em: _Emit, node: onnx.NodeProto, rank: int, running: Mapping[str, np.dtype]):
     x, scale, bias, mean, var = node.input[:5]
     axes = [0] + list(range(2, rank))
-    stats = mean in running and var in running  # torch's running-statistic update wanted
-    if stats:
-        batch_mean = em.reduce_mean(x, axes)
-        centered = em.op("Sub", [x, batch_mean])
-        batch_var = em.reduce_mean(em.op("Mul", [centered, centered]), axes)  # biased, as torch
-        flat = em.const(np.array([-1], np.int64))
-        # the node's mean/var inputs only feed its running-statistic outputs, unused here:
-        # given the batch statistics, it reads no state (which would then look trainable)
-        mean_in, var_in = em.op("Reshape", [batch_mean, flat]), em.op("Reshape", [batch_var, flat])
-    else:
-        mean_in, var_in = mean, var
-    # y from onnxruntime's BatchNormalization in training mode (batch statistics, one pass;
-    # its derivative rule is the closed form); its running-statistic outputs follow ONNX
-    # (biased variance) and stay unused: torch's update is written below
+    # the batch statistics (two passes, mean and biased variance, as torch), flattened to [C]
+    batch_mean = em.reduce_mean(x, axes)
+    centered = em.op("Sub", [x, batch_mean])
+    batch_var = em.reduce_mean(em.op("Mul", [centered, centered]), axes)
+    flat = em.const(np.array([-1], np.int64))
+    mean_in, var_in = em.op("Reshape", [batch_mean, flat]), em.op("Reshape", [batch_var, flat])
+    # y: onnxruntime's (inference-mode) BatchNormalization, one pass, on these statistics;
+    # marked as the builder's, its derivative rule is the closed form with the statistics'
+    # dependence on x included (autodiff.rules_norm.batch_norm_batch_statistics)
     em.nodes.append(helper.make_node(
-        "BatchNormalization", [x, scale, bias, mean_in, var_in],
-        [node.output[0], em.unique(f"{PREFIX}{em.hint}/unused_mean"), em.unique(f"{PREFIX}{em.hint}/unused_var")],
-        name=em.unique(f"{PREFIX}{em.hint}/output"), training_mode=1, epsilon=float(_attr(node, "epsilon", 1e-5)),
+        "BatchNormalization", [x, scale, bias, mean_in, var_in], [node.output[0]],
+        name=em.unique(f"{PREFIX}{em.hint}/output"), epsilon=float(_attr(node, "epsilon", 1e-5)),
         doc_string=BATCH_STATISTICS_DOC))
-    if not stats:
+    if mean not in running or var not in running:  # no torch running-statistic update wanted
         return []
     # torch: running = (1 - m) running + m batch, m = 1 - momentum(ONNX); running_var takes
     # the unbiased variance n / (n - 1) * biased, n = elements per channel
