@@ -58,6 +58,7 @@ def describe(untied: list[tuple[str, str]]) -> str:
     """The build-time note: how many, and the first few."""
     shown = ", ".join(f"{alias} (was {source})" for source, alias in untied[:3])
     more = f" and {len(untied) - 3} more" if len(untied) > 3 else ""
-    return (f"{len(untied)} parameter(s) the TorchScript exporter had merged with an equal one now train as "
-            f"tensors of their own, as in torch: {shown}{more}. A parameter torch ties (one tensor used "
-            "twice, e.g. GPT-2's lm_head) is exported without an alias and stays tied")
+    return (f"{len(untied)} initializer(s) the TorchScript exporter had merged with an equal one are tensors "
+            f"of their own again, as in torch (each trains, or keeps its running statistics, apart): {shown}{more}. "
+            "A parameter torch ties (one tensor used twice, e.g. GPT-2's lm_head) is exported without an alias "
+            "and stays tied")
