@@ -4,7 +4,9 @@ For each test model: ``export_step`` of a fresh TrainingSession (``<model>/expor
 batches it trains on (``batches.safetensors``: each input stacked over a cycle of distinct
 batches), and what Python's TrainingSession did with them (``expected.json``: the loss and
 learning rates of every step; ``expected_state.safetensors``: the state after the last
-step). The Node and browser tests train the export on the same batches and compare.
+step), and what the export's step model does with them in Python's onnxruntime
+(``export_state.safetensors``). The Node and browser tests train the export on the same
+batches and compare.
 
 Models: the digits-sized MLP 64-128-10 (Adam); a tiny BERT classifier (transformers, 2
 layers, AdamW with weight decay, clipping by global norm, warm-up + cosine schedule); a small
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import onnx_training_ops as ot  # noqa: E402
 from onnx_training_ops import schedules  # noqa: E402
 from onnx_training_ops.demo import make_mlp  # noqa: E402
-from onnx_training_ops.export import export_step, safetensors  # noqa: E402
+from onnx_training_ops.export import export_step, safetensors, session_from_export  # noqa: E402
 
 STEPS = 200
 CYCLE = 8
@@ -111,7 +113,17 @@ def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
         "steps": steps, "cycle": CYCLE, "losses": losses, "learning_rates": rates, "returned": returned,
         "eval_loss": float(evaluation["loss"])}))
     (directory / "expected_state.safetensors").write_bytes(safetensors.encode(session.state_dict()))
+    (directory / "export_state.safetensors").write_bytes(safetensors.encode(_train_export(directory, batches, rates)))
     return directory
+
+
+def _train_export(directory: Path, batches: dict, rates: list[dict]) -> dict:
+    """The export's step model trained in Python's onnxruntime on the same batches and rates."""
+    session = session_from_export(directory / "export")
+    for i, step_rates in enumerate(rates):
+        feeds = {k: v[i % CYCLE] for k, v in batches.items()}
+        session.step({**feeds, **{k: np.array(v, np.float32) for k, v in step_rates.items()}})
+    return session.state_dict()
 
 
 def write_example(out_dir: Path) -> Path:

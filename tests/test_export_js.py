@@ -56,18 +56,31 @@ def _continue_one_step(fixtures: Path, name: str, state_file: str) -> dict:
 
 def test_node_trains_the_models_like_python_and_python_continues(fixtures):
     """Node: each step's loss within 1e-5 of Python's (js/test/train.test.js); here: the state
-    Node reached equals Python's, loads into a TrainingSession and continues like Python's."""
+    Node reached is what the export's step model reaches in Python's onnxruntime, and close to
+    the TrainingSession's own (whose graph may use onnxruntime's contrib ops and our kernels,
+    so it rounds differently); it loads into a TrainingSession and continues like Python's."""
     _node_test(["test/train.test.js", "test/unit.test.js", "test/readme.test.js"], fixtures)
     for name in js_fixtures.MODELS:
         expected, _ = safetensors.read(fixtures / name / "expected_state.safetensors")
+        exported, _ = safetensors.read(fixtures / name / "export_state.safetensors")
         trained, _ = safetensors.read(fixtures / name / "node_state.safetensors")
-        assert set(trained) == set(expected)
+        assert set(trained) == set(expected) == set(exported)
         for key, value in expected.items():
-            np.testing.assert_allclose(trained[key], value, rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(trained[key], exported[key], rtol=1e-6, atol=1e-8, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(exported[key], value, rtol=1e-5, atol=_rounding_tolerance(name, key),
+                                       err_msg=f"{name} {key}")
         ours = _continue_one_step(fixtures, name, "node_state.safetensors")
-        theirs = _continue_one_step(fixtures, name, "expected_state.safetensors")
+        theirs = _continue_one_step(fixtures, name, "export_state.safetensors")
         for key, value in theirs.items():
-            np.testing.assert_allclose(ours[key], value, rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(ours[key], value, rtol=1e-6, atol=1e-8, err_msg=f"{name} {key}")
+
+
+def _rounding_tolerance(name: str, key: str) -> float:
+    """Absolute tolerance between two float32 roundings of 200 steps. BERT's attention key
+    bias has a gradient of exactly zero (softmax does not change when every score of a row
+    shifts by the same q.b), so what it receives is rounding noise that Adam scales to
+    steps of up to lr: two roundings drift apart by up to ~10 lr, not by ulps."""
+    return 1e-2 * 1e-3 if name == "bert" and key.endswith("attention.self.key.bias") else 1e-7
 
 
 def test_node_writes_a_self_contained_trained_inference_model(fixtures):
