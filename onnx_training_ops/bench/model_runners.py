@@ -27,6 +27,7 @@ BATCHES = 16
 CONTENDERS = {
     "ours_fast": "ours: TrainingSession, fast path",
     "ours_graph": "ours: TrainingSession(fast=False)",
+    "ours_lean": "ours: fast path, no arena / memory pattern / prepacking",
     "torch_eager": "torch eager, AdamW (foreach)",
     "torch_compile": "torch.compile, AdamW (foreach)",
 }
@@ -44,8 +45,9 @@ def training_model(spec: zoo.Spec, cache: str | None = None):
 
 
 def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
-         profile_prefix: str | None = None):
-    """``(run, facts, session)`` for our TrainingSession."""
+         profile_prefix: str | None = None, lean: bool = False):
+    """``(run, facts, session)`` for our TrainingSession; ``lean``: with the large-model
+    session options (:data:`..training.options.LARGE_MODEL_OPTIONS`)."""
     import onnxruntime as ort
 
     from ..runtime.options import default_intra_op_threads
@@ -56,6 +58,13 @@ def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
         threads = default_intra_op_threads(sum(a.size for a in _trainable_arrays(training)))
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
+    if lean:
+        from ..training.options import LARGE_MODEL_CONFIG, LARGE_MODEL_OPTIONS
+
+        for attr, value in LARGE_MODEL_OPTIONS.items():
+            setattr(so, attr, value)
+        for key, value in LARGE_MODEL_CONFIG.items():
+            so.add_session_config_entry(key, value)
     if profile_prefix:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
@@ -108,8 +117,8 @@ def torch_runner(spec: zoo.Spec, compiled: bool, threads: int) -> Callable[[int]
 
 def runner(contender: str, spec: zoo.Spec, threads: int, cache: str | None = None):
     """``(run(steps), facts)`` for ``contender`` (a key of :data:`CONTENDERS`)."""
-    if contender in ("ours_fast", "ours_graph"):
-        run, facts, session = ours(spec, contender == "ours_fast", threads, cache)
+    if contender in ("ours_fast", "ours_graph", "ours_lean"):
+        run, facts, session = ours(spec, contender != "ours_graph", threads, cache, lean=contender == "ours_lean")
         return run, facts
     if contender in ("torch_eager", "torch_compile"):
         return torch_runner(spec, contender == "torch_compile", threads), {}
