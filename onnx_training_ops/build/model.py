@@ -54,7 +54,8 @@ from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .rmsprop import RMSProp
 from .param_groups import groups_to_json, resolve_groups
 from .emit_update import STANDARD_OP_UPDATES
-from .train_mode import fit_opset, to_inference, training_forward
+from .eval_mode import to_inference
+from .train_mode import fit_opset, training_forward
 from .trainables import check_differentiable, choose_trainables
 from .untie import describe as describe_untied, untie_merged_initializers
 from .update import add_learning_rates, add_update
