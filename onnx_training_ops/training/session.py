@@ -36,6 +36,7 @@ from ..storage.large_model import LargeModel, detach, is_large
 from ..storage.tensors import attach, proto_of
 from ..storage.model_files import ModelLike, load_model
 from .accumulation import GradientAccumulation
+from .session_feeds import FeedsAndRun
 from .session_files import Checkpointing
 from .session_loop import TrainingLoop
 from .session_parameters import FlatParameters
@@ -44,13 +45,12 @@ from .binding import open_program
 from .checks import batch_checker, stored_properties
 from .fast_path import flatten_cut_state
 from .flat_parameters import lay_out_flat
-from .feeds import Feed, FeedSpec, check_feed_names, feed_array, feed_list, feed_spec
+from .feeds import FeedSpec
 from .from_graph import graph_to_training_model
-from .inference import inference_session
 from .locked import locked
 from .nominal import materialize, nominal_names
 from .options import fresh_options
-from .program import Program, build_program, program_feeds
+from .program import Program, build_program
 from .rates import LearningRates
 from .stages import step_model
 from .state import collect_state_protos, state_tensors, zero_fill
@@ -59,7 +59,7 @@ from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
 
 
-class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
+class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, FlatParameters):
     """Run an ONNX training model: ``initialize()``, ``step(feeds)``, ``run(...)``, checkpoints.
 
     ``model_or_path``: a ModelProto, path or bytes of a model with ``training_info`` (from
@@ -211,44 +211,7 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
         return type(self)(model, self._providers, fast=self.fast, on_nonfinite=self.on_nonfinite,
                           sess_options=self._sess_options, session_config=self._session_config)
 
-    # ------------------------------------------------------------------ feeds
-
-    @property
-    def feed_names(self) -> list[str]:
-        """Inputs ``step`` needs (learning-rate inputs are optional: ``lr=`` or their default)."""
-        return list(self._required_feeds)
-
-    @property
-    def optional_feed_names(self) -> list[str]:
-        """Inputs ``step`` takes but does not need: learning rates and inputs with a default value."""
-        return sorted(self._optional_feeds)
-
-    @property
-    def learning_rate_names(self) -> list[str]:
-        return list(self._rates.names)
-
-    @property
-    def feeds(self) -> list[Feed]:
-        """What :meth:`step` takes: name, dtype, shape and whether it is optional, like
-        ``InferenceSession.get_inputs()``."""
-        required, optional = [], []
-        for program in self._programs:
-            r, o = program_feeds(program)
-            required += r
-            optional += o
-        return feed_list(required, optional)
-
-    def _check_feeds(self, feeds: Mapping[str, Any], required: set[str], optional: set[str],
-                     where: str = "step") -> None:
-        if type(feeds) is not dict and not isinstance(feeds, Mapping):
-            raise TrainingOpError(f"{where}: feeds must be a mapping of input name to array, found "
-                                  f"{type(feeds).__name__}; inputs: {sorted(required)}")
-        check_feed_names(feeds, required, optional, where)
-        check = self._batch_checks[where]
-        if check is not None:
-            check(feeds)
-
-    # ------------------------------------------------------------------ steps, evaluation, inference
+    # ------------------------------------------------------------------ steps
 
     @locked
     def step(self, feeds: Mapping[str, Any], lr: float | Mapping[str, float] | None = None,
@@ -303,30 +266,6 @@ class TrainingSession(StateAccess, TrainingLoop, Checkpointing, FlatParameters):
             derived = self._model.with_proto(step_model(self._model.model_proto, outputs))
             self._step_programs[outputs] = self._open_programs(derived, rehome=False)
         return self._step_programs[outputs]
-
-    @locked
-    def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
-        """Run the main (inference) graph with the current state; like ``InferenceSession.run``."""
-        self._check_filled("run")
-        if self._inference is None:
-            self._inference = inference_session(self._model, self._state, self._session_options(), self._providers)
-        session, state_inputs = self._inference
-        if self._run_specs is None:
-            self._run_specs = {vi.name: feed_spec(vi) for vi in proto_of(self._model).graph.input}
-        if not isinstance(feeds, Mapping):
-            raise TrainingOpError(f"run: feeds must be a mapping of input name to array, found {type(feeds).__name__}")
-        full = {name: feed_array(self._run_specs[name], value, "run") if name in self._run_specs else value
-                for name, value in feeds.items()}  # a wrong dtype or shape: one line, as in step
-        for name in state_inputs:
-            if name in full:
-                raise TrainingOpError(f"run: {name!r} is a state variable, not a feed")
-            full[name] = self._state[name]
-        try:
-            return session.run(output_names, full)
-        except TrainingOpError:
-            raise
-        except Exception as error:
-            raise TrainingOpError(f"run: {error}") from error
 
     # ------------------------------------------------------------------ introspection
 
