@@ -23,8 +23,8 @@ from onnx import TensorProto, numpy_helper
 from onnx.model_container import ModelContainer
 
 from .save import save_model
-from .tensors import (MIN_DETACHED_BYTES, add_array, all_tensors, graphs_with_tensors, large_model_bytes,
-                      location, tensor_nbytes, tensor_value)
+from .tensors import (MIN_DETACHED_BYTES, add_array, all_tensors, constant_array, graphs_with_tensors,
+                      large_model_bytes, location, tensor_nbytes, tensor_value)
 
 
 class LargeModel(ModelContainer):
@@ -80,8 +80,16 @@ def detach(model: onnx.ModelProto | LargeModel, min_bytes: int = MIN_DETACHED_BY
                     value = numpy_helper.to_array(tensor)
                 except (ValueError, TypeError):
                     continue
-                add_array(out, tensor, value)
+                add_array(out, tensor, _zeros_as_view(value))
     return out
+
+
+def _zeros_as_view(value: np.ndarray) -> np.ndarray:
+    """``value``, or if every byte of it is 0 (a fresh optimizer state, a zero bias) a
+    :func:`.tensors.constant_array` of zeros, which takes no memory."""
+    if value.size > 1 and not np.ascontiguousarray(value).reshape(-1).view(np.uint8).any():
+        return constant_array(0, value.dtype, value.shape)
+    return value
 
 
 def is_large(model: onnx.ModelProto | LargeModel) -> bool:
