@@ -52,14 +52,16 @@ def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
 
     from ..runtime.options import default_intra_op_threads
     from ..training import TrainingSession
+    from ..training.options import DEFAULT_OPTIONS, LARGE_MODEL_CONFIG, LARGE_MODEL_OPTIONS
 
     training = training_model(spec, cache)
     if not threads:  # our own default (what a TrainingSession without options picks)
         threads = default_intra_op_threads(sum(a.size for a in _trainable_arrays(training)))
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
+    for attr, value in DEFAULT_OPTIONS.items():  # what a session without sess_options gets
+        setattr(so, attr, value)
     if lean:
-        from ..training.options import LARGE_MODEL_CONFIG, LARGE_MODEL_OPTIONS
 
         for attr, value in LARGE_MODEL_OPTIONS.items():
             setattr(so, attr, value)

@@ -243,10 +243,7 @@ def cache_dir() -> str:
 def export(s: Spec, cache: str | None = None, exporter=None) -> str:
     """The path of ``s``'s ONNX export, exporting it first if the cache lacks it
     (``exporter(s, path)``, default :func:`_export_to`, writes it)."""
-    import torch
-    import transformers
-
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    versions = _versions()
     root = cache or cache_dir()
     final = os.path.join(root, f"{_safe(s.name)}-{s.key(versions)}")
     path = os.path.join(final, "model.onnx")
@@ -267,6 +264,14 @@ def export(s: Spec, cache: str | None = None, exporter=None) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _versions() -> dict[str, str]:
+    """torch's and transformers' versions, read from their metadata: a worker that finds its
+    export in the cache never imports them (their memory would count in its peak RSS)."""
+    from importlib.metadata import version
+
+    return {"torch": version("torch"), "transformers": version("transformers")}
 
 
 def _export_to(s: Spec, path: str) -> None:
