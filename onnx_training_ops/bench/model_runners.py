@@ -52,21 +52,14 @@ def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
 
     from ..runtime.options import default_intra_op_threads
     from ..training import TrainingSession
-    from ..training.options import DEFAULT_OPTIONS, LARGE_MODEL_CONFIG, LARGE_MODEL_OPTIONS
+    from ..training.options import apply_memory_options
 
     training = training_model(spec, cache)
     if not threads:  # our own default (what a TrainingSession without options picks)
         threads = default_intra_op_threads(sum(a.size for a in _trainable_arrays(training)))
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
-    for attr, value in DEFAULT_OPTIONS.items():  # what a session without sess_options gets
-        setattr(so, attr, value)
-    if lean:
-
-        for attr, value in LARGE_MODEL_OPTIONS.items():
-            setattr(so, attr, value)
-        for key, value in LARGE_MODEL_CONFIG.items():
-            so.add_session_config_entry(key, value)
+    apply_memory_options(so, large=lean)  # what a session without sess_options gets (lean: a large model's)
     if profile_prefix:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix

@@ -42,6 +42,15 @@ LARGE_MODEL_OPTIONS = {"enable_cpu_mem_arena": False, "enable_mem_pattern": Fals
 LARGE_MODEL_CONFIG = {"session.disable_prepacking": "1"}
 
 
+def apply_memory_options(so: ort.SessionOptions, large: bool = False) -> None:
+    """Set :data:`DEFAULT_OPTIONS` on ``so``, and for a ``large`` model
+    :data:`LARGE_MODEL_OPTIONS` and :data:`LARGE_MODEL_CONFIG` too."""
+    for attr, value in {**DEFAULT_OPTIONS, **(LARGE_MODEL_OPTIONS if large else {})}.items():
+        setattr(so, attr, value)
+    for key, value in (LARGE_MODEL_CONFIG if large else {}).items():
+        so.add_session_config_entry(key, value)
+
+
 def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
                   large: bool = False, threads: int = 0) -> ort.SessionOptions:
     """A new SessionOptions: ``base``'s attributes and known config entries, then ``config``.
@@ -53,13 +62,7 @@ def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
     if base is None:
         so.log_severity_level = 4
         so.intra_op_num_threads = threads
-        for attr, value in DEFAULT_OPTIONS.items():
-            setattr(so, attr, value)
-        if large:
-            for attr, value in LARGE_MODEL_OPTIONS.items():
-                setattr(so, attr, value)
-            for key, value in LARGE_MODEL_CONFIG.items():
-                so.add_session_config_entry(key, value)
+        apply_memory_options(so, large)
     else:
         for attr in _OPTION_ATTRIBUTES:
             setattr(so, attr, getattr(base, attr))
