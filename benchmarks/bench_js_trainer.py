@@ -40,7 +40,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx_training_ops.export import safetensors, session_from_export
 from onnx_training_ops.export.importing import pack
-directory, batch_file, threads, warmup, steps, layout = sys.argv[1:]
+directory, batch_file, threads, warmup, steps, layout, warmup_seconds = sys.argv[1:]
 options = ort.SessionOptions()
 options.intra_op_num_threads, options.inter_op_num_threads = int(threads), 1
 packed = layout == "packed"
@@ -50,8 +50,8 @@ rates = {e["name"]: np.array(e["base"], np.float32) for e in manifest["learning_
 stacked, _ = safetensors.read(batch_file)
 cycle = next(iter(stacked.values())).shape[0]
 batches = [{**{k: np.ascontiguousarray(v[i]) for k, v in stacked.items()}, **rates} for i in range(cycle)]
-i = 0
-for _ in range(int(warmup)):
+i, start = 0, time.perf_counter()
+while i < int(warmup) or time.perf_counter() - start < float(warmup_seconds):
     session.step(batches[i % cycle]); i += 1
 per = max(1, int(steps) // 5)
 blocks = []
@@ -89,7 +89,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layouts", default="plain,packed")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per contender and round")
-    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=200, help="at least this many warm-up steps...")
+    parser.add_argument("--warmup-seconds", type=float, default=2.0,
+                        help="...and at least this long (V8 needs a few thousand small steps to optimize)")
     args = parser.parse_args(argv)
     import js_fixtures
 
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
             rss = {"js": 0.0, "python": 0.0}
             for _ in range(args.rounds):
                 common = [str(directory / "export"), str(directory / "batches.safetensors"), threads,
-                          str(args.warmup), str(steps), layout]
+                          str(args.warmup), str(steps), layout, str(args.warmup_seconds)]
                 for contender, command, cwd in (
                         ("js", ["node", "bench/step.js", *common], REPO / "js"),
                         ("python", [sys.executable, "-c", PYTHON_CONTENDER, *common], REPO)):
