@@ -62,6 +62,29 @@ def test_im2col_col2im_equal_the_standard_op_rule_and_finite_differences(case):
         np.testing.assert_allclose(g.reshape(-1)[idx], fd, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
+def test_a_conv_with_big_columns_stays_onnxruntimes(monkeypatch):
+    """Past ``MAX_COLUMN_ELEMENTS`` the forward Conv is not rewritten (its columns would live
+    from the forward to the backward pass); the gradients still use the native columns and
+    every value is the same."""
+    import sys
+
+    cap = sys.modules["onnx_training_ops.passes.conv_forward_gemm"]
+    nodes, feeds = _conv(CONV[1])
+    f32 = {k: v.astype(np.float32) for k, v in feeds.items()}
+    model = gradient_model(nodes, f32, "y", list(feeds), opset=17)
+    outs = ["y"] + [f"d_{x}" for x in feeds]
+    columns = 3 * 3 * 3 * (2 * 4 * 5)  # C*kh*kw x N*oh*ow: 8x8 input, pads (1, 2, 1, 1), stride 2
+    monkeypatch.setattr(cap, "MAX_COLUMN_ELEMENTS", columns)
+    small = ot.prepare(model, kernels="native")
+    monkeypatch.setattr(cap, "MAX_COLUMN_ELEMENTS", columns - 1)
+    big = ot.prepare(model, kernels="native")
+    assert "Conv" not in [n.op_type for n in small.graph.node]
+    assert [n.op_type for n in big.graph.node].count("Conv") == 1
+    assert "TrainingIm2Col" in [n.op_type for n in big.graph.node]
+    for a, b in zip(ot.InferenceSession(big).run(outs, f32), ot.InferenceSession(small).run(outs, f32)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_a_wrong_geometry_is_an_error_naming_the_node():
     node = helper.make_node("TrainingIm2Col", ["x", "geo"], ["cols"], domain="ai.onnx.contrib", name="im2col_1")
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", 1, None),
