@@ -33,6 +33,7 @@ class FeedsAndRun:
 
     @property
     def learning_rate_names(self) -> list[str]:
+        """The learning-rate inputs (one per parameter group), which ``lr=`` and schedules set."""
         return list(self._rates.names)
 
     @property
