@@ -78,9 +78,11 @@ def test_node_trains_the_models_like_python_and_python_continues(fixtures):
 def _rounding_tolerance(name: str, key: str) -> float:
     """Absolute tolerance between two float32 roundings of 200 steps. BERT's attention key
     bias has a gradient of exactly zero (softmax does not change when every score of a row
-    shifts by the same q.b), so what it receives is rounding noise that Adam scales to
-    steps of up to lr: two roundings drift apart by up to ~10 lr, not by ulps."""
-    return 1e-2 * 1e-3 if name == "bert" and key.endswith("attention.self.key.bias") else 1e-7
+    shifts by the same q.b), so what it receives is rounding noise that Adam normalizes into
+    steps of up to lr: two roundings drift apart by far more than ulps (measured 9.1e-6 after
+    200 steps, 0.009 lr); allowed: 0.02 lr."""
+    bert_lr = 1e-3  # js_fixtures._bert's AdamW
+    return 0.02 * bert_lr if name == "bert" and key.endswith("attention.self.key.bias") else 1e-7
 
 
 def test_node_writes_a_self_contained_trained_inference_model(fixtures):

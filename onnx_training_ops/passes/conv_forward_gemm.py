@@ -43,11 +43,11 @@ def conv_forward_gemm(model: ModelProto) -> ModelProto:
         for node in graph.node:
             im2col = cols.get(node.name) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else None
             geometry = constants.get(im2col.input[1]) if im2col is not None else None
-            if geometry is None or im2col.input[0] != node.input[0] or _patchify([int(v) for v in geometry]) \
-                    or not _small([int(v) for v in geometry]):
+            geometry = None if geometry is None else [int(v) for v in geometry]
+            if geometry is None or im2col.input[0] != node.input[0] or _patchify(geometry) or not _small(geometry):
                 nodes.append(node)
                 continue
-            nodes += _as_gemm(node, im2col.output[0], [int(v) for v in geometry], taken)
+            nodes += _as_gemm(node, im2col.output[0], geometry, taken)
         del graph.node[:]
         graph.node.extend(topological_sort(nodes))
     return model
