@@ -381,6 +381,26 @@ def test_bad_labels_are_named_once(capfd):
     assert "onnxruntime" not in capfd.readouterr().err  # no second copy in the log
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int8, np.uint8, ">i8"])
+@pytest.mark.parametrize("ignore", [None, -100, 2])
+def test_the_class_check_loop_agrees_with_numpy(dtype, ignore):
+    from onnx_training_ops.training import checks
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        labels = rng.integers(-3 if np.dtype(dtype).kind == "i" else 0, 7, rng.integers(1, 9)).astype(dtype)
+        expected = bool(np.all(((labels >= 0) & (labels < 5)) | (labels == ignore if ignore is not None else False)))
+        views = [labels, labels.reshape(1, -1), np.repeat(labels, 2)[::2]]
+        for view in views:
+            try:
+                checks._check_classes("step", "labels", view, 5, ignore)
+                ok = True
+            except TrainingOpError as error:
+                ok = False
+                assert "outside [0, 5)" in str(error)
+            assert ok == expected, (view, ignore)
+
+
 def test_gradient_of_an_integer_tensor_is_refused():
     from onnx import TensorProto, helper
 

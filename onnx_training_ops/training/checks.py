@@ -27,6 +27,11 @@ import onnx
 from ..errors import TrainingOpError
 
 
+try:  # numba's loop; numpy's reduction without it
+    from ..kernels._numba_labels import labels_in_range as _in_range
+except ImportError:  # pragma: no cover - exercised only without numba
+    _in_range = None
+
 Check = Callable[[Mapping[str, Any]], None]
 _UNSIGNED = {size: np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
 
@@ -56,18 +61,27 @@ def batch_checker(meta: Mapping[str, str], inputs: Sequence[onnx.ValueInfoProto]
         classes_text, ignore_text = meta["label_range"].split(",")
         classes, ignore = int(classes_text), (int(ignore_text) if ignore_text else None)
 
+    # feeds whose shapes decide the shape check: the labels, the first input, and the inputs
+    # naming a dimension of the labels' expected shape
+    deciding = [first] + sorted({named[d][0] for d in (layout or {}).get("shape", ()) if d in named})
+    passed: set[tuple] = set()  # shape combinations checked before (a few per training run)
+
     def check(feeds: Mapping[str, Any]) -> None:
         labels = feeds.get(name)
         if labels is None:
             return  # the feed-name check reports it
         if type(labels) is not np.ndarray:
             labels = np.asarray(labels)
-        for feed, value in ((name, labels), (first, feeds.get(first))):
-            if value is not None and np.size(value) == 0:
-                raise TrainingOpError(f"{where}: feed {feed!r} is empty: a batch needs at least one "
-                                      "example (the mean loss of none is undefined)")
-        if layout is not None:
-            _check_shape(where, name, labels, layout, named, feeds)
+        key = (labels.shape, *(getattr(feeds.get(f), "shape", None) for f in deciding))
+        if key not in passed:
+            for feed, value in ((name, labels), (first, feeds.get(first))):
+                if value is not None and np.size(value) == 0:
+                    raise TrainingOpError(f"{where}: feed {feed!r} is empty: a batch needs at least one "
+                                          "example (the mean loss of none is undefined)")
+            if layout is not None:
+                _check_shape(where, name, labels, layout, named, feeds)
+            if len(passed) < 64 and None not in key[1:]:
+                passed.add(key)
         if classes is not None and labels.dtype.kind in "iu":
             _check_classes(where, name, labels, classes, ignore)
 
@@ -129,8 +143,11 @@ def show_shape(shape) -> str:
 
 
 def _check_classes(where: str, name: str, labels: np.ndarray, classes: int, ignore: int | None) -> None:
-    if labels.view(_UNSIGNED[labels.itemsize]).max() < classes:
-        return  # the common case, one reduction: a negative label is a huge unsigned one
+    if _in_range is not None and labels.dtype.kind == "i" and labels.dtype.isnative and labels.flags.c_contiguous:
+        if _in_range(labels.reshape(-1), classes, -1 if ignore is None else ignore, ignore is not None):
+            return  # the common case: one loop
+    elif labels.view(_UNSIGNED[labels.itemsize]).max() < classes:
+        return  # one reduction: a negative label is a huge unsigned one
     bad = (labels < 0) | (labels >= classes)
     if ignore is not None:
         bad &= labels != ignore

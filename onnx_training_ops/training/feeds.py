@@ -4,7 +4,7 @@ Binding them to a program happens in :mod:`.step` (this module knows no Program)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
@@ -19,6 +19,8 @@ class FeedSpec:
     name: str
     dtype: np.dtype
     shape: tuple  # ints, or None for a dynamic/symbolic dim; () for scalars
+    # shapes fed and accepted before (a few per run): a step checks such a feed in one lookup
+    accepted: set = field(default_factory=set, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ def check_feed_names(feeds: Mapping[str, Any], required: set[str], optional: set
 
 def feed_array(spec: FeedSpec, value, where: str = "step") -> np.ndarray:
     """``value`` as a C-contiguous array of the spec's dtype and shape (raises if it is not one)."""
+    if type(value) is np.ndarray and value.dtype == spec.dtype and value.shape in spec.accepted \
+            and value.flags.c_contiguous:
+        return value  # a native dtype equal to the spec's, a shape checked before
     array = value if type(value) is np.ndarray else np.asarray(value)
     if not array.dtype.isnative:  # e.g. '>f4' from a big-endian file: onnxruntime would misread it
         array = array.astype(array.dtype.newbyteorder("="))
@@ -85,6 +90,8 @@ def feed_array(spec: FeedSpec, value, where: str = "step") -> np.ndarray:
             )
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
+    if len(spec.accepted) < 64:
+        spec.accepted.add(array.shape)
     return array
 
 

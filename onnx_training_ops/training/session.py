@@ -237,26 +237,31 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
             return result
         self._check_feeds(feeds, self._required_set, self._optional_feeds)
         rates = self._rates.for_step(lr)
-        result: dict[str, np.ndarray] = {}
-        applied = [True]
-        programs = self._programs_with(tuple(outputs))
-        last = programs[-1]
-
-        def count(skipped: bool, program: Program) -> None:  # lands with the state write
-            if skipped:
-                self.skipped_steps += 1
-                applied[0] = False
-            if program is last and applied[0]:
-                self._rates.step += 1
-
+        programs = self._programs_with(tuple(outputs)) if outputs else self._programs
+        self._step_applied = True
         try:
+            if len(programs) == 1:  # the common case
+                return run_program(programs[0], feeds, rates, self._state, self.on_nonfinite, self._count_last)[0]
+            result: dict[str, np.ndarray] = {}
             for program in programs:
                 returned, _ = run_program(program, feeds, rates, self._state, self.on_nonfinite,
-                                          functools.partial(count, program=program))
+                                          self._count_last if program is programs[-1] else self._count)
                 result.update(returned)
+            return result
         except TrainingOpError as error:
             self._explain_failure(feeds, "step", error)
-        return result
+
+    def _count(self, skipped: bool) -> None:
+        """A program's step was applied or skipped (runs with its state write)."""
+        if skipped:
+            self.skipped_steps += 1
+            self._step_applied = False
+
+    def _count_last(self, skipped: bool) -> None:
+        """The last program's: the optimizer step counts if no program of it was skipped."""
+        self._count(skipped)
+        if self._step_applied:
+            self._rates.step += 1
 
     def _programs_with(self, outputs: tuple[str, ...]) -> list[Program]:
         """The step programs, returning ``outputs`` too (opened on first use, bound to the state)."""
