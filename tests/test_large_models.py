@@ -311,3 +311,21 @@ def test_a_transposed_frozen_weight_is_one_copy(tmp_path, large):
     from onnx_training_ops import InferenceSession
 
     np.testing.assert_allclose(InferenceSession(path).run(None, {"x": x})[0], x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_sessions_share_one_arena_unless_the_model_is_large_or_options_are_given():
+    from onnx_training_ops.training.options import SHARED_ARENA_CONFIG, fresh_options, shared_arena
+
+    assert shared_arena() and shared_arena()  # registered once; asking again is harmless
+    (key, value), = SHARED_ARENA_CONFIG.items()
+    assert fresh_options(None, {}).get_session_config_entry(key) == value
+    large = fresh_options(None, {}, large=True)
+    assert not large.enable_cpu_mem_arena
+    with pytest.raises(Exception):  # not set
+        large.get_session_config_entry(key)
+    with pytest.raises(Exception):  # the caller's options are taken as they are
+        fresh_options(ort.SessionOptions(), {}).get_session_config_entry(key)
+    # sessions on the shared arena train as one on its own arena does
+    model = build_training_model(make_mlp(SIZES), "cross_entropy", AdamW(lr=1e-2, weight_decay=0.01))
+    shared, first, own = TrainingSession(model), TrainingSession(model), TrainingSession(model, sess_options=ort.SessionOptions())
+    assert _losses(shared) == _losses(own) == _losses(first)
