@@ -138,6 +138,27 @@ def test_both_sides_of_the_parallel_switch(op, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [0, 7, fused.PARALLEL_THRESHOLDS["adam"] - 1, fused.PARALLEL_THRESHOLDS["adam"] + 5])
+def test_adam_with_the_decay_folded_in_equals_multiply_then_adam(dtype, n):
+    # AdamW's fast path: X *= decay inside the kernel's pass, bit for bit numpy's multiply then Adam
+    rng = np.random.default_rng(n)
+    x, g, v = (rng.standard_normal(n).astype(dtype) for _ in range(3))
+    h = rng.random(n).astype(dtype)
+    decay = np.array(1 - 1e-2 * 0.1, dtype)
+    ours = [a.copy() for a in (x, g, v, h)]
+    ref = [a.copy() for a in (x, g, v, h)]
+    run_decayed = fused.adam_prepared(*ours, 0.9, 0.999, 1e-8, 0.0, 0.0, decay=decay)
+    run_plain = fused.adam_prepared(*ref, 0.9, 0.999, 1e-8, 0.0, 0.0)
+    for step in range(4):
+        decay[...] = 1 - 1e-2 * 0.1 * (step + 1)  # read at each run (a schedule moves it)
+        run_decayed(0.01 * (step + 1))
+        np.multiply(ref[0], decay, out=ref[0])
+        run_plain(0.01 * (step + 1))
+        for a, b in zip(ours, ref):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(0,), (2, 0, 3)])
 def test_empty_tensors(dtype, shape):
     run_adam(0, shape, dtype, 1, 0.9, 0.999, 1e-6, 0.0, 0.0)
@@ -255,7 +276,7 @@ def test_cache_falls_back_to_user_dir_and_is_reused(tmp_path):
 
     cold = probe()
     assert all(misses == 2 and hits == 0 for hits, misses in cold.values()), cold  # float32 + float64 each
-    assert len(list(tmp_path.glob("numba/**/*.nbi"))) == len(cold) == 16  # 8 element loops, 4 row drivers, dedup, 3 RMSProp
+    assert len(list(tmp_path.glob("numba/**/*.nbi"))) == len(cold) == 18  # 10 element loops, 4 row drivers, dedup, 3 RMSProp
     warm = probe()
     assert all(hits == 2 and misses == 0 for hits, misses in warm.values()), warm
 

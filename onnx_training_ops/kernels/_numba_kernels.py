@@ -148,6 +148,22 @@ def adam_serial(x, g, v, h, s):
         x[i], v[i], h[i] = adam_element(x[i], g[i], v[i], h[i], c)
 
 
+# AdamW's decoupled decay folded in: ``x *= s[8]`` (float multiply in x's dtype, as numpy's
+# in-place multiply) right before the update, in the same pass over memory.
+@_jit(parallel=True)
+def adam_decay_parallel(x, g, v, h, s):
+    c, decay = adam_scalars(s), s[8]
+    for i in prange(x.size):
+        x[i], v[i], h[i] = adam_element(x[i] * decay, g[i], v[i], h[i], c)
+
+
+@_jit(parallel=False)
+def adam_decay_serial(x, g, v, h, s):
+    c, decay = adam_scalars(s), s[8]
+    for i in range(x.size):
+        x[i], v[i], h[i] = adam_element(x[i] * decay, g[i], v[i], h[i], c)
+
+
 @_jit(parallel=True)
 def momentum_parallel(x, g, v, s):
     c = momentum_scalars(s)
@@ -195,6 +211,8 @@ def adagrad_serial(x, g, h, s):
 ALL = (
     adam_parallel,
     adam_serial,
+    adam_decay_parallel,
+    adam_decay_serial,
     momentum_parallel,
     momentum_serial,
     nesterov_parallel,
@@ -202,4 +220,4 @@ ALL = (
     adagrad_parallel,
     adagrad_serial,
 )
-SERIAL = (adam_serial, momentum_serial, nesterov_serial, adagrad_serial)
+SERIAL = (adam_serial, adam_decay_serial, momentum_serial, nesterov_serial, adagrad_serial)

@@ -108,13 +108,17 @@ def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False, rows=None):
 STEPS = {"Adam": adam_step, "Momentum": momentum_step, "Adagrad": adagrad_step}
 
 
-def prepare(op_type: str, r, t, tensors, attributes) -> Callable[[], None] | None:
+def prepare(op_type: str, r, t, tensors, attributes, decay=None) -> Callable[[], None] | None:
     """``STEPS[op_type](r, t, *tensors, attributes, inplace=True)`` for arrays that stay the
     same objects from call to call (the fast path's buffers): every check runs once, here,
     and the returned ``run()`` reads R and T and calls the fused kernel. None when the fused
-    kernels do not apply (the caller keeps the checked per-call path)."""
+    kernels do not apply (the caller keeps the checked per-call path). ``decay`` (Adam only:
+    None otherwise): a 0-d array of X's dtype, ``X *= decay`` first, in the kernel's pass."""
     arrays = (r, t, *tensors)
     if _fused is None or not all(type(a) is np.ndarray for a in arrays):
+        return None
+    if decay is not None and (op_type != "Adam" or type(decay) is not np.ndarray or decay.size != 1
+                              or decay.dtype != tensors[0].dtype):
         return None
     names = {"Adam": ADAM_NAMES, "Momentum": MOMENTUM_NAMES, "Adagrad": ADAGRAD_NAMES}[op_type]
     check_group(tensors, names, op_type)
@@ -125,7 +129,7 @@ def prepare(op_type: str, r, t, tensors, attributes) -> Callable[[], None] | Non
     if op_type == "Adam":
         alpha, beta = a["alpha"], a["beta"]
         adam = _fused.adam_prepared(*tensors, alpha, beta, a["epsilon"], a["norm_coefficient"],
-                                    a["norm_coefficient_post"])
+                                    a["norm_coefficient_post"], decay)
         return lambda: adam(adam_rate(float(r0), int(t0), alpha, beta))
     if op_type == "Momentum":
         beta = a["beta"]

@@ -264,18 +264,30 @@ def adagrad_(x, g, h, rate, epsilon, norm_coefficient, rows=None) -> None:
     _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
 
 
-def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post):
+def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post, decay=None):
     """:func:`adam_` for arrays used again and again: the scalars and flat views are built
-    once; returns ``run(rate)``. The arrays must pass :func:`supports` and stay alive."""
+    once; returns ``run(rate)``. The arrays must pass :func:`supports` and stay alive.
+    ``decay``: a 0-d array of x's dtype, read at each run: ``x *= decay`` first (AdamW's
+    decoupled decay), in the same pass."""
     s = np.array((0.0, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient,
-                  1.0 - norm_coefficient_post), dtype=x.dtype)
-    args, n, serial, parallel = (_flat(x), _flat(g), _flat(v), _flat(h), s), x.size, _k.adam_serial, _k.adam_parallel
+                  1.0 - norm_coefficient_post, 1.0), dtype=x.dtype)
+    args, n = (_flat(x), _flat(g), _flat(v), _flat(h), s), x.size
+    if decay is None:
+        serial, parallel = _k.adam_serial, _k.adam_parallel
 
-    def run(rate: float) -> None:
-        s[0] = rate
+        def run(rate: float) -> None:
+            s[0] = rate
+            _dispatch("adam", serial, parallel, n, *args)
+
+        return run
+    serial, parallel = _k.adam_decay_serial, _k.adam_decay_parallel
+    factor = decay.reshape(())
+
+    def run_decayed(rate: float) -> None:
+        s[0], s[8] = rate, factor
         _dispatch("adam", serial, parallel, n, *args)
 
-    return run
+    return run_decayed
 
 
 def momentum_prepared(x, g, v, alpha, norm_coefficient, nesterov: bool):
@@ -339,9 +351,10 @@ def warm_up() -> float:
 def _warm_up_all(parallel: bool) -> None:
     for dtype in _FLOATS:
         arrays = [np.zeros(1, dtype) for _ in range(4)]
-        s = np.zeros(8, dtype)  # each kernel reads only the scalars it needs
+        s = np.zeros(9, dtype)  # each kernel reads only the scalars it needs
+        adams = (_k.adam_parallel, _k.adam_serial, _k.adam_decay_parallel, _k.adam_decay_serial)
         for kernel in _k.ALL if parallel else _k.SERIAL:
-            nargs = 4 if kernel in (_k.adam_parallel, _k.adam_serial) else 3
+            nargs = 4 if kernel in adams else 3
             kernel(*arrays[:nargs], s)
         tables, u = [np.zeros((1, 1), dtype) for _ in range(4)], np.zeros(1, np.int64)
         for kernel in (_rows.adam_rows, _rows.momentum_rows, _rows.nesterov_rows, _rows.adagrad_rows):

@@ -41,6 +41,7 @@ class CutStep:
     targets: list  # per output role: the state array it must end up in
     prescale: Any = None  # AdamW's decay factor: X *= prescale before the update (a 0-d array)
     run: Any = None  # the update checked once (kernels.apply.prepare), when every input is a buffer
+    run_decays: bool = False  # ``run`` applies the prescale itself (the fused Adam kernel)
 
 
 def _decayed_inputs(graph: onnx.GraphProto, state: set[str], consumed: dict[str, int]) -> dict:
@@ -313,12 +314,20 @@ def prepare_plan(plan: list[CutStep]) -> None:
     """Check each update once: those whose inputs are all buffers get a prepared ``run``."""
     for s in plan:
         in_place = all(t is x for t, x in zip(s.targets, s.tensors[:1] + s.tensors[2:]))
-        s.run = prepare(s.op_type, s.r, s.t, s.tensors, s.attributes) if in_place else None
+        s.run, s.run_decays = None, False
+        if in_place and s.prescale is not None:
+            s.run = prepare(s.op_type, s.r, s.t, s.tensors, s.attributes, decay=s.prescale)
+            s.run_decays = s.run is not None
+        if in_place and s.run is None:
+            s.run = prepare(s.op_type, s.r, s.t, s.tensors, s.attributes)
 
 
 def apply_plan(plan: list[CutStep]) -> None:
     """Run the cut updates in place (no input of theirs is a feed)."""
     for s in plan:
+        if s.run_decays:
+            s.run()
+            continue
         if s.prescale is not None:  # the folded Mul, as onnxruntime computes it (float multiply)
             np.multiply(s.tensors[0], s.prescale, out=s.tensors[0])
         if s.run is not None:
