@@ -98,3 +98,70 @@ def test_a_wrong_input_is_an_error_naming_the_node():
         session.run(None, {**feeds, "var": np.ones(4, np.float32)})
     with pytest.raises(Exception, match="bn_grad_1"):
         session.run(None, {**feeds, "dy": np.ones((2, 3, 5), np.float32)})
+
+
+def _conv_bn_relu(torch):
+    """Conv-BN-ReLU twice and a residual (ResNet's basic block, small), parameters perturbed
+    (the exporter would merge equal ones)."""
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+            self.conv2, self.bn2 = nn.Conv2d(6, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+            self.fc = nn.Linear(6, 4)
+
+        def forward(self, x):
+            h = torch.relu(self.bn1(self.conv1(x)))
+            h = torch.relu(h + self.bn2(self.conv2(h)))
+            return self.fc(h.mean((2, 3)))
+
+    torch.manual_seed(0)
+    module = Block()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    return module
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_train_mode_steps_match_torch_and_the_step_runs_the_native_op(optimizer):
+    import io
+    import warnings
+
+    import onnx
+
+    torch = pytest.importorskip("torch")
+    module = _conv_bn_relu(torch)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), (torch.randn(4, 3, 8, 8),), f, dynamo=False, opset_version=17,
+                          do_constant_folding=False, input_names=["x"], output_names=["y"])
+    if optimizer == "adamw":  # a tiny eps: ONNX adds it before the bias correction, torch after
+        ours, theirs = ot.AdamW(lr=0.01, eps=1e-12, weight_decay=0.1), torch.optim.AdamW(
+            module.parameters(), lr=0.01, eps=1e-12, weight_decay=0.1)
+    else:
+        ours, theirs = ot.Momentum(lr=0.1, momentum=0.9), torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    training = ot.build_training_model(onnx.load_from_string(f.getvalue()), "cross_entropy", ours, mode="train")
+    session = ot.TrainingSession(training)
+    ran = [n.op_type for n in session._programs[0].session.prepared_model.graph.node]
+    assert ran.count(OP) == 2
+    for kwargs, count in ((dict(kernels="native"), 2), (dict(kernels="pyop"), 0), (dict(portable=True), 0)):
+        step = ot.prepare(training, **kwargs).training_info[0].algorithm.node
+        assert [n.op_type for n in step].count(OP) == count, kwargs
+    module.train()
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        x, y = rng.standard_normal((4, 3, 8, 8)).astype(np.float32), rng.integers(0, 4, 4).astype(np.int64)
+        got = session.step({"x": x, "labels": y})
+        theirs.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        theirs.step()
+        np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-5, atol=1e-6)
+    state = session.state_dict()
+    for name, value in module.state_dict().items():
+        if not name.endswith("num_batches_tracked"):
+            np.testing.assert_allclose(state[name], value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
