@@ -1,6 +1,7 @@
-"""The native train-mode BatchNorm backward (``ai.onnx.contrib::TrainingBatchNormGrad``):
-against the standard-op rule (float32, and float64 checked by finite differences), on
-ranks 3-5, a constant channel, N=1; torch parity of a few steps; the ResNet-style step."""
+"""The native train-mode BatchNorm backward and batch statistics (``ai.onnx.contrib::
+TrainingBatchNormGrad``, ``TrainingBatchStats``): against the standard-op forms (float32, and
+float64 checked by finite differences), on ranks 2-5, a constant channel, N=1; torch parity
+of a few steps; the ResNet-style step."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from onnx_training_ops.runtime import native
 
 pytestmark = pytest.mark.skipif(not native.availability()[0], reason="native kernels unavailable here")
 
-OP = "TrainingBatchNormGrad"
+OP, STATS = "TrainingBatchNormGrad", "TrainingBatchStats"
 EPS = 1e-3
 
 
@@ -64,9 +65,10 @@ def test_native_equals_the_standard_rule_and_finite_differences(shape, constant)
     outs = ["loss"] + [f"d_{x}" for x in XS]
     model = gradient_model(nodes, f32, "loss", XS, opset=18)
     prepared = ot.prepare(model, kernels="native")
-    assert [n.op_type for n in prepared.graph.node].count(OP) == 1
+    ran = [n.op_type for n in prepared.graph.node]
+    assert ran.count(OP) == ran.count(STATS) == 1 and "ReduceMean" not in ran  # the statistics too
     for other in (ot.prepare(model, kernels="pyop"), ot.prepare(model, portable=True)):
-        assert OP not in [n.op_type for n in other.graph.node]
+        assert not {OP, STATS} & {n.op_type for n in other.graph.node}
     got = ot.InferenceSession(prepared).run(outs, f32)
     want = ot.InferenceSession(ot.prepare(model, portable=True)).run(outs, f32)
     model64 = gradient_model(nodes, feeds, "loss", XS, opset=18)
@@ -149,8 +151,8 @@ def test_train_mode_steps_match_torch_and_the_step_runs_the_native_op(optimizer)
     ran = [n.op_type for n in session._programs[0].session.prepared_model.graph.node]
     assert ran.count(OP) == 2
     for kwargs, count in ((dict(kernels="native"), 2), (dict(kernels="pyop"), 0), (dict(portable=True), 0)):
-        step = ot.prepare(training, **kwargs).training_info[0].algorithm.node
-        assert [n.op_type for n in step].count(OP) == count, kwargs
+        step = [n.op_type for n in ot.prepare(training, **kwargs).training_info[0].algorithm.node]
+        assert step.count(OP) == step.count(STATS) == count, kwargs
     module.train()
     rng = np.random.default_rng(1)
     for _ in range(3):

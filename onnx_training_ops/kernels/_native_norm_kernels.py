@@ -1,4 +1,5 @@
-"""C-callable backward kernel (numba cfunc) of a train-mode BatchNormalization.
+"""C-callable kernels (numba cfuncs) of a train-mode BatchNormalization: its backward and
+its batch statistics.
 
 ``TrainingBatchNormGrad(dy, x, scale, mean, var, eps) -> (dx, dscale, dbias)``, float32,
 x and dy [N, C, spatial...], scale/mean/var [C] (the batch mean and biased variance of x),
@@ -8,7 +9,11 @@ eps a float32 scalar. Per channel, with ``M = N * spatial``, ``inv = 1 / sqrt(va
     dbias = sum(dy),  dscale = sum(dy * xhat),
     dx = scale * inv / M * (M * dy - dbias - xhat * dscale)
 
-One pass over dy and x for the sums (float64 accumulators), one writing dx (float32). Work
+One pass over dy and x for the sums (float64 accumulators), one writing dx (float32).
+
+``TrainingBatchStats(x) -> (mean, var)`` [C]: the batch mean and biased variance over every
+axis but 1, two passes (float64 accumulators), as the builder's standard nodes compute them
+(``build/train_mode.py``; rewritten by ``passes.batch_statistics_native``). Work
 is split over channels by onnxruntime's thread pool (``KernelContext_ParallelFor``), as the
 native im2col/col2im; the kernel state, its creation and ``kernel_destroy`` are theirs
 (:mod:`._native_grad_kernels`, :mod:`onnx_training_ops.runtime.native_grads`).
@@ -29,6 +34,7 @@ JOB_N, JOB_C, JOB_S = 0, 1, 2
 JOB_DY, JOB_X, JOB_SCALE, JOB_MEAN, JOB_VAR, JOB_EPS = 3, 4, 5, 6, 7, 8  # input i at JOB_DY + i
 JOB_DX, JOB_DSCALE, JOB_DBIAS = 9, 10, 11  # output i at JOB_DX + i
 JOB_WORDS = 12
+JOB_MEAN_OUT, JOB_VAR_OUT = 9, 10  # TrainingBatchStats: x at JOB_X, its outputs here
 INPUTS = 6
 
 _I64 = np.int64(0)
@@ -47,6 +53,18 @@ def _sums(dy, x, mean):
         g = np.float64(dy[e])
         a += g
         b += g * (np.float64(x[e]) - mean)
+    return a, b
+
+
+@njit(**_SUM_OPTIONS)
+def _sum(x, mean):
+    """(sum x, sum (x - mean)^2) in float64, reassociated as :func:`_sums`."""
+    a = 0.0
+    b = 0.0
+    for e in range(x.size):
+        d = np.float64(x[e])
+        a += d
+        b += (d - mean) * (d - mean)
     return a, b
 
 
@@ -92,6 +110,31 @@ def _channel(job, c):
         _dx(dy[start:start + s], x[start:start + s], dx[start:start + s], a32, b32, mean32, d32)
 
 
+@njit(**_OPTIONS)
+def _stats_channel(job, c):
+    """mean[c], var[c] (biased) of x[:, c]: the sum, then the squares about the mean."""
+    n_, ch, s = job[JOB_N], job[JOB_C], job[JOB_S]
+    x = carray(_ptr(job[JOB_X], _F32), n_ * ch * s)
+    m = np.float64(n_ * s)
+    total = 0.0
+    for n in range(n_):
+        start = (n * ch + c) * s
+        total += _sum(x[start:start + s], 0.0)[0]
+    mean = total / m
+    squares = 0.0
+    for n in range(n_):
+        start = (n * ch + c) * s
+        squares += _sum(x[start:start + s], mean)[1]
+    carray(_ptr(job[JOB_MEAN_OUT], _F32), ch)[c] = np.float32(mean)
+    carray(_ptr(job[JOB_VAR_OUT], _F32), ch)[c] = np.float32(squares / m)
+
+
+@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
+def stats_worker(job, index):
+    """``KernelContext_ParallelFor`` task: one channel's statistics."""
+    _stats_channel(carray(_ptr(_addr(job), _I64), JOB_WORDS), np.int64(index))
+
+
 @cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
 def bn_grad_worker(job, index):
     """``KernelContext_ParallelFor`` task: one channel."""
@@ -99,12 +142,13 @@ def bn_grad_worker(job, index):
 
 
 @njit(**_OPTIONS)
-def _compute(state_addr, context):
+def _compute(state_addr, context, stats):
+    """``stats``: TrainingBatchStats (input x, outputs mean and var), else the gradient."""
     state = carray(_ptr(state_addr, _I64), ST_WORDS)
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
     work = np.zeros(JOB_WORDS + 8, np.int64)
     job, out = work[:JOB_WORDS], work[JOB_WORDS:]
-    status, elem, dims, addr = _input(fns, 0, context, 1, out)
+    status, elem, dims, addr = _input(fns, 0, context, 0 if stats else 1, out)
     if status != 0:
         return status
     if elem != ELEM_FLOAT or dims.size < 2:
@@ -115,7 +159,8 @@ def _compute(state_addr, context):
         s *= x_dims[k]
     ch = x_dims[1]
     job[JOB_N], job[JOB_C], job[JOB_S] = x_dims[0], ch, s
-    for i in range(INPUTS):
+    job[JOB_X] = addr
+    for i in range(0 if stats else INPUTS):
         status, elem, dims, addr = _input(fns, 0, context, i, out)
         if status != 0:
             return status
@@ -137,8 +182,8 @@ def _compute(state_addr, context):
         job[JOB_DY + i] = addr
     channels = np.empty(1, np.int64)
     channels[0] = ch
-    for i in range(3):
-        status, data = _output(fns, context, i, x_dims if i == 0 else channels, out)
+    for i in range(2 if stats else 3):
+        status, data = _output(fns, context, i, x_dims if i == 0 and not stats else channels, out)
         if status != 0:
             return status
         job[JOB_DX + i] = data
@@ -153,4 +198,10 @@ def _compute(state_addr, context):
 @cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
 def bn_grad_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingBatchNormGrad."""
-    return _compute(_addr(op_kernel), _addr(context))
+    return _compute(_addr(op_kernel), _addr(context), False)
+
+
+@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+def stats_compute(op_kernel, context):
+    """``KernelComputeV2`` of TrainingBatchStats."""
+    return _compute(_addr(op_kernel), _addr(context), True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import struct
 
-from ..autodiff.native_ops import BATCH_NORM_GRAD, COL2IM, IM2COL
+from ..autodiff.native_ops import BATCH_NORM_GRAD, BATCH_STATS, COL2IM, IM2COL
 from .custom_op import (_REQUIRED, OP_VERSION, OrtCustomOp, _Api, _CreateKernelV2, _GetAt, _GetCount, _GetInt,
                      _GetName, _checked_apis, _free_address, _keepalive, _libc, _string)
 
@@ -31,6 +31,7 @@ def _ops() -> dict[str, tuple]:
         COL2IM: (k.col2im_compute, k.col2im_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
         BATCH_NORM_GRAD: (nk.bn_grad_compute, nk.bn_grad_worker, (_FLOAT,) * nk.INPUTS, (_FLOAT,) * 3,
                           "float32 dy, x [N, C, ...] alike, scale, mean, var [C] and a scalar eps"),
+        BATCH_STATS: (nk.stats_compute, nk.stats_worker, (_FLOAT,), (_FLOAT, _FLOAT), "float32 x [N, C, ...]"),
     }
 
 
