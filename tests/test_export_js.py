@@ -80,8 +80,12 @@ def _rounding_tolerance(name: str, key: str) -> float:
     bias has a gradient of exactly zero (softmax does not change when every score of a row
     shifts by the same q.b), so what it receives is rounding noise that Adam normalizes into
     steps of up to lr: two roundings drift apart by far more than ulps (measured 9.1e-6 after
-    200 steps, 0.009 lr); allowed: 0.02 lr."""
+    200 steps, 0.009 lr); allowed: 0.02 lr. The CNN's BatchNorm runs native kernels in the
+    session (float64 sums) and standard ops in the export (float32 sums): measured up to
+    3.9e-7 apart after 200 steps (values up to 1.8); allowed: 1e-6."""
     bert_lr = 1e-3  # js_fixtures._bert's AdamW
+    if name == "cnn":
+        return 1e-6
     return 0.02 * bert_lr if name == "bert" and key.endswith("attention.self.key.bias") else 1e-7
 
 

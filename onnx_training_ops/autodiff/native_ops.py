@@ -12,3 +12,6 @@ IM2COL = "TrainingIm2Col"
 COL2IM = "TrainingCol2Im"
 ALL = frozenset({IM2COL, COL2IM})
 COLS_OF = "cols of Conv node "  # doc_string of an Im2Col a Conv's rule emits, + the Conv's name
+BATCH_NORM_GRAD = "TrainingBatchNormGrad"  # kernels._native_norm_kernels
+ALL = ALL | {BATCH_NORM_GRAD}
+BATCH_STATS = "TrainingBatchStats"  # written by passes.batch_statistics_native, not by a rule

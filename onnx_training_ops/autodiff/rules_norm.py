@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .emitter import Emitter
+from .native_ops import BATCH_NORM_GRAD, DOMAIN
 from .registry import RuleContext, RuleError, register
 
 
@@ -132,6 +133,9 @@ def batch_norm_batch_statistics(ctx: RuleContext) -> list:
     if any(ctx.grad(i) for i in (1, 2)):
         raise RuleError("gradients flowing into the running-statistic outputs are not supported")
     x, scale, bias = ctx.node.input[:3]
+    if ctx.node.doc_string == BATCH_STATISTICS_DOC and BATCH_NORM_GRAD in em.native \
+            and em.dtype(x) == em.dtype(scale) == TensorProto.FLOAT:
+        return _native_batch_norm_grad(ctx) + [None] * (len(ctx.node.input) - 3)
     r = ctx.rank(x)
     shape = ctx.shape(x)
     axes = [0] + list(range(2, r))
@@ -143,6 +147,21 @@ def batch_norm_batch_statistics(ctx: RuleContext) -> list:
         stats = tuple(em.unsqueeze(ctx.node.input[i], axes) for i in (3, 4))
     dx, ds, db = _channel_stats_grad(ctx, x, g, scale_b, bias_b, axes, stats)
     return [dx, ds and em.squeeze(ds, axes), db and em.squeeze(db, axes)] + [None] * (len(ctx.node.input) - 3)
+
+
+def _native_batch_norm_grad(ctx: RuleContext) -> list:
+    """(dx, dscale, dbias) of the builder's node as one native ``TrainingBatchNormGrad``
+    (``kernels._native_norm_kernels``): the closed form above, two passes over x."""
+    em = ctx.em
+    x, scale, _, mean, var = ctx.node.input[:5]
+    eps = em.scalar(float(ctx.attr("epsilon", 1e-5)), x)
+    outs = [em.fresh(hint) for hint in ("dx", "dscale", "dbias")]
+    em.add_node(helper.make_node(BATCH_NORM_GRAD, [ctx.grad(0), x, scale, mean, var, eps], outs, name=outs[0],
+                                 domain=DOMAIN))
+    channels = ctx.shape(x)[1] if ctx.shape(x) else None
+    for out, shape in zip(outs, (ctx.shape(x), (channels,), (channels,))):
+        em.set_meta(out, TensorProto.FLOAT, shape)
+    return [out if ctx.need(i) else None for i, out in enumerate(outs)]
 
 
 @register("GroupNormalization")

@@ -14,6 +14,7 @@ from typing import Callable
 
 from onnx import ModelProto
 
+from .batch_statistics_native import batch_statistics_native
 from .conv_forward_gemm import conv_forward_gemm
 from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient, expand_gradient_native
@@ -48,11 +49,12 @@ _SHARED: list[tuple[str, Pass]] = [
     if name not in ("split_multi_tensor_nodes", "encode_exact_attributes", "fit_runtime")
 ]
 # The native kernels take multi-tensor nodes whole and read the attributes themselves; the
-# Gradient is expanded with the native backward kernels where a rule has one, and a forward
-# Conv reuses its native im2col columns.
+# Gradient is expanded with the native backward kernels where a rule has one, a forward
+# Conv reuses its native im2col columns, and train-mode BatchNorm statistics are one native node.
 NATIVE_PASSES: list[tuple[str, Pass]] = [
     (name, expand_gradient_native if name == "expand_gradient" else run_pass) for name, run_pass in _SHARED
-] + [("conv_forward_gemm", conv_forward_gemm), ("target_native", target_native), ("fit_runtime", fit_runtime)]
+] + [("conv_forward_gemm", conv_forward_gemm), ("batch_statistics_native", batch_statistics_native),
+       ("target_native", target_native), ("fit_runtime", fit_runtime)]
 # The portable form: standard ONNX ops only (no com.microsoft Gelu, every optimizer node
 # lowered; no plugin needed).
 PORTABLE_PASSES: list[tuple[str, Pass]] = [(name, run_pass) for name, run_pass in _SHARED if name != "fuse_gelu"] + [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import struct
 
-from ..autodiff.native_ops import COL2IM, IM2COL
+from ..autodiff.native_ops import BATCH_NORM_GRAD, BATCH_STATS, COL2IM, IM2COL
 from .custom_op import (_REQUIRED, OP_VERSION, OrtCustomOp, _Api, _CreateKernelV2, _GetAt, _GetCount, _GetInt,
                      _GetName, _checked_apis, _free_address, _keepalive, _libc, _string)
 
@@ -23,11 +23,15 @@ _FLOAT, _INT64 = 1, 7
 def _ops() -> dict[str, tuple]:
     """op name -> (compute cfunc, worker cfunc, input types, output types, what it expects)."""
     from ..kernels import _native_grad_kernels as k
+    from ..kernels import _native_norm_kernels as nk
 
     geometry = f"float32 data and an int64 geometry of {k.GEO_WORDS} values that matches it"
     return {
         IM2COL: (k.im2col_compute, k.im2col_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
         COL2IM: (k.col2im_compute, k.col2im_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
+        BATCH_NORM_GRAD: (nk.bn_grad_compute, nk.bn_grad_worker, (_FLOAT,) * nk.INPUTS, (_FLOAT,) * 3,
+                          "float32 dy, x [N, C, ...] alike, scale, mean, var [C] and a scalar eps"),
+        BATCH_STATS: (nk.stats_compute, nk.stats_worker, (_FLOAT,), (_FLOAT, _FLOAT), "float32 x [N, C, ...]"),
     }
 
 
