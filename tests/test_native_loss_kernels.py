@@ -213,3 +213,17 @@ def test_a_few_adamw_steps_follow_torch():
     for i, layer in enumerate((net[0], net[2])):
         np.testing.assert_allclose(state[f"W{i}"], layer.weight.detach().numpy().T, rtol=0, atol=2e-4)
         np.testing.assert_allclose(state[f"b{i}"], layer.bias.detach().numpy(), rtol=0, atol=2e-4)
+
+
+def test_shapes_read_through_the_older_api_too(monkeypatch):
+    """Below API 24 the kernels read shapes with GetTensorTypeAndShape (forced here)."""
+    monkeypatch.setattr(native_grads, "USE_SHAPE_REFERENCE", False)
+    nodes, feeds = _relu((3, native_grads.RELU_PARALLEL_MIN // 3 + 5), 2)
+    f32 = {k: v.astype(np.float32) for k, v in feeds.items()}
+    _, got, want = _native_and_portable(gradient_model(nodes, f32, "y", ["x"], opset=17), f32, ["d_x"], 2)
+    np.testing.assert_array_equal(got[0], want[0])
+    nodes, scores, labels = _cross_entropy("sum", 1)
+    model, feeds = _ce_model(nodes, scores, labels)
+    _, got, want = _native_and_portable(model, feeds, ["y", "d_scores"])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7 * np.abs(b).max())
