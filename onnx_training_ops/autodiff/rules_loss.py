@@ -143,8 +143,8 @@ def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
         d = (exp(log_prob) [* sum(hot, axis=1)] - hot) * g [/ count]
 
     (the row sum, 1 or 0, only with an ``ignore_index``). Past :data:`GATHER_FORM_CLASSES`
-    classes, the label columns instead (:func:`_gathered_gradient`); on the native path, one
-    ``TrainingCrossEntropyGrad`` node of the same terms."""
+    classes, the label columns instead (:func:`_gathered_gradient`); on the native path,
+    ``TrainingCrossEntropyGrad(g, Exp(log_prob), labels, config)`` (the same terms, one node)."""
     em = ctx.em
     scores, labels = ctx.node.input[:2]
     shape = em.shape(scores)
@@ -158,10 +158,11 @@ def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
         if ctx.opset < 16:
             return None  # ScatterElements reduction="add"
         return _gathered_gradient(ctx, log_prob, labels, np.float32)
-    if CROSS_ENTROPY_GRAD in em.native:  # one node: the same terms, each element once
+    if CROSS_ENTROPY_GRAD in em.native:  # onnxruntime's Exp, then one pass: the same float32 terms
         config = em.const(cross_entropy_config(reduction, ignore))
         hint = f"{ctx.node.name}/dscores" if ctx.node.name else "dscores"  # an error names the loss
-        return em.native_op(CROSS_ENTROPY_GRAD, [ctx.grad(0), log_prob, labels, config], hint)
+        prob = em.op("Exp", [log_prob])
+        return em.native_op(CROSS_ENTROPY_GRAD, [ctx.grad(0), prob, labels, config], hint)
     index = labels
     if ignore_needs_mapping(ignore, classes):
         ignored = em.op("Equal", [labels, em.const(np.int64(ignore))])

@@ -20,9 +20,10 @@ the standard-op forms take 3 to 7, :mod:`onnx_training_ops.autodiff.rules_loss`)
   ``ST_PARALLEL_MIN`` elements;
 * ``TrainingCrossEntropyLoss(log_prob [N, C], labels [N], config)`` -> the scalar loss
   ``-sum(log_prob[i, label_i])`` over kept rows [/ their count];
-* ``TrainingCrossEntropyGrad(g, log_prob, labels, config)`` -> ``(exp(log_prob) - onehot) *
-  g`` [/ count], ignored rows zero (NaN everywhere for a mean over no kept row, as the
-  standard ops give).
+* ``TrainingCrossEntropyGrad(g, prob, labels, config)`` -> ``(prob - onehot) * g`` [/ count],
+  ignored rows zero (NaN everywhere for a mean over no kept row, as the standard ops give);
+  ``prob = exp(log_prob)`` is onnxruntime's vectorized Exp, so the gradient is bit-identical to
+  the standard form's.
 
 ``config`` is an int64 vector (``CE_*``): reduction (``CE_MEAN``/``CE_SUM``), whether there
 is an ignore_index, its value. A label neither in ``[0, C)`` nor ignored is an error.
@@ -33,8 +34,6 @@ optimizers: ``AddExternalCustomOp`` of onnxruntime-extensions); the OrtApi helpe
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from numba import carray, cfunc, njit, types
@@ -303,12 +302,12 @@ def relu_grad_compute(op_kernel, context):
 @njit(**_OPTIONS)
 def _cross_entropy(state_addr, context, grad):
     """The loss (``grad`` False: inputs log_prob, labels, config) or its gradient (inputs g,
-    log_prob, labels, config)."""
+    prob, labels, config)."""
     state = carray(_ptr(state_addr, _I64), ST_WORDS)
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
     shape_reference = state[ST_SHAPE_REFERENCE]
     out = np.zeros(8, np.int64)
-    first = 1 if grad else 0
+    first = 1 if grad else 0  # the gradient's first input: g
     scale = np.float32(1)
     if grad:
         status, elem, dims, data = _input(fns, shape_reference, context, 0, out)
@@ -339,7 +338,7 @@ def _cross_entropy(state_addr, context, grad):
     if config[CE_REDUCTION] != CE_MEAN and config[CE_REDUCTION] != CE_SUM:
         return _invalid(fns, state)
     labels = carray(_ptr(lab, _I64), rows)
-    log_prob = carray(_ptr(lp, _F32), rows * classes)
+    x = carray(_ptr(lp, _F32), rows * classes)  # log_prob (the loss) or prob (the gradient)
     count = 0
     total = 0.0
     for i in range(rows):
@@ -349,7 +348,8 @@ def _cross_entropy(state_addr, context, grad):
         if label < 0 or label >= classes:
             return _invalid(fns, state)
         count += 1
-        total += np.float64(log_prob[i * classes + label])
+        if not grad:
+            total += np.float64(x[i * classes + label])
     if not grad:
         status, data = _output(fns, context, 0, lp_dims[:0], out)
         if status != 0:
@@ -357,23 +357,30 @@ def _cross_entropy(state_addr, context, grad):
         loss = np.float32(-total)
         carray(_ptr(data, _F32), 1)[0] = loss / np.float32(count) if mean else loss
         return 0
-    if mean:  # as the standard form: g / count, NaN/inf for no kept row
-        scale = scale / np.float32(count)
     status, data = _output(fns, context, 0, lp_dims, out)
     if status != 0:
         return status
     d = carray(_ptr(data, _F32), rows * classes)
-    zero = np.float32(0) * scale
-    for i in range(rows):
+    if mean:  # the standard form's d * (g / count) is d / count in onnxruntime for a constant g = 1
+        # (a loss's seed): d / (count / g) gives those bits
+        _scaled_rows(d, x, labels, classes, has_ignore, ignore, np.float32(count) / scale, True)
+    else:
+        _scaled_rows(d, x, labels, classes, has_ignore, ignore, scale, False)
+    return 0
+
+
+@njit(**_OPTIONS)
+def _scaled_rows(d, prob, labels, classes, has_ignore, ignore, s, divide):
+    """``d = (prob - onehot) * s`` (or ``/ s``), ``(prob * 0 - 0) * s`` on ignored rows: the
+    standard form's float32 operations in its order, so the results are bit-identical."""
+    zero = np.float32(0)
+    for i in range(labels.size):
         label = labels[i]
         row = i * classes
-        if has_ignore and label == ignore:
-            for c in range(classes):
-                d[row + c] = zero
-            continue
+        ignored = has_ignore and label == ignore
         for c in range(classes):
-            d[row + c] = (math.exp(log_prob[row + c]) - np.float32(c == label)) * scale
-    return 0
+            v = prob[row + c] * zero - zero if ignored else prob[row + c] - np.float32(c == label)
+            d[row + c] = v / s if divide else v * s
 
 
 @cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)

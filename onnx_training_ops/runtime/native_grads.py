@@ -30,16 +30,17 @@ def _ops() -> dict[str, tuple]:
     from ..kernels import _native_grad_kernels as k
 
     geometry = f"float32 data and an int64 geometry of {k.GEO_WORDS} values that matches it"
-    labels = (f"float32 log-probabilities [N, C], int64 labels [N] each in [0, C) or equal to the ignore_index, "
-              f"an int64 config of {k.CE_WORDS} values")
+    labels = (f"int64 labels [N] each in [0, C) or equal to the ignore_index, an int64 config of {k.CE_WORDS} "
+              "values")
     return {
         IM2COL: (k.im2col_compute, k.im2col_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
         COL2IM: (k.col2im_compute, k.col2im_worker, (_FLOAT, _INT64), (_FLOAT,), geometry),
         RELU_GRAD: (k.relu_grad_compute, k.relu_grad_worker, (_FLOAT, _FLOAT), (_FLOAT,),
                     "float32 dy and y of one shape"),
-        CROSS_ENTROPY_LOSS: (k.cross_entropy_loss_compute, None, (_FLOAT, _INT64, _INT64), (_FLOAT,), labels),
+        CROSS_ENTROPY_LOSS: (k.cross_entropy_loss_compute, None, (_FLOAT, _INT64, _INT64), (_FLOAT,),
+                             "float32 log-probabilities [N, C], " + labels),
         CROSS_ENTROPY_GRAD: (k.cross_entropy_grad_compute, None, (_FLOAT, _FLOAT, _INT64, _INT64), (_FLOAT,),
-                             "a float32 gradient of one element, " + labels),
+                             "a float32 gradient of one element, probabilities [N, C], " + labels),
     }
 
 
