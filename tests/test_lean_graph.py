@@ -13,6 +13,7 @@ from onnx import helper
 from gradient_utils import check_gradient
 from onnx_training_ops import Adam, TrainingSession, build_training_model
 from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.runtime.options import KERNELS_ENV
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -38,7 +39,9 @@ def _optimized(tmp_path, fast: bool, loss_kwargs=None) -> onnx.GraphProto:
     return onnx.load(so.optimized_model_filepath).graph
 
 
-def test_mlp_step_graph_is_lean(tmp_path):
+def test_mlp_step_graph_is_lean(tmp_path, monkeypatch):
+    """The standard-op form (PyOp path; the native path's graph is in test_native_loss_kernels)."""
+    monkeypatch.setenv(KERNELS_ENV, "pyop")
     ops = [n.op_type for n in _optimized(tmp_path, fast=True).node]
     # hot and its count are computed once for loss and gradient; ReLU's gradient reads the
     # ReLU output, so the forward Gemm+Relu fuse; -100 needs no mapping before OneHot

@@ -10,8 +10,10 @@ other paths.
 DOMAIN = "ai.onnx.contrib"  # where onnxruntime-extensions registers external ops
 IM2COL = "TrainingIm2Col"
 COL2IM = "TrainingCol2Im"
-ALL = frozenset({IM2COL, COL2IM})
-COLS_OF = "cols of Conv node "  # doc_string of an Im2Col a Conv's rule emits, + the Conv's name
+RELU_GRAD = "TrainingReluGrad"
+CROSS_ENTROPY_LOSS = "TrainingCrossEntropyLoss"  # emitted by passes.lower_cross_entropy_native
+CROSS_ENTROPY_GRAD = "TrainingCrossEntropyGrad"
 BATCH_NORM_GRAD = "TrainingBatchNormGrad"  # kernels._native_norm_kernels
-ALL = ALL | {BATCH_NORM_GRAD}
 BATCH_STATS = "TrainingBatchStats"  # written by passes.batch_statistics_native, not by a rule
+ALL = frozenset({IM2COL, COL2IM, RELU_GRAD, CROSS_ENTROPY_LOSS, CROSS_ENTROPY_GRAD, BATCH_NORM_GRAD})
+COLS_OF = "cols of Conv node "  # doc_string of an Im2Col a Conv's rule emits, + the Conv's name

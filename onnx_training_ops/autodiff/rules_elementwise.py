@@ -7,6 +7,9 @@ Binary ops reduce each operand's gradient back to that operand's shape
 
 from __future__ import annotations
 
+from onnx import TensorProto
+
+from .native_ops import RELU_GRAD
 from .registry import RuleContext, RuleError, register
 
 
@@ -104,6 +107,8 @@ def _relu(ctx: RuleContext) -> list:
     em, x = ctx.em, ctx.node.input[0]
     if ctx.output(0):  # y > 0 exactly where x > 0; reading y leaves x to a fused Gemm+Relu
         x = ctx.output(0)  # (onnxruntime's Sign would do in one node less, but runs 2x slower)
+    if RELU_GRAD in em.native and em.dtype(x) == TensorProto.FLOAT:  # the same product, one node
+        return [em.native_op(RELU_GRAD, [ctx.grad(0), x], "drelu")]
     positive = em.op("Greater", [x, em.scalar(0, x)])
     try:  # g * (x > 0): a plain elementwise Mul, where onnxruntime's Where broadcasts slowly
         return [em.op("Mul", [ctx.grad(0), em.cast_like(positive, x)])]

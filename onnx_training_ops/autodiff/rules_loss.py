@@ -14,6 +14,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from .emitter import Emitter
+from .native_ops import CROSS_ENTROPY_GRAD
 from .registry import RuleContext, RuleError, register
 
 
@@ -124,6 +125,13 @@ def _gathered_gradient(ctx: RuleContext, log_prob: str, labels: str, dtype) -> s
     return em.op("ScatterElements", [d, index, em.op("Neg", [c])], "scatter", axis=1, reduction="add")
 
 
+def cross_entropy_config(reduction: str, ignore: int | None) -> np.ndarray:
+    """The int64 config input of the native cross-entropy kernels (``CE_*`` words of
+    :mod:`onnx_training_ops.kernels._native_grad_kernels`): reduction (0 mean, 1 sum), whether
+    there is an ignore_index, its value."""
+    return np.array([0 if reduction == "mean" else 1, ignore is not None, ignore or 0], np.int64)
+
+
 def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
     """The gradient in the terms of :mod:`~onnx_training_ops.passes.lower_cross_entropy`, for
     the form it lowers (2-D float32 scores, static class count C, int64 labels, no weights,
@@ -135,7 +143,8 @@ def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
         d = (exp(log_prob) [* sum(hot, axis=1)] - hot) * g [/ count]
 
     (the row sum, 1 or 0, only with an ``ignore_index``). Past :data:`GATHER_FORM_CLASSES`
-    classes, the label columns instead (:func:`_gathered_gradient`)."""
+    classes, the label columns instead (:func:`_gathered_gradient`); on the native path,
+    ``TrainingCrossEntropyGrad(g, Exp(log_prob), labels, config)`` (the same terms, one node)."""
     em = ctx.em
     scores, labels = ctx.node.input[:2]
     shape = em.shape(scores)
@@ -149,6 +158,11 @@ def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
         if ctx.opset < 16:
             return None  # ScatterElements reduction="add"
         return _gathered_gradient(ctx, log_prob, labels, np.float32)
+    if CROSS_ENTROPY_GRAD in em.native:  # onnxruntime's Exp, then one pass: the same float32 terms
+        config = em.const(cross_entropy_config(reduction, ignore))
+        hint = f"{ctx.node.name}/dscores" if ctx.node.name else "dscores"  # an error names the loss
+        prob = em.op("Exp", [log_prob])
+        return em.native_op(CROSS_ENTROPY_GRAD, [ctx.grad(0), prob, labels, config], hint)
     index = labels
     if ignore_needs_mapping(ignore, classes):
         ignored = em.op("Equal", [labels, em.const(np.int64(ignore))])

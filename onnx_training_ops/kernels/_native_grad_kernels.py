@@ -1,4 +1,4 @@
-"""C-callable backward kernels (numba cfuncs) for onnxruntime's custom-op C API.
+"""C-callable backward and loss kernels (numba cfuncs) for onnxruntime's custom-op C API.
 
 The data-movement halves of a convolution's gradients, which stock onnxruntime has no op
 for, around the Gemm that onnxruntime runs (:mod:`onnx_training_ops.autodiff.conv_gemm`):
@@ -13,6 +13,21 @@ for, around the Gemm that onnxruntime runs (:mod:`onnx_training_ops.autodiff.con
 dilations. Work is split over channels by onnxruntime's own thread pool
 (``KernelContext_ParallelFor``); channels write disjoint memory.
 
+One-pass kernels for the small nodes a classifier's step is made of (one node each where
+the standard-op forms take 3 to 7, :mod:`onnx_training_ops.autodiff.rules_loss`):
+
+* ``TrainingReluGrad(dy, y)`` -> ``dx = dy * (y > 0)``, chunks over the thread pool past
+  ``ST_PARALLEL_MIN`` elements;
+* ``TrainingCrossEntropyLoss(log_prob [N, C], labels [N], config)`` -> the scalar loss
+  ``-sum(log_prob[i, label_i])`` over kept rows [/ their count];
+* ``TrainingCrossEntropyGrad(g, prob, labels, config)`` -> ``(prob - onehot) * g`` [/ count],
+  ignored rows zero (NaN everywhere for a mean over no kept row, as the standard ops give);
+  ``prob = exp(log_prob)`` is onnxruntime's vectorized Exp, so the gradient is bit-identical to
+  the standard form's.
+
+``config`` is an int64 vector (``CE_*``): reduction (``CE_MEAN``/``CE_SUM``), whether there
+is an ignore_index, its value. A label neither in ``[0, C)`` nor ignored is an error.
+
 Registered by :mod:`onnx_training_ops.runtime.native_grads` (the same route as the native
 optimizers: ``AddExternalCustomOp`` of onnxruntime-extensions); the OrtApi helpers are
 :mod:`._native_kernels`'.
@@ -25,7 +40,8 @@ from numba import carray, cfunc, njit, types
 
 from ._native_kernels import (API_KERNEL_CONTEXT_GET_OUTPUT, API_KERNEL_CONTEXT_PARALLEL_FOR,
                               API_GET_TENSOR_MUTABLE_DATA, API_CREATE_STATUS, API_TABLE_LENGTH, ELEM_FLOAT,
-                              ELEM_INT64, ORT_INVALID_ARGUMENT, _addr, _call2, _call5, _call_void1, _input, _keep,
+                              ELEM_INT64, ORT_INVALID_ARGUMENT, _addr, _call2, _call5, _call_void1, _count, _input,
+                              _keep,
                               _ptr)
 
 # geometry words
@@ -34,9 +50,11 @@ GEO_SH, GEO_SW, GEO_PH, GEO_PW, GEO_DH, GEO_DW = range(8, 14)
 GEO_WORDS = 14
 
 # kernel state words (malloc-ed by runtime.native_grads): the OrtApi table, the error message
-# (a C string naming the node), libc's free, the ParallelFor worker's address
-ST_API, ST_MESSAGE, ST_FREE, ST_WORKER = 0, 1, 2, 3
-ST_WORDS = 4
+# (a C string naming the node), libc's free, the ParallelFor worker's address, the address of
+# GetTensorElementTypeAndShapeDataReference (0 below API 24), elementwise ops' parallel
+# threshold and chunk (elements)
+ST_API, ST_MESSAGE, ST_FREE, ST_WORKER, ST_SHAPE_REFERENCE, ST_PARALLEL_MIN, ST_CHUNK = range(7)
+ST_WORDS = 7
 
 # job words: geometry, then the source and destination addresses
 JOB_SRC, JOB_DST = GEO_WORDS, GEO_WORDS + 1
@@ -159,13 +177,13 @@ def _compute(state_addr, context, col2im):
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
     work = np.zeros(JOB_WORDS + 8, np.int64)
     job, out = work[:JOB_WORDS], work[JOB_WORDS:]
-    status, elem, dims, src = _input(fns, 0, context, 0, out)
+    status, elem, dims, src = _input(fns, state[ST_SHAPE_REFERENCE], context, 0, out)
     if status != 0:
         return status
     if elem != ELEM_FLOAT:
         return _invalid(fns, state)
     x_dims = dims.copy()
-    status, elem, dims, geo = _input(fns, 0, context, 1, out)
+    status, elem, dims, geo = _input(fns, state[ST_SHAPE_REFERENCE], context, 1, out)
     if status != 0:
         return status
     if elem != ELEM_INT64 or dims.size != 1 or dims[0] != GEO_WORDS:
@@ -207,6 +225,174 @@ def im2col_compute(op_kernel, context):
 def col2im_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingCol2Im."""
     return _compute(_addr(op_kernel), _addr(context), True)
+
+
+# ---- ReLU gradient and cross entropy ----
+
+RJ_N, RJ_CHUNK, RJ_DY, RJ_Y, RJ_DX = range(5)  # ReluGrad job words
+RJ_WORDS = 5
+CE_REDUCTION, CE_HAS_IGNORE, CE_IGNORE = range(3)  # config words
+CE_WORDS = 3
+CE_MEAN, CE_SUM = 0, 1
+
+
+@njit(**_OPTIONS)
+def _relu_grad_chunk(job, index):
+    start = index * job[RJ_CHUNK]
+    m = min(job[RJ_N], start + job[RJ_CHUNK]) - start
+    if m <= 0:
+        return
+    dy = carray(_ptr(job[RJ_DY] + 4 * start, _F32), m)
+    y = carray(_ptr(job[RJ_Y] + 4 * start, _F32), m)
+    dx = carray(_ptr(job[RJ_DX] + 4 * start, _F32), m)
+    for i in range(m):  # a product, as the standard form's Mul(dy, Cast(y > 0)): inf * 0 is NaN
+        dx[i] = dy[i] * np.float32(y[i] > 0)
+
+
+@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
+def relu_grad_worker(job, index):
+    """``KernelContext_ParallelFor`` task: one chunk of ReluGrad."""
+    _relu_grad_chunk(carray(_ptr(_addr(job), _I64), RJ_WORDS), np.int64(index))
+
+
+@njit(**_OPTIONS)
+def _relu_grad(state_addr, context):
+    state = carray(_ptr(state_addr, _I64), ST_WORDS)
+    fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
+    work = np.zeros(RJ_WORDS + 4, np.int64)
+    job, out = work[:RJ_WORDS], work[RJ_WORDS:]
+    status, elem, dims, dy = _input(fns, state[ST_SHAPE_REFERENCE], context, 0, out)
+    if status != 0:
+        return status
+    if elem != ELEM_FLOAT:
+        return _invalid(fns, state)
+    dy_dims = dims
+    status, elem, dims, y = _input(fns, state[ST_SHAPE_REFERENCE], context, 1, out)
+    if status != 0:
+        return status
+    if elem != ELEM_FLOAT or dims.size != dy_dims.size:
+        return _invalid(fns, state)
+    n = 1
+    for k in range(dims.size):
+        if dims[k] != dy_dims[k]:
+            return _invalid(fns, state)
+        n *= dims[k]
+    status, dx = _output(fns, context, 0, dy_dims, out)
+    if status != 0:
+        return status
+    job[RJ_N], job[RJ_DY], job[RJ_Y], job[RJ_DX] = n, dy, y, dx
+    chunk = state[ST_CHUNK]
+    if n >= state[ST_PARALLEL_MIN] and n > chunk:
+        job[RJ_CHUNK] = chunk
+        status = _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, state[ST_WORKER],
+                        np.int64((n + chunk - 1) // chunk), np.int64(0), job.ctypes.data)
+    else:
+        job[RJ_CHUNK] = n
+        _relu_grad_chunk(job, 0)
+    _keep(work)
+    return status
+
+
+@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+def relu_grad_compute(op_kernel, context):
+    """``KernelComputeV2`` of TrainingReluGrad."""
+    return _relu_grad(_addr(op_kernel), _addr(context))
+
+
+@njit(**_OPTIONS)
+def _cross_entropy(state_addr, context, grad):
+    """The loss (``grad`` False: inputs log_prob, labels, config) or its gradient (inputs g,
+    prob, labels, config)."""
+    state = carray(_ptr(state_addr, _I64), ST_WORDS)
+    fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
+    shape_reference = state[ST_SHAPE_REFERENCE]
+    out = np.zeros(8, np.int64)
+    first = 1 if grad else 0  # the gradient's first input: g
+    scale = np.float32(1)
+    if grad:
+        status, elem, dims, data = _input(fns, shape_reference, context, 0, out)
+        if status != 0:
+            return status
+        if elem != ELEM_FLOAT or _count(dims) != 1:
+            return _invalid(fns, state)
+        scale = carray(_ptr(data, _F32), 1)[0]
+    status, elem, dims, lp = _input(fns, shape_reference, context, first, out)
+    if status != 0:
+        return status
+    if elem != ELEM_FLOAT or dims.size != 2:
+        return _invalid(fns, state)
+    lp_dims = dims
+    rows, classes = dims[0], dims[1]
+    status, elem, dims, lab = _input(fns, shape_reference, context, first + 1, out)
+    if status != 0:
+        return status
+    if elem != ELEM_INT64 or dims.size != 1 or dims[0] != rows:
+        return _invalid(fns, state)
+    status, elem, dims, cfg = _input(fns, shape_reference, context, first + 2, out)
+    if status != 0:
+        return status
+    if elem != ELEM_INT64 or dims.size != 1 or dims[0] != CE_WORDS:
+        return _invalid(fns, state)
+    config = carray(_ptr(cfg, _I64), CE_WORDS)
+    mean, has_ignore, ignore = config[CE_REDUCTION] == CE_MEAN, config[CE_HAS_IGNORE] != 0, config[CE_IGNORE]
+    if config[CE_REDUCTION] != CE_MEAN and config[CE_REDUCTION] != CE_SUM:
+        return _invalid(fns, state)
+    labels = carray(_ptr(lab, _I64), rows)
+    x = carray(_ptr(lp, _F32), rows * classes)  # log_prob (the loss) or prob (the gradient)
+    count = 0
+    total = 0.0
+    for i in range(rows):
+        label = labels[i]
+        if has_ignore and label == ignore:
+            continue
+        if label < 0 or label >= classes:
+            return _invalid(fns, state)
+        count += 1
+        if not grad:
+            total += np.float64(x[i * classes + label])
+    if not grad:
+        status, data = _output(fns, context, 0, lp_dims[:0], out)
+        if status != 0:
+            return status
+        loss = np.float32(-total)
+        carray(_ptr(data, _F32), 1)[0] = loss / np.float32(count) if mean else loss
+        return 0
+    status, data = _output(fns, context, 0, lp_dims, out)
+    if status != 0:
+        return status
+    d = carray(_ptr(data, _F32), rows * classes)
+    if mean:  # the standard form's d * (g / count) is d / count in onnxruntime for a constant g = 1
+        # (a loss's seed): d / (count / g) gives those bits
+        _scaled_rows(d, x, labels, classes, has_ignore, ignore, np.float32(count) / scale, True)
+    else:
+        _scaled_rows(d, x, labels, classes, has_ignore, ignore, scale, False)
+    return 0
+
+
+@njit(**_OPTIONS)
+def _scaled_rows(d, prob, labels, classes, has_ignore, ignore, s, divide):
+    """``d = (prob - onehot) * s`` (or ``/ s``), ``(prob * 0 - 0) * s`` on ignored rows: the
+    standard form's float32 operations in its order, so the results are bit-identical."""
+    zero = np.float32(0)
+    for i in range(labels.size):
+        label = labels[i]
+        row = i * classes
+        ignored = has_ignore and label == ignore
+        for c in range(classes):
+            v = prob[row + c] * zero - zero if ignored else prob[row + c] - np.float32(c == label)
+            d[row + c] = v / s if divide else v * s
+
+
+@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+def cross_entropy_loss_compute(op_kernel, context):
+    """``KernelComputeV2`` of TrainingCrossEntropyLoss."""
+    return _cross_entropy(_addr(op_kernel), _addr(context), False)
+
+
+@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+def cross_entropy_grad_compute(op_kernel, context):
+    """``KernelComputeV2`` of TrainingCrossEntropyGrad."""
+    return _cross_entropy(_addr(op_kernel), _addr(context), True)
 
 
 @cfunc(types.void(types.voidptr), **_OPTIONS)

@@ -22,6 +22,7 @@ from .fill_defaults import fill_default_attributes
 from .fuse_gelu import fuse_gelu
 from .fit_runtime import fit_runtime
 from .lower_cross_entropy import lower_cross_entropy
+from .lower_cross_entropy_native import lower_cross_entropy_native
 from .lower_optimizers import lower_optimizers
 from .lower_recurrent import lower_recurrent
 from .split_multi_tensor import split_multi_tensor_nodes
@@ -49,12 +50,14 @@ _SHARED: list[tuple[str, Pass]] = [
     if name not in ("split_multi_tensor_nodes", "encode_exact_attributes", "fit_runtime")
 ]
 # The native kernels take multi-tensor nodes whole and read the attributes themselves; the
-# Gradient is expanded with the native backward kernels where a rule has one, a forward
-# Conv reuses its native im2col columns, and train-mode BatchNorm statistics are one native node.
+# Gradient is expanded with the native backward kernels where a rule has one, the cross
+# entropy lowered to its native loss kernel, a forward Conv reuses its native im2col columns,
+# and train-mode BatchNorm statistics are one native node.
+_NATIVE_VARIANTS = {"expand_gradient": expand_gradient_native, "lower_cross_entropy": lower_cross_entropy_native}
 NATIVE_PASSES: list[tuple[str, Pass]] = [
-    (name, expand_gradient_native if name == "expand_gradient" else run_pass) for name, run_pass in _SHARED
+    (name, _NATIVE_VARIANTS.get(name, run_pass)) for name, run_pass in _SHARED
 ] + [("conv_forward_gemm", conv_forward_gemm), ("batch_statistics_native", batch_statistics_native),
-       ("target_native", target_native), ("fit_runtime", fit_runtime)]
+     ("target_native", target_native), ("fit_runtime", fit_runtime)]
 # The portable form: standard ONNX ops only (no com.microsoft Gelu, every optimizer node
 # lowered; no plugin needed).
 PORTABLE_PASSES: list[tuple[str, Pass]] = [(name, run_pass) for name, run_pass in _SHARED if name != "fuse_gelu"] + [

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import ctypes
 
+import onnxruntime as ort
+
 OP_VERSION = 16  # OrtCustomOp fields read up to KernelComputeV2 (CreateKernelV2/KernelComputeV2 need 16)
 # ONNXTensorElementDataType, OrtCustomOpInputOutputCharacteristic
 _UNDEFINED, _INT64 = 0, 7
 _REQUIRED, _VARIADIC = 0, 2
 _keepalive: list = []  # structs, callbacks and strings onnxruntime points to: never freed
 _checked_apis: set[int] = set()  # OrtApi tables whose layout passed _Api.check
+
+
+
+def api_version() -> int:
+    """onnxruntime's C API version: its minor version (the extensions library reads it the same way)."""
+    parts = ort.__version__.split(".")
+    return int(parts[1]) if parts[0] == "1" and len(parts) > 1 and parts[1].isdigit() else 0
+
 
 _c_op_p = ctypes.c_void_p
 _FIELDS = (  # struct OrtCustomOp after ``uint32_t version``, in order (onnxruntime_c_api.h)

@@ -45,6 +45,7 @@ from ..schema import OPTIMIZERS
 from .custom_op import (_INT64, _REQUIRED, _UNDEFINED, _VARIADIC, OP_VERSION, OrtCustomOp, _Api, _checked_apis,
                         _CreateKernelV2, _free_address, _GetAt, _GetCount, _GetInt, _GetName, _keepalive, _libc,
                         _string)
+from .custom_op import api_version as _api_version
 from .extensions import extensions_library_path
 
 _log = logging.getLogger(__name__)
@@ -199,12 +200,6 @@ def _custom_op(op_type: str) -> OrtCustomOp:
 
 
 # ---------------------------------------------------------------- availability and registration
-
-
-def _api_version() -> int:
-    """onnxruntime's C API version: its minor version (the extensions library reads it the same way)."""
-    parts = ort.__version__.split(".")
-    return int(parts[1]) if parts[0] == "1" and len(parts) > 1 and parts[1].isdigit() else 0
 
 
 def _extensions_library():
