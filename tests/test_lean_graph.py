@@ -49,3 +49,26 @@ def test_mlp_step_graph_is_lean(tmp_path, monkeypatch):
     assert ops.count("FusedGemm") == 1 and "Relu" not in ops
     assert not {"Equal", "Where", "Unsqueeze", "Identity", "Sign"} & set(ops)
     assert len(ops) <= 23, ops
+
+
+def test_a_linear_layers_bias_gradient_is_one_product_with_ones(tmp_path):
+    # onnxruntime's ReduceSum over the rows of a [64, 128] gradient takes ~4 us, MatMul(ones, g) ~0;
+    # with a static batch (torch.onnx.export's default) the ones are a constant
+    mlp = make_mlp((16, 32, 10))
+    mlp.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 8
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    TrainingSession(build_training_model(mlp, "cross_entropy", Adam(lr=1e-3)), sess_options=so)
+    ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+
+    assert ops.count("MatMul") == 2 and "ReduceSum" not in ops, ops
+
+
+@pytest.mark.parametrize("bias_shape", [(5,), (1, 5)])
+def test_gemm_bias_gradient_as_a_row_sum_matches_finite_differences(bias_shape):
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gemm", ["a", "b", "c"], ["y"], transB=1, beta=0.5),
+             helper.make_node("Mul", ["y", "y"], ["z"]),
+             helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0)]
+    check_gradient(nodes, {"a": rng.standard_normal((4, 3)), "b": rng.standard_normal((5, 3)),
+                           "c": rng.standard_normal(bias_shape)}, "loss", ["a", "b", "c"], opset=17)
