@@ -70,6 +70,10 @@ CHILD = textwrap.dedent("""
             assert done[0] <= t <= done[0] + 3, (t, done[0])
             assert all(np.isfinite(v).all() for v in state.values())
             work()
+    import signal
+    # Python's own Ctrl-C handler, whatever the child inherited: a shell's background job starts
+    # with SIGINT ignored (the test then hung, Ctrl-C never arriving, when make test ran in one)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     work()  # the first call compiles what it needs (numba, cold cache): before any Ctrl-C is sent
     print("ready", flush=True)
     interrupts = 0
@@ -78,7 +82,6 @@ CHILD = textwrap.dedent("""
             work()
         except KeyboardInterrupt:
             interrupts += 1
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent may still be sending
     check()
     print("interrupted", interrupts, flush=True)
