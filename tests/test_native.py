@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import onnx_training_ops as ot
 from onnx_training_ops.passes.target_native import NATIVE_OP_TYPES
-from onnx_training_ops.runtime import native, options
+from onnx_training_ops.runtime import custom_op, native, options
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.schema import DOMAIN
 
@@ -239,7 +239,7 @@ def test_first_session_in_a_fresh_process_compiles_nothing():
 def test_shapes_read_through_the_older_api_too(op_type, mode, monkeypatch):
     """onnxruntime < 1.24 lacks GetTensorElementTypeAndShapeDataReference: the kernels then
     read shapes with GetTensorTypeAndShape (forced here)."""
-    monkeypatch.setattr(native, "USE_SHAPE_REFERENCE", False)
+    monkeypatch.setattr(custom_op, "USE_SHAPE_REFERENCE", False)
     rng = np.random.default_rng(5)
     k = 4 if op_type == "Adam" else 3
     groups = [tuple(rng.random((2, 3)) for _ in range(k)),

@@ -15,7 +15,7 @@ from gradient_utils import check_gradient, gradient_model
 
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.runtime import native, native_grads
+from onnx_training_ops.runtime import custom_op, native, native_grads
 
 pytestmark = pytest.mark.skipif(not native.availability()[0], reason="native kernels unavailable here")
 
@@ -223,7 +223,7 @@ def test_a_few_adamw_steps_follow_torch():
 
 def test_shapes_read_through_the_older_api_too(monkeypatch):
     """Below API 24 the kernels read shapes with GetTensorTypeAndShape (forced here)."""
-    monkeypatch.setattr(native_grads, "USE_SHAPE_REFERENCE", False)
+    monkeypatch.setattr(custom_op, "USE_SHAPE_REFERENCE", False)
     nodes, feeds = _relu((3, native_grads.RELU_PARALLEL_MIN // 3 + 5), 2)
     f32 = {k: v.astype(np.float32) for k, v in feeds.items()}
     _, got, want = _native_and_portable(gradient_model(nodes, f32, "y", ["x"], opset=17), f32, ["d_x"], 2)

@@ -167,3 +167,19 @@ def test_train_mode_steps_match_torch_and_the_step_runs_the_native_op(optimizer)
     for name, value in module.state_dict().items():
         if not name.endswith("num_batches_tracked"):
             np.testing.assert_allclose(state[name], value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_shapes_read_through_the_older_api_too(monkeypatch):
+    """Below API 24 the kernels read shapes with GetTensorTypeAndShape (forced here): the
+    same bits as through the shape reference."""
+    from onnx_training_ops.runtime import custom_op
+
+    shape = (2, 5, 6, 5)
+    f32 = {k: v.astype(np.float32) for k, v in _feeds(shape).items()}
+    outs = ["loss"] + [f"d_{x}" for x in XS]
+    model = gradient_model(_bn_nodes(len(shape)), f32, "loss", XS, opset=18)
+    referenced = ot.InferenceSession(ot.prepare(model, kernels="native")).run(outs, f32)
+    monkeypatch.setattr(custom_op, "USE_SHAPE_REFERENCE", False)
+    older = ot.InferenceSession(ot.prepare(model, kernels="native")).run(outs, f32)
+    for a, b in zip(older, referenced):
+        np.testing.assert_array_equal(a, b)

@@ -103,11 +103,10 @@ def _row_sum(em, g: str, y: str, c: str) -> str | None:
     leading axis of a [64, 128] gradient takes about 4 us, the product about nothing). None
     unless M, N and C's shape are static."""
     shape, c_shape, dtype = em.shape(y), em.shape(c), _ROW_SUM_DTYPES.get(em.dtype(y))
-    if dtype is None or shape is None or len(shape) != 2 or not isinstance(shape[1], int) \
+    # (a dynamic M would need the ones built at run time: three nodes, Shape, Slice, ConstantOfShape; not tried)
+    if dtype is None or shape is None or len(shape) != 2 or not all(isinstance(d, int) for d in shape) \
             or c_shape not in ((shape[1],), (1, shape[1])) or shape[0] == 1:
         return None
-    if not isinstance(shape[0], int):
-        return None  # ones built at run time would cost three nodes (Shape, Slice, ConstantOfShape): not tried
     ones = em.const(np.ones((shape[0],) if len(c_shape) == 1 else (1, shape[0]), dtype))
     return em.op("MatMul", [ones, g], "rowsum")
 

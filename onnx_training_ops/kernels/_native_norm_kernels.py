@@ -26,8 +26,9 @@ import math
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from ._native_grad_kernels import ST_API, ST_WORDS, ST_WORKER, _invalid, _output
-from ._native_kernels import API_KERNEL_CONTEXT_PARALLEL_FOR, API_TABLE_LENGTH, ELEM_FLOAT, _addr, _call5, _input, _keep, _ptr
+from ._native_grad_kernels import ST_API, ST_SHAPE_REFERENCE, ST_WORDS, ST_WORKER, _invalid, _output
+from ._native_kernels import (API_KERNEL_CONTEXT_PARALLEL_FOR, API_TABLE_LENGTH, ELEM_FLOAT, _addr, _call5, _count,
+                              _input, _keep, _ptr)
 
 # job words: N, C, spatial size, then the addresses of the inputs and outputs
 JOB_N, JOB_C, JOB_S = 0, 1, 2
@@ -57,15 +58,22 @@ def _sums(dy, x, mean):
 
 
 @njit(**_SUM_OPTIONS)
-def _sum(x, mean):
-    """(sum x, sum (x - mean)^2) in float64, reassociated as :func:`_sums`."""
+def _total(x):
+    """sum x in float64, reassociated as :func:`_sums`."""
     a = 0.0
+    for e in range(x.size):
+        a += np.float64(x[e])
+    return a
+
+
+@njit(**_SUM_OPTIONS)
+def _squares(x, mean):
+    """sum (x - mean)^2 in float64, reassociated as :func:`_sums`."""
     b = 0.0
     for e in range(x.size):
-        d = np.float64(x[e])
-        a += d
-        b += (d - mean) * (d - mean)
-    return a, b
+        d = np.float64(x[e]) - mean
+        b += d * d
+    return b
 
 
 @njit(**_OPTIONS)
@@ -119,12 +127,12 @@ def _stats_channel(job, c):
     total = 0.0
     for n in range(n_):
         start = (n * ch + c) * s
-        total += _sum(x[start:start + s], 0.0)[0]
+        total += _total(x[start:start + s])
     mean = total / m
     squares = 0.0
     for n in range(n_):
         start = (n * ch + c) * s
-        squares += _sum(x[start:start + s], mean)[1]
+        squares += _squares(x[start:start + s], mean)
     carray(_ptr(job[JOB_MEAN_OUT], _F32), ch)[c] = np.float32(mean)
     carray(_ptr(job[JOB_VAR_OUT], _F32), ch)[c] = np.float32(squares / m)
 
@@ -148,7 +156,8 @@ def _compute(state_addr, context, stats):
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
     work = np.zeros(JOB_WORDS + 8, np.int64)
     job, out = work[:JOB_WORDS], work[JOB_WORDS:]
-    status, elem, dims, addr = _input(fns, 0, context, 0 if stats else 1, out)
+    shape_reference = state[ST_SHAPE_REFERENCE]
+    status, elem, dims, addr = _input(fns, shape_reference, context, 0 if stats else 1, out)
     if status != 0:
         return status
     if elem != ELEM_FLOAT or dims.size < 2:
@@ -161,14 +170,12 @@ def _compute(state_addr, context, stats):
     job[JOB_N], job[JOB_C], job[JOB_S] = x_dims[0], ch, s
     job[JOB_X] = addr
     for i in range(0 if stats else INPUTS):
-        status, elem, dims, addr = _input(fns, 0, context, i, out)
+        status, elem, dims, addr = _input(fns, shape_reference, context, i, out)
         if status != 0:
             return status
         if elem != ELEM_FLOAT:
             return _invalid(fns, state)
-        count = 1
-        for d in dims:
-            count *= d
+        count = _count(dims)
         if i == 0:
             ok = dims.size == x_dims.size
             for k in range(min(dims.size, x_dims.size)):

@@ -272,22 +272,17 @@ def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coeff
     s = np.array((0.0, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient,
                   1.0 - norm_coefficient_post, 1.0), dtype=x.dtype)
     args, n = (_flat(x), _flat(g), _flat(v), _flat(h), s), x.size
-    if decay is None:
-        serial, parallel = _k.adam_serial, _k.adam_parallel
+    serial, parallel = (_k.adam_serial, _k.adam_parallel) if decay is None else \
+        (_k.adam_decay_serial, _k.adam_decay_parallel)
+    factor = None if decay is None else decay.reshape(())
 
-        def run(rate: float) -> None:
-            s[0] = rate
-            _dispatch("adam", serial, parallel, n, *args)
-
-        return run
-    serial, parallel = _k.adam_decay_serial, _k.adam_decay_parallel
-    factor = decay.reshape(())
-
-    def run_decayed(rate: float) -> None:
-        s[0], s[8] = rate, factor
+    def run(rate: float) -> None:
+        s[0] = rate
+        if factor is not None:
+            s[8] = factor
         _dispatch("adam", serial, parallel, n, *args)
 
-    return run_decayed
+    return run
 
 
 def momentum_prepared(x, g, v, alpha, norm_coefficient, nesterov: bool):

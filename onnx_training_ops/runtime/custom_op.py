@@ -17,12 +17,25 @@ _REQUIRED, _VARIADIC = 0, 2
 _keepalive: list = []  # structs, callbacks and strings onnxruntime points to: never freed
 _checked_apis: set[int] = set()  # OrtApi tables whose layout passed _Api.check
 
+# Read shapes with GetTensorElementTypeAndShapeDataReference (API >= 24, no allocation) where
+# the runtime has it; False forces the older GetTensorTypeAndShape route (tests cover both).
+USE_SHAPE_REFERENCE = True
 
 
 def api_version() -> int:
     """onnxruntime's C API version: its minor version (the extensions library reads it the same way)."""
     parts = ort.__version__.split(".")
     return int(parts[1]) if parts[0] == "1" and len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def shape_reference(api: int) -> int:
+    """The kernels' ``ST_SHAPE_REFERENCE`` word: the address of
+    GetTensorElementTypeAndShapeDataReference in the OrtApi table ``api``, 0 when not used."""
+    from ..kernels import _native_kernels as nk
+
+    if not USE_SHAPE_REFERENCE or api_version() < nk.SHAPE_REFERENCE_API:
+        return 0
+    return ctypes.cast(api, ctypes.POINTER(ctypes.c_void_p))[nk.API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE]
 
 
 _c_op_p = ctypes.c_void_p

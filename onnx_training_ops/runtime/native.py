@@ -46,6 +46,7 @@ from .custom_op import (_INT64, _REQUIRED, _UNDEFINED, _VARIADIC, OP_VERSION, Or
                         _CreateKernelV2, _free_address, _GetAt, _GetCount, _GetInt, _GetName, _keepalive, _libc,
                         _string)
 from .custom_op import api_version as _api_version
+from .custom_op import shape_reference
 from .extensions import extensions_library_path
 
 _log = logging.getLogger(__name__)
@@ -53,9 +54,6 @@ _log = logging.getLogger(__name__)
 MIN_API_VERSION = 17  # KernelContext_ParallelFor
 PARALLEL_MIN = 1 << 15  # elements: below, one thread (waking the pool costs more)
 CHUNK = 1 << 16  # elements per ParallelFor task
-# Read shapes with GetTensorElementTypeAndShapeDataReference (API >= 24, no allocation) where
-# the runtime has it; False forces the older GetTensorTypeAndShape route (tests cover both).
-USE_SHAPE_REFERENCE = True
 
 
 lock = threading.RLock()  # registration and the availability probe, one thread at a time
@@ -121,9 +119,7 @@ def _state_block(op_type: str, api: int, info: int, calls: _Api) -> int:
     words[nk.ST_FREE] = _free_address()
     words[nk.ST_PARALLEL_MIN] = PARALLEL_MIN
     words[nk.ST_CHUNK] = CHUNK
-    if USE_SHAPE_REFERENCE and _api_version() >= nk.SHAPE_REFERENCE_API:
-        words[nk.ST_SHAPE_REFERENCE] = ctypes.cast(api, ctypes.POINTER(ctypes.c_void_p))[
-            nk.API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE]
+    words[nk.ST_SHAPE_REFERENCE] = shape_reference(api)
     for k, value in enumerate(attrs):
         words[nk.ST_ATTRS + k] = struct.unpack("<q", struct.pack("<d", value))[0]
     memory = _libc().malloc(len(block))

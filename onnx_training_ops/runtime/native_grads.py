@@ -16,14 +16,13 @@ import struct
 from ..autodiff.native_ops import (BATCH_NORM_GRAD, BATCH_STATS, COL2IM, CROSS_ENTROPY_GRAD, CROSS_ENTROPY_LOSS,
                                    IM2COL, RELU_GRAD)
 from .custom_op import (_REQUIRED, OP_VERSION, OrtCustomOp, _Api, _CreateKernelV2, _GetAt, _GetCount, _GetInt,
-                     _GetName, _checked_apis, _free_address, _keepalive, _libc, _string, api_version)
+                     _GetName, _checked_apis, _free_address, _keepalive, _libc, _string, shape_reference)
 
 _FLOAT, _INT64 = 1, 7
 # TrainingReluGrad: one thread below RELU_PARALLEL_MIN elements, else RELU_CHUNK per ParallelFor task
 # (2 threads, IOBinding: 32768 elements 10.0 -> 8.3 us, 1M 171 -> 80 us; 16384 no gain)
 RELU_PARALLEL_MIN = 1 << 15
 RELU_CHUNK = 1 << 14
-USE_SHAPE_REFERENCE = True  # as runtime.native's: False forces the older GetTensorTypeAndShape route
 
 
 def _ops() -> dict[str, tuple]:
@@ -49,15 +48,6 @@ def _ops() -> dict[str, tuple]:
     }
 
 
-def _shape_reference(api: int) -> int:
-    """The address of GetTensorElementTypeAndShapeDataReference (no allocation), 0 before API 24."""
-    from ..kernels import _native_kernels as nk
-
-    if not USE_SHAPE_REFERENCE or api_version() < nk.SHAPE_REFERENCE_API:
-        return 0
-    return ctypes.cast(api, ctypes.POINTER(ctypes.c_void_p))[nk.API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE]
-
-
 def _create_kernel(name: str, worker: int, expects: str):
     def create(op, api, info, kernel):
         from ..kernels import _native_grad_kernels as k
@@ -78,7 +68,7 @@ def _create_kernel(name: str, worker: int, expects: str):
             words = [0] * k.ST_WORDS
             words[k.ST_API], words[k.ST_MESSAGE] = api, memory + header
             words[k.ST_FREE], words[k.ST_WORKER] = _free_address(), worker
-            words[k.ST_SHAPE_REFERENCE] = _shape_reference(api)
+            words[k.ST_SHAPE_REFERENCE] = shape_reference(api)
             words[k.ST_PARALLEL_MIN], words[k.ST_CHUNK] = RELU_PARALLEL_MIN, RELU_CHUNK
             ctypes.memmove(memory, struct.pack(f"<{k.ST_WORDS}q", *words) + message, header + len(message))
             kernel[0] = memory

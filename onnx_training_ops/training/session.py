@@ -237,12 +237,10 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
             return result
         self._check_feeds(feeds, self._required_set, self._optional_feeds)
         rates = self._rates.for_step(lr)
-        programs = self._programs_with(tuple(outputs)) if outputs else self._programs
+        programs = self._programs_with(tuple(outputs))
         self._step_applied = True
         try:
-            if len(programs) == 1:  # the common case
-                return run_program(programs[0], feeds, rates, self._state, self.on_nonfinite, self._count_last)[0]
-            result: dict[str, np.ndarray] = {}
+            result = {}
             for program in programs:
                 returned, _ = run_program(program, feeds, rates, self._state, self.on_nonfinite,
                                           self._count_last if program is programs[-1] else self._count)
