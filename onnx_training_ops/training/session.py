@@ -50,6 +50,7 @@ from .from_graph import graph_to_training_model
 from .locked import locked
 from .nominal import materialize, nominal_names
 from .options import fresh_options
+from .providers import checked_providers
 from .program import Program, build_program
 from .rates import LearningRates
 from .stages import step_model
@@ -92,6 +93,7 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
+        providers = checked_providers(providers)  # before anything is loaded: a clear error, never a CPU run
         path = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
         opened = load_model(model_or_path, large=True)
         # values outside the message are checked as they are read (each once): state_tensors
@@ -111,7 +113,7 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
         self.fast = bool(fast)
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
-        self._providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
+        self._providers = providers
         self._sess_options = sess_options
         self._session_config = {str(k): str(v) for k, v in (session_config or {}).items()}
         self._model = model
@@ -276,6 +278,11 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
     def fast_path_nodes(self) -> list[str]:
         """Labels of the optimizer nodes the fast path applies in place."""
         return [node_label(n) for p in self._programs for n in p.cut_nodes]
+
+    @property
+    def providers(self) -> list[str]:
+        """The execution providers this session trains on (names, in onnxruntime's order)."""
+        return [p[0] if isinstance(p, tuple) else p for p in self._providers]
 
     @property
     def metadata(self) -> dict[str, str]:
