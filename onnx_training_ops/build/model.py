@@ -54,6 +54,7 @@ from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
 from .rmsprop import RMSProp
 from .param_groups import groups_to_json, resolve_groups
 from .emit_update import STANDARD_OP_UPDATES
+from .dynamo_params import restore_parameters
 from .eval_mode import to_inference
 from .train_mode import fit_opset, training_forward
 from .trainables import check_differentiable, choose_trainables
@@ -204,6 +205,9 @@ def build_training_model(
         model = fit_opset(model)  # Dropout masks need opset 18
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
+    restored = restore_parameters(model)
+    if restored:
+        warnings.warn(restored.describe(), stacklevel=2)
     untied = untie_merged_initializers(model)
     if untied:
         warnings.warn(describe_untied(untied), stacklevel=2)

@@ -8,6 +8,7 @@ from onnx import TensorProto, helper
 from ..autodiff.coverage import missing_rules, trainable_names
 from ..autodiff.registry import describe_missing
 from ..errors import TrainingOpError
+from .dynamo_params import exported_parameters
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
 TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"  # dynamo=True value_info
@@ -15,9 +16,16 @@ TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"  # dynamo=T
 
 def _exported_kinds(graph: onnx.GraphProto) -> dict[str, str]:
     """What ``torch.onnx.export(dynamo=True)`` recorded about each initializer:
-    ``PARAMETER`` or ``BUFFER`` (values it folded carry nothing)."""
-    return {v.name: p.value for v in [*graph.input, *graph.value_info]
-            for p in v.metadata_props if p.key == TORCH_INPUT_KIND}
+    ``PARAMETER`` or ``BUFFER``; where the graph carries torch's graph signature, every other
+    initializer (the constants it folded) is ``CONSTANT``."""
+    kinds = {v.name: p.value for v in [*graph.input, *graph.value_info]
+             for p in v.metadata_props if p.key == TORCH_INPUT_KIND}
+    params = exported_parameters(graph)
+    if params:
+        targets = set(params.values())
+        kinds.update({t.name: "PARAMETER" if t.name in targets else kinds.get(t.name, "CONSTANT")
+                      for t in graph.initializer})
+    return kinds
 
 
 def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
