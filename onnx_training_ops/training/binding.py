@@ -164,11 +164,15 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
         ov = ort.OrtValue.ortvalue_from_numpy(buf)
         program.io.bind_ortvalue_output(name, ov)
         program.keep_alive.append(ov)
-    # returned outputs of one element (the loss): preallocated too; others onnxruntime allocates
+    # returned outputs of one element whatever the batch (the loss): preallocated too; others
+    # onnxruntime allocates, every run (bound unallocated again: their shape may change)
     program.returned_buffers, program.returned_from_ort = [], []
+    declared = {o.name: o.shape for o in program.session.get_outputs()}
     for i, name in enumerate(program.returned):
         value = values[name]
-        if value.size == 1 and value.dtype != object:
+        shape = declared.get(name)
+        fixed = value.ndim == 0 or (shape is not None and all(isinstance(d, int) for d in shape))
+        if value.size == 1 and value.dtype != object and fixed:
             buf = owned(value)
             ov = ort.OrtValue.ortvalue_from_numpy(buf)
             program.io.bind_ortvalue_output(name, ov)

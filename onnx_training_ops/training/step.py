@@ -64,6 +64,8 @@ def run_program(
     set_learning_rates(program, feeds, lr)
     for name in program.dynamic_outputs:  # unallocated again: their shape changes from step to step
         io.bind_output(name, "cpu")
+    for name, _ in program.returned_from_ort:  # likewise (logits: batch by batch); else onnxruntime
+        io.bind_output(name, "cpu")            # reuses the last run's array and refuses another shape
     if program.in_place:  # the run itself writes state: it and the commit are one write
         with held_interrupts():
             if _run(program):
