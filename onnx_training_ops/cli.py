@@ -126,6 +126,8 @@ def _train_data_parallel(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.nproc > 1 and args.threads is not None:
+        raise MissingExtra("--threads is for one process; with --nproc each rank takes its share of the cores")
     if args.nproc > 1:
         return _train_data_parallel(args)
     if args.shard_optimizer_state:
@@ -136,7 +138,7 @@ def _train(args: argparse.Namespace) -> int:
 
     result = train(
         out_dir=args.out, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-        batch_size=args.batch_size, progress=not args.no_progress,
+        batch_size=args.batch_size, progress=not args.no_progress, threads=args.threads,
     )
     if result.accuracy < args.min_accuracy:
         print(f"held-out accuracy {result.accuracy:.3f} is below --min-accuracy "
@@ -249,6 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, found {text!r}")
+    return value
+
+
 def _train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--out", default="out/", help="output folder (default: out/)")
     t.add_argument("--epochs", type=_positive_int, default=30, help="epochs (default: 30)")
@@ -257,6 +269,8 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--batch-size", type=_positive_int, default=64)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--threads", type=_threads, default=None,
+                   help="onnxruntime intra-op threads (0: one per core; default: 1 for a small model, else 0)")
     t.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit with status 1 when the held-out accuracy is below this")
     t.add_argument("--nproc", type=_positive_int, default=1,

@@ -121,14 +121,16 @@ def train(
     progress: bool = True,
     plot: bool = True,
     verbose: bool = True,
+    threads: int | None = None,
 ) -> DemoResult:
-    """Train the digits MLP; write the loss curve, the checkpoint and the inference model to ``out_dir``."""
+    """Train the digits MLP; write the loss curve, the checkpoint and the inference model to ``out_dir``.
+    ``threads``: the session's intra-op threads (None: the package's default)."""
     from .training import TrainingSession
 
     x_train, y_train, x_test, y_test = load_digits_split(seed)
     opt = make_optimizer(optimizer, lr)
     model = build_training_model(make_mlp((64, hidden, 10), seed=seed), "cross_entropy", opt)
-    session = TrainingSession(model)
+    session = TrainingSession(model, threads=threads)
     rng = np.random.default_rng(seed)
     n = len(x_train)
     steps_per_epoch = (n + batch_size - 1) // batch_size

@@ -82,12 +82,26 @@ def apply_memory_options(so: ort.SessionOptions, large: bool = False) -> None:
 
 
 def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
-                  large: bool = False, threads: int = 0) -> ort.SessionOptions:
+                  large: bool = False, threads: int = 0, force_threads: bool = False) -> ort.SessionOptions:
     """A new SessionOptions: ``base``'s attributes and known config entries, then ``config``.
+
     Without ``base``, onnxruntime's own log is silenced (errors come back as our exception;
-    its log line would repeat them), ``threads`` intra-op threads are used (0: onnxruntime's
-    default), :data:`DEFAULT_OPTIONS` apply, and for a ``large`` model memory goes first
-    (:data:`LARGE_MODEL_OPTIONS`)."""
+    its log line would repeat them). The package's defaults apply to whatever ``base`` leaves
+    at onnxruntime's defaults (all of them without ``base``): ``threads`` intra-op threads
+    (0: onnxruntime's choice), :data:`DEFAULT_OPTIONS`, for a ``large`` model
+    :data:`LARGE_MODEL_OPTIONS` and :data:`LARGE_MODEL_CONFIG`, else the shared arena
+    (:data:`SHARED_ARENA_CONFIG`) unless ``base`` turned the arena off.
+
+    Args:
+        base: the caller's options (copied, never changed), or None.
+        config: session config entries set last.
+        large: the model is large (memory first).
+        threads: intra-op threads where ``base`` leaves the count at 0.
+        force_threads: ``threads`` also over a count ``base`` sets (the caller passed both).
+
+    Returns:
+        New SessionOptions for one onnxruntime session.
+    """
     so = ort.SessionOptions()
     if base is None:
         so.log_severity_level = 4
@@ -96,12 +110,34 @@ def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
     else:
         for attr in _OPTION_ATTRIBUTES:
             setattr(so, attr, getattr(base, attr))
+        held = set()
         for key in CONFIG_KEYS:
             try:
                 value = base.get_session_config_entry(key)
             except Exception:  # not set
                 continue
             so.add_session_config_entry(key, value)
+            held.add(key)
+        if force_threads or base.intra_op_num_threads == 0:
+            so.intra_op_num_threads = threads
+        _memory_defaults(so, base, held, large)
     for key, value in config.items():
         so.add_session_config_entry(key, value)
     return so
+
+
+_ORT_DEFAULTS = ort.SessionOptions()
+
+
+def _memory_defaults(so: ort.SessionOptions, base: ort.SessionOptions, held: set[str], large: bool) -> None:
+    """:func:`apply_memory_options` for what ``base`` leaves at onnxruntime's defaults."""
+    for attr, value in {**DEFAULT_OPTIONS, **(LARGE_MODEL_OPTIONS if large else {})}.items():
+        if getattr(base, attr) == getattr(_ORT_DEFAULTS, attr):
+            setattr(so, attr, value)
+    if large:
+        config = LARGE_MODEL_CONFIG
+    else:  # the shared arena only where the caller kept an arena
+        config = SHARED_ARENA_CONFIG if so.enable_cpu_mem_arena and shared_arena() else {}
+    for key, value in config.items():
+        if key not in held:
+            so.add_session_config_entry(key, value)

@@ -60,6 +60,18 @@ from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
 
 
+def _check_threads(threads, sess_options) -> None:
+    """``threads``: None or an int >= 0 that ``sess_options`` does not contradict."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:
+        raise TrainingOpError(f"threads must be a whole number >= 0 (0: onnxruntime's choice), found {threads!r}")
+    given = sess_options.intra_op_num_threads if sess_options is not None else 0
+    if given not in (0, threads):
+        raise TrainingOpError(f"threads={threads} but sess_options.intra_op_num_threads is {given}: "
+                              "pass one of them")
+
+
 class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, FlatParameters):
     """Run an ONNX training model: ``initialize()``, ``step(feeds)``, ``run(...)``, checkpoints.
 
@@ -72,8 +84,11 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
     the optimizer state initialized; it trains once :meth:`load_flat_parameters` filled them.
 
     ``sess_options`` (copied for each onnxruntime session this one opens) and
-    ``session_config`` (extra config entries) tune onnxruntime; ``fast`` and ``on_nonfinite``:
-    see the module docstring.
+    ``session_config`` (extra config entries) tune onnxruntime; what ``sess_options`` leaves at
+    onnxruntime's defaults gets the package's (no memory pattern, the shared arena, a large
+    model's memory options, the thread count: docs/training.md). ``threads``: intra-op threads
+    of every onnxruntime session (0: onnxruntime's choice, one per core; default: 1 for a small
+    model, else 0). ``fast`` and ``on_nonfinite``: see the module docstring.
 
     Threads: a session may be shared. ``step``, ``run``, ``save``, ``state_dict``,
     ``load_state_dict``, ``initialize`` and the exports hold one lock, so concurrent calls
@@ -90,9 +105,11 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
         on_nonfinite: str = "raise",
         sess_options: ort.SessionOptions | None = None,
         session_config: Mapping[str, str] | None = None,
+        threads: int | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
+        _check_threads(threads, sess_options)
         providers = checked_providers(providers)  # before anything is loaded: a clear error, never a CPU run
         path = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
         opened = load_model(model_or_path, large=True)
@@ -126,7 +143,9 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
         self._zero_state = frozenset(n for n, p in self._state_protos.items() if zero_fill(model, p))
         trainable = [n for n in self._meta.get("trainable", "").split(",") if n in self._state] or \
             [n for n, a in self._state.items() if a.dtype.kind == "f"]
-        self._threads = default_intra_op_threads(sum(self._state[n].size for n in trainable))
+        self._threads_given = threads
+        self._threads = threads if threads is not None else \
+            default_intra_op_threads(sum(self._state[n].size for n in trainable))
         self._programs = self._open_programs(model)
         self._required_feeds = {}
         for program in self._programs:
@@ -204,14 +223,17 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
         return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
 
     def _session_options(self) -> ort.SessionOptions:
-        """A fresh SessionOptions per onnxruntime session (:mod:`.options`); without the
-        caller's options, one intra-op thread for a small model (:func:`default_intra_op_threads`)."""
-        return fresh_options(self._sess_options, self._session_config, self._large, self._threads)
+        """A fresh SessionOptions per onnxruntime session (:mod:`.options`): ``threads`` intra-op
+        threads, else (where the caller's options leave it at 0) one for a small model
+        (:func:`default_intra_op_threads`)."""
+        return fresh_options(self._sess_options, self._session_config, self._large, self._threads,
+                             force_threads=self._threads_given is not None)
 
     def with_model(self, model: ModelLike) -> "TrainingSession":
         """A new session for ``model`` with this session's providers and options."""
         return type(self)(model, self._providers, fast=self.fast, on_nonfinite=self.on_nonfinite,
-                          sess_options=self._sess_options, session_config=self._session_config)
+                          sess_options=self._sess_options, session_config=self._session_config,
+                          threads=self._threads_given)
 
     # ------------------------------------------------------------------ steps
 
