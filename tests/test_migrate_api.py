@@ -22,10 +22,11 @@ def _session(case: str = "mlp", checkpoint: str = "checkpoint_10", lr: float | N
 def test_linear_lr_scheduler_is_warmup_linear_with_its_two_counts_swapped():
     """``LinearLRScheduler(optimizer, warmup_step_count=3, total_step_count=10, initial_lr=0.01)``:
     its 1.19.2 Python binding declares (total, warmup) and receives (warmup, total), so it warms
-    up over 10 steps and is 0 from step 10 on; WarmupLinearLR(10, 3) is what it does."""
+    up over 10 steps and is 0 from step 10 on; WarmupLinearLR(10, 3, allow_warmup_past_total=True) is what
+    it does."""
     theirs = trajectory("mlp")["linear_lr_schedule"]
     session = _session(checkpoint="checkpoint", lr=0.01)
-    session.set_lr_schedule(WarmupLinearLR(warmup_steps=10, total_steps=3))
+    session.set_lr_schedule(WarmupLinearLR(warmup_steps=10, total_steps=3, allow_warmup_past_total=True))
     ours = []
     for k in range(12):
         ours.append(session.learning_rates["learning_rate"])

@@ -62,6 +62,12 @@ def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labe
         raise TrainingOpError(f"output {output!r} is not an output of the model; outputs: {', '.join(outputs)}")
     pred_vt = types.get(output)
     pred_type = pred_vt.elem_type if pred_vt else outputs[output].type.tensor_type.elem_type
+    if pred_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
+        raise TrainingOpError(
+            f"output {output!r} is {onnx.helper.tensor_dtype_to_string(pred_type).removeprefix('TensorProto.').lower()}"
+            f" for {type(spec).__name__}: 16-bit training is not supported yet on this path (mixed precision is "
+            "planned with the GPU work); export the model in float32 (torch: model.float() before "
+            "torch.onnx.export)")
     if pred_type not in FLOAT_TYPES:
         raise TrainingOpError(f"output {output!r} must be float or double for {type(spec).__name__}")
     target = labels or spec.default_label_name

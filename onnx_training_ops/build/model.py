@@ -62,6 +62,7 @@ from .untie import describe as describe_untied, untie_merged_initializers
 from .update import add_learning_rates, add_update
 
 MIN_OPSET = 13
+TRAIN_MODE_OPS = ("Dropout", "BatchNormalization")  # what mode="train" changes
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -102,6 +103,11 @@ def _forward(model: onnx.ModelProto, mode: str, seed: int, t_name: str, types,
     the copy's names of main-graph values and the running-statistic updates."""
     if mode == "eval":
         return {}, []
+    if not any(n.op_type in TRAIN_MODE_OPS and n.domain in ("", "ai.onnx") for n in model.graph.node):
+        warnings.warn("mode='train' changes nothing for this model: it holds no Dropout or BatchNormalization "
+                      "(torch.onnx.export drops Dropout from a module in eval mode); export the module after "
+                      "model.train() (TorchScript exporter: training=torch.onnx.TrainingMode.TRAINING) to "
+                      "train with them, or build with mode='eval'", stacklevel=3)
     to_inference(model.graph)
     ranks = {name: len(vt.shape) for name, vt in types.items() if vt.shape is not None}
     forward, renamed, stat_updates = training_forward(

@@ -144,6 +144,9 @@ class OneCycleLR:
         if isinstance(self.pct_start, bool) or not isinstance(self.pct_start, (int, float)) \
                 or not 0 <= self.pct_start <= 1:
             raise TrainingOpError(f"OneCycleLR: pct_start must be in [0, 1], found {self.pct_start!r}")
+        if self.three_phase and self.pct_start > 0.5:
+            raise TrainingOpError(f"OneCycleLR: three_phase with pct_start={self.pct_start!r}: the warm-up and the "
+                                  "equal-length way back would take more than total_steps; pass pct_start <= 0.5")
         _positive("OneCycleLR", "div_factor", self.div_factor)
         _positive("OneCycleLR", "final_div_factor", self.final_div_factor)
         if isinstance(self.max_lr, Mapping):
@@ -197,6 +200,10 @@ class WarmupCosineLR:
         _nonnegative("WarmupCosineLR", "num_cycles", self.num_cycles)
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise TrainingOpError(f"WarmupCosineLR: warmup_steps must be an int >= 0, found {self.warmup_steps!r}")
+        if self.warmup_steps > self.total_steps:
+            raise TrainingOpError(f"WarmupCosineLR: warmup_steps={self.warmup_steps} is more than total_steps="
+                                  f"{self.total_steps}: the warm-up would never end (the rate would rise past "
+                                  "the base and the decay never start); pass warmup_steps <= total_steps")
 
     def lr(self, base: float, k: int) -> float:
         if k < self.warmup_steps:
@@ -208,15 +215,23 @@ class WarmupCosineLR:
 @dataclass(frozen=True)
 class WarmupLinearLR:
     """Linear warm-up from 0 over ``warmup_steps``, then linear decay to 0 at ``total_steps``
-    (transformers' ``get_linear_schedule_with_warmup``)."""
+    (transformers' ``get_linear_schedule_with_warmup``). ``warmup_steps > total_steps`` is
+    refused unless ``allow_warmup_past_total`` (onnxruntime-training 1.19.2's swapped counts:
+    a rise over ``warmup_steps``, 0 from ``warmup_steps`` on)."""
 
     warmup_steps: int
     total_steps: int
+    allow_warmup_past_total: bool = False
 
     def __post_init__(self):
         _positive_int("WarmupLinearLR", "total_steps", self.total_steps)
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise TrainingOpError(f"WarmupLinearLR: warmup_steps must be an int >= 0, found {self.warmup_steps!r}")
+        if self.warmup_steps > self.total_steps and not self.allow_warmup_past_total:
+            raise TrainingOpError(f"WarmupLinearLR: warmup_steps={self.warmup_steps} is more than total_steps="
+                                  f"{self.total_steps}: the rate would drop to 0 before the warm-up ends; pass "
+                                  "warmup_steps <= total_steps (allow_warmup_past_total=True reproduces "
+                                  "onnxruntime-training 1.19.2's LinearLRScheduler, whose binding swaps the two)")
 
     def lr(self, base: float, k: int) -> float:
         if k < self.warmup_steps:
@@ -254,7 +269,10 @@ def checked_rate(schedule: Schedule, base: float, k: int, name: str) -> float:
 
 def to_json(schedule: Schedule, k: int) -> str:
     """The schedule and its position (optimizer steps taken), for a checkpoint."""
-    return json.dumps({"type": type(schedule).__name__, "step": k, "args": asdict(schedule)})
+    args = asdict(schedule)
+    if args.get("allow_warmup_past_total") is False:  # the default: written only when set
+        del args["allow_warmup_past_total"]
+    return json.dumps({"type": type(schedule).__name__, "step": k, "args": args})
 
 
 def from_json(text: str) -> tuple[Schedule, int]:

@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from ..build.model_metadata import metadata
 from ..errors import TrainingOpError, node_label
+from ..kernels.compile_notice import announce_compiles
 from ..runtime.options import default_intra_op_threads
 from ..storage import checkpoint
 from ..storage.large_model import LargeModel, detach, is_large
@@ -49,6 +50,7 @@ from .feeds import FeedSpec
 from .from_graph import graph_to_training_model
 from .locked import locked
 from .nominal import materialize, nominal_names
+from .input_checks import input_checker
 from .options import fresh_options
 from .providers import checked_providers
 from .program import Program, build_program
@@ -146,7 +148,8 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
         self._threads_given = threads
         self._threads = threads if threads is not None else \
             default_intra_op_threads(sum(self._state[n].size for n in trainable))
-        self._programs = self._open_programs(model)
+        with announce_compiles():  # the first session after an install compiles the kernels
+            self._programs = self._open_programs(model)
         self._required_feeds = {}
         for program in self._programs:
             for spec in program.feeds:
@@ -161,6 +164,8 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
         data_inputs = [vi for vi in proto.graph.input if vi.name not in initializers]
         self._batch_checks = {where: batch_checker(self._meta, data_inputs, where)
                               for where in ("step", "backward", "evaluate")}
+        self._input_checks = {where: input_checker(proto.graph, initializers, where)
+                              for where in ("step", "backward", "evaluate", "run")}
         self._run_specs: dict[str, FeedSpec] | None = None
         self._properties: dict[str, Any] = stored_properties(self._meta.get("properties") or "{}")
         self._eval_programs: dict[tuple[str, ...], Program] = {}

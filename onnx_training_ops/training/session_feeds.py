@@ -56,6 +56,9 @@ class FeedsAndRun:
         check = self._batch_checks[where]
         if check is not None:
             check(feeds)
+        check = self._input_checks[where]
+        if check is not None:
+            check(feeds)
 
     @locked
     def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
@@ -70,6 +73,8 @@ class FeedsAndRun:
             raise TrainingOpError(f"run: feeds must be a mapping of input name to array, found {type(feeds).__name__}")
         full = {name: feed_array(self._run_specs[name], value, "run") if name in self._run_specs else value
                 for name, value in feeds.items()}  # a wrong dtype or shape: one line, as in step
+        if self._input_checks["run"] is not None:
+            self._input_checks["run"](full)
         for name in state_inputs:
             if name in full:
                 raise TrainingOpError(f"run: {name!r} is a state variable, not a feed")
