@@ -180,3 +180,16 @@ def test_an_export_with_optimize_false_is_left_alone():
     before = model.SerializeToString()
     assert not restore_parameters(model)
     assert model.SerializeToString() == before
+
+
+def test_without_fx_metadata_missing_parameters_are_named(exported):
+    """An export whose nodes carry no fx_node metadata (another torch version): nothing can be
+    restored, but the parameters the ONNX model lacks are named, never passed over silently."""
+    name, module, model = exported
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for node in model.graph.node:
+        kept = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.fx_node"]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+    with pytest.warns(UserWarning, match=r"are not initializers of the model.*optimize=False"):
+        assert not restore_parameters(model)

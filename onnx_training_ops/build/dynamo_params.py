@@ -22,6 +22,7 @@ but that cannot be found this way is an error naming it and the export options t
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -213,6 +214,11 @@ def _point_at(node, index: int, param: str, transpose: bool, g: _Graph, done: Re
     source = node.input[index]
     if source == param:
         return
+    if g.inits[source].data_location == onnx.TensorProto.EXTERNAL:
+        raise TrainingOpError(
+            f"{node.op_type} node {node.name or node.output[0]!r} reads {source!r} where torch reads parameter "
+            f"{param!r} (the dynamo exporter merged or folded it), and its value lies in an external data file "
+            f"that this step does not read; {KEEP_HINT}")
     value = numpy_helper.to_array(g.inits[source])
     value = value.T if transpose else value
     if param in g.inits:
@@ -288,6 +294,14 @@ def restore_parameters(model: onnx.ModelProto) -> Restored:
         return done
     g = _Graph(graph, set(params.values()))
     ops, read = _fx_ops(graph, params)
+    if not ops:  # no fx_node metadata (another torch version): say what is missing, if anything
+        missing = sorted(set(params.values()) - set(g.inits))
+        if missing:
+            warnings.warn(f"torch parameter(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} of this "
+                          "dynamo export are not initializers of the model and its nodes do not say which torch op "
+                          "read them: unused by the module, or merged/removed by the exporter's optimize=True (they "
+                          f"would not train); {KEEP_HINT}", stacklevel=3)
+        return done
     for aten, roles, nodes in ops.values():
         for role, param in sorted(roles.items(), key=lambda kv: kv[0] != "weight"):  # weight first
             slots = [(n, i) for n in nodes for i in [_slot(n, role, aten, g)]
