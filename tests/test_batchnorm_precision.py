@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import onnx_training_ops as ot  # noqa: E402
+from cnn_models import densenet121, regnet_y_400mf  # noqa: E402
 
 DEPTH, WIDTH = 10, 12
 
@@ -64,11 +65,28 @@ def _our_gradients(module, x, y):
         warnings.simplefilter("ignore")
         torch.onnx.export(copy.deepcopy(module).eval(), (torch.from_numpy(x),), f, dynamo=False, opset_version=17,
                           do_constant_folding=False, input_names=["x"], output_names=["y"])
-    training = ot.build_training_model(onnx.load_from_string(f.getvalue()), "cross_entropy",
-                                       ot.Momentum(lr=0.0, momentum=0.0), mode="train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note on untied initializers of an unperturbed net
+        training = ot.build_training_model(onnx.load_from_string(f.getvalue()), "cross_entropy",
+                                           ot.Momentum(lr=0.0, momentum=0.0), mode="train")
     session = ot.TrainingSession(training)
     session.backward({"x": x, "labels": y})
     return {n: g.astype(np.float64) for n, g in session.gradients().items()}
+
+
+def _worse_than_torch(module, x, y) -> list[str]:
+    """The tensors whose float32 gradient is more than 4x torch float32's error off float64 torch's."""
+    exact = _torch_gradients(module, x, y, torch.float64)
+    theirs = _torch_gradients(module, x, y, torch.float32)
+    ours = _our_gradients(module, x, y)
+    assert set(ours) == set(exact)
+    worse = []
+    for name, ref in exact.items():
+        scale = np.abs(ref).max()
+        err_ours, err_theirs = np.abs(ours[name] - ref).max() / scale, np.abs(theirs[name] - ref).max() / scale
+        if err_ours > 4 * err_theirs + 1e-6:
+            worse.append(f"{name}: {err_ours:.2g} vs torch float32 {err_theirs:.2g}")
+    return worse
 
 
 def test_deep_cnn_float32_batchnorm_gradients_are_as_accurate_as_torchs():
@@ -80,14 +98,18 @@ def test_deep_cnn_float32_batchnorm_gradients_are_as_accurate_as_torchs():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 12, 12)).astype(np.float32)
     y = rng.integers(0, 5, 4).astype(np.int64)
-    exact = _torch_gradients(module, x, y, torch.float64)
-    theirs = _torch_gradients(module, x, y, torch.float32)
-    ours = _our_gradients(module, x, y)
-    assert set(ours) == set(exact)
-    worse = []
-    for name, ref in exact.items():
-        scale = np.abs(ref).max()
-        err_ours, err_theirs = np.abs(ours[name] - ref).max() / scale, np.abs(theirs[name] - ref).max() / scale
-        if err_ours > 4 * err_theirs + 1e-6:
-            worse.append(f"{name}: {err_ours:.2g} vs torch float32 {err_theirs:.2g}")
-    assert not worse, worse
+    assert not _worse_than_torch(module, x, y)
+
+
+@pytest.mark.parametrize("make", [densenet121, regnet_y_400mf])
+def test_real_architectures_with_relu_at_reduced_depth(make):
+    """DenseNet-121 and RegNetY-400MF as torchvision builds them (ReLU, torchvision's own
+    initialization, unperturbed: equal BatchNorm weights the builder unties), a third of the
+    layers per block; issue 29 E. Full size, 64x64, batch 4 (not run here: about a minute
+    each): DenseNet-121 0 of 364 tensors beyond 4x torch float32's error, RegNetY-400MF 0 of 225."""
+    torch.manual_seed(0)
+    module = make(num_classes=10, depth_scale=0.34)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
+    y = rng.integers(0, 10, 4).astype(np.int64)
+    assert not _worse_than_torch(module, x, y)
