@@ -193,3 +193,23 @@ def test_without_fx_metadata_missing_parameters_are_named(exported):
         node.metadata_props.extend(kept)
     with pytest.warns(UserWarning, match=r"are not initializers of the model.*optimize=False"):
         assert not restore_parameters(model)
+
+
+def test_batchnorm_folded_into_conv_is_refused():
+    """optimize=True folds an eval-mode BatchNorm into the Conv before it: the Conv weight keeps
+    torch's name but holds weight * gamma / sigma. Nothing to restore: a named error."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, bias=False), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                 torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    x = torch.randn(2, 3, 6, 6)
+    module(x)
+    module.eval()
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), f, input_names=["x"], dynamic_shapes=({0: torch.export.Dim("b")},),
+                          verbose=False)
+    model = onnx.load_from_string(f.getvalue())
+    with pytest.raises(ot.TrainingOpError, match=r"folded 1 BatchNorm layer\(s\) into the convolution before them "
+                                                 r"\(1.weight\).*optimize=False"):
+        ot.build_training_model(model, "cross_entropy", ot.Adam(), mode="train")

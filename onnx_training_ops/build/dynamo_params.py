@@ -302,6 +302,14 @@ def restore_parameters(model: onnx.ModelProto) -> Restored:
                           "read them: unused by the module, or merged/removed by the exporter's optimize=True (they "
                           f"would not train); {KEEP_HINT}", stacklevel=3)
         return done
+    folded = sorted(roles["weight"] for aten, roles, nodes in ops.values()
+                    if "batch_norm" in aten and "weight" in roles
+                    and not any(n.op_type == "BatchNormalization" for n in nodes))
+    if folded:
+        raise TrainingOpError(
+            f"torch.onnx.export's optimize=True folded {len(folded)} BatchNorm layer(s) into the convolution before "
+            f"them ({', '.join(folded[:3])}{' ...' if len(folded) > 3 else ''}): the BatchNorm is gone and the "
+            f"convolution's weight holds weight * gamma / sigma, so neither trains as in torch; {KEEP_HINT}")
     for aten, roles, nodes in ops.values():
         for role, param in sorted(roles.items(), key=lambda kv: kv[0] != "weight"):  # weight first
             slots = [(n, i) for n in nodes for i in [_slot(n, role, aten, g)]
