@@ -325,9 +325,17 @@ def test_sessions_share_one_arena_unless_the_model_is_large_or_options_are_given
     assert not large.enable_cpu_mem_arena
     with pytest.raises(Exception):  # not set
         large.get_session_config_entry(key)
-    with pytest.raises(Exception):  # the caller's options are taken as they are
-        fresh_options(ort.SessionOptions(), {}).get_session_config_entry(key)
+    # the caller's options left at onnxruntime's defaults get the shared arena too (issue 29); what
+    # they set rules: the entry itself, or no arena at all
+    assert fresh_options(ort.SessionOptions(), {}).get_session_config_entry(key) == value
+    mine = ort.SessionOptions()
+    mine.add_session_config_entry(key, "0")
+    assert fresh_options(mine, {}).get_session_config_entry(key) == "0"
+    no_arena = ort.SessionOptions()
+    no_arena.enable_cpu_mem_arena = False
+    with pytest.raises(Exception):  # not set
+        fresh_options(no_arena, {}).get_session_config_entry(key)
     # sessions on the shared arena train as one on its own arena does
     model = build_training_model(make_mlp(SIZES), "cross_entropy", AdamW(lr=1e-2, weight_decay=0.01))
-    shared, first, own = TrainingSession(model), TrainingSession(model), TrainingSession(model, sess_options=ort.SessionOptions())
+    shared, first, own = TrainingSession(model), TrainingSession(model), TrainingSession(model, sess_options=mine)
     assert _losses(shared) == _losses(own) == _losses(first)
