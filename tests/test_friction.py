@@ -204,4 +204,6 @@ def test_a_cache_load_is_silent_in_a_fresh_process():
             "ot.TrainingSession(ot.build_training_model(make_mlp(sizes=(6, 8, 4)), 'cross_entropy', ot.Adam()))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    if "numba cannot cache" in done.stderr:
+        pytest.skip("numba has no writable cache directory here: every process compiles (and says so)")
     assert compile_notice.MESSAGE not in done.stderr
