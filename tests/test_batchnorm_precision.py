@@ -113,3 +113,65 @@ def test_real_architectures_with_relu_at_reduced_depth(make):
     x = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
     y = rng.integers(0, 10, 4).astype(np.int64)
     assert not _worse_than_torch(module, x, y)
+
+
+def _torch_relu_inputs(module, x, dtype) -> list[np.ndarray]:
+    """The input of every ReLU (modules and ``F.relu``) of a train-mode forward, in order."""
+    module = copy.deepcopy(module).to(dtype).train()
+    seen, relu = [], nn.functional.relu
+
+    def record(t, inplace=False):
+        seen.append(t.detach().double().numpy().copy())
+        return relu(t, inplace=inplace)
+
+    for m in module.modules():
+        if isinstance(m, nn.ReLU):
+            m.forward = lambda t, _m=m: record(t, _m.inplace)
+    nn.functional.relu = record
+    try:
+        module(torch.from_numpy(x).to(dtype))
+    finally:
+        nn.functional.relu = relu
+    return seen
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(densenet121, marks=pytest.mark.xfail(strict=False, reason=(
+        "measured: block 4's last norm1 (1x1 maps, 4 values a channel) amplifies its input's error by "
+        "1/std = 83 on channel 288; on torch float32's own input our BatchNorm arithmetic (emulated in numpy: "
+        "float64 statistics, x*a+b) gives torch's error (1.5e-4), so our input to it (presumably the "
+        "convolutions before it, onnxruntime's MLAS) is ~6x further off on that channel: 8.8e-4 vs 1.5e-4. "
+        "Not fixed"))),
+    regnet_y_400mf])
+def test_train_mode_forward_is_as_accurate_as_torchs(make):
+    """The flip-free half of the comparison: the value entering every ReLU of the train-mode
+    forward pass (batch statistics) is as close to float64 torch as torch float32's. Gradients
+    below a ReLU whose input lies within float32 rounding of 0 differ whichever framework's
+    rounding flips it (full-size RegNetY-400MF, 1000 classes, 64x64, batch 8: ours flips 2 of
+    65 ReLU inputs' signs somewhere, torch float32 1 elsewhere, forward errors 3.2e-6 vs
+    3.4e-6 median), so the gradient test above runs where neither flips."""
+    torch.manual_seed(0)
+    module = make(num_classes=10, depth_scale=0.34)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
+    y = rng.integers(0, 10, 4).astype(np.int64)
+    exact, theirs = _torch_relu_inputs(module, x, torch.float64), _torch_relu_inputs(module, x, torch.float32)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(copy.deepcopy(module).eval(), (torch.from_numpy(x),), f, dynamo=False, opset_version=17,
+                          do_constant_folding=False, input_names=["x"], output_names=["y"])
+        training = ot.build_training_model(onnx.load_from_string(f.getvalue()), "cross_entropy",
+                                           ot.Momentum(lr=0.0, momentum=0.0), mode="train")
+    relu_inputs = [n.input[0] for n in training.training_info[0].algorithm.node if n.op_type == "Relu"]
+    training.training_info[0].algorithm.value_info.extend(
+        onnx.helper.make_tensor_value_info(r, onnx.TensorProto.FLOAT, None) for r in relu_inputs)
+    out = ot.TrainingSession(training).step({"x": x, "labels": y}, outputs=relu_inputs)
+    assert len(relu_inputs) == len(exact) == len(theirs)
+    worse = []
+    for i, (name, ref, t) in enumerate(zip(relu_inputs, exact, theirs)):
+        scale = np.abs(ref).max()
+        err_ours, err_theirs = np.abs(out[name] - ref).max() / scale, np.abs(t - ref).max() / scale
+        if err_ours > 4 * err_theirs + 1e-7:
+            worse.append(f"ReLU {i} ({name}): {err_ours:.2g} vs torch float32 {err_theirs:.2g}")
+    assert not worse, worse
