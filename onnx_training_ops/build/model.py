@@ -50,10 +50,9 @@ from .initialization import initialization_graph
 from .loss_graph import add_loss, label_range, label_shape
 from .losses import Loss
 from .model_metadata import set_metadata
-from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
+from .optimizers import OPTIMIZER_CLASSES, Optimizer, to_json
 from .rmsprop import RMSProp
 from .param_groups import groups_to_json, resolve_groups
-from .emit_update import STANDARD_OP_UPDATES
 from .eval_mode import to_inference
 from .train_mode import fit_opset, training_forward
 from .trainables import check_differentiable, choose_trainables
@@ -87,7 +86,7 @@ def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
 def _check_choices(mode: str, optimizer) -> None:
     if mode not in ("eval", "train"):
         raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
-    if not isinstance(optimizer, (Adam, Momentum, Adagrad, *STANDARD_OP_UPDATES)):
+    if not isinstance(optimizer, tuple(OPTIMIZER_CLASSES.values())):
         raise TrainingOpError(
             f"optimizer must be onnx_training_ops.Adam, AdamW, Momentum, Adagrad, RMSProp or OrtAdamW, found "
             f"{type(optimizer).__name__}"

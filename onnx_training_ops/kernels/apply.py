@@ -15,13 +15,13 @@ from typing import Callable
 
 import numpy as np
 
-from ._common import check_group, scalar_count, scalar_rate
-from .adagrad import NAMES as ADAGRAD_NAMES
-from .adagrad import adagrad_rate, adagrad_update
-from .adam import NAMES as ADAM_NAMES
-from .adam import adam_rate, adam_update
-from .momentum import NAMES as MOMENTUM_NAMES
-from .momentum import check_mode, momentum_beta, momentum_update
+from ..optim._common import check_group, scalar_count, scalar_rate
+from ..optim.adagrad import NAMES as ADAGRAD_NAMES
+from ..optim.adagrad import adagrad_rate, adagrad_update
+from ..optim.adam import NAMES as ADAM_NAMES
+from ..optim.adam import adam_rate, adam_update
+from ..optim.momentum import NAMES as MOMENTUM_NAMES
+from ..optim.momentum import check_mode, momentum_beta, momentum_update
 
 try:  # the fused kernels are an optional accelerator; the reference is always there
     from . import fused as _fused
@@ -141,7 +141,7 @@ def prepare(op_type: str, r, t, tensors, attributes, decay=None) -> Callable[[],
 
 
 def rmsprop_step(r, x, g, states: dict, optimizer, rows=None) -> bool:
-    """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.build.rmsprop`) in place with the
+    """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.optim.rmsprop`) in place with the
     fused kernel, on the ``rows`` of 2-D tables if given; False (nothing done) when it does not apply."""
     if rows is None and not _fusable(x, g, *states.values()):
         return False
