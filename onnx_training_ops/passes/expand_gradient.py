@@ -18,7 +18,9 @@ with ``<gradient node name>/grad/``. See ``docs/gradient.md``.
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -86,6 +88,19 @@ def _infer(graph: GraphProto, opset_imports, ir_version: int,
         except Exception:  # inference is an aid, not a requirement
             pass
     return _meta_of_graph(model.graph, {})
+
+
+def _reinfer(template: GraphProto, opset_imports, ir_version: int,
+             extra_initializers=()) -> Callable[[list[NodeProto]], dict[str, ValueMeta]]:
+    """``run(nodes)``: :func:`_infer` of ``template`` with its nodes replaced by ``nodes`` (the
+    value facts again after a Gradient node was expanded)."""
+    def run(nodes: list[NodeProto]) -> dict[str, ValueMeta]:
+        g = GraphProto()
+        g.CopyFrom(template)
+        del g.node[:]
+        g.node.extend(nodes)
+        return _infer(g, opset_imports, ir_version, extra_initializers)
+    return run
 
 
 class _Constants(Mapping):
@@ -216,9 +231,48 @@ def _check_forward_accepts(label: str, copies: list[NodeProto], meta: Mapping[st
         return
 
 
-def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: int,
-                 meta: dict[str, ValueMeta], constants: Mapping, taken: set[str],
-                 visible: frozenset | None = None, native: frozenset = frozenset()) -> list[NodeProto]:
+@dataclass(frozen=True)
+class _Request:
+    """What a Gradient node asks for: d sum(y) / d xs, the zs held as cut points."""
+
+    label: str
+    xs: list[str]
+    zs: list[str]
+    y: str
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """What every Gradient node of one graph is expanded with.
+
+    Attributes:
+        opset: the default-domain opset the emitted ops use.
+        meta: value facts (dtype, shape) by name; gains the emitted values'.
+        constants: the values of initializers and Constant nodes.
+        taken: names in use; gains the emitted ones.
+        native: the native backward ops the rules may emit.
+    """
+
+    opset: int
+    meta: dict[str, ValueMeta]
+    constants: Mapping
+    taken: set[str]
+    native: frozenset = frozenset()
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """The computation to differentiate: its nodes, the leaves (xs' values) and y."""
+
+    nodes: list[NodeProto]
+    leaves: list[str]
+    y: str
+    cut: set[str]
+    copies: list[NodeProto]  # the forward nodes copied at the node's inputs (empty when reused)
+
+
+def _request(gnode: NodeProto, meta: Mapping[str, ValueMeta], visible: frozenset | None) -> _Request:
+    """The node's xs, zs and y, checked against its inputs, outputs and the visible names."""
     label = node_label(gnode)
     xs = _strings(gnode, "xs")
     zs = _strings(gnode, "zs") or []
@@ -246,53 +300,56 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
             raise TrainingOpError(
                 f"{label}: xs {x!r} is {onnx.helper.tensor_dtype_to_string(dtype)}; only "
                 "floating-point tensors have gradients")
-    cut = set(xs) | set(zs)
-    producers = producer_map(nodes)
-    _check_independent(label, nodes, producers, xs, zs, cut)
+    return _Request(label, xs, zs, y)
 
-    prefix = _prefix(gnode, index, taken)
-    em = Emitter(prefix, opset, meta, native)
+
+def _forward(req: _Request, gnode: NodeProto, nodes: list[NodeProto], producers, scope: _Scope,
+             prefix: str) -> _Forward:
+    """The graph's own forward nodes when the node's inputs are exactly ``xs + zs``; else
+    copies of the nodes downstream of xs/zs with the node's inputs substituted."""
+    cut = set(req.xs) | set(req.zs)
+    if list(gnode.input) == req.xs + req.zs:
+        return _Forward(nodes, list(req.xs), req.y, cut, [])
+    meta, label = scope.meta, req.label
+    subst = dict(zip(req.xs + req.zs, gnode.input))
+    _check_substitutes(label, subst, meta)
+    same = all(meta.get(k, ValueMeta()).shape == meta.get(v, ValueMeta()).shape
+               and meta.get(k, ValueMeta()).shape is not None for k, v in subst.items())
+    rename: dict[str, str] = {}
+    downstream = set(cut)
     copies: list[NodeProto] = []
-    if list(gnode.input) == xs + zs:
-        fwd_nodes, leaves, y_name, leaf_cut = nodes, list(xs), y, cut
-    else:
-        subst = dict(zip(xs + zs, gnode.input))
-        _check_substitutes(label, subst, meta)
-        same = all(meta.get(k, ValueMeta()).shape == meta.get(v, ValueMeta()).shape
-                   and meta.get(k, ValueMeta()).shape is not None for k, v in subst.items())
-        rename: dict[str, str] = {}
-        downstream = set(cut)
-        for idx in ancestors(nodes, producers, [y], cut):
-            node = nodes[idx]
-            reads = node_reads(node)
-            if not any(i in downstream for i in reads):
-                continue
-            if any(i in downstream for i in reads[len(node.input):]):
-                raise TrainingOpError(
-                    f"{label}: cannot re-evaluate {node_label(node)} at the Gradient inputs "
-                    "(its subgraph reads a substituted value)")
-            copy = NodeProto()
-            copy.CopyFrom(node)
-            copy.name = f"{prefix}fwd/{node.name or node.output[0]}"
-            del copy.input[:]
-            copy.input.extend(subst.get(i, rename.get(i, i)) for i in node.input)
-            del copy.output[:]
-            for o in node.output:
-                if o:
-                    downstream.add(o)
-                    rename[o] = f"{prefix}fwd/{o}"
-                    m = meta.get(o, ValueMeta())
-                    meta[rename[o]] = m if same else ValueMeta(
-                        m.dtype, None if m.shape is None else (None,) * len(m.shape))
-                copy.output.append(rename.get(o, "") if o else "")
-            copies.append(copy)
-        _check_forward_accepts(label, copies, meta, opset)
-        fwd_nodes = copies
-        leaves = [subst[x] for x in xs]
-        y_name = subst.get(y, rename.get(y, y))
-        leaf_cut = set(gnode.input)
+    for idx in ancestors(nodes, producers, [req.y], cut):
+        node = nodes[idx]
+        reads = node_reads(node)
+        if not any(i in downstream for i in reads):
+            continue
+        if any(i in downstream for i in reads[len(node.input):]):
+            raise TrainingOpError(
+                f"{label}: cannot re-evaluate {node_label(node)} at the Gradient inputs "
+                "(its subgraph reads a substituted value)")
+        copy = NodeProto()
+        copy.CopyFrom(node)
+        copy.name = f"{prefix}fwd/{node.name or node.output[0]}"
+        del copy.input[:]
+        copy.input.extend(subst.get(i, rename.get(i, i)) for i in node.input)
+        del copy.output[:]
+        for o in node.output:
+            if o:
+                downstream.add(o)
+                rename[o] = f"{prefix}fwd/{o}"
+                m = meta.get(o, ValueMeta())
+                meta[rename[o]] = m if same else ValueMeta(
+                    m.dtype, None if m.shape is None else (None,) * len(m.shape))
+            copy.output.append(rename.get(o, "") if o else "")
+        copies.append(copy)
+    _check_forward_accepts(label, copies, meta, scope.opset)
+    y = subst.get(req.y, rename.get(req.y, req.y))
+    return _Forward(copies, [subst[x] for x in req.xs], y, set(gnode.input), copies)
 
-    grads = backprop(fwd_nodes, y_name, leaves, leaf_cut, em, constants, label)
+
+def _final_gradients(gnode: NodeProto, grads: Mapping, leaves: list[str], em: Emitter,
+                     label: str) -> dict[int, str]:
+    """Output index -> the gradient value it takes (zeros where y does not depend on the x)."""
     finals = {}
     for i, out in enumerate(gnode.output):
         if not out:
@@ -302,22 +359,43 @@ def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: in
         except LookupError as e:
             raise TrainingOpError(f"{label}: cannot build the zero gradient of "
                                   f"{leaves[i]!r}: {e}") from None
-    # a gradient computed by one node of ours that nothing else reads takes the output's
-    # name; others get an Identity (one node less per parameter on every step)
+    return finals
+
+
+def _name_outputs(gnode: NodeProto, finals: dict[int, str], em: Emitter, forward: _Forward,
+                  prefix: str, meta: dict[str, ValueMeta]) -> None:
+    """Give each gradient the node's output name: a gradient computed by one node of ours
+    that nothing else reads (and no other output takes) is renamed; others get an Identity
+    (one node less per parameter on every step)."""
     producer = {o: n for n in em.nodes for o in n.output if o}
-    read = {name for n in em.nodes for name in n.input} | {y_name}
-    once = [g for g in finals.values()]
+    read = {name for n in em.nodes for name in n.input} | {forward.y}
+    outputs_taking = Counter(finals.values())
     for i, g in finals.items():
         out = gnode.output[i]
         node = producer.get(g)
-        if node is not None and g not in read and once.count(g) == 1 and not _subgraph_reads(em.nodes, g):
+        if node is not None and g not in read and outputs_taking[g] == 1 and not _subgraph_reads(em.nodes, g):
             node.output[list(node.output).index(g)] = out
         else:
             em.add_node(helper.make_node("Identity", [g], [out], name=f"{prefix}output_{i}"))
-        meta[out] = meta.get(leaves[i], ValueMeta())
-    taken.update(n.output[0] for n in em.nodes if n.output)
-    taken.update(n.output[0] for n in copies if n.output)
-    return copies + em.nodes
+        meta[out] = meta.get(forward.leaves[i], ValueMeta())
+
+
+def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], scope: _Scope,
+                 visible: frozenset | None = None) -> list[NodeProto]:
+    """The nodes replacing the Gradient node ``gnode`` (the ``index``-th expanded in its
+    graph ``nodes``): the forward copies if any, then the backward pass."""
+    req = _request(gnode, scope.meta, visible)
+    producers = producer_map(nodes)
+    _check_independent(req.label, nodes, producers, req.xs, req.zs, set(req.xs) | set(req.zs))
+    prefix = _prefix(gnode, index, scope.taken)
+    em = Emitter(prefix, scope.opset, scope.meta, scope.native)
+    forward = _forward(req, gnode, nodes, producers, scope, prefix)
+    grads = backprop(forward.nodes, forward.y, forward.leaves, forward.cut, em, scope.constants, req.label)
+    finals = _final_gradients(gnode, grads, forward.leaves, em, req.label)
+    _name_outputs(gnode, finals, em, forward, prefix, scope.meta)
+    scope.taken.update(n.output[0] for n in em.nodes if n.output)
+    scope.taken.update(n.output[0] for n in forward.copies if n.output)
+    return forward.copies + em.nodes
 
 
 def _subgraph_reads(nodes, name: str) -> bool:
@@ -365,8 +443,8 @@ def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
         if expanded and refresh is not None:
             meta.update(refresh(nodes))
         grad_outputs.update(o for o in nodes[idx].output if o)
-        new_nodes = _expand_node(nodes[idx], expanded, nodes, opset, meta, constants, taken,
-                                 visible(), native)
+        new_nodes = _expand_node(nodes[idx], expanded, nodes, _Scope(opset, meta, constants, taken, native),
+                                 visible())
         nodes = topological_sort(nodes[:idx] + new_nodes + nodes[idx + 1:])
         expanded += 1
     del out.node[:]
@@ -449,20 +527,10 @@ def expand_gradient(model: ModelProto, native: frozenset = frozenset()) -> Model
     for g in graphs:
         taken |= all_names(g)
     imports = list(out.opset_import)
-
-    def refresh(graph_template: GraphProto, extra=()):
-        def run(nodes):
-            g = GraphProto()
-            g.CopyFrom(graph_template)
-            del g.node[:]
-            g.node.extend(nodes)
-            return _infer(g, imports, out.ir_version, extra)
-        return run
-
     if _has_gradient(out.graph):
         meta = _infer(out.graph, imports, out.ir_version)
         new = _expand_graph(out.graph, opset, meta, _Constants(None, out.graph), taken,
-                            refresh(out.graph), native=native)
+                            _reinfer(out.graph, imports, out.ir_version), native=native)
         out.graph.CopyFrom(new)
     main_inits = list(model.graph.initializer)
     for ti in out.training_info:
@@ -472,7 +540,7 @@ def expand_gradient(model: ModelProto, native: frozenset = frozenset()) -> Model
         if _has_gradient(g):
             meta = _infer(g, imports, out.ir_version, main_inits)
             consts = _Constants(_Constants(None, model.graph), g)
-            new = _expand_graph(g, opset, meta, consts, taken, refresh(g, main_inits),
+            new = _expand_graph(g, opset, meta, consts, taken, _reinfer(g, imports, out.ir_version, main_inits),
                                 outer=frozenset(t.name for t in main_inits), native=native)
             g.CopyFrom(new)
     if any(n.domain == NATIVE_DOMAIN for g in graphs for n in g.node) and \
@@ -493,17 +561,10 @@ def _expand_algorithm(algorithm: GraphProto, main: GraphProto, opset: int, impor
     graph's nodes (a loss reading the model's logits): differentiate the concatenation, then
     keep only what is not the main graph's (the emitted nodes read main values by name)."""
     combined = concatenated(main, algorithm)
-
-    def run(nodes):
-        g = GraphProto()
-        g.CopyFrom(combined)
-        del g.node[:]
-        g.node.extend(nodes)
-        return _infer(g, imports, ir_version)
-
     meta = _infer(combined, imports, ir_version)
     consts = _Constants(None, combined)
-    new = _expand_graph(combined, opset, meta, consts, taken, run, native=native)
+    new = _expand_graph(combined, opset, meta, consts, taken, _reinfer(combined, imports, ir_version),
+                        native=native)
     main_outputs = {o for n in main.node for o in n.output if o}
     nodes = [n for n in new.node if not (n.output and all(o in main_outputs for o in n.output if o))]
     del algorithm.node[:]
