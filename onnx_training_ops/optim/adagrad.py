@@ -18,6 +18,7 @@ import numpy as np
 
 from ..schema import OPTIMIZERS
 from ._checks import check_nonnegative
+from .base import Defaults
 from ._common import interleave, scalar_count, scalar_rate, split_groups
 from ._lowering import LoweredTensor, NodeScalars
 from ._numba import element, scalar
@@ -101,7 +102,7 @@ def adagrad_element(xi, gi, hi, c):
 
 
 @dataclass(frozen=True)
-class Adagrad:
+class Adagrad(Defaults):
     """Adagrad as ``torch.optim.Adagrad`` spells it (defaults from torch); ONNX op ``Adagrad``.
 
     ``lr_decay`` -> decay_factor, ``eps`` -> epsilon, ``weight_decay`` -> norm_coefficient;
@@ -121,10 +122,6 @@ class Adagrad:
     def __post_init__(self):
         check_nonnegative("Adagrad", lr=self.lr, lr_decay=self.lr_decay, eps=self.eps,
                           weight_decay=self.weight_decay, initial_accumulator_value=self.initial_accumulator_value)
-
-    @property
-    def decoupled_weight_decay(self) -> float:
-        return 0.0
 
     def attributes(self) -> dict[str, float | str]:
         return {

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..schema import OPTIMIZERS
 from ._checks import check_betas, check_nonnegative
+from .base import Defaults
 from ._common import interleave, scalar_count, scalar_rate, split_groups
 from ._lowering import LoweredTensor, NodeScalars
 from ._numba import element, scalar
@@ -139,7 +140,7 @@ def adam_element(xi, gi, vi, hi, c):
 
 
 @dataclass(frozen=True)
-class Adam:
+class Adam(Defaults):
     """Adam as ``torch.optim.Adam`` spells it (defaults from torch); ONNX op ``Adam``.
 
     ``eps`` is added to ``sqrt(H)`` before the bias correction (TensorFlow's form), see the
@@ -162,11 +163,6 @@ class Adam:
                           post_weight_decay=self.post_weight_decay)
         object.__setattr__(self, "betas", betas)
 
-    @property
-    def decoupled_weight_decay(self) -> float:
-        """The weight decay applied before the op as ``X * (1 - R*w)`` (:class:`AdamW`); 0 here."""
-        return 0.0
-
     def attributes(self) -> dict[str, float | str]:
         return {
             "alpha": float(self.betas[0]),
@@ -175,9 +171,6 @@ class Adam:
             "norm_coefficient": float(self.weight_decay),
             "norm_coefficient_post": float(self.post_weight_decay),
         }
-
-    def initial_value(self, state: str) -> float:
-        return 0.0
 
 
 @dataclass(frozen=True)

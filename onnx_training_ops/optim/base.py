@@ -34,6 +34,27 @@ class Optimizer(Protocol):
     def initial_value(self, state: str) -> float: ...
 
 
+class Defaults:
+    """What most descriptions share (a base class, not required by :class:`Optimizer`): no
+    decoupled decay, states starting at 0, and for standard-op updates no domain op."""
+
+    op_type: ClassVar[str] = ""
+    t_offset: ClassVar[int] = 0
+
+    @property
+    def decoupled_weight_decay(self) -> float:
+        """The weight decay applied before the op as ``X * (1 - R*w)`` (AdamW); 0 here."""
+        return 0.0
+
+    def attributes(self) -> dict[str, float | str]:
+        """The domain op's attributes; empty when the update is written with standard ops."""
+        return {}
+
+    def initial_value(self, state: str) -> float:
+        """What the state tensor ``state`` starts at."""
+        return 0.0
+
+
 class Ops(Protocol):
     """Where a standard-op update writes (the builder's ``build.ops.Ops``)."""
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import TrainingOpError
 from ._checks import check_bool, check_finite, check_nonnegative
+from .base import Defaults
 from ._common import interleave, scalar_count, scalar_rate, split_groups
 from ._lowering import LoweredTensor, NodeScalars
 from ._numba import element, scalar
@@ -123,7 +124,7 @@ def nesterov_element(xi, gi, vi, c):
 
 
 @dataclass(frozen=True)
-class Momentum:
+class Momentum(Defaults):
     """SGD with momentum as ``torch.optim.SGD`` spells it; ONNX op ``Momentum``.
 
     ``momentum`` -> alpha, ``1 - dampening`` -> beta, ``nesterov`` -> mode,
@@ -147,10 +148,6 @@ class Momentum:
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise TrainingOpError("Momentum: nesterov requires momentum > 0 and dampening == 0 (as in torch)")
 
-    @property
-    def decoupled_weight_decay(self) -> float:
-        return 0.0
-
     def attributes(self) -> dict[str, float | str]:
         return {
             "alpha": float(self.momentum),
@@ -158,9 +155,6 @@ class Momentum:
             "mode": "nesterov" if self.nesterov else "standard",
             "norm_coefficient": float(self.weight_decay),
         }
-
-    def initial_value(self, state: str) -> float:
-        return 0.0
 
 
 # ---- the lowering to standard ops ----

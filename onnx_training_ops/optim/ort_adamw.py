@@ -34,13 +34,14 @@ from onnx import TensorProto
 
 from ..errors import TrainingOpError
 from ._checks import check_betas, check_bool, check_nonnegative
+from .base import Defaults
 
 if TYPE_CHECKING:
     from .base import Ops
 
 
 @dataclass(frozen=True)
-class OrtAdamW:
+class OrtAdamW(Defaults):
     """onnxruntime-training's ``AdamWOptimizer``: its attributes with torch's names.
 
     ``betas`` = (alpha, beta), ``eps`` = epsilon, ``mode`` = adam_mode (1: transformers, 0: torch),
@@ -56,7 +57,8 @@ class OrtAdamW:
     mode: int = 1
     bias_correction: bool = True
 
-    op_type: ClassVar[str] = ""  # no op of the training domain: standard ops (emit_update)
+    # op_type "": no op of the training domain, standard ops (emit_update); the decay is
+    # part of emit_update, not the builder's X * (1 - R*w) (decoupled_weight_decay 0)
     states: ClassVar[tuple[str, ...]] = ("V", "H")  # first and second moment (momentum0/1)
     t_offset: ClassVar[int] = 1  # the kernel's step: updates done + 1
 
@@ -70,18 +72,6 @@ class OrtAdamW:
             raise TrainingOpError("OrtAdamW: mode 0 (torch's AdamW) requires bias_correction=True, "
                                   "as onnxruntime-training's kernel does")
         object.__setattr__(self, "betas", betas)
-
-    @property
-    def decoupled_weight_decay(self) -> float:
-        """0: the decay is part of :func:`emit_update`, not the builder's ``X * (1 - R*w)``."""
-        return 0.0
-
-    def attributes(self) -> dict[str, float | str]:
-        """Empty: no node of the training domain (standard ops)."""
-        return {}
-
-    def initial_value(self, state: str) -> float:
-        return 0.0
 
 
 def _f32(value: float) -> np.ndarray:

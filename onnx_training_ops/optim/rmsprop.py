@@ -24,7 +24,7 @@ fast path recognises these ops and runs them as one fused loop
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 from onnx import helper
@@ -32,13 +32,14 @@ from onnx import helper
 from ..errors import TrainingOpError
 from ._checks import check_bool, check_nonnegative
 from ._numba import element
+from .base import Defaults
 
 if TYPE_CHECKING:
     from .base import Ops
 
 
 @dataclass(frozen=True)
-class RMSProp:
+class RMSProp(Defaults):
     """``torch.optim.RMSprop(lr, alpha, eps, weight_decay, momentum, centered)``; defaults from torch."""
 
     lr: float = 1e-2
@@ -48,8 +49,7 @@ class RMSProp:
     momentum: float = 0.0
     centered: bool = False
 
-    op_type: ClassVar[str] = ""  # no op of the training domain: standard ops (emit_rmsprop)
-    t_offset: ClassVar[int] = 0
+    # op_type "": no op of the training domain, standard ops (emit_rmsprop); t_offset 0
 
     def __post_init__(self):
         check_nonnegative("RMSProp", lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
@@ -63,18 +63,6 @@ class RMSProp:
     def states(self) -> tuple[str, ...]:
         return (("square_avg",) + (("momentum_buffer",) if self.momentum > 0 else ())
                 + (("grad_avg",) if self.centered else ()))
-
-    @property
-    def decoupled_weight_decay(self) -> float:
-        """0: the decay is part of the update (:func:`emit_rmsprop`)."""
-        return 0.0
-
-    def attributes(self) -> dict[str, float | str]:
-        """Empty: no node of the training domain (standard ops)."""
-        return {}
-
-    def initial_value(self, state: str) -> float:
-        return 0.0
 
 
 # ---- the update as standard ops ----
