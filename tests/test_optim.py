@@ -113,3 +113,34 @@ def test_adam_rate_keeps_pythons_power():
     for t in (1, 3, 10, 10_000):
         for alpha, beta in ((0.9, 0.999), (0.5, 0.25), (float(np.float32(0.9)), float(np.float32(0.999)))):
             assert adam.adam_rate(1e-3, t, alpha, beta) == 1e-3 * math.sqrt(1.0 - beta**t) / (1.0 - alpha**t)
+
+
+_CACHE_STAMP = """
+import json, pathlib, sys
+import numpy as np
+if sys.argv[1] == "edited":  # optim/adagrad.py as if edited since the cache was written
+    read = pathlib.Path.read_bytes
+    pathlib.Path.read_bytes = lambda p: read(p) + (b"#" if p.name == "adagrad.py" else b"")
+from onnx_training_ops.kernels import _numba_kernels as K
+x, g, h = (np.ones(3, np.float32) for _ in range(3))
+K.adagrad_serial(x, g, h, np.array(K._adagrad.AdagradScalars(0.1, 1e-6, 0.0), np.float32))
+stats = K.adagrad_serial.stats
+print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))
+"""
+
+
+def test_kernel_caches_are_stale_when_an_inlined_source_changes(tmp_path):
+    """numba keys a cache by the function's own file; the loops inline elements from optim/:
+    their caches are keyed by those sources too, so an edited element recompiles them."""
+    import os
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def run(mode):
+        done = subprocess.run([sys.executable, "-c", _CACHE_STAMP, mode], env=env, capture_output=True,
+                              text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert run("same") == [0, 1]  # compiled
+    assert run("same") == [1, 0]  # loaded
+    assert run("edited") == [0, 1]  # the stamp changed: compiled again

@@ -31,18 +31,19 @@ import os
 import warnings
 
 import numba
-import numpy as np
 from numba import njit, prange
 
 from ..optim import adagrad as _adagrad
 from ..optim import adam as _adam
 from ..optim import momentum as _momentum
 from ..optim._numba import OPTIONS as _OPTIONS
+from ..optim._numba import cache_covers_inlined_sources
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
 
 _WARNED = False
+cache_covers_inlined_sources()  # before any cached loop below is defined
 
 
 def _jit(parallel: bool):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import GraphProto, ModelProto, TensorProto, helper
+from onnx import GraphProto, ModelProto, helper
 
 from ..errors import TrainingOpError, node_label
 from ..optim._lowering import FLOAT_TYPES, Emitter, LoweredTensor, NodeScalars
