@@ -20,13 +20,16 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
-from numba import njit
-from numba.extending import register_jitable
-
 OPTIONS = dict(fastmath=False, error_model="numpy", boundscheck=False)
 
-element = njit(inline="always", **OPTIONS)
-scalar = register_jitable
+try:
+    from numba import njit
+    from numba.extending import register_jitable
+except ImportError:  # pragma: no cover - numba is a dependency; the references work without it
+    element = scalar = lambda func: func
+else:
+    element = njit(inline="always", **OPTIONS)
+    scalar = register_jitable
 
 
 # ---- the disk cache of the loops that inline these functions ----
