@@ -85,9 +85,9 @@ class InferenceSession(ort.InferenceSession):
         read their bytes as native. The arrays fed are never modified.
 
         Args:
-            output_names: the outputs to return; None for all.
-            input_feed: input name -> array.
-            run_options: onnxruntime ``RunOptions``.
+            output_names (Sequence[str] | None): the outputs to return; None for all.
+            input_feed (Mapping[str, np.ndarray]): input name -> array.
+            run_options (onnxruntime.RunOptions | None): onnxruntime's run options.
 
         Returns:
             The outputs' values, in the order asked for.
@@ -110,9 +110,9 @@ class InferenceSession(ort.InferenceSession):
         """``onnxruntime.InferenceSession.run_with_iobinding``, with training kernel failures raised.
 
         Args:
-            iobinding: the binding (``session.io_binding()``); an OrtValue bound as an input
+            iobinding (onnxruntime.IOBinding): the binding (``session.io_binding()``); an OrtValue bound as an input
                 and as the matching output is updated in place.
-            run_options: onnxruntime ``RunOptions``.
+            run_options (onnxruntime.RunOptions | None): onnxruntime's run options.
 
         Raises:
             TrainingOpError: a training kernel failed (the message names the node).

@@ -135,7 +135,7 @@ class TrainingLoop:
         not called directly: the session steps them once per optimizer step.
 
         Args:
-            schedule: one of :mod:`onnx_training_ops.schedules` (``WarmupCosineLR(...)``...), or
+            schedule (Schedule | None): one of :mod:`onnx_training_ops.schedules` (``WarmupCosineLR(...)``...), or
                 None to detach the current one.
             step: the optimizer step the schedule starts from.
 

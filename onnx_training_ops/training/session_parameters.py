@@ -90,7 +90,7 @@ class FlatParameters:
         onnxruntime sessions. A nominal session is complete once every parameter has been loaded.
 
         Args:
-            buffer: a vector in :meth:`get_flat_parameters`'s order, dtype and size.
+            buffer (np.ndarray): a vector in :meth:`get_flat_parameters`'s order, dtype and size.
             trainable_only: the vector holds only the trained parameters.
 
         Raises:
