@@ -44,6 +44,12 @@ PASSES: list[tuple[str, Pass]] = [
     ("encode_exact_attributes", encode_exact_attributes),
     ("fit_runtime", fit_runtime),
 ]
+"""The (name, pass) pipeline :func:`~onnx_training_ops.prepare` runs for the PyOp kernels, in order.
+
+Each pass takes a ModelProto and returns a new one. The native kernels' pipeline
+(``NATIVE_PASSES``) and the portable form's (``PORTABLE_PASSES``) share its first passes;
+what each pass does: [Kernel paths](../kernels.md#prepare-passes).
+"""
 # What every kernel path shares: PASSES up to the PyOp-specific targeting.
 _SHARED: list[tuple[str, Pass]] = [
     (name, run_pass) for name, run_pass in PASSES
