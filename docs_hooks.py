@@ -28,10 +28,13 @@ def _arguments(parser: argparse.ArgumentParser) -> list[str]:
             name = ", ".join(f"`{s}{value}`" for s in action.option_strings)
         else:
             name = f"`{metavar}`"
-        help_text = (action.help or "") % {"default": action.default, "prog": parser.prog} \
-            if action.help and action.help is not argparse.SUPPRESS else ""
         if action.help is argparse.SUPPRESS:
             continue
+        # argparse's own expansion of %(default)s, %(choices)s... (HelpFormatter._expand_help)
+        params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
+        if params.get("choices") is not None:
+            params["choices"] = ", ".join(map(str, params["choices"]))
+        help_text = (action.help or "") % dict(params, prog=parser.prog)
         if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
             help_text += f" (one of: {', '.join(f'`{c}`' for c in action.choices)})"
         default = action.default
