@@ -72,9 +72,8 @@ def cli_markdown() -> str:
         "# Command line",
         "",
         "Generated from the argparse parser (`onnx_training_ops.cli.build_parser`) when the site "
-        "is built. Installed as `onnx-training-ops`; `python -m onnx_training_ops` is the same. "
-        "Exit codes: 0 ok, 1 a reported failure, 2 bad usage or input (one line, no traceback), "
-        "3 an internal error, 130 interrupted.",
+        "is built. Installed as `onnx-training-ops`; `python -m onnx_training_ops` is the same; "
+        "the exit statuses follow the usage line below.",
         "",
         *_command(parser, 2),
     ]
