@@ -8,6 +8,7 @@ as skipped with that reason, and a test keeps such blocks few.
 
 import re
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,8 @@ def test_the_readme_is_short_and_its_links_are_absolute():
     assert len(text.encode()) < README_SIZE_LIMIT
     links = re.findall(r"\]\(([^)]+)\)", text)
     assert links and all(link.startswith("https://") for link in links), links  # the wheel's description on PyPI
+    source = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Source"]
+    pages = [link for link in links if link.startswith(source + "/blob/main/")]
+    assert pages, f"the README links into the site at {source}"
+    for link in pages:  # each names a file of this checkout
+        assert (ROOT / link.removeprefix(source + "/blob/main/").split("#")[0]).is_file(), link
