@@ -207,11 +207,23 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
     ) -> "TrainingSession":
         """A session for a plain graph that holds the optimizer itself, with explicit state.
 
-        ``feedback`` maps graph outputs to the graph inputs they replace after each step
-        (``{"X_new": "X", "V_new": "V", "T_new": "T"}``). The initial value of each state
-        input is its initializer (an input with a default) or ``initial_state[name]``.
-        The graph becomes the algorithm of a training model whose main graph only holds
-        the state, so :meth:`save` writes a regular training model.
+        The graph becomes the algorithm of a training model whose main graph only holds the state,
+        so :meth:`save` writes a regular training model.
+
+        Args:
+            model: the graph's model (ModelProto, path or bytes): state in as inputs, new state out.
+            feedback: graph outputs -> the graph inputs they replace after each step
+                (``{"X_new": "X", "V_new": "V", "T_new": "T"}``).
+            initial_state: the initial value of a state input that has no initializer (an input
+                with a default starts at that value).
+            **kwargs: passed on to :class:`TrainingSession` (``fast``, ``sess_options``...).
+
+        Returns:
+            The TrainingSession.
+
+        Raises:
+            TrainingOpError: a feedback name that is not an output or input of the graph, or a
+                state input without a value.
         """
         return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
 
