@@ -10,8 +10,10 @@ median of ``--timed`` steps, and the peak device memory (torch: ``max_memory_all
 the process's memory as ``nvidia-smi`` reports it, onnxruntime's arena included; on the CPU the
 peak RSS of each process). TF32 is off on both sides for fp32 parity.
 
-``ours`` is the exported step (:func:`~onnx_training_ops.export.export_step`: standard ONNX ops)
-trained by :class:`~onnx_training_ops.export.DeviceTrainer`, the state resident on the device.
+``ours`` is the exported step (:func:`~onnx_training_ops.export.export_step` with
+``flat_optimizer=True``: standard ONNX ops, one optimizer chain over all parameters) trained by
+:class:`~onnx_training_ops.export.DeviceTrainer`, the state resident on the device;
+``ours_per_tensor`` the same with the optimizer per tensor.
 ``--device cpu`` runs the same on the CPU EP (what the test suite checks; it needs no GPU).
 The defaults are the sizes of the GPU issue: GPT-2 batch 8 x 256, BERT-base 32 x 128,
 ResNet-50 64 x 224 x 224 with train-mode BatchNorm.
@@ -33,7 +35,8 @@ from . import zoo
 from .model_runners import BETAS, EPS, LR, WEIGHT_DECAY, training_model
 
 CONTENDERS = {
-    "ours": "ours: export_step + DeviceTrainer (state on the device)",
+    "ours": "ours: export_step(flat_optimizer=True) + DeviceTrainer (state on the device)",
+    "ours_per_tensor": "ours, the optimizer per tensor (export_step's default)",
     "torch_fp32": "torch eager fp32, AdamW",
     "torch_bf16": "torch eager, autocast bf16, AdamW",
 }
@@ -68,11 +71,11 @@ def _device_memory_mb() -> float | None:
     return None
 
 
-def _ours(spec: zoo.Spec, device: str):
+def _ours(spec: zoo.Spec, device: str, flat: bool):
     from ..export import DeviceTrainer, export_step
 
     directory = tempfile.mkdtemp(prefix="bench_gpu_")
-    export_step(training_model(spec), directory)
+    export_step(training_model(spec), directory, flat_optimizer=flat)
     providers = ([("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if device == "cuda"
                  else ["CPUExecutionProvider"])
     trainer = DeviceTrainer(directory, providers)
@@ -120,8 +123,8 @@ def worker(contender: str, name: str, device: str, losses: int, timed: int, batc
            seq: int | None) -> dict:
     """One contender on one model, in this process: losses, step times, peak memory."""
     spec = model_spec(name, batch, seq)
-    if contender == "ours":
-        step, sync, peak_mb = _ours(spec, device)
+    if contender.startswith("ours"):
+        step, sync, peak_mb = _ours(spec, device, flat=contender == "ours")
     else:
         step, sync, peak_mb = _torch(spec, device, contender == "torch_bf16")
     seen = [step(i) for i in range(losses)]
@@ -152,20 +155,20 @@ def _run_worker(contender: str, name: str, args: argparse.Namespace) -> dict:
 
 def format_table(results: list[dict]) -> str:
     """Step times, ratios to torch fp32 / bf16, peak memory and the losses side by side."""
-    lines = [f"{'model':<14} {'contender':<11} {'ms/step':>9} {'/fp32':>6} {'/bf16':>6} {'peak MB':>9}  losses"]
+    lines = [f"{'model':<14} {'contender':<15} {'ms/step':>9} {'/fp32':>6} {'/bf16':>6} {'peak MB':>9}  losses"]
     by_model: dict[str, dict[str, dict]] = {}
     for r in results:
         by_model.setdefault(r["model"], {})[r["contender"]] = r
     for model, rows in by_model.items():
         for contender, r in rows.items():
             if "error" in r:
-                lines.append(f"{model:<14} {contender:<11} failed: {r['error']}")
+                lines.append(f"{model:<14} {contender:<15} failed: {r['error']}")
                 continue
             ratio = {k: (r["ms_per_step"] / rows[k]["ms_per_step"]) if rows.get(k, {}).get("ms_per_step") else None
                      for k in ("torch_fp32", "torch_bf16")}
             peak = r["peak_device_mb"] if r["peak_device_mb"] is not None else r["peak_rss_mb"]
             losses = " ".join(f"{x:.6f}" for x in r["losses"])
-            lines.append(f"{model:<14} {contender:<11} {r['ms_per_step']:9.2f} "
+            lines.append(f"{model:<14} {contender:<15} {r['ms_per_step']:9.2f} "
                          f"{ratio['torch_fp32'] or float('nan'):6.2f} {ratio['torch_bf16'] or float('nan'):6.2f} "
                          f"{peak:9.0f}  {losses}")
     return "\n".join(lines)
