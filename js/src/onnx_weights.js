@@ -1,17 +1,29 @@
 // The exported inference model reads its weights from state.safetensors as ONNX external data.
 // embedWeights() writes a self-contained copy with the given weights inside: it walks the
-// protobuf (ModelProto.graph = field 7, GraphProto.initializer = 5, TensorProto.name = 8,
-// raw_data = 9, external_data = 13, data_location = 14) and re-encodes only what it changes.
+// protobuf (ModelProto.graph = field 7, GraphProto.initializer = 5, TensorProto.dims = 1,
+// data_type = 2, name = 8, raw_data = 9, external_data = 13, data_location = 14) and re-encodes
+// only what it changes. Every read is bounded by the buffer: damaged bytes are an error
+// naming the file, never a hang.
+
+import { TrainerError } from './errors.js';
+
+/** TensorProto.DataType -> [manifest dtype, bytes per element]. */
+const ONNX_TYPES = { 1: ['float32', 4], 2: ['uint8', 1], 3: ['int8', 1], 4: ['uint16', 2], 5: ['int16', 2], 6: ['int32', 4],
+  7: ['int64', 8], 9: ['bool', 1], 11: ['float64', 8], 12: ['uint32', 4], 13: ['uint64', 8] };
+
+class Damaged extends Error {}
 
 function readVarint(buf, pos) {
   let value = 0;
   let scale = 1;
-  for (;;) {
+  for (let i = 0; i < 10; i++) {
+    if (pos >= buf.length) throw new Damaged(`a varint runs past the end (byte ${pos} of ${buf.length})`);
     const byte = buf[pos++];
     value += (byte & 0x7f) * scale;
     if (byte < 0x80) return [value, pos];
     scale *= 128;
   }
+  throw new Damaged(`a varint longer than 10 bytes at byte ${pos - 10}`);
 }
 
 function varint(value) {
@@ -34,6 +46,7 @@ function fields(buf) {
     [key, pos] = readVarint(buf, pos);
     const field = Math.floor(key / 8);
     const wire = key & 7;
+    if (field === 0) throw new Damaged(`field number 0 at byte ${start}`);
     let body = null;
     if (wire === 0) [, pos] = readVarint(buf, pos);
     else if (wire === 1) pos += 8;
@@ -43,7 +56,8 @@ function fields(buf) {
       [length, pos] = readVarint(buf, pos);
       body = [pos, pos + length];
       pos += length;
-    } else throw new Error(`onnx: unsupported protobuf wire type ${wire}`);
+    } else throw new Damaged(`unsupported protobuf wire type ${wire} at byte ${start}`);
+    if (pos > buf.length) throw new Damaged(`field ${field} at byte ${start} runs past the end (${pos} > ${buf.length} bytes)`);
     out.push({ field, wire, start, end: pos, body });
   }
   return out;
@@ -74,16 +88,42 @@ function rewriteField(buf, field, rewrite) {
   return concat(parts);
 }
 
-function tensorWithData(tensor, weights, used) {
+/** TensorProto.dims: repeated int64, packed or not. */
+function dimsOf(tensor, all) {
+  const dims = [];
+  for (const f of all.filter((x) => x.field === 1)) {
+    if (f.wire === 0) dims.push(readVarint(tensor, readVarint(tensor, f.start)[1])[0]);
+    else if (f.wire === 2) {
+      for (let pos = f.body[0]; pos < f.body[1];) {
+        let d;
+        [d, pos] = readVarint(tensor.subarray(0, f.body[1]), pos);
+        dims.push(d);
+      }
+    }
+  }
+  return dims;
+}
+
+function tensorWithData(tensor, weights, used, where) {
   const all = fields(tensor);
-  const nameField = all.find((f) => f.field === 8);
+  const nameField = all.find((f) => f.field === 8 && f.wire === 2);
   if (!nameField) return null;
   const name = new TextDecoder().decode(tensor.subarray(...nameField.body));
-  const location = all.find((f) => f.field === 14);
+  const location = all.find((f) => f.field === 14 && f.wire === 0);
   if (!location || readVarint(tensor, readVarint(tensor, location.start)[1])[0] !== 1) return null; // not EXTERNAL
   const value = weights[name];
-  if (!value) throw new Error(`embedWeights: initializer ${JSON.stringify(name)} reads external data and is not in the state`);
+  if (!value) throw new TrainerError(`${where}: initializer ${JSON.stringify(name)} reads external data and is not in the state`);
+  const typeField = all.find((f) => f.field === 2 && f.wire === 0);
+  const [dtype, size] = ONNX_TYPES[typeField ? readVarint(tensor, readVarint(tensor, typeField.start)[1])[0] : 0] ?? [];
+  const dims = dimsOf(tensor, all);
   const data = value.data;
+  const found = value.type ?? value.dtype;
+  const elements = dims.reduce((a, b) => a * b, 1);
+  if (!dtype || (found && found !== dtype) || elements * size !== data.byteLength) {
+    throw new TrainerError(`${where}: initializer ${JSON.stringify(name)} is ${dtype ?? 'of an unknown type'} [${dims}] `
+      + `(${elements * (size ?? 0)} bytes); the state holds ${found ?? ''} of ${data.byteLength} bytes: `
+      + 'the inference model is not this export\'s');
+  }
   const raw = new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
   used.add(name);
   const kept = all.filter((f) => f.field !== 9 && f.field !== 13 && f.field !== 14).map((f) => tensor.subarray(f.start, f.end));
@@ -92,12 +132,23 @@ function tensorWithData(tensor, weights, used) {
 
 /**
  * A copy of ONNX model bytes whose external-data initializers hold `weights` ({name: tensor
- * with .data}) as raw data.
+ * with .data}) as raw data. Each initializer's dtype and dims must fit its weight.
+ * @param where the file's name for errors
  * @returns {Uint8Array}
+ * @throws {TrainerError} on damaged or foreign bytes, naming `where`
  */
-export function embedWeights(modelBytes, weights) {
+export function embedWeights(modelBytes, weights, where = 'inference.onnx') {
+  if (!(modelBytes instanceof Uint8Array)) throw new TrainerError(`${where}: expected the model's bytes (a Uint8Array)`);
   const used = new Set();
-  const model = rewriteField(modelBytes, 7, (graph) => rewriteField(graph, 5, (t) => tensorWithData(t, weights, used)));
-  if (!used.size) throw new Error('embedWeights: no external-data initializer of the model is in the state');
+  let model;
+  try {
+    const top = fields(modelBytes);
+    if (!top.some((f) => f.field === 7 && f.wire === 2)) throw new Damaged('no graph (ModelProto field 7)');
+    model = rewriteField(modelBytes, 7, (graph) => rewriteField(graph, 5, (t) => tensorWithData(t, weights, used, where)));
+  } catch (error) {
+    if (error instanceof Damaged) throw new TrainerError(`${where}: not a valid ONNX model (${error.message}): truncated or damaged`);
+    throw error;
+  }
+  if (!used.size) throw new TrainerError(`${where}: no external-data initializer of the model is in the state`);
   return model;
 }
