@@ -143,7 +143,10 @@ export function embedWeights(modelBytes, weights, where = 'inference.onnx') {
   let model;
   try {
     const top = fields(modelBytes);
-    if (!top.some((f) => f.field === 7 && f.wire === 2)) throw new Damaged('no graph (ModelProto field 7)');
+    // what onnxruntime needs of a ModelProto: ir_version (1), graph (7), opset_import (8)
+    for (const [field, wire, what] of [[1, 0, 'ir_version'], [7, 2, 'graph'], [8, 2, 'opset_import']]) {
+      if (!top.some((f) => f.field === field && f.wire === wire)) throw new Damaged(`no ${what} (ModelProto field ${field})`);
+    }
     model = rewriteField(modelBytes, 7, (graph) => rewriteField(graph, 5, (t) => tensorWithData(t, weights, used, where)));
   } catch (error) {
     if (error instanceof Damaged) throw new TrainerError(`${where}: not a valid ONNX model (${error.message}): truncated or damaged`);
