@@ -1,0 +1,58 @@
+"""Fault suite of the JavaScript trainer (``js/test/fault.test.js``): damaged, foreign and hostile
+manifests, files, batches and learning rates give a ``TrainerError`` naming the file, field or
+input; nothing changes on failure; nothing hangs (issue 29 items 1, 4, 5, 11-17; issue 32 item 3).
+
+Also the npm package as a user receives it (``js/test/pack.test.js``, issue 32 item 5).
+
+Python writes small fixtures (the MLP and the CNN exported after two training steps, and the
+browser example); node runs the suite against them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import js_fixtures
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    out = tmp_path_factory.mktemp("js_fault")
+    for name in ("mlp", "cnn"):
+        js_fixtures.write_model(name, out, steps=2)
+    js_fixtures.write_example(out)
+    return out
+
+
+def _node_test(file: str, fixtures: Path) -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node is not installed (make test installs it with apt-get)")
+    if not (REPO / "js" / "node_modules" / "onnxruntime-node").is_dir():
+        pytest.fail("js/node_modules is missing: cd js && npm ci --ignore-scripts (make test does it)")
+    env = {**os.environ, "OTO_FIXTURES": str(fixtures), "PYTHON": sys.executable}
+    run = subprocess.run([node, "--test", file], cwd=REPO / "js", env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert "# fail 0" in run.stdout and "# pass 0" not in run.stdout
+
+
+def test_the_js_fault_suite(fixtures):
+    _node_test("test/fault.test.js", fixtures)
+
+
+def test_the_npm_tarball_installs_and_trains(fixtures):
+    """``npm pack``; the tarball installed into an empty folder (``npm install --offline``) holds the
+    LICENSE and what its README links to, and the README's loop trains the digits MLP from it
+    (js/test/pack.test.js)."""
+    if shutil.which("npm") is None:
+        pytest.fail("npm is not installed (make test installs it with apt-get)")
+    _node_test("test/pack.test.js", fixtures)
