@@ -67,6 +67,9 @@ export class Trainer {
    * @throws {TrainerError} naming the file and field that do not fit
    */
   static async create(ort, files, options = {}) {
+    if (typeof ort?.InferenceSession?.create !== 'function' || typeof ort?.Tensor !== 'function') {
+      throw new TrainerError('Trainer: the first argument must be the onnxruntime module (onnxruntime-node or onnxruntime-web)');
+    }
     if (files === null || typeof files !== 'object') throw new TrainerError(`Trainer.create: expected {manifest, step, state, ...}, found ${show(files)}`);
     const manifest = validateManifest(files.manifest);
     const verify = options.verify ?? true;
@@ -205,6 +208,10 @@ export class Trainer {
 
   /** Attach a schedule (or null) from optimizer step `step` on. */
   setSchedule(schedule, step = 0) {
+    if (schedule !== null && typeof schedule?.lr !== 'function') {
+      throw new TrainerError(`setSchedule: expected a schedule (an object with lr(base, k)) or null, found ${show(schedule)}`);
+    }
+    if (!Number.isSafeInteger(step) || step < 0) throw new TrainerError(`setSchedule: step must be an integer >= 0, found ${show(step)}`);
     this.schedule = schedule;
     this.scheduleOffset = step - (this.counter ? this._counterValue() : 0);
   }

@@ -199,6 +199,9 @@ test('13: learning rates are validated: per step, and the manifest\'s base and s
   assert.equal(trainer.scheduleStep, 0);
   await refused(await exportCopy('cnn', (m) => { m.learning_rates[0].base = 'fast'; }), /learning_rates\[0\]\.base must be a finite number >= 0, found "fast"/);
   await refused(await exportCopy('cnn', (m) => { m.learning_rates[0].base = -0.1; }), /learning_rates\[0\]\.base must be a finite number >= 0/);
+  assert.throws(() => trainer.setSchedule({ lr: 5 }), /setSchedule: expected a schedule \(an object with lr\(base, k\)\) or null, found \{"lr":5\}/);
+  assert.throws(() => trainer.setSchedule(null, -3), /setSchedule: step must be an integer >= 0, found -3/);
+  await assert.rejects(Trainer.load({}, join(FIXTURES, 'cnn', 'export')), /the first argument must be the onnxruntime module/);
   await refused(await exportCopy('cnn', (m) => { m.schedule.step_offset = -1000; }), /state\.safetensors: the schedule's step is -1000 \(update count 0 \+ manifest\.json schedule\.step_offset -1000\); expected >= 0/);
 });
 
