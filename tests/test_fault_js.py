@@ -10,8 +10,11 @@ browser example); node runs the suite against them.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import js_fixtures
+from onnx_training_ops.export import safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +50,15 @@ def _node_test(file: str, fixtures: Path) -> None:
 
 
 def test_the_js_fault_suite(fixtures):
+    """The suite passes; the state it exported carries the SHA-256 of its data section in
+    ``__metadata__`` (notes/MANIFEST.md item 2), as Python's hashlib computes it."""
     _node_test("test/fault.test.js", fixtures)
+    data = (fixtures / "mlp" / "js_exported_state.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8:8 + length])["__metadata__"]
+    assert metadata == {"format": "onnx-training-ops/export", "sha256": hashlib.sha256(data[8 + length:]).hexdigest()}
+    tensors, _ = safetensors.decode(data)
+    assert set(tensors) == {e["name"] for e in json.loads((fixtures / "mlp" / "export" / "manifest.json").read_text())["state"]}
 
 
 def test_the_npm_tarball_installs_and_trains(fixtures):

@@ -12,6 +12,7 @@ import { join } from 'node:path';
 import { pathToFileURL } from 'node:url';
 import * as ort from 'onnxruntime-node';
 import { Trainer, TrainerError, decodeSafetensors, encodeSafetensors, readExport } from '../src/index.js';
+import { sha256Plain } from '../src/sha256.js';
 import { FIXTURES, read } from './helpers.js';
 import { batchAt } from './parity.js';
 
@@ -291,6 +292,15 @@ test('17: each file\'s sha256 in the manifest and the state\'s sha256 metadata a
   // a state file without a digest (older writers) still loads
   const { tensors } = decodeSafetensors(state);
   trainer.loadState(encodeSafetensors(tensors, { format: 'onnx-training-ops/export' }));
+  // for tests/test_fault_js.py: Python's hashlib checks the digest written here
+  await writeFile(join(FIXTURES, 'mlp', 'js_exported_state.safetensors'), state);
+});
+
+test('17: the plain-JavaScript SHA-256 (browsers without crypto.subtle) equals node:crypto\'s', () => {
+  for (const n of [0, 1, 55, 56, 63, 64, 65, 119, 120, 1000, 70001]) {
+    const bytes = Uint8Array.from({ length: n }, (_, i) => (i * 7919 + n) % 251);
+    assert.equal(sha256Plain(bytes), hex(bytes), `${n} bytes`);
+  }
 });
 
 test('issue 32 #3: Trainer.load takes a path, a file: URL string or URL object; a missing or corrupt file is named', async () => {
