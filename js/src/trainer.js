@@ -110,7 +110,7 @@ export class Trainer {
     if (!['raise', 'skip', 'ignore'].includes(this.onNonFinite)) throw new TrainerError(`onNonFinite must be raise, skip or ignore, found ${show(this.onNonFinite)}`);
     this.queue = Promise.resolve();
     this.inputs = Object.fromEntries(manifest.inputs.map((e) => [e.name, e]));
-    this.evalInputs = Object.fromEntries(manifest.eval_inputs.map((e) => [e.name, e]));
+    this.evalInputs = Object.fromEntries((manifest.eval_inputs ?? []).map((e) => [e.name, e]));
     this.schedule = manifest.schedule ? fromJSON(manifest.schedule) : null;  // validateManifest checked it
     this.scheduleOffset = manifest.schedule ? manifest.schedule.step_offset : 0;
     this.counter = manifest.counter;
@@ -269,7 +269,7 @@ export class Trainer {
     const state = this.state;
     for (const name of this.evalSession.inputNames) if (name in state) feeds[name] = state[name];
     const out = await this.evalSession.run(feeds);
-    return Object.fromEntries(this.manifest.eval_outputs.map((n) => [n, out[n].size === 1 ? scalarOf(out[n]) : out[n]]));
+    return Object.fromEntries((this.manifest.eval_outputs ?? []).map((n) => [n, out[n].size === 1 ? scalarOf(out[n]) : out[n]]));
   }
 
   /** The state as safetensors bytes (tensor names = state input names): resume here, in Python, or on another device. */
