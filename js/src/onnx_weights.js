@@ -6,77 +6,11 @@
 // naming the file, never a hang.
 
 import { TrainerError } from './errors.js';
+import { Damaged, readVarint, fields, concat, lengthDelimited } from './protobuf.js';
 
 /** TensorProto.DataType -> [manifest dtype, bytes per element]. */
 const ONNX_TYPES = { 1: ['float32', 4], 2: ['uint8', 1], 3: ['int8', 1], 4: ['uint16', 2], 5: ['int16', 2], 6: ['int32', 4],
   7: ['int64', 8], 9: ['bool', 1], 11: ['float64', 8], 12: ['uint32', 4], 13: ['uint64', 8] };
-
-class Damaged extends Error {}
-
-function readVarint(buf, pos) {
-  let value = 0;
-  let scale = 1;
-  for (let i = 0; i < 10; i++) {
-    if (pos >= buf.length) throw new Damaged(`a varint runs past the end (byte ${pos} of ${buf.length})`);
-    const byte = buf[pos++];
-    value += (byte & 0x7f) * scale;
-    if (byte < 0x80) return [value, pos];
-    scale *= 128;
-  }
-  throw new Damaged(`a varint longer than 10 bytes at byte ${pos - 10}`);
-}
-
-function varint(value) {
-  const bytes = [];
-  while (value >= 0x80) {
-    bytes.push((value % 128) | 0x80);
-    value = Math.floor(value / 128);
-  }
-  bytes.push(value);
-  return Uint8Array.from(bytes);
-}
-
-/** The fields of a message: [{field, wire, start, end, body: [from, to] for length-delimited}]. */
-function fields(buf) {
-  const out = [];
-  let pos = 0;
-  while (pos < buf.length) {
-    const start = pos;
-    let key;
-    [key, pos] = readVarint(buf, pos);
-    const field = Math.floor(key / 8);
-    const wire = key & 7;
-    if (field === 0) throw new Damaged(`field number 0 at byte ${start}`);
-    let body = null;
-    if (wire === 0) [, pos] = readVarint(buf, pos);
-    else if (wire === 1) pos += 8;
-    else if (wire === 5) pos += 4;
-    else if (wire === 2) {
-      let length;
-      [length, pos] = readVarint(buf, pos);
-      body = [pos, pos + length];
-      pos += length;
-    } else throw new Damaged(`unsupported protobuf wire type ${wire} at byte ${start}`);
-    if (pos > buf.length) throw new Damaged(`field ${field} at byte ${start} runs past the end (${pos} > ${buf.length} bytes)`);
-    out.push({ field, wire, start, end: pos, body });
-  }
-  return out;
-}
-
-function concat(parts) {
-  const total = parts.reduce((n, p) => n + p.length, 0);
-  const out = new Uint8Array(total);
-  let pos = 0;
-  for (const p of parts) {
-    out.set(p, pos);
-    pos += p.length;
-  }
-  return out;
-}
-
-function lengthDelimited(field, payload) {
-  return concat([varint(field * 8 + 2), varint(payload.length), payload]);
-}
 
 /** Rewrite the submessages `field` of `buf` with `rewrite(bytes)` (null: keep). */
 function rewriteField(buf, field, rewrite) {

@@ -12,7 +12,7 @@ import { embedWeights } from './onnx_weights.js';
 import { TrainerError, NonFiniteLossError, show } from './errors.js';
 import { sha256 } from './sha256.js';
 import {
-  validateManifest, validateModels, checkRates, checkLabels, checkBatch, checkPlainValue, checkTensor,
+  validateManifest, validateModels, checkFeedbackFlow, checkRates, checkLabels, checkBatch, checkPlainValue, checkTensor,
 } from './validate.js';
 
 export { TrainerError, NonFiniteLossError };
@@ -85,6 +85,7 @@ export class Trainer {
       validateModels(manifest, trainer.stepSession, trainer.evalSession, {
         feedback: trainer.stepFeedback, shapes: trainer.stepShapes(), stepFile, evalFile: fileName(manifest, 'eval'),
       });
+      if (files.step) checkFeedbackFlow(manifest, files.step, fileName(manifest, 'step'));
       trainer.inferenceBytes = files.inference ?? null;
       trainer.loadState(files.state, { verify, where: fileName(manifest, 'state') });
     } catch (error) {

@@ -5,6 +5,8 @@
 import { TrainerError, show } from './errors.js';
 import { DTYPES } from './safetensors.js';
 import { SCHEDULES } from './schedules.js';
+import { dataFlow } from './onnx_graph.js';
+import { Damaged } from './protobuf.js';
 
 const DTYPE_NAMES = Object.values(DTYPES).map(([name]) => name);
 const isObject = (v) => v !== null && typeof v === 'object' && !Array.isArray(v);
@@ -338,5 +340,26 @@ export function checkTensor(name, value, spec, what) {
   const dims = value.dims;
   if (spec.shape && (!dims || dims.length !== spec.shape.length || spec.shape.some((d, i) => typeof d === 'number' && d !== dims[i]))) {
     throw new TrainerError(`${what}: input ${show(name)} must have shape [${spec.shape}], found [${dims}]`);
+  }
+}
+
+/**
+ * Each feedback output of the (unpacked) step model is computed from the state input it is fed
+ * back to: catches swapped entries that shapes cannot tell apart (Adam's V and H of a tensor).
+ * @throws {TrainerError} naming the file and the entry
+ */
+export function checkFeedbackFlow(m, stepBytes, stepFile) {
+  let flow;
+  try {
+    flow = dataFlow(stepBytes);
+  } catch (error) {
+    if (error instanceof Damaged) throw new TrainerError(`${stepFile}: not a valid ONNX model (${error.message}): truncated or damaged`);
+    throw error;
+  }
+  for (const [input, output] of Object.entries(m.feedback)) {
+    if (!flow(output, input)) {
+      throw new TrainerError(`${stepFile}: manifest.json feedback feeds ${show(input)} from ${show(output)}, which the step model `
+        + `does not compute from ${show(input)} (swapped or foreign feedback entries)`);
+    }
   }
 }

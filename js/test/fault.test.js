@@ -175,6 +175,10 @@ test('12: the manifest is checked against the models it loads', async () => {
     ['mlp', (m) => { [m.feedback.W0, m.feedback.b0] = [m.feedback.b0, m.feedback.W0]; }, /step\.onnx: output "b0\.new" \(fed back to "W0"\) is float32 \[128\] in the model, manifest\.json says float32 \[64,128\]/, { packed: false }],
     ['mlp', (m) => { m.state[1].shape = [127]; m.packs = null; }, /step\.onnx: input "b0" is float32 \[128\] in the model, manifest\.json says float32 \[127\]/],
     ['mlp', (m) => { m.state[0].dtype = 'float64'; m.packs = null; }, /input "W0" is float32 \[64,128\] in the model, manifest\.json says float64 \[64,128\]/, { packed: false }],
+    // same shapes, told apart by the data flow of step.onnx (checked with the packed step too)
+    ['mlp', (m) => { [m.feedback['W0.V'], m.feedback['W0.H']] = [m.feedback['W0.H'], m.feedback['W0.V']]; },
+      /step\.onnx: manifest\.json feedback feeds "W0\.V" from "W0\.H\.new", which the step model does not compute from "W0\.V" \(swapped or foreign feedback entries\)/],
+    ['cnn', (m) => { [m.feedback['bn.mean'], m.feedback['bn.var']] = [m.feedback['bn.var'], m.feedback['bn.mean']]; }, /feeds "bn\.mean" from "train\/n1\/Add_1", which the step model does not compute from "bn\.mean"/],
     ['mlp', (m) => { m.packs[0].members[1].offset += 1; }, /packs\[0\]\.members\[1\]\.offset must be 8192 \(the end of the member before: no gap, no overlap\), found 8193/],
     ['mlp', (m) => { m.packs[0].members[1].offset -= 1; }, /members\[1\]\.offset must be 8192 .*found 8191/],
     ['mlp', (m) => { m.packs[0].members[3].shape = [11]; }, /packs\[0\]\.members\[3\]\.shape must be the state's \[10\], found \[11\]/],
