@@ -64,7 +64,7 @@ docs: $(VENV)/.docs-installed
 
 # the JavaScript trainer alone: Python writes the fixtures, node --test and Chromium train them
 test-js: $(VENV)/.test-installed js-deps
-	$(if $(SKIP_BROWSER),OTO_SKIP_BROWSER=1 )$(PY) -m pytest tests/test_export_js.py
+	$(if $(SKIP_BROWSER),OTO_SKIP_BROWSER=1 )$(PY) -m pytest tests/test_export_js.py tests/test_fault_js.py
 
 # the declared minimum versions (pyproject.toml) in a venv of their own: conformance + a
 # training smoke test (under a minute once the wheels are cached; not part of `make test`).
