@@ -107,6 +107,8 @@ MANIFEST_FAULTS = {
     "rate base text": (_set(["learning_rates", 0, "base"], "fast"), r"field 'learning_rates\[0\]\.base' must be"),
     "classes text": (_set(["classes"], "4"), r"field 'classes' must be an integer >= 1"),
     "counter unknown": (_set(["counter"], "T9"), r"field 'counter' must be a state variable"),
+    "schedule type a list": (_set(["schedule", "type"], []), r"field 'schedule.type' must be one of"),
+    "rate base huge": (_set(["learning_rates", 0, "base"], 10 ** 400), None),
     "manifest a list": (None, r"not an onnx-training-ops export manifest"),
 }
 
@@ -114,6 +116,10 @@ MANIFEST_FAULTS = {
 @pytest.mark.parametrize("case", list(MANIFEST_FAULTS))
 def test_bad_manifest_fields_are_named_and_change_nothing(export, case):
     change, message = MANIFEST_FAULTS[case]
+    if message is None:  # a valid manifest (a big int is a number): loads
+        _edit(export, change)
+        read_state(export)
+        return
     if change is None:
         (export / "manifest.json").write_text("[1, 2]")
     else:
@@ -182,6 +188,27 @@ def test_a_symlink_out_of_the_directory_is_refused(export, tmp_path, kind):
     shutil.move(outside, export / "inner" / name)
     os.symlink(os.path.join("inner", name), export / name)
     read_state(export)
+
+
+def test_feedback_naming_an_output_the_step_lacks_is_named(export):
+    _edit(export, lambda m: m["feedback"].update({"W0": "not_an_output"}))
+    with pytest.raises(TrainingOpError, match=r"manifest.json': field 'feedback' does not fit 'step.onnx': .*"
+                                              r"'not_an_output' is not an output of the graph"):
+        session_from_export(export)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.update(members=[]), r"field 'packs\[0\]\.members' must be a non-empty list"),
+    (lambda p: p["members"][1].update(offset=p["members"][1]["offset"] + 1), r"field 'packs\[0\]\.members\[1\]\.offset' must be"),
+    (lambda p: p.update(size=p["size"] - 1), r"field 'packs\[0\]\.size' must be"),
+    (lambda p: p["members"][0].update(shape=[1]), r"field 'packs\[0\]\.members\[0\]': float32 \[1\], the state variable"),
+    (lambda p: p["members"].append(dict(p["members"][0])), r"is not a fed-back state variable, or is packed twice"),
+])
+def test_packs_that_do_not_lay_out_the_state_are_refused(tmp_path, change, message):
+    export_step(_model(), tmp_path, packed=True)
+    _edit(tmp_path, lambda m: change(m["packs"][0]))
+    with pytest.raises(TrainingOpError, match=message):
+        session_from_export(tmp_path, packed=True)
 
 
 def test_every_file_digest_is_recorded(export):
@@ -327,3 +354,42 @@ def test_a_large_model_session_exports(tmp_path, monkeypatch):
         expected = session.step(_batch(i))["loss"]
         assert exported.step({**_batch(i), **rate})["loss"] == expected
         assert again.step({**_batch(i), **rate})["loss"] == expected
+
+
+def _paths(value, prefix=()):
+    """Every field path of a manifest (dict keys and list indices, lists cut to 2 entries)."""
+    yield prefix
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _paths(inner, (*prefix, key))
+    elif isinstance(value, list):
+        for i, inner in enumerate(value[:2]):
+            yield from _paths(inner, (*prefix, i))
+
+
+def test_any_field_of_any_type_is_an_error_or_a_valid_load(export):
+    """Every field path replaced by values of each JSON type: a TrainingOpError or a load, never
+    another exception, and the session unchanged on an error."""
+    manifest = json.loads((export / "manifest.json").read_text())
+    session = ot.TrainingSession(_model())
+    before = _snapshot(session)
+    replacements = [None, -1, 2.5, "x", [], {}, True]
+    paths = [p for p in _paths(manifest) if p and p[0] not in ("format", "version")]
+    crashes = []
+    for k, path in enumerate(paths):
+        value = replacements[k % len(replacements)]
+        _edit(export, _set(list(path), value))
+        for call in (lambda: load_state(session, export), lambda: session_from_export(export)):
+            try:
+                call()
+            except TrainingOpError:
+                pass
+            except Exception as error:  # noqa: BLE001 - what this test looks for
+                crashes.append(f"{path} = {value!r}: {error!r}")
+        (export / "manifest.json").write_text(json.dumps(manifest))
+        if crashes:
+            break
+        session.load_state_dict(before[0])
+        session.set_lr_schedule(*before[1:])
+    assert crashes == []
+    assert len(paths) > 60

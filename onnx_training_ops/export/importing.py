@@ -176,7 +176,11 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
                 del feedback[manifest["feedback"][m["name"]]], initial[m["name"]]
             feedback[p["output"]] = p["input"]
         initial.update(pack(state, manifest["packs"]))
-    model = graph_to_training_model(step, feedback, initial)
+    try:
+        model = graph_to_training_model(step, feedback, initial)
+    except TrainingOpError as error:
+        raise TrainingOpError(f"{os.path.join(directory, manifest_.MANIFEST)!r}: field 'feedback' does not fit "
+                              f"{manifest['files'][kind]['path']!r}: {error}") from None
     if manifest.get("labels") and manifest.get("classes") is not None:
         ignore = manifest.get("ignore_index")
         for key, value in (("labels", manifest["labels"]),

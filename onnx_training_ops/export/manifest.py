@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from typing import Any, Callable, Mapping
@@ -239,10 +240,12 @@ def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
             _entries(where, field, manifest[field], value)
     if "defaults" in manifest:
         _entries(where, "defaults", manifest["defaults"], {**value, "values": (
-            lambda v: isinstance(v, list) and all(_is_number(x) for x in v), "a list of numbers")}, kind=dict)
+            lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) for x in v),
+            "a list of numbers (or booleans)")}, kind=dict)
     if "learning_rates" in manifest:
         _entries(where, "learning_rates", manifest["learning_rates"],
-                 {"name": _STR, "dtype": _DTYPE, "base": (lambda v: _is_number(v) and np.isfinite(v),
+                 {"name": _STR, "dtype": _DTYPE, "base": (lambda v: _is_int(v) or (isinstance(v, float) and
+                                                                                    math.isfinite(v)),
                                                           "a finite number")},
                  {"group": _STR, "params": _STRS, "shape": _SHAPE})
     for field in ("returned", "eval_outputs"):
@@ -261,21 +264,36 @@ def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
         if manifest.get(field) is not None and not isinstance(manifest[field], kind):
             raise _fail(where, field, f"a{'n object' if kind is dict else ' list'} or null", manifest[field])
     if manifest.get("packs") is not None:
-        _validate_packs(where, manifest["packs"], state, feedback)
+        _validate_packs(where, manifest["packs"], {e["name"]: e for e in manifest["state"]}, feedback)
     if manifest.get("schedule") is not None:
         _validate_schedule(where, manifest["schedule"], state)
 
 
-def _validate_packs(where: str, packs: Any, state: list[str], feedback: Mapping[str, str]) -> None:
+def _validate_packs(where: str, packs: Any, state: Mapping[str, Mapping[str, Any]],
+                    feedback: Mapping[str, str]) -> None:
+    """Each pack: its members fed-back state variables of its dtype, laid out back to back."""
     _entries(where, "packs", packs, {"dtype": _DTYPE, "input": _STR, "output": _STR,
                                      "size": _NATURAL,
-                                     "members": (lambda v: isinstance(v, list), "a list")})
+                                     "members": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list")})
+    packed: set[str] = set()
     for i, p in enumerate(packs):
         _entries(where, f"packs[{i}].members", p["members"], {"name": _STR, "offset": _NATURAL, "shape": _SHAPE})
-        for m in p["members"]:
-            if m["name"] not in feedback:
-                raise TrainingOpError(f"{where}: field 'packs[{i}].members' names {m['name']!r}, which is not "
-                                      "a fed-back state variable")
+        offset = 0
+        for j, m in enumerate(p["members"]):
+            at = f"packs[{i}].members[{j}]"
+            if m["name"] not in feedback or m["name"] in packed:
+                raise TrainingOpError(f"{where}: field {at + '.name'!r} is {m['name']!r}, which is not a fed-back "
+                                      "state variable, or is packed twice")
+            packed.add(m["name"])
+            entry = state[m["name"]]
+            if m["shape"] != entry["shape"] or entry["dtype"] != p["dtype"]:
+                raise TrainingOpError(f"{where}: field {at!r}: {p['dtype']} {m['shape']}, the state variable "
+                                      f"{m['name']!r} is {entry['dtype']} {entry['shape']}")
+            if m["offset"] != offset:
+                raise _fail(where, f"{at}.offset", f"{offset} (the members lie back to back)", m["offset"])
+            offset += math.prod(m["shape"])
+        if p["size"] != offset:
+            raise _fail(where, f"packs[{i}].size", f"{offset} (the members' total)", p["size"])
 
 
 def _validate_schedule(where: str, schedule: Any, state: list[str]) -> None:
@@ -283,7 +301,7 @@ def _validate_schedule(where: str, schedule: Any, state: list[str]) -> None:
 
     if not isinstance(schedule, dict):
         raise _fail(where, "schedule", "an object or null", schedule)
-    for name, test in (("type", (lambda v: v in SCHEDULES, f"one of {sorted(SCHEDULES)}")),
+    for name, test in (("type", (lambda v: isinstance(v, str) and v in SCHEDULES, f"one of {sorted(SCHEDULES)}")),
                        ("args", (lambda v: isinstance(v, dict), "an object")),
                        ("counter", (lambda v: v in state, "the name of a state variable (the update count)")),
                        ("step_offset", (_is_int, "an integer"))):
