@@ -42,7 +42,7 @@ test: $(VENV)/.test-installed js-deps
 
 # the JavaScript trainer alone: Python writes the fixtures, node --test and Chromium train them
 test-js: $(VENV)/.test-installed js-deps
-	$(PY) -m pytest tests/test_export_js.py
+	$(PY) -m pytest tests/test_export_js.py tests/test_fault_js.py
 
 # the declared minimum versions (pyproject.toml) in a venv of their own: conformance + a
 # training smoke test (under a minute once the wheels are cached; not part of `make test`).

@@ -179,7 +179,10 @@ def test_exported_files_store_each_tensor_once(tmp_path):
     export_step(model, tmp_path)
     state_bytes = sum(t.ByteSize() for t in model.graph.initializer)
     for name in ("step.onnx", "eval.onnx"):
-        assert sum(t.ByteSize() for t in onnx.load(tmp_path / name).graph.initializer) < 200
+        initializers = onnx.load(tmp_path / name).graph.initializer
+        # what is left: small int64 constants (the flat optimizer's slice bounds and shapes), no state
+        assert all(t.data_type == onnx.TensorProto.INT64 and np.prod(t.dims) <= 8 for t in initializers)
+        assert sum(t.ByteSize() for t in initializers) < 600 * len(model.graph.initializer)
     total = sum(p.stat().st_size for p in tmp_path.iterdir())
     assert (tmp_path / "state.safetensors").stat().st_size < state_bytes * 3 + 4096  # P, V, H once each
     assert total <= 1.01 * len(model.SerializeToString())

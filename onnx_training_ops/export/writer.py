@@ -113,7 +113,7 @@ def _add_digests(out_dir: str, files: dict[str, Any]) -> None:
 
 def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
                 eval_outputs: Sequence[str] | None = None, ort: bool = False,
-                packed: bool = False) -> dict[str, Any]:
+                packed: bool = False, flat_optimizer: bool = False) -> dict[str, Any]:
     """Write the step, eval and inference models, the state and the manifest to ``out_dir``
     (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
     whose main graph has no outputs no inference model).
@@ -125,8 +125,11 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     ORT-format models and ``required_operators.config`` for onnxruntime mobile builds.
     ``packed``: also write ``step.packed.onnx``, the same step with the state packed into one
     input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to convert
-    each step). Returns the manifest. Every file entry carries its ``sha256``; ``classes``
-    and ``ignore_index`` give the range class labels must lie in.
+    each step). ``flat_optimizer``: for a GPU (:class:`~onnx_training_ops.export.DeviceTrainer`
+    on CUDA, WebGPU), each optimizer runs over all its tensors laid end to end, a few kernels
+    instead of ~16 per tensor; the same values bit for bit, slower on a CPU (the copies).
+    Returns the manifest. Every file entry carries its ``sha256``; ``classes`` and
+    ``ignore_index`` give the range class labels must lie in.
 
     Raises:
         TrainingOpError: not a training model, a nominal checkpoint (no values), a model the
@@ -136,7 +139,7 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     meta = metadata(model)
     state_protos = collect_state_protos(model)
     state = {name: numpy_helper.to_array(proto) for name, proto in state_protos.items()}
-    step = graphs.step_graph(model, state_protos, meta)
+    step = graphs.step_graph(model, state_protos, meta, flat=flat_optimizer)
     outputs = list(eval_outputs) if eval_outputs is not None else [o.name for o in model.graph.output]
     # a model without a loss (from_graph) has no eval model; one without outputs no inference model
     evaluation = graphs.eval_graph(model, state_protos, meta, outputs) if meta.get("loss") else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 from onnx import ModelProto
 
-from ..passes import NATIVE_PASSES, PASSES, PORTABLE_PASSES
+from ..passes import FLAT_PORTABLE_PASSES, NATIVE_PASSES, PASSES, PORTABLE_PASSES
 from ..storage.external_data import transposed
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, load_model
@@ -16,7 +16,8 @@ from . import plugin
 from .options import select_kernels
 
 
-def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False) -> ModelProto | LargeModel:
+def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False,
+            flat: bool = False) -> ModelProto | LargeModel:
     """Return a copy of ``model`` that a plain onnxruntime session (with :func:`session_options`) runs.
 
     Validates every node of ai.onnx.preview.training (raising TrainingOpError), expands
@@ -30,14 +31,16 @@ def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False
 
     ``portable=True`` (:data:`PORTABLE_PASSES`) lowers the optimizer nodes to standard ONNX
     ops instead: the result runs in any onnxruntime, or ``onnx.reference``, with nothing
-    registered.
+    registered. With ``flat=True`` too (:data:`FLAT_PORTABLE_PASSES`) each multi-tensor
+    optimizer node runs over its tensors laid end to end: a few elementwise kernels for all
+    parameters, what a GPU wants (bit for bit the per-tensor result).
 
     A :class:`~onnx_training_ops.storage.LargeModel`, or a file past
     :func:`~onnx_training_ops.storage.large_model_bytes`, comes back as a LargeModel: the
     passes rewrite its message, its big tensors stay arrays (memory-mapped from the file).
     """
     if portable:
-        passes = PORTABLE_PASSES
+        passes = FLAT_PORTABLE_PASSES if flat else PORTABLE_PASSES
     else:
         passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
     opened = load_model(model, large=True)
