@@ -393,3 +393,23 @@ def test_any_field_of_any_type_is_an_error_or_a_valid_load(export):
         session.set_lr_schedule(*before[1:])
     assert crashes == []
     assert len(paths) > 60
+
+
+def test_device_trainer_reads_through_the_same_checks(export, tmp_path):
+    """DeviceTrainer (CPU here): a flipped step.onnx byte and a bad schedule are the same
+    one-line errors as for session_from_export; verify=False skips the digest."""
+    from onnx_training_ops.export import DeviceTrainer
+
+    DeviceTrainer(export)
+    data = (export / "step.onnx").read_bytes()
+    _flip(export / "step.onnx", len(data) // 2)
+    with pytest.raises(TrainingOpError, match=r"step.onnx'.*SHA-256 differs from the manifest's"):
+        DeviceTrainer(export)
+    try:  # unchecked: the damaged bytes reach onnxruntime, which may load them or fail on its own terms
+        DeviceTrainer(export, verify=False)
+    except Exception as error:  # noqa: BLE001 - any error but ours
+        assert "SHA-256" not in str(error)
+    (export / "step.onnx").write_bytes(data)
+    _edit(export, lambda m: m["schedule"].update(args={"bogus": 2}))
+    with pytest.raises(TrainingOpError, match=r"field 'schedule.args' .* does not fit StepLR"):
+        DeviceTrainer(export)
