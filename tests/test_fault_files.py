@@ -21,8 +21,8 @@ import onnx_training_ops as ot
 from onnx_training_ops.cli import main
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.migrate import import_onnxruntime_training, read_checkpoint
 from onnx_training_ops.migrate import checkpoint_schema as fbs
+from onnx_training_ops.migrate import import_onnxruntime_training, read_checkpoint
 from onnx_training_ops.storage.model_files import load_model
 
 

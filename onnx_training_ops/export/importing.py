@@ -17,7 +17,8 @@ import numpy as np
 from ..build.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..training.schedules import SCHEDULES
-from . import manifest as manifest_, safetensors
+from . import manifest as manifest_
+from . import safetensors
 from .writer import FILES
 
 
