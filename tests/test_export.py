@@ -3,6 +3,7 @@ the JavaScript trainer is tested in test_export_js.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -214,7 +215,9 @@ def test_cli_export_step_with_ort_format(tmp_path, capsys):
     assert main(["export-step", str(checkpoint), str(tmp_path / "out"), "--ort"]) == 0
     assert "step.ort" in capsys.readouterr().out
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["files"]["step_ort"] == {"path": "step.ort"}
+    assert manifest["files"]["step_ort"]["path"] == "step.ort"
+    for entry in manifest["files"].values():  # every file's digest, by hashlib
+        assert entry["sha256"] == hashlib.sha256((tmp_path / "out" / entry["path"]).read_bytes()).hexdigest()
     config = read_config((tmp_path / "out" / "required_operators.config").read_text())
     step = onnx.load(tmp_path / "out" / "step.onnx")
     for domain, versions in model_ops(step).items():

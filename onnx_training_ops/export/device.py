@@ -25,10 +25,11 @@ import onnxruntime as ort
 from ..errors import TrainingOpError
 from ..storage.checkpoint import atomic_write
 from ..training.providers import provider_name, require_available
-from ..training.schedules import SCHEDULES, checked_rate
+from ..training.schedules import checked_rate
 from ..training.step import NONFINITE_POLICIES, NonFiniteLossError
 from . import safetensors
-from .importing import read_state
+from . import manifest as manifest_
+from .importing import manifest_schedule, read_state
 
 # execution provider -> the OrtValue device type its inputs live on
 _DEVICE_OF = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda",
@@ -54,6 +55,7 @@ class DeviceTrainer:
         on_nonfinite: ``"raise"`` (:class:`NonFiniteLossError`), ``"skip"`` or ``"ignore"``: what a
             NaN or infinite loss does; the first two keep the state as it was.
         sess_options: onnxruntime SessionOptions for the step and eval sessions.
+        verify: check the files against the manifest's SHA-256 digests (False skips it, for speed).
 
     Raises:
         TrainingOpError: the directory is not a valid export, or a provider is not available.
@@ -61,13 +63,13 @@ class DeviceTrainer:
 
     def __init__(self, directory: str | os.PathLike, providers: Sequence[str | tuple[str, dict]] | None = None,
                  *, device_id: int = 0, on_nonfinite: str = "raise",
-                 sess_options: ort.SessionOptions | None = None) -> None:
+                 sess_options: ort.SessionOptions | None = None, verify: bool = True) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
         providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
         require_available(providers)
         self.directory = os.fspath(directory)
-        state, manifest = read_state(self.directory)
+        state, manifest = read_state(self.directory, verify)
         if manifest is None:
             raise TrainingOpError(f"{self.directory!r}: DeviceTrainer takes an export directory (manifest.json)")
         self.manifest = manifest
@@ -76,9 +78,11 @@ class DeviceTrainer:
         self.device = _device_for(providers)
         self.device_id = int(device_id)
         files = manifest["files"]
-        self._step = ort.InferenceSession(self._path(files["step"]["path"]), sess_options, providers=providers)
-        self._eval = (ort.InferenceSession(self._path(files["eval"]["path"]), sess_options, providers=providers)
-                      if "eval" in files else None)
+        # the bytes checked against the manifest's sha256, read from inside the directory
+        self._step = ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "step", verify),
+                                          sess_options, providers=providers)
+        self._eval = (ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "eval", verify),
+                                           sess_options, providers=providers) if "eval" in files else None)
         self._feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
         self._inputs = {e["name"]: e for e in manifest["inputs"]}
         self._eval_inputs = {e["name"]: e for e in manifest.get("eval_inputs", [])}
@@ -89,12 +93,8 @@ class DeviceTrainer:
         self._schedule = None
         self._schedule_offset = 0
         if manifest.get("schedule"):
-            entry = manifest["schedule"]
-            args = dict(entry["args"])
-            if "milestones" in args:
-                args["milestones"] = tuple(args["milestones"])
-            self._schedule = SCHEDULES[entry["type"]](**args)
-            self._schedule_offset = int(entry["step_offset"])
+            self._schedule, _ = manifest_schedule(manifest, state, repr(os.path.join(self.directory, "manifest.json")))
+            self._schedule_offset = int(manifest["schedule"]["step_offset"])
         self._counter = manifest.get("counter")
         self._returned = list(manifest["returned"])
         self._loss = manifest.get("loss")
