@@ -75,7 +75,25 @@ def adam(
     norm_coefficient: float = DEFAULTS["norm_coefficient"],
     norm_coefficient_post: float = DEFAULTS["norm_coefficient_post"],
 ) -> tuple[np.ndarray, ...]:
-    """Adam over ``X1..Xn, G1..Gn, V1..Vn, H1..Hn``; returns ``X_new.., V_new.., H_new..``."""
+    """Adam over ``X1..Xn, G1..Gn, V1..Vn, H1..Hn``, in the ONNX pseudo code's operation order.
+
+    Args:
+        r: the learning rate R, a float scalar.
+        t: the update count T, an int64 scalar (no bias correction when 0).
+        *tensors: ``X1..Xn, G1..Gn, V1..Vn, H1..Hn``; G/V/H may broadcast to their X's shape.
+        alpha: the first moment's decay.
+        beta: the second moment's decay.
+        epsilon: added to ``sqrt(H)``.
+        norm_coefficient: L2 penalty added to the gradient.
+        norm_coefficient_post: ``X <- (1 - c) * X_new`` after the update.
+
+    Returns:
+        ``X_new1..n, V_new1..n, H_new1..n``, each in its X's dtype; the inputs are not modified.
+
+    Raises:
+        TrainingOpError: R not a float scalar, T not an int64 scalar, a tensor count that does
+            not fit, or shapes that do not broadcast to X's.
+    """
     rate = adam_rate(scalar_rate(r, "Adam"), scalar_count(t, "Adam"), alpha, beta)
     return interleave(
         [
@@ -145,6 +163,17 @@ class Adam(Defaults):
 
     ``eps`` is added to ``sqrt(H)`` before the bias correction (TensorFlow's form), see the
     module doc; torch and this op agree exactly when ``eps == 0``.
+
+    Args:
+        lr: learning rate (the base rate of the model's learning-rate input).
+        betas: ``(beta1, beta2)``, ONNX's ``alpha`` and ``beta``, each in [0, 1).
+        eps: ONNX's ``epsilon``, added to ``sqrt(H)``.
+        weight_decay: L2 penalty added to the gradient (ONNX's ``norm_coefficient``).
+        post_weight_decay: ONNX's ``norm_coefficient_post``, ``X <- (1 - c) * X_new`` after the
+            update, not scaled by the learning rate.
+
+    Raises:
+        TrainingOpError: a value out of range (negative, not finite, betas not in [0, 1)).
     """
 
     lr: float = 1e-3
@@ -175,9 +204,21 @@ class Adam(Defaults):
 
 @dataclass(frozen=True)
 class AdamW(Adam):
-    """``torch.optim.AdamW``: decoupled weight decay ``X <- X * (1 - lr*weight_decay)``
-    before the Adam update (default ``weight_decay=1e-2``, as torch). The decay is emitted
-    as standard ONNX ops before the ``Adam`` node, whose own ``norm_coefficient`` stays 0."""
+    """``torch.optim.AdamW``: decoupled weight decay ``X <- X * (1 - lr*weight_decay)`` before the Adam update.
+
+    The decay is emitted as standard ONNX ops before the ``Adam`` node, whose own
+    ``norm_coefficient`` stays 0; the learning rate scales it, so schedules do too.
+
+    Args:
+        lr: learning rate.
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: ONNX's ``epsilon``, added to ``sqrt(H)``.
+        weight_decay: decoupled weight decay (default 1e-2, as torch's).
+        post_weight_decay: ONNX's ``norm_coefficient_post`` (see :class:`Adam`).
+
+    Raises:
+        TrainingOpError: a value out of range.
+    """
 
     weight_decay: float = 1e-2
 

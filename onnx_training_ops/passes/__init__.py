@@ -2,7 +2,8 @@
 
 Each pass takes a ModelProto and returns it rewritten (pure ONNX in, ONNX out; nothing here
 talks to onnxruntime beyond reading its supported versions). :data:`PASSES` targets the PyOp
-kernels, :data:`NATIVE_PASSES` the native ones, :data:`PORTABLE_PASSES` plain onnxruntime;
+kernels, :data:`NATIVE_PASSES` the native ones, :data:`PORTABLE_PASSES` plain onnxruntime
+(:data:`FLAT_PORTABLE_PASSES` the same for a GPU: one optimizer chain over all parameters);
 :func:`onnx_training_ops.prepare` (``runtime/pipeline.py``) picks one and runs it on a copy.
 
 May import: errors, schema, walk, storage, optim (the optimizers' lowerings), kernels, autodiff.
@@ -19,6 +20,7 @@ from .conv_forward_gemm import conv_forward_gemm
 from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient, expand_gradient_native
 from .fill_defaults import fill_default_attributes
+from .flatten_optimizers import flatten_optimizers
 from .fuse_gelu import fuse_gelu
 from .fit_runtime import fit_runtime
 from .lower_cross_entropy import lower_cross_entropy
@@ -46,6 +48,12 @@ PASSES: list[tuple[str, Pass]] = [
     ("encode_exact_attributes", encode_exact_attributes),
     ("fit_runtime", fit_runtime),
 ]
+"""The (name, pass) pipeline :func:`~onnx_training_ops.prepare` runs for the PyOp kernels, in order.
+
+Each pass takes a ModelProto and returns a new one. The native kernels' pipeline
+(``NATIVE_PASSES``) and the portable form's (``PORTABLE_PASSES``) share its first passes;
+what each pass does: [Kernel paths](../kernels.md#prepare-passes).
+"""
 # The native kernels take multi-tensor nodes whole and read the attributes themselves; the
 # Gradient is expanded with the native backward kernels where a rule has one, the cross
 # entropy lowered to its native loss kernel, a forward Conv reuses its native im2col columns,
@@ -72,6 +80,20 @@ PORTABLE_PASSES: list[tuple[str, Pass]] = [
     ("expand_gradient", expand_gradient),
     ("lower_cross_entropy", lower_cross_entropy),
     ("fill_default_attributes", fill_default_attributes),
+    ("lower_optimizers", lower_optimizers),
+    ("fit_runtime", fit_runtime),
+]
+# The portable form for a GPU (CUDA, WebGPU): each multi-tensor optimizer node runs over its
+# tensors laid end to end, one chain of elementwise kernels for all parameters. On a CPU the
+# copies in and out cost more than the per-tensor chains (BERT 4L/256: 1.26x the step).
+FLAT_PORTABLE_PASSES: list[tuple[str, Pass]] = [
+    ("validate", validate),
+    ("split_sequences", split_sequences),
+    ("lower_recurrent", lower_recurrent),
+    ("expand_gradient", expand_gradient),
+    ("lower_cross_entropy", lower_cross_entropy),
+    ("fill_default_attributes", fill_default_attributes),
+    ("flatten_optimizers", flatten_optimizers),
     ("lower_optimizers", lower_optimizers),
     ("fit_runtime", fit_runtime),
 ]
