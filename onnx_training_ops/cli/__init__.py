@@ -16,17 +16,9 @@ import sys
 from typing import Sequence
 
 
+from .extras import MissingExtra, require as _require
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-
-class MissingExtra(Exception):
-    """A command needs an optional dependency that is not installed."""
-
-
-def _require(module: str, extra: str) -> None:
-    import importlib.util
-    if importlib.util.find_spec(module) is None:
-        raise MissingExtra(f"this command needs {module!r}: pip install 'onnx-training-ops[{extra}]'")
 
 
 def _positive_int(text: str) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import TrainingOpError
 from ..storage.checkpoint import atomic_write
 from .data import match_feeds, read_columns
+from .extras import require
 
 CHECKPOINT, METRICS, CURVE, INFERENCE = "checkpoint.onnx", "metrics.jsonl", "loss_curve.png", "inference_model.onnx"
 RUN_KEYS = ("cli.batch_size", "cli.seed")  # settings a resumed run must share with the first
@@ -167,12 +168,10 @@ def train_model(args: argparse.Namespace) -> int:
         raise TrainingOpError(f"--out {args.out!r} is a file; give a directory")
     tqdm = None
     if not args.no_progress:
-        from . import _require
-        _require("tqdm", "demo")
+        require("tqdm", "demo")
         from tqdm import tqdm
     if not args.no_plot:
-        from . import _require
-        _require("matplotlib", "demo")
+        require("matplotlib", "demo")
 
     session, resumed = _open(args)
     labels = session.metadata.get("labels")
