@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import os
+import sys
 
 from ..errors import TrainingOpError
 
@@ -110,6 +111,7 @@ def build(args: argparse.Namespace) -> int:
         TrainingOpError: a bad model or option (exit status 2).
     """
     from ..build import CrossEntropyLoss, build_training_model
+    from ..build.untie import describe, untie_merged_initializers
     from ..storage.model_files import load_model
     from ..storage.save import save_model
     from ..storage.tensors import proto_of
@@ -128,6 +130,9 @@ def build(args: argparse.Namespace) -> int:
                               f"not {loss}")
     optimizer = make_optimizer(args)
     model = load_model(args.input, large=True)
+    untied = untie_merged_initializers(proto_of(model))  # as the builder would: patterns see every parameter
+    if untied:
+        print(f"note: {describe(untied)}", file=sys.stderr)
     names = [t.name for t in proto_of(model).graph.initializer]
     trainable = _matching(args.trainable, names, "--trainable") if args.trainable else None
     param_groups = None
