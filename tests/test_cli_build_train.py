@@ -158,3 +158,19 @@ def test_a_missing_progress_bar_is_a_one_line_hint(digits, tmp_path, monkeypatch
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: this command needs 'tqdm': pip install 'onnx-training-ops[demo]'"
+
+
+def test_trainable_patterns_see_parameters_the_torchscript_exporter_merged(tmp_path, capsys):
+    """An Identity alias (TorchScript's merge of equal values) is a parameter --trainable can name."""
+    model = make_mlp((4, 8, 8))
+    inits = {t.name: t for t in model.graph.initializer}
+    inits["b1"].CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(inits["b0"]), "b1"))
+    model.graph.initializer.remove(inits["b1"])
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["b0"], ["b1"]))
+    onnx.save(model, tmp_path / "m.onnx")
+    assert main(["build", str(tmp_path / "m.onnx"), str(tmp_path / "t.onnx"), "--loss", "mse",
+                 "--trainable", "W1", "b1"]) == 0
+    assert "merged with an equal one" in capsys.readouterr().err
+    assert main(["summary", str(tmp_path / "t.onnx"), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in s["trainable"]] == ["W1", "b1"] and {"W0", "b0"} <= {t["name"] for t in s["frozen"]}
