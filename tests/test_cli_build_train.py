@@ -63,7 +63,7 @@ def test_build_then_train_learns_the_digits(digits, tmp_path, capsys):
     assert rows[-1]["eval_loss"] == pytest.approx(nll, rel=1e-5)
 
 
-def test_an_interrupted_run_resumes_to_the_result_of_one_run(digits, tmp_path, monkeypatch):
+def test_an_interrupted_run_resumes_to_the_result_of_one_run(digits, tmp_path, monkeypatch, capsys):
     root, _, _ = digits
     args = ("--epochs", "3", "--schedule", "warmup_cosine:warmup_steps=10")
     assert _train(root, tmp_path / "whole", *args) == 0
@@ -84,8 +84,16 @@ def test_an_interrupted_run_resumes_to_the_result_of_one_run(digits, tmp_path, m
     whole = TrainingSession(str(tmp_path / "whole" / "checkpoint.onnx")).state_dict()
     parts = TrainingSession(str(tmp_path / "parts" / "checkpoint.onnx")).state_dict()
     assert whole.keys() == parts.keys() and all(np.array_equal(whole[k], parts[k]) for k in whole)
-    # a later run with more epochs continues; a run with other settings is refused
-    assert _train(root, tmp_path / "parts", "--epochs", "3", "--batch-size", "32") == 2
+    # a finished run is no silent no-op; a run with other settings is refused
+    assert _train(root, tmp_path / "parts", *args) == 2
+    assert _train(root, tmp_path / "parts", "--epochs", "4", "--batch-size", "32") == 2
+    assert _train(root, tmp_path / "parts", "--epochs", "4", "--schedule", "warmup_cosine:warmup_steps=10") == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "nothing to train" in err[0] and "--batch-size 64, this run asks 32" in err[1]
+    assert "sized for --epochs 3, this run asks 4" in err[2]
+    # without a schedule a larger --epochs trains further
+    assert _train(root, tmp_path / "plain", "--epochs", "1") == 0 and _train(root, tmp_path / "plain", "--epochs", "2") == 0
+    assert [r["epoch"] for r in _rows(tmp_path / "plain")] == [1, 2]
 
 
 def test_csv_and_safetensors_train_exactly_as_npz(digits, tmp_path):

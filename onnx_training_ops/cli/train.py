@@ -187,9 +187,9 @@ def train_model(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     metrics_path = os.path.join(args.out, METRICS)
     rows = _read_metrics(metrics_path, done)
-    if done >= args.epochs:
-        print(f"{args.out}: {done} epochs already done (--epochs {args.epochs}); nothing to do")
-        return 0
+    if done >= args.epochs:  # no silent no-op (as the data-parallel demo)
+        raise TrainingOpError(f"{os.path.join(args.out, CHECKPOINT)} already holds {done} epoch(s) and --epochs is "
+                              f"{args.epochs}: nothing to train (raise --epochs, or use another --out)")
     if resumed:
         print(f"resuming from {os.path.join(args.out, CHECKPOINT)} after epoch {done}", file=sys.stderr)
     bar = tqdm(total=(args.epochs - done) * steps_per_epoch, unit="step", desc="training") if tqdm else None
