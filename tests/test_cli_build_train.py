@@ -182,3 +182,12 @@ def test_trainable_patterns_see_parameters_the_torchscript_exporter_merged(tmp_p
     assert main(["summary", str(tmp_path / "t.onnx"), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert [t["name"] for t in s["trainable"]] == ["W1", "b1"] and {"W0", "b0"} <= {t["name"] for t in s["frozen"]}
+
+
+def test_progress_bar_and_threads(digits, tmp_path, capsys):
+    root, _, _ = digits
+    assert main(["train", str(root / "train.onnx"), "--data", str(root / "train.npz"), "--epochs", "1",
+                 "--threads", "1", "--out", str(tmp_path), "--no-plot"]) == 0
+    captured = capsys.readouterr()
+    assert "22/22" in captured.err and "step" in captured.err  # tqdm's bar: 22 steps of 64 (the last 56)
+    assert "trained 1 epoch: training loss" in captured.out and not (tmp_path / "loss_curve.png").exists()

@@ -2,14 +2,15 @@
 
 Each epoch shuffles the samples (the order depends on ``--seed`` and the epoch only), steps
 through them in batches of ``--batch-size`` (the last one smaller), evaluates ``--eval-data``
-if given, then writes to ``--out``, in this order:
+if given, then writes to ``--out``, in this order (each file atomically):
 
-* ``checkpoint.onnx``: the training model with its state, the epoch and the run's settings
-  (the session's ``properties``) and the schedule's position, atomically. A second run
-  with the same ``--out`` continues from it: the same result as one long run.
 * ``metrics.jsonl``: one JSON object per epoch (``epoch``, ``steps``, ``train_loss``,
-  ``eval_loss``, ``lr``, ``seconds``), rewritten atomically.
-* ``loss_curve.png``: training (and held-out) loss per epoch (matplotlib, the demo extra).
+  ``eval_loss``, ``lr``, ``seconds``);
+* ``loss_curve.png``: training (and held-out) loss per epoch (matplotlib, the demo extra);
+* ``checkpoint.onnx``: the training model with its state, the epoch and the run's settings
+  (the session's ``properties``) and the schedule's position. A second run with the same
+  ``--out`` continues from it (dropping log rows past its epoch): the same result as one
+  long run.
 
 At the end, ``inference_model.onnx``: the trained weights without training_info.
 """
@@ -32,7 +33,6 @@ from .data import match_feeds, read_columns
 from .extras import require
 
 CHECKPOINT, METRICS, CURVE, INFERENCE = "checkpoint.onnx", "metrics.jsonl", "loss_curve.png", "inference_model.onnx"
-RUN_KEYS = ("cli.batch_size", "cli.seed")  # settings a resumed run must share with the first
 
 
 def parse_schedule(text: str, total_steps: int):
@@ -116,6 +116,12 @@ def _plot(path: str, rows: list[dict]) -> None:
     atomic_write(path, buffer.getvalue())
 
 
+def _run_settings(args: argparse.Namespace, samples: int | None) -> dict:
+    """What a resumed run must share with the first (kept in the checkpoint's properties)."""
+    settings = {"cli.batch_size": args.batch_size, "cli.seed": args.seed}
+    return settings if samples is None else {**settings, "cli.samples": samples}
+
+
 def _open(args: argparse.Namespace):
     """The session: the checkpoint in --out when there is one (checked against this run), else the model."""
     import onnxruntime as ort
@@ -131,7 +137,7 @@ def _open(args: argparse.Namespace):
     session = TrainingSession(checkpoint if resumed else args.model, sess_options=options)
     if resumed:
         props = session.properties
-        for key, value in (("cli.batch_size", args.batch_size), ("cli.seed", args.seed)):
+        for key, value in _run_settings(args, None).items():
             if props.get(key) != value:
                 raise TrainingOpError(f"{checkpoint} was written by a run with --{key[4:].replace('_', '-')} "
                                       f"{props.get(key)}, this run asks {value}: use another --out to start afresh")
@@ -180,6 +186,9 @@ def train_model(args: argparse.Namespace) -> int:
     if args.eval_data:
         eval_data = match_feeds(read_columns(args.eval_data, labels), session.eval_feeds(), args.eval_data)
     n = len(next(iter(data.values())))
+    if resumed and session.properties.get("cli.samples", n) != n:
+        raise TrainingOpError(f"{os.path.join(args.out, CHECKPOINT)} was trained on {session.properties['cli.samples']} "
+                              f"samples, --data {args.data} holds {n}: use another --out to start afresh")
     steps_per_epoch = -(-n // args.batch_size)
     done = int(session.properties.get("epoch", 0)) if resumed else 0
     if not resumed and args.schedule:
@@ -207,19 +216,19 @@ def train_model(args: argparse.Namespace) -> int:
             bar.set_postfix(epoch=epoch, loss=f"{row['train_loss']:.4f}")
         else:
             print(json.dumps(row), file=sys.stderr)
-        session.properties.update({"epoch": epoch, "cli.batch_size": args.batch_size, "cli.seed": args.seed})
-        if args.schedule and not resumed:
-            session.properties.update({"cli.schedule": args.schedule, "cli.schedule_epochs": args.epochs})
-        session.save(os.path.join(args.out, CHECKPOINT))
-        rows.append(row)
+        rows.append(row)  # the log first: a resumed run drops rows past its checkpoint's epoch
         atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
         if not args.no_plot:
             _plot(os.path.join(args.out, CURVE), rows)
+        session.properties.update({"epoch": epoch, **_run_settings(args, n)})
+        if args.schedule and not resumed:
+            session.properties.update({"cli.schedule": args.schedule, "cli.schedule_epochs": args.epochs})
+        session.save(os.path.join(args.out, CHECKPOINT))
     if bar is not None:
         bar.close()
     session.export_inference_model(os.path.join(args.out, INFERENCE))
     last = rows[-1]
-    print(f"trained {args.epochs} epochs: training loss {last['train_loss']:.4f}"
+    print(f"trained {args.epochs} epoch{'' if args.epochs == 1 else 's'}: training loss {last['train_loss']:.4f}"
           + (f", held-out loss {last['eval_loss']:.4f}" if last["eval_loss"] is not None else "")
           + f"; wrote {args.out}/{{{CHECKPOINT}, {METRICS}, {INFERENCE}"
           + ("" if args.no_plot else f", {CURVE}") + "}")
