@@ -191,3 +191,13 @@ def test_progress_bar_and_threads(digits, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "22/22" in captured.err and "step" in captured.err  # tqdm's bar: 22 steps of 64 (the last 56)
     assert "trained 1 epoch: training loss" in captured.out and not (tmp_path / "loss_curve.png").exists()
+
+
+def test_a_built_model_exports_for_javascript_without_python(digits, tmp_path):
+    """build then export-step: the training step for onnxruntime-web/node/mobile from the shell."""
+    root, _, _ = digits
+    assert main(["export-step", str(root / "train.onnx"), str(tmp_path / "web")]) == 0
+    manifest = json.loads((tmp_path / "web" / "manifest.json").read_text())
+    params = [s["name"] for s in manifest["state"] if s["role"] == "parameter"]
+    assert params == ["W0", "b0", "W1", "b1"] and manifest["optimizer"]["type"] == "AdamW"
+    assert (tmp_path / "web" / manifest["files"]["step"]["path"]).is_file()
