@@ -142,7 +142,7 @@ def test_build_options_and_summary(digits, tmp_path, capsys):
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "cross_entropy", "--trainable", "nope*"], "matches no initializer"),
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "mse", "--class-axis", "1"], "--class-axis: options of"),
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "cross_entropy", "--optimizer", "adagrad", "--momentum", "0.9"],
-     "--momentum is for"),
+     "--momentum is not an option of --optimizer adagrad"),
     (["summary", "{root}/nothing.onnx"], "nothing.onnx"),
 ])
 def test_bad_input_exits_2_with_one_line(digits, tmp_path, capsys, argv, message):

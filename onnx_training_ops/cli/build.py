@@ -65,23 +65,24 @@ def make_optimizer(args: argparse.Namespace):
 
     Returns:
         An optimizer of :mod:`onnx_training_ops.build.optimizers` (or RMSProp).
+
+    Raises:
+        TrainingOpError: an option the optimizer does not take, or a value it refuses.
     """
     from ..build.optimizers import Adagrad, Adam, AdamW, Momentum
     from ..build.rmsprop import RMSProp
 
     kind = args.optimizer
-    values = {"lr": args.lr, "weight_decay": args.weight_decay, "eps": args.eps}
-    if kind in ("adam", "adamw"):
-        values["betas"] = tuple(args.betas) if args.betas else None
-    elif args.betas:
-        raise TrainingOpError(f"--betas is for adam/adamw, not {kind}")
-    if kind in ("momentum", "sgd", "rmsprop"):
-        values["momentum"] = 0.0 if kind == "sgd" and args.momentum is None else args.momentum
-        values.pop("eps") if kind != "rmsprop" else None
-    elif args.momentum is not None:
-        raise TrainingOpError(f"--momentum is for momentum/sgd/rmsprop, not {kind}")
-    if kind in ("momentum", "sgd") and args.eps is not None:
-        raise TrainingOpError(f"--eps is not an argument of {kind}")
+    takes = {"adam": {"betas", "eps"}, "adamw": {"betas", "eps"}, "momentum": {"momentum"}, "sgd": {"momentum"},
+             "adagrad": {"eps"}, "rmsprop": {"momentum", "eps"}}[kind]
+    given = {"betas": tuple(args.betas) if args.betas else None, "momentum": args.momentum, "eps": args.eps}
+    for option, value in given.items():
+        if value is not None and option not in takes:
+            raise TrainingOpError(f"--{option} is not an option of --optimizer {kind} (it takes "
+                                  f"{', '.join('--' + t for t in sorted(takes))}, --lr, --weight-decay)")
+    values = {"lr": args.lr, "weight_decay": args.weight_decay, **{k: v for k, v in given.items() if k in takes}}
+    if kind == "sgd" and args.momentum is None:
+        values["momentum"] = 0.0  # torch's SGD: no momentum unless asked
     cls = {"adam": Adam, "adamw": AdamW, "momentum": Momentum, "sgd": Momentum, "adagrad": Adagrad,
            "rmsprop": RMSProp}[kind]
     return cls(**{k: v for k, v in values.items() if v is not None})
