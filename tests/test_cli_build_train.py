@@ -137,7 +137,7 @@ def test_build_options_and_summary(digits, tmp_path, capsys):
     (["train", "{root}/mlp.onnx", "--data", "{root}/train.npz"], "no training_info"),
     (["train", "{root}/train.onnx", "--data", "{root}/bad.npz"], "'pixels' is not an input"),
     (["train", "{root}/train.onnx", "--data", "{root}/train.npz", "--schedule", "cosin"], "expected one of"),
-    (["train", "{root}/train.onnx", "--data", "{root}/train.npz", "--optimizer", "adam"], "holds its optimizer"),
+    (["train", "{root}/train.onnx", "--data", "{root}/train.npz", "--optimizer", "adam"], "--optimizer: options of the demo"),
     (["train", "--data", "{root}/train.npz"], "needs a training model"),
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "cross_entropy", "--trainable", "nope*"], "matches no initializer"),
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "mse", "--class-axis", "1"], "--class-axis: options of"),

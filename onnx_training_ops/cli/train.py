@@ -163,9 +163,12 @@ def train_model(args: argparse.Namespace) -> int:
     Raises:
         TrainingOpError: bad data, model or options (exit status 2).
     """
-    if args.nproc > 1 or args.shard_optimizer_state or args.optimizer is not None:
-        raise TrainingOpError("--nproc, --shard-optimizer-state and --optimizer belong to the demo; a training "
-                              "model holds its optimizer (choose it with `onnx-training-ops build`)")
+    demo_only = {"--nproc": args.nproc > 1, "--shard-optimizer-state": args.shard_optimizer_state,
+                 "--max-restarts": args.max_restarts != 0, "--min-accuracy": args.min_accuracy != 0.0,
+                 "--optimizer": args.optimizer is not None}
+    if any(demo_only.values()):
+        raise TrainingOpError(f"{', '.join(k for k, v in demo_only.items() if v)}: options of the demo (train without "
+                              "a model); a training model holds its optimizer (choose it with `onnx-training-ops build`)")
     if not args.data:
         raise TrainingOpError("train TRAINING.onnx needs --data FILE (.npz, .safetensors or .csv)")
     if args.lr is not None and args.schedule:
