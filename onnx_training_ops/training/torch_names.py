@@ -37,7 +37,7 @@ def _array(value: Any) -> np.ndarray:
 
 def _exporter_name(name: str) -> bool:
     """A name the exporter made up (``onnx::MatMul_398``, ``/layer/Constant_output_0``, ``val_3``)."""
-    return name.startswith("/") or "::" in name or name.startswith("val_")
+    return name.startswith(("/", "val_")) or "::" in name
 
 
 def torch_name_map(model: onnx.ModelProto, state_dict: Mapping[str, Any]) -> dict[str, dict]:
