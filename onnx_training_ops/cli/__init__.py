@@ -127,7 +127,7 @@ def _train(args: argparse.Namespace) -> int:
         return train_model(args)
     for option, given in (("--data", args.data), ("--eval-data", args.eval_data), ("--schedule", args.schedule),
                           ("--threads", args.threads)):
-        if given:
+        if given is not None:
             from ..errors import TrainingOpError
 
             raise TrainingOpError(f"{option} needs a training model: onnx-training-ops train TRAINING.onnx "
@@ -263,6 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, found {text!r}")
+    return value
+
+
 def _train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("model", nargs="?", default=None,
                    help="the training model (.onnx, from `build`); omitted: the digits demo")
@@ -272,7 +282,6 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
                    help="learning-rate schedule: cosine, linear, step:step_size=N, exponential:gamma=G, "
                         "warmup_cosine:warmup_steps=N, warmup_linear:warmup_steps=N, onecycle:max_lr=X "
                         "(torch's argument names; the run's total steps by default)")
-    t.add_argument("--threads", type=_positive_int, default=None, help="onnxruntime intra-op threads")
     t.add_argument("--no-plot", action="store_true", help="no loss-curve PNG (no matplotlib needed)")
     t.add_argument("--out", default="out/", help="output folder (default: out/)")
     t.add_argument("--epochs", type=_positive_int, default=30, help="epochs (default: 30)")
@@ -283,6 +292,8 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--batch-size", type=_positive_int, default=64)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--threads", type=_threads, default=None,
+                   help="onnxruntime intra-op threads (0: one per core; default: 1 for a small model, else 0)")
     t.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit with status 1 when the held-out accuracy is below this")
     t.add_argument("--nproc", type=_positive_int, default=1,

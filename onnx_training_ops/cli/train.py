@@ -129,7 +129,7 @@ def _open(args: argparse.Namespace):
     from ..training import TrainingSession
 
     options = None
-    if args.threads:
+    if args.threads is not None:  # 0: onnxruntime's default, one per core
         options = ort.SessionOptions()
         options.intra_op_num_threads = args.threads
     checkpoint = os.path.join(args.out, CHECKPOINT)
