@@ -73,7 +73,7 @@ def _export_step(args: argparse.Namespace) -> int:
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a file; give a directory")
     manifest = export_step(args.input, args.output, eval_outputs=args.eval_outputs, ort=args.ort,
-                           packed=args.packed)
+                           packed=args.packed, flat_optimizer=args.flat_optimizer)
     print(f"exported {args.input} -> {args.output}: " + ", ".join(f["path"] for f in manifest["files"].values())
           + ", manifest.json")
     return EXIT_OK
@@ -166,6 +166,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         return memory_main(args.bench_args[1:])
 
+    if args.bench_args[:1] == ["gpu"]:  # ours (state on the device) vs torch fp32 and AMP bf16, on a GPU
+        from .bench.gpu import main as gpu_main
+
+        return gpu_main(args.bench_args[1:])
+
     if args.bench_args[:1] == ["models"]:  # real models: ours vs onnxruntime-training, torch eager, torch.compile
         from ..bench.models import main as models_main
 
@@ -233,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--packed", action="store_true",
                    help="also write step.packed.onnx: the state packed into one input and one output per "
                         "dtype (faster in bindings that convert each tensor per run, such as onnxruntime-node)")
+    e.add_argument("--flat-optimizer", action="store_true",
+                   help="for a GPU: each optimizer runs over all its tensors laid end to end (a few kernels "
+                        "instead of ~16 per tensor; the same values; slower on a CPU)")
     e.set_defaults(func=_export_step)
     summary.add_parser(commands)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
