@@ -41,6 +41,7 @@ from .session_files import Checkpointing
 from .session_loop import TrainingLoop
 from .session_parameters import FlatParameters
 from .session_state import StateAccess
+from .session_summary import Introspection
 from .binding import open_program
 from .checks import batch_checker, stored_properties
 from .fast_path import flatten_cut_state
@@ -60,7 +61,7 @@ from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
 
 
-class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, FlatParameters):
+class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, FlatParameters, Introspection):
     """Run an ONNX training model: ``initialize()``, ``step(feeds)``, ``run(...)``, checkpoints.
 
     The state starts at the model's initializers, so a checkpoint written by
