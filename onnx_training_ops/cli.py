@@ -77,8 +77,17 @@ def _export_step(args: argparse.Namespace) -> int:
 
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a file; give a directory")
+    shapes = {}
+    for spec in args.input_shapes or []:
+        name, sep, dims = spec.partition("=")
+        try:
+            shapes[name] = [int(d) for d in dims.split(",")]
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise TrainingOpError(f"--input-shape {spec!r}: expected NAME=D,D,... (e.g. input=32,64)")
     manifest = export_step(args.input, args.output, eval_outputs=args.eval_outputs, ort=args.ort,
-                           packed=args.packed)
+                           packed=args.packed, target=args.target, input_shapes=shapes or None)
     print(f"exported {args.input} -> {args.output}: " + ", ".join(f["path"] for f in manifest["files"].values())
           + ", manifest.json")
     return EXIT_OK
@@ -223,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--packed", action="store_true",
                    help="also write step.packed.onnx: the state packed into one input and one output per "
                         "dtype (faster in bindings that convert each tensor per run, such as onnxruntime-node)")
+    e.add_argument("--target", choices=("portable", "webgpu"), default="portable",
+                   help="webgpu: also write step.webgpu.onnx, a step whose every node runs on onnxruntime-web's "
+                        "WebGPU provider (no LogSoftmax/OneHot/Sum, no float64, the update count on the host, "
+                        "static shapes); the portable step stays as the wasm fallback")
+    e.add_argument("--input-shape", dest="input_shapes", action="append", default=None, metavar="NAME=D,D,...",
+                   help="the static shape of a data input with symbolic dims (--target webgpu; repeatable)")
     e.set_defaults(func=_export_step)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
     c.add_argument("--portable", action="store_true",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -23,10 +23,11 @@ from ..schema import DOMAIN, OPTIMIZERS
 from ..storage import checkpoint
 from ..storage.model_files import ModelLike, load_model
 from ..training.state import collect_state_protos
-from . import graphs, manifest as manifest_, packing, safetensors
+from . import graphs, manifest as manifest_, packing, safetensors, webgpu
 
 FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
-         "state": "state.safetensors"}
+         "state": "state.safetensors", "step_webgpu": webgpu.FILE}
+TARGETS = ("portable", "webgpu")
 
 
 def _training_model(model_or_checkpoint: Any) -> onnx.ModelProto:
@@ -75,9 +76,36 @@ def _write(out_dir: str, kind: str, model: onnx.ModelProto) -> dict[str, Any]:
     return {"path": FILES[kind], "operators": graphs.operators(model)}
 
 
+def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelProto, state: dict[str, np.ndarray],
+                 input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """The WebGPU step model and the manifest's ``webgpu`` section: its data inputs (labels
+    and ids int32 where they only index), the learning rates it reads itself, its state
+    feedback (the update count is host state, advanced by the host program)."""
+    binding = {e.key: e.value for e in model.training_info[0].update_binding}
+    rates = set(_rate_names(model, meta))
+    counter = _counter(model, state)
+    gpu_model, info = webgpu.webgpu_step(step, list(state), counter, [vi.name for vi in step.graph.input
+                                                                       if vi.name in rates], input_shapes)
+    gpu_model = graphs._standard(gpu_model, "webgpu step")
+    inputs = list(gpu_model.graph.input)
+    outputs = {o.name for o in gpu_model.graph.output}
+    host_fed = {f["name"] for f in info["host"]["feeds"]}
+    section = {
+        "inputs": [manifest_.value_entry(vi) for vi in inputs
+                   if vi.name not in state and vi.name not in rates and vi.name not in host_fed],
+        "rates": [vi.name for vi in inputs if vi.name in rates],
+        "feedback": {vi.name: binding[vi.name] for vi in inputs if vi.name in binding},
+        "host": info["host"],
+        "host_state": [n for n in info["host"]["inputs"] if n in state],
+        "returned": [o.name for o in step.graph.output if o.name not in set(binding.values()) and o.name in outputs],
+    }
+    return gpu_model, section
+
+
 def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
                 eval_outputs: Sequence[str] | None = None, ort: bool = False,
-                packed: bool = False) -> dict[str, Any]:
+                packed: bool = False, target: str = "portable",
+                input_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """Write the step, eval and inference models, the state and the manifest to ``out_dir``
     (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
     whose main graph has no outputs no inference model).
@@ -89,8 +117,15 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     ORT-format models and ``required_operators.config`` for onnxruntime mobile builds.
     ``packed``: also write ``step.packed.onnx``, the same step with the state packed into one
     input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to convert
-    each step). Returns the manifest.
+    each step). ``target="webgpu"``: also write ``step.webgpu.onnx``, the step rewritten so
+    that every node runs on onnxruntime-web's WebGPU provider (:mod:`.webgpu`; the manifest's
+    ``webgpu`` section); ``input_shapes`` gives it static shapes for data inputs with symbolic
+    dims. The portable step stays: it is the wasm fallback. Returns the manifest.
     """
+    if target not in TARGETS:
+        raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
+    if input_shapes and target != "webgpu":
+        raise TrainingOpError("export: input_shapes applies to target='webgpu' only")
     model = _training_model(model_or_checkpoint)
     meta = metadata(model)
     state_protos = collect_state_protos(model)
@@ -102,6 +137,9 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     state_bytes = safetensors.encode(state, {"format": manifest_.FORMAT})
     inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes)) \
         if model.graph.output else None
+
+    # the WebGPU step before any file is written: a graph it refuses changes nothing on disk
+    gpu_step = _webgpu_step(model, meta, step.model, state, input_shapes) if target == "webgpu" else None
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -128,6 +166,10 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     step_inputs = list(step.model.graph.input)
     state_order = [vi.name for vi in step_inputs if vi.name in state]
     counter = _counter(model, state)
+    gpu = None
+    if gpu_step is not None:
+        files["step_webgpu"] = _write(out_dir, "step_webgpu", gpu_step[0])
+        gpu = gpu_step[1]
     roles = manifest_.state_roles(list(state), meta, counter)
     eval_graph = evaluation.model.graph if evaluation is not None else onnx.GraphProto()
     manifest = {
@@ -153,6 +195,7 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         "param_groups": json.loads(meta["param_groups"]) if meta.get("param_groups") else None,
         "schedule": _schedule(meta, counter, state),
         "counter": counter,
+        "webgpu": gpu,
     }
     checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
     return manifest
