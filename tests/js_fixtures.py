@@ -100,7 +100,8 @@ def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
     session = ot.TrainingSession(training)
     if schedule is not None:
         session.set_lr_schedule(schedule)
-    export_step(session, directory / "export", packed=True)
+    shapes = {k: list(v.shape[1:]) for k, v in batches.items()}  # the WebGPU step's static shapes
+    export_step(session, directory / "export", packed=True, target="webgpu", input_shapes=shapes)
     (directory / "batches.safetensors").write_bytes(safetensors.encode(batches))
     losses, rates, returned = [], [], []
     for i in range(steps):

@@ -18,7 +18,8 @@ async function readBytes(location, name) {
 export async function readExport(location) {
   const manifest = JSON.parse(new TextDecoder().decode(await readBytes(location, 'manifest.json')));
   const f = manifest.files;  // eval and inference are absent for a model without a loss or outputs
-  const [step, stepPacked, evalModel, inference, state] = await Promise.all(
-    [f.step, f.step_packed, f.eval, f.inference, f.state].map((entry) => (entry ? readBytes(location, entry.path) : null)));
-  return { manifest, step, stepPacked, eval: evalModel, inference, state };
+  const [step, stepPacked, evalModel, inference, state, stepWebgpu, evalWebgpu] = await Promise.all(
+    [f.step, f.step_packed, f.eval, f.inference, f.state, f.step_webgpu, f.eval_webgpu]
+      .map((entry) => (entry ? readBytes(location, entry.path) : null)));
+  return { manifest, step, stepPacked, eval: evalModel, inference, state, stepWebgpu, evalWebgpu };
 }

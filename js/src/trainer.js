@@ -21,21 +21,57 @@ function scalarOf(tensor) {
   return typeof v === 'bigint' ? Number(v) : v;
 }
 
+/** The execution providers asked for: options.executionProviders, else sessionOptions'. */
+function providersOf(options) {
+  return options.executionProviders ?? options.sessionOptions?.executionProviders ?? null;
+}
+
+/**
+ * `executionProviders` containing 'webgpu': the WebGPU trainer (js/src/webgpu.js) when the
+ * runtime has an adapter and the export a WebGPU step; otherwise the remaining providers
+ * (default: onnxruntime's, wasm in a browser), with the reason WebGPU was not used.
+ */
+async function chooseBackend(ort, files, options) {
+  const providers = providersOf(options);
+  const nameOf = (p) => (typeof p === 'string' ? p : p.name);
+  const inNode = typeof process !== 'undefined' && Boolean(process.versions?.node) && typeof window === 'undefined';
+  let reason = null;
+  let rest = providers;
+  if (providers?.some((p) => nameOf(p) === 'webgpu')) {
+    const { WebGpuTrainer, webgpuUnavailable } = await import('./webgpu.js');
+    reason = await webgpuUnavailable(files);
+    if (!reason) return { trainer: await WebGpuTrainer.createWebGpu(ort, files, options) };
+    rest = providers.filter((p) => nameOf(p) !== 'webgpu');
+  }
+  const sessionOptions = { ...(options.sessionOptions ?? {}) };
+  if (rest?.length) sessionOptions.executionProviders = rest;
+  else delete sessionOptions.executionProviders;
+  const name = rest?.length ? nameOf(rest[0]) : (inNode ? 'cpu' : 'wasm');
+  return { options: { ...options, sessionOptions }, name, reason };
+}
+
 export class Trainer {
   /**
    * @param ort the onnxruntime module (onnxruntime-node or onnxruntime-web)
    * @param files {manifest, step, stepPacked, eval, inference, state}: the manifest object, model bytes, state bytes
    * @param options {sessionOptions, onNonFinite: "raise" | "skip" | "ignore", packed: use the packed
-   *   step (default: when the export has one)}
+   *   step (default: when the export has one), executionProviders: e.g. ['webgpu', 'wasm'] (WebGPU
+   *   when the runtime has an adapter and the export a WebGPU step; `trainer.backend` says which
+   *   one runs, `trainer.backendReason` why WebGPU did not)}
    */
   static async create(ort, files, options = {}) {
     const { manifest } = files;
     if (manifest?.format !== FORMAT) throw new Error(`not an onnx-training-ops export manifest (format ${JSON.stringify(manifest?.format)})`);
     if (manifest.version !== VERSION) throw new Error(`manifest version ${manifest.version}; this trainer reads version ${VERSION}`);
+    const backend = await chooseBackend(ort, files, options);  // WebGPU (js/src/webgpu.js) when asked for and possible
+    if (backend.trainer) return backend.trainer;
+    options = backend.options;
     const packed = options.packed ?? Boolean(manifest.packs && files.stepPacked);
     if (packed && !(manifest.packs && files.stepPacked)) throw new Error('packed: the export has no packed step (export-step --packed)');
     const trainer = new Trainer(ort, manifest, { ...options, packed });
     const sessionOptions = options.sessionOptions ?? {};
+    trainer.backend = backend.name;
+    trainer.backendReason = backend.reason;
     trainer.stepSession = await ort.InferenceSession.create(packed ? files.stepPacked : files.step, sessionOptions);
     trainer.evalSession = files.eval ? await ort.InferenceSession.create(files.eval, sessionOptions) : null;
     trainer.inferenceBytes = files.inference ?? null;

@@ -36,6 +36,7 @@ from ..passes.lower_sum import lower_sum
 from ..passes.split_host_scalars import split_host_scalars
 
 FILE = "step.webgpu.onnx"
+EVAL_FILE = "eval.webgpu.onnx"
 
 
 def _static_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str, Sequence[int]]) -> None:

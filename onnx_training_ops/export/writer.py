@@ -26,7 +26,8 @@ from ..training.state import collect_state_protos
 from . import graphs, manifest as manifest_, packing, safetensors, webgpu
 
 FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
-         "state": "state.safetensors", "step_webgpu": webgpu.FILE}
+         "state": "state.safetensors", "step_webgpu": webgpu.FILE,
+         "eval_webgpu": webgpu.EVAL_FILE}
 TARGETS = ("portable", "webgpu")
 
 
@@ -102,6 +103,16 @@ def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelP
     return gpu_model, section
 
 
+def _webgpu_eval(evaluation: onnx.ModelProto, state: dict[str, np.ndarray],
+                 input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """The eval model for WebGPU (the same rewrites; no update count): the model and its data inputs."""
+    names = {vi.name for vi in evaluation.graph.input}
+    shapes = {k: v for k, v in (input_shapes or {}).items() if k in names}
+    gpu_model, _ = webgpu.webgpu_step(evaluation, list(state), None, [], shapes)
+    gpu_model = graphs._standard(gpu_model, "webgpu eval")
+    return gpu_model, [manifest_.value_entry(vi) for vi in gpu_model.graph.input if vi.name not in state]
+
+
 def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
                 eval_outputs: Sequence[str] | None = None, ort: bool = False,
                 packed: bool = False, target: str = "portable",
@@ -117,9 +128,9 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     ORT-format models and ``required_operators.config`` for onnxruntime mobile builds.
     ``packed``: also write ``step.packed.onnx``, the same step with the state packed into one
     input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to convert
-    each step). ``target="webgpu"``: also write ``step.webgpu.onnx``, the step rewritten so
-    that every node runs on onnxruntime-web's WebGPU provider (:mod:`.webgpu`; the manifest's
-    ``webgpu`` section); ``input_shapes`` gives it static shapes for data inputs with symbolic
+    each step). ``target="webgpu"``: also write ``step.webgpu.onnx`` and ``eval.webgpu.onnx``,
+    the step and eval models rewritten so that every node runs on onnxruntime-web's WebGPU
+    provider (:mod:`.webgpu`; the manifest's ``webgpu`` section); ``input_shapes`` gives it static shapes for data inputs with symbolic
     dims. The portable step stays: it is the wasm fallback. Returns the manifest.
     """
     if target not in TARGETS:
@@ -140,6 +151,8 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
 
     # the WebGPU step before any file is written: a graph it refuses changes nothing on disk
     gpu_step = _webgpu_step(model, meta, step.model, state, input_shapes) if target == "webgpu" else None
+    gpu_eval = _webgpu_eval(evaluation.model, state, input_shapes) \
+        if target == "webgpu" and evaluation is not None else None
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -170,6 +183,9 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     if gpu_step is not None:
         files["step_webgpu"] = _write(out_dir, "step_webgpu", gpu_step[0])
         gpu = gpu_step[1]
+        if gpu_eval is not None:
+            files["eval_webgpu"] = _write(out_dir, "eval_webgpu", gpu_eval[0])
+            gpu["eval_inputs"] = gpu_eval[1]
     roles = manifest_.state_roles(list(state), meta, counter)
     eval_graph = evaluation.model.graph if evaluation is not None else onnx.GraphProto()
     manifest = {

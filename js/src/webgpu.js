@@ -1,0 +1,192 @@
+// The trainer on onnxruntime-web's WebGPU execution provider: runs the export's WebGPU step
+// (`export-step --target webgpu`: step.webgpu.onnx, every node on WebGPU) and keeps the
+// parameters and optimizer state on the GPU between steps: the state outputs stay GPU buffers
+// (`preferredOutputLocation: 'gpu-buffer'`) and are fed back as the next step's inputs; only
+// the returned outputs (the loss...) are read back. The update count and what depends on it
+// alone (the bias corrections) are the host program's (host_program.js), evaluated on the CPU
+// in float64. evaluate() runs the export's WebGPU eval model on the state where it lies;
+// exportState() and inferenceModel() download the state first: on this backend they return
+// Promises (`await` works for both backends).
+//
+// Not used: graph capture (`enableGraphCapture`): it needs every input and output to be a GPU
+// buffer, the batch and the loss included, and turns int64 arithmetic into 32-bit arithmetic.
+
+import { Trainer, NonFiniteLossError } from './trainer.js';
+import { encode } from './safetensors.js';
+import { embedWeights } from './onnx_weights.js';
+import { runHost } from './host_program.js';
+
+const INT32_MIN = -(2 ** 31);
+const INT32_MAX = 2 ** 31 - 1;
+
+/** Why WebGPU cannot run here (a sentence), or null when it can: navigator.gpu, an adapter, the export's WebGPU step. */
+export async function webgpuUnavailable(files) {
+  if (!files.manifest?.webgpu || !files.stepWebgpu) return 'the export has no WebGPU step (export-step --target webgpu)';
+  const gpu = globalThis.navigator?.gpu;
+  if (!gpu) return 'navigator.gpu is absent (no WebGPU in this runtime)';
+  try {
+    if (!(await gpu.requestAdapter())) return 'navigator.gpu.requestAdapter() returned no adapter';
+  } catch (error) {
+    return `navigator.gpu.requestAdapter() failed: ${error}`;
+  }
+  return null;
+}
+
+function int32Data(name, tensorOrData) {
+  const data = tensorOrData.data ?? tensorOrData;
+  const out = new Int32Array(data.length);
+  for (let i = 0; i < data.length; i++) {
+    const v = Number(data[i]);
+    if (!Number.isInteger(v) || v < INT32_MIN || v > INT32_MAX) {
+      throw new Error(`step: input ${JSON.stringify(name)} holds ${data[i]} at ${i}; the WebGPU step reads it as int32`);
+    }
+    out[i] = v;
+  }
+  return out;
+}
+
+export class WebGpuTrainer extends Trainer {
+  /** Create the WebGPU trainer from the files of an export (readExport) and Trainer options. */
+  static async createWebGpu(ort, files, options = {}) {
+    const { manifest } = files;
+    const trainer = new WebGpuTrainer(ort, manifest, { ...options, packed: false });
+    const gpu = manifest.webgpu;
+    const location = {};
+    for (const output of Object.values(gpu.feedback)) location[output] = 'gpu-buffer';
+    for (const output of gpu.returned) location[output] = 'cpu';
+    const provider = { name: 'webgpu', preferredLayout: 'NCHW' }; // NHWC Conv is wrong for some channel counts (1.30)
+    const sessionOptions = { ...(options.sessionOptions ?? {}), executionProviders: [provider], preferredOutputLocation: location };
+    trainer.stepSession = await ort.InferenceSession.create(files.stepWebgpu, sessionOptions);
+    // evaluate(): the export's WebGPU eval model, fed the state where it lies (on the GPU)
+    const evalOptions = { ...(options.sessionOptions ?? {}), executionProviders: [provider] };
+    trainer.evalSession = files.evalWebgpu ? await ort.InferenceSession.create(files.evalWebgpu, evalOptions) : null;
+    trainer.inferenceBytes = files.inference ?? null;
+    trainer.loadState(files.state);
+    return trainer;
+  }
+
+  constructor(ort, manifest, options) {
+    super(ort, manifest, options);
+    const gpu = manifest.webgpu;
+    this.backend = 'webgpu';
+    this.gpu = gpu;
+    this.inputs = Object.fromEntries(gpu.inputs.map((e) => [e.name, e]));
+    this.evalInputs = Object.fromEntries((gpu.eval_inputs ?? manifest.eval_inputs).map((e) => [e.name, e]));
+    this.stepFeedback = { ...gpu.feedback };
+    this.host = {}; // host state: the update count, a number
+    this.dtypes = Object.fromEntries([...manifest.state, ...manifest.learning_rates].map((e) => [e.name, e.dtype]));
+  }
+
+  _counterValue() {
+    return this.host[this.counter] ?? 0;
+  }
+
+  _batch(batch, specs = this.inputs) {
+    const converted = { ...batch };
+    for (const [name, spec] of Object.entries(specs)) {
+      const value = batch[name];
+      if (spec.dtype === 'int32' && value !== undefined && value.type !== 'int32') {
+        converted[name] = new this.ort.Tensor('int32', int32Data(name, value), value.dims);
+      }
+    }
+    return converted;
+  }
+
+  _rateValues(lr) {
+    const rates = lr === undefined ? this.learningRates
+      : typeof lr === 'number' ? Object.fromEntries(this.manifest.learning_rates.map((e) => [e.name, lr])) : lr;
+    for (const e of this.manifest.learning_rates) {
+      if (!(e.name in rates)) throw new Error(`step: no learning rate for ${JSON.stringify(e.name)}`);
+    }
+    return rates;
+  }
+
+  /** One training step on the GPU; returns the returned outputs (numbers for one-element ones). */
+  async step(batch, { lr } = {}) {
+    const rates = this._rateValues(lr);
+    const feeds = this._feeds(this._batch(batch), this.inputs, 'step');
+    const host = runHost(this.gpu.host, { ...this.host, ...rates }, this.dtypes);
+    for (const f of this.gpu.host.feeds) {
+      if (f.dtype !== 'float32') throw new Error(`step: host value ${f.name} is ${f.dtype}; the WebGPU step reads float32`);
+      feeds[f.name] = new this.ort.Tensor('float32', Float32Array.of(host[f.name].value), f.shape);
+    }
+    const rateFeeds = this._rateFeeds(rates);
+    for (const name of this.gpu.rates) feeds[name] = rateFeeds[name];
+    for (const name of Object.keys(this.stepFeedback)) feeds[name] = this.stepState[name];
+    const out = await this.stepSession.run(feeds);
+    const result = {};
+    for (const name of this.gpu.returned) result[name] = out[name].size === 1 ? Number(out[name].data[0]) : out[name];
+    const loss = this.manifest.loss;
+    const fresh = Object.values(this.stepFeedback).map((o) => out[o]);
+    if (this.onNonFinite !== 'ignore' && loss && !Number.isFinite(result[loss])) {
+      for (const t of fresh) t.dispose?.();
+      if (this.onNonFinite === 'raise') throw new NonFiniteLossError(`step: the loss is ${result[loss]}; the state is unchanged`);
+      this.skippedSteps += 1;
+      return result;
+    }
+    for (const [name, output] of Object.entries(this.stepFeedback)) {
+      const old = this.stepState[name];
+      this.stepState[name] = out[output];
+      if (old?.location === 'gpu-buffer') old.dispose();
+    }
+    for (const name of this.gpu.host_state) this.host[name] = host[this.manifest.feedback[name]].value;
+    this.views = null;
+    return result;
+  }
+
+  /** The state variables by name as CPU tensors (downloaded from the GPU). */
+  async downloadState() {
+    const state = {};
+    for (const e of this.manifest.state) {
+      if (this.gpu.host_state.includes(e.name)) {
+        const Type = e.dtype === 'int64' ? BigInt64Array : Float64Array;
+        const value = this.host[e.name];
+        state[e.name] = new this.ort.Tensor(e.dtype, Type.of(e.dtype === 'int64' ? BigInt(value) : value), e.shape);
+        continue;
+      }
+      const t = this.stepState[e.name];
+      state[e.name] = t.location === 'gpu-buffer' ? new this.ort.Tensor(e.dtype, await t.getData(), e.shape) : t;
+    }
+    return state;
+  }
+
+  /** The state as safetensors bytes (a Promise on this backend). */
+  async exportState() {
+    return encode(await this.downloadState(), { format: 'onnx-training-ops/export' });
+  }
+
+  loadState(bytes) {
+    const previous = this.stepState;
+    super.loadState(bytes);
+    for (const name of this.gpu.host_state) {
+      this.host[name] = Number(this.stepState[name].data[0]);
+      delete this.stepState[name];
+    }
+    for (const t of Object.values(previous ?? {})) if (t?.location === 'gpu-buffer') t.dispose();
+  }
+
+  /** The inference model with the current weights embedded (a Promise on this backend). */
+  async inferenceModel() {
+    if (!this.inferenceBytes) throw new Error('inferenceModel: the export was loaded without inference.onnx');
+    return embedWeights(this.inferenceBytes, await this.downloadState());
+  }
+
+  /** The loss and eval outputs (eval mode) on WebGPU with the current state; nothing changes. */
+  async evaluate(batch) {
+    if (!this.evalSession) throw new Error('evaluate: the export has no WebGPU eval model (eval.webgpu.onnx)');
+    const feeds = this._feeds(this._batch(batch, this.evalInputs), this.evalInputs, 'evaluate');
+    const state = this.stepState;
+    for (const name of this.evalSession.inputNames) if (name in state) feeds[name] = state[name];
+    const out = await this.evalSession.run(feeds);
+    return Object.fromEntries(this.manifest.eval_outputs.map((n) => [n, out[n].size === 1 ? Number(out[n].data[0]) : out[n]]));
+  }
+
+  get state() {
+    return this.stepState;
+  }
+
+  async release() {
+    for (const t of Object.values(this.stepState)) if (t?.location === 'gpu-buffer') t.dispose();
+    await super.release();
+  }
+}

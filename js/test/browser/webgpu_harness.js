@@ -1,0 +1,86 @@
+// Browser side of js/test/webgpu.test.js: for each fixture, the WebGPU step's node placement
+// (onnxruntime's verbose session log, read by the test from the console), then the same steps on WebGPU and on wasm (the same
+// onnxruntime-web bundle), compared with each other and with Python's losses. Reports in
+// window.webgpu; `?steps=N` (default 50). Two bundles: ort.webgpu.min.mjs has the native
+// WebGpuExecutionProvider (ort.min.mjs's WebGPU is the older JSEP provider, whose MatMul fails on
+// the transformer's step), but its wasm backend runs no float64 op, which the portable step has:
+// wasm runs from ort.wasm.min.mjs.
+import * as ort from '../../node_modules/onnxruntime-web/dist/ort.webgpu.min.mjs';
+import * as ortWasm from '../../node_modules/onnxruntime-web/dist/ort.wasm.min.mjs';
+import { MODELS, trainFixture } from '../parity.js';
+
+ort.env.wasm.wasmPaths = new URL('../../node_modules/onnxruntime-web/dist/', import.meta.url).href;
+ort.env.wasm.numThreads = 1; // no cross-origin isolation under a plain static server
+ortWasm.env.wasm.wasmPaths = ort.env.wasm.wasmPaths;
+ortWasm.env.wasm.numThreads = 1;
+
+const params = new URLSearchParams(location.search);
+const fixtures = new URL(params.get('fixtures') ?? '/fixtures/', location.href).href;
+const steps = Number(params.get('steps') ?? 50);
+const models = (params.get('models') ?? MODELS.join(',')).split(',');
+const read = async (path) => {
+  const response = await fetch(new URL(path, fixtures));
+  if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+  return new Uint8Array(await response.arrayBuffer());
+};
+
+/**
+ * Create (and release) a WebGPU session of the model with onnxruntime's verbose log on, between
+ * two marker lines: onnxruntime logs the node placement to the console (its wasm module holds
+ * its own reference to console, so the page cannot intercept it; the test reads the console).
+ */
+async function logPlacement(name, bytes) {
+  const level = ort.env.logLevel;
+  ort.env.logLevel = 'verbose';
+  console.log(`=== placement ${name} begin`);
+  try {
+    const session = await ort.InferenceSession.create(bytes, {
+      executionProviders: [{ name: 'webgpu', preferredLayout: 'NCHW' }], logSeverityLevel: 0, logVerbosityLevel: 0 });
+    await session.release();
+  } finally {
+    console.log(`=== placement ${name} end`);
+    ort.env.logLevel = level;
+  }
+}
+
+const table = document.getElementById('results');
+const status = document.getElementById('status');
+window.webgpu = { done: false, adapter: null, reports: [], error: null };
+try {
+  const adapter = navigator.gpu ? await navigator.gpu.requestAdapter() : null;
+  const info = adapter?.info ?? {};
+  window.webgpu.adapter = adapter ? { vendor: info.vendor, architecture: info.architecture, description: info.description, device: info.device } : null;
+  document.getElementById('adapter').textContent = adapter ? `adapter: ${JSON.stringify(window.webgpu.adapter)}` : 'no WebGPU adapter';
+  if (adapter) {
+    for (const name of models) {
+      status.textContent = `${name}: placement…`;
+      const manifest = JSON.parse(new TextDecoder().decode(await read(`${name}/export/manifest.json`)));
+      await logPlacement(name, await read(`${name}/export/${manifest.files.step_webgpu.path}`));
+      const where = new URL(`${name}/export/`, fixtures).href;
+      status.textContent = `${name}: training on WebGPU…`;
+      const gpu = await trainFixture(ort, read, where, name, { steps, executionProviders: ['webgpu'] });
+      status.textContent = `${name}: training on wasm…`;
+      const wasm = await trainFixture(ortWasm, read, where, name, { steps });
+      const worstVsWasm = Math.max(...gpu.losses.map((l, i) => Math.abs(l - wasm.losses[i]) / Math.abs(wasm.losses[i])));
+      const report = { name, steps, backend: gpu.backend, wasmBackend: wasm.backend, worstVsWasm,
+        worstVsPython: gpu.worstLoss, wasmVsPython: wasm.worstLoss, evalLoss: gpu.evalLoss,
+        gpuStepsPerSecond: gpu.stepsPerSecond, wasmStepsPerSecond: wasm.stepsPerSecond,
+        losses: gpu.losses, wasmLosses: wasm.losses, state: Array.from(gpu.state) };
+      const row = table.insertRow();
+      const ok = (x) => (x <= 1e-4 ? 'ok' : 'bad');
+      for (const [text, cls] of [[name], [steps], ['in the console log'],
+        [worstVsWasm.toExponential(2), ok(worstVsWasm)], [gpu.worstLoss.toExponential(2), ok(gpu.worstLoss)],
+        [gpu.stepsPerSecond.toFixed(1)], [wasm.stepsPerSecond.toFixed(1)], [`${gpu.losses[0].toFixed(4)} → ${gpu.losses.at(-1).toFixed(4)}`]]) {
+        const cell = row.insertCell();
+        cell.textContent = text;
+        if (cls) cell.className = cls;
+      }
+      window.webgpu.reports.push(report);
+    }
+  }
+  status.textContent = `done: onnxruntime-web ${ort.env.versions?.web ?? ''}`;
+} catch (error) {
+  window.webgpu.error = String(error?.stack ?? error);
+  status.textContent = `failed: ${error}`;
+}
+window.webgpu.done = true;
