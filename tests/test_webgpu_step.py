@@ -144,12 +144,32 @@ def test_split_host_scalars_refuses_an_op_the_host_does_not_run():
 
 
 def test_int32_inputs_narrows_only_indexing_inputs():
-    nodes = [helper.make_node("Cast", ["labels"], ["f"], to=TensorProto.FLOAT),
-             helper.make_node("Add", ["other", "other"], ["o2"]), helper.make_node("Cast", ["o2"], ["g"], to=TensorProto.FLOAT),
-             helper.make_node("Add", ["f", "g"], ["y"])]
-    model = _model(nodes, [_vi("labels", TensorProto.INT64, [2]), _vi("other", TensorProto.INT64, [2])],
-                   [_vi("y", TensorProto.FLOAT, [2])])
-    assert int32_inputs(model) == ["labels"]
+    """labels: cast only; ids: index arithmetic with int64 constants (int32 copies), a Cast back
+    to int64 before ScatterND; other: added to an int64 state value, so it stays int64. The
+    rewritten model computes what the original does."""
+    c = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [v]))  # noqa: E731
+    nodes = [c("zero", 0), c("vocab", 5), c("axis", -1),
+             helper.make_node("Cast", ["labels"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["other", "counter"], ["o2"]), helper.make_node("Cast", ["o2"], ["g"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["f", "g"], ["y"]),
+             helper.make_node("Less", ["ids", "zero"], ["negative"]), helper.make_node("Add", ["ids", "vocab"], ["wrapped"]),
+             helper.make_node("Where", ["negative", "wrapped", "ids"], ["index"]),
+             helper.make_node("Unsqueeze", ["index", "axis"], ["nd"]),
+             helper.make_node("Gather", ["table", "ids"], ["rows"]),
+             helper.make_node("ScatterND", ["table", "nd", "rows"], ["scattered"], reduction="add")]
+    model = _model(nodes, [_vi("labels", TensorProto.INT64, [2]), _vi("other", TensorProto.INT64, [2]),
+                           _vi("counter", TensorProto.INT64, [2]), _vi("ids", TensorProto.INT64, [3]),
+                           _vi("table", TensorProto.FLOAT, [5, 2])],
+                   [_vi("y", TensorProto.FLOAT, [2]), _vi("scattered", TensorProto.FLOAT, [5, 2])])
+    rng = np.random.default_rng(2)
+    feeds = {"labels": np.array([1, 2]), "other": np.array([3, 4]), "counter": np.array([5, 6]),
+             "ids": np.array([-1, 0, 3]), "table": rng.standard_normal((5, 2)).astype(np.float32)}
+    expected = _run(model, feeds)
+    assert int32_inputs(model, skip=["counter"]) == ["labels", "ids"]
+    onnx.checker.check_model(model, full_check=True)
+    got = _run(model, {**feeds, "labels": feeds["labels"].astype(np.int32), "ids": feeds["ids"].astype(np.int32)})
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value)
 
 
 def _export(tmp_path, name):
@@ -240,3 +260,53 @@ def test_cli_export_step_target_webgpu(tmp_path):
     assert manifest["files"]["step_webgpu"]["path"] == "step.webgpu.onnx"
     assert [e["shape"] for e in manifest["webgpu"]["inputs"]] == [[32, 64], [32]]
     _ = ot  # the package imports cleanly beside the passes
+
+
+def _maxpool_scatter(kernel, strides, shape=(2, 3, 4, 6)):
+    """MaxPool with Indices and the derivative rule's scatter of a gradient g."""
+    size = int(np.prod(shape))
+    c = lambda name, values: helper.make_node("Constant", [], [name], value=helper.make_tensor(  # noqa: E731
+        name, TensorProto.INT64, [len(values)], values))
+    nodes = [helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=kernel, strides=strides),
+             c("flat", [-1]), c("size", [size]),
+             helper.make_node("ConstantOfShape", ["size"], ["zeros"], value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0])),
+             helper.make_node("Reshape", ["i", "flat"], ["fi"]), helper.make_node("Reshape", ["g", "flat"], ["fg"]),
+             helper.make_node("ScatterElements", ["zeros", "fi", "fg"], ["dx"], axis=0, reduction="add")]
+    out_shape = [shape[0], shape[1], shape[2] // strides[0], shape[3] // strides[1]]
+    return _model(nodes, [_vi("x", TensorProto.FLOAT, list(shape)), _vi("g", TensorProto.FLOAT, out_shape)],
+                  [_vi("y", TensorProto.FLOAT, out_shape), _vi("dx", TensorProto.FLOAT, [size])]), out_shape
+
+
+def test_maxpool_gradient_by_mask_equals_the_scatter_ties_included():
+    from onnx_training_ops.passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
+
+    model, out_shape = _maxpool_scatter([2, 3], [2, 3])
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 3, (2, 3, 4, 6)).astype(np.float32)  # many ties: the first maximum takes the gradient
+    g = rng.standard_normal(out_shape).astype(np.float32)
+    expected = _run(model, {"x": x, "g": g})
+    rewritten = maxpool_gradient_by_mask(model)
+    assert all(len(n.output) == 1 for n in rewritten.graph.node if n.op_type == "MaxPool")
+    assert "ScatterElements" not in {n.op_type for n in rewritten.graph.node}
+    got = _run(rewritten, {"x": x, "g": g})
+    np.testing.assert_array_equal(got["dx"], expected["dx"])
+    np.testing.assert_array_equal(got["y"], expected["y"])
+
+
+def test_maxpool_gradient_by_mask_refuses_overlapping_windows():
+    from onnx_training_ops.passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
+
+    model, _ = _maxpool_scatter([2, 2], [1, 1], shape=(1, 1, 4, 4))
+    with pytest.raises(TrainingOpError, match="tile"):
+        maxpool_gradient_by_mask(model)
+
+
+def test_lower_is_nan_equals_onnxruntime():
+    from onnx_training_ops.passes.lower_is_nan import lower_is_nan
+
+    model = _model([helper.make_node("IsNaN", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, [5])], [_vi("y", TensorProto.BOOL, [5])])
+    x = np.array([0, np.nan, np.inf, -np.inf, -0.0], np.float32)
+    expected = _run(model, {"x": x})["y"]
+    lowered = lower_is_nan(model)
+    assert "IsNaN" not in {n.op_type for n in lowered.graph.node}
+    np.testing.assert_array_equal(_run(lowered, {"x": x})["y"], expected)

@@ -9,8 +9,9 @@ The rewrite, in named passes (``onnx_training_ops/passes/``):
 2. :func:`split_host_scalars`: the update count and what depends on it alone (bias
    corrections in float64, ``T + 1``) leave the graph for a host program the trainer
    evaluates on the CPU; the graph reads the resulting float32 scalars as inputs;
-3. :func:`lower_log_softmax`, :func:`lower_one_hot`, :func:`lower_sum`;
-4. :func:`int32_inputs`: labels and ids that only get cast or index are int32 inputs;
+3. :func:`lower_log_softmax`, :func:`lower_one_hot`, :func:`lower_sum`, :func:`lower_is_nan`,
+   :func:`maxpool_gradient_by_mask` (WebGPU's MaxPool has no Indices output);
+4. :func:`int32_inputs`: labels and ids are int32 inputs, their index arithmetic int32;
 5. :func:`fold_static_shapes` (Shape, Size) and onnxruntime's basic graph optimizations on the CPU fold what the static shapes make
    constant (Shape, Size and the int64 arithmetic on them) and drop dead nodes.
 
@@ -30,9 +31,11 @@ from onnx import TensorProto
 from ..errors import TrainingOpError
 from ..passes.fold_static_shapes import fold_static_shapes
 from ..passes.int32_inputs import int32_inputs
+from ..passes.lower_is_nan import lower_is_nan
 from ..passes.lower_log_softmax import lower_log_softmax
 from ..passes.lower_one_hot import lower_one_hot
 from ..passes.lower_sum import lower_sum
+from ..passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
 from ..passes.split_host_scalars import split_host_scalars
 
 FILE = "step.webgpu.onnx"
@@ -105,8 +108,9 @@ def webgpu_step(step: onnx.ModelProto, state: Sequence[str], counter: str | None
     data = [vi.name for vi in model.graph.input if vi.name not in set(state) and vi.name not in set(rates)]
     _static_shapes(model, data, dict(input_shapes or {}))
     model, host = split_host_scalars(model, [n for n in (counter, *rates) if n])
-    for run in (fold_static_shapes, lower_log_softmax, lower_one_hot, lower_sum):
+    for run in (fold_static_shapes, lower_log_softmax, lower_one_hot, lower_sum, lower_is_nan, maxpool_gradient_by_mask):
         model = run(model)
+    model = fold_static_shapes(_fold(model))  # what onnxruntime's folding made constant (a NonZero's input)
     narrowed = int32_inputs(model, skip=state)
     model = _fold(model)
     leftovers = sorted({vi.name for vi in model.graph.input if vi.type.tensor_type.elem_type == TensorProto.DOUBLE})

@@ -1,8 +1,10 @@
-"""Pass: ``Shape`` and ``Size`` of a value whose shape is static become constants.
+"""Pass: ``Shape`` and ``Size`` of a value whose shape is static, and ``NonZero`` of a
+constant, become constants.
 
 With the data inputs' shapes fixed, the shape arithmetic a gradient carries (Shape, Size, then
 int64 Div/Reshape/Concat on them) is constant; onnxruntime's constant folding then folds what
-reads them. onnxruntime folds Shape itself but not Size; WebGPU runs neither on int64.
+reads them. onnxruntime folds Shape itself but not Size, nor NonZero (a gradient's empty
+reduction axes come out of one); WebGPU runs none of them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import ModelProto, helper, numpy_helper
+
+from ._rewrite import constants
 
 
 def _static_shapes(model: ModelProto) -> dict[str, list[int]]:
@@ -23,7 +27,7 @@ def _static_shapes(model: ModelProto) -> dict[str, list[int]]:
 
 
 def fold_static_shapes(model: ModelProto) -> ModelProto:
-    """Replace Shape/Size nodes of the main graph on static shapes by Constants (in place).
+    """Replace Shape/Size nodes of the main graph on static shapes, and NonZero of a constant, by Constants (in place).
 
     Args:
         model: the model to rewrite (its inputs' shapes static where they matter).
@@ -32,8 +36,14 @@ def fold_static_shapes(model: ModelProto) -> ModelProto:
         ``model``.
     """
     shapes = _static_shapes(model)
+    known = constants(model.graph)
     nodes = []
     for node in model.graph.node:
+        if node.op_type == "NonZero" and node.domain in ("", "ai.onnx") and node.input[0] in known:
+            value = np.array(np.nonzero(known[node.input[0]]), np.int64)
+            nodes.append(helper.make_node("Constant", [], [node.output[0]], name=node.name,
+                                          value=numpy_helper.from_array(value, node.output[0])))
+            continue
         shape = shapes.get(node.input[0]) if node.input and node.domain in ("", "ai.onnx") else None
         if shape is None or node.op_type not in ("Shape", "Size"):
             nodes.append(node)
