@@ -161,10 +161,25 @@ def write_schedules(out_dir: Path, steps: int = 60) -> None:
     (out_dir / "schedules.json").write_text(json.dumps(table))
 
 
+def write_probes(out_dir: Path) -> None:
+    """``probes/is_nan.onnx``: IsNaN as the WebGPU step lowers it (Not(Equal(x, x))), for the
+    browser to check that WebGPU's Equal sees NaN as IEEE does."""
+    from onnx_training_ops.passes.lower_is_nan import lower_is_nan
+
+    graph = helper.make_graph([helper.make_node("IsNaN", ["x"], ["y"])], "is_nan",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+                              [helper.make_tensor_value_info("y", TensorProto.BOOL, [6])])
+    model = lower_is_nan(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    model.ir_version = 8
+    (out_dir / "probes").mkdir(exist_ok=True)
+    (out_dir / "probes" / "is_nan.onnx").write_bytes(model.SerializeToString())
+
+
 def write_all(out_dir: Path, steps: int = STEPS) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_schedules(out_dir)
+    write_probes(out_dir)
     for name in MODELS:
         write_model(name, out_dir, steps)
     write_example(out_dir)

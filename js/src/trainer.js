@@ -40,14 +40,23 @@ async function chooseBackend(ort, files, options) {
   if (providers?.some((p) => nameOf(p) === 'webgpu')) {
     const { WebGpuTrainer, webgpuUnavailable } = await import('./webgpu.js');
     reason = await webgpuUnavailable(files);
-    if (!reason) return { trainer: await WebGpuTrainer.createWebGpu(ort, files, options) };
+    if (!reason) {
+      try {
+        return { trainer: await WebGpuTrainer.createWebGpu(ort, files, options) };
+      } catch (error) {  // a build without WebGPU (ort.wasm.min.mjs, onnxruntime-node): fall back
+        if (!/backend not found|not supported|unsupported/i.test(String(error?.message ?? error))) throw error;
+        reason = `this onnxruntime build cannot run WebGPU: ${error?.message ?? error}`;
+      }
+    }
     rest = providers.filter((p) => nameOf(p) !== 'webgpu');
   }
   const sessionOptions = { ...(options.sessionOptions ?? {}) };
   if (rest?.length) sessionOptions.executionProviders = rest;
   else delete sessionOptions.executionProviders;
   const name = rest?.length ? nameOf(rest[0]) : (inNode ? 'cpu' : 'wasm');
-  return { options: { ...options, sessionOptions }, name, reason };
+  // the fallback may need another build: ort.webgpu.min.mjs's wasm runs no float64 op (the portable step has some)
+  const runtime = reason && options.fallback ? options.fallback : ort;
+  return { options: { ...options, sessionOptions }, name, reason, ort: runtime };
 }
 
 export class Trainer {
@@ -57,7 +66,9 @@ export class Trainer {
    * @param options {sessionOptions, onNonFinite: "raise" | "skip" | "ignore", packed: use the packed
    *   step (default: when the export has one), executionProviders: e.g. ['webgpu', 'wasm'] (WebGPU
    *   when the runtime has an adapter and the export a WebGPU step; `trainer.backend` says which
-   *   one runs, `trainer.backendReason` why WebGPU did not)}
+   *   one runs, `trainer.backendReason` why WebGPU did not), fallback: the onnxruntime module to
+   *   use when WebGPU is not (e.g. ort.wasm.min.mjs beside ort.webgpu.min.mjs, whose wasm backend
+   *   runs no float64 op)}
    */
   static async create(ort, files, options = {}) {
     const { manifest } = files;
@@ -66,6 +77,7 @@ export class Trainer {
     const backend = await chooseBackend(ort, files, options);  // WebGPU (js/src/webgpu.js) when asked for and possible
     if (backend.trainer) return backend.trainer;
     options = backend.options;
+    ort = backend.ort;
     const packed = options.packed ?? Boolean(manifest.packs && files.stepPacked);
     if (packed && !(manifest.packs && files.stepPacked)) throw new Error('packed: the export has no packed step (export-step --packed)');
     const trainer = new Trainer(ort, manifest, { ...options, packed });

@@ -7,7 +7,8 @@
 // wasm runs from ort.wasm.min.mjs.
 import * as ort from '../../node_modules/onnxruntime-web/dist/ort.webgpu.min.mjs';
 import * as ortWasm from '../../node_modules/onnxruntime-web/dist/ort.wasm.min.mjs';
-import { MODELS, trainFixture } from '../parity.js';
+import { MODELS, trainFixture, batchAt } from '../parity.js';
+import { Trainer, decodeSafetensors } from '../../src/index.js';
 
 ort.env.wasm.wasmPaths = new URL('../../node_modules/onnxruntime-web/dist/', import.meta.url).href;
 ort.env.wasm.numThreads = 1; // no cross-origin isolation under a plain static server
@@ -17,6 +18,7 @@ ortWasm.env.wasm.numThreads = 1;
 const params = new URLSearchParams(location.search);
 const fixtures = new URL(params.get('fixtures') ?? '/fixtures/', location.href).href;
 const steps = Number(params.get('steps') ?? 50);
+const warmup = Math.min(5, steps - 1); // shader compilation: the first steps are left out of steps/s
 const models = (params.get('models') ?? MODELS.join(',')).split(',');
 const read = async (path) => {
   const response = await fetch(new URL(path, fixtures));
@@ -43,6 +45,39 @@ async function logPlacement(name, bytes) {
   }
 }
 
+/** IsNaN as the WebGPU step lowers it, on WebGPU: [0, NaN, inf, -inf, -0, 1] -> which are NaN. */
+async function isNanOnWebGpu() {
+  const session = await ort.InferenceSession.create(await read('probes/is_nan.onnx'), { executionProviders: ['webgpu'] });
+  const out = await session.run({ x: new ort.Tensor('float32', Float32Array.of(0, NaN, Infinity, -Infinity, -0, 1), [6]) });
+  await session.release();
+  return Array.from(out.y.data, Boolean);
+}
+
+/**
+ * The state on the GPU: after a step every state tensor is a GPU buffer; exportState()
+ * downloads it, and a wasm trainer loaded with it evaluates what the WebGPU trainer evaluates;
+ * loadState() on the WebGPU trainer takes a state back (the next steps equal the wasm trainer's).
+ */
+async function stateChecks(name) {
+  const where = new URL(`${name}/export/`, fixtures).href;
+  const { tensors } = decodeSafetensors(await read(`${name}/batches.safetensors`));
+  const gpu = await Trainer.load(ort, where, { executionProviders: ['webgpu'] });
+  const wasm = await Trainer.load(ortWasm, where);
+  for (let i = 0; i < 3; i++) await gpu.step(batchAt(ort, tensors, i));
+  const locations = [...new Set(Object.values(gpu.state).map((t) => t.location))];
+  wasm.loadState(await gpu.exportState());
+  const evalGpu = (await gpu.evaluate(batchAt(ort, tensors, 0))).loss;
+  const evalWasm = (await wasm.evaluate(batchAt(ortWasm, tensors, 0))).loss;
+  const counters = [gpu.scheduleStep, wasm.scheduleStep];
+  for (let i = 3; i < 6; i++) await wasm.step(batchAt(ortWasm, tensors, i));
+  gpu.loadState(wasm.exportState());
+  const next = [(await gpu.step(batchAt(ort, tensors, 6))).loss, (await wasm.step(batchAt(ortWasm, tensors, 6))).loss];
+  const inference = (await gpu.inferenceModel()).length;
+  await gpu.release();
+  await wasm.release();
+  return { locations, evalGpu, evalWasm, counters, next, inference };
+}
+
 const table = document.getElementById('results');
 const status = document.getElementById('status');
 window.webgpu = { done: false, adapter: null, reports: [], error: null };
@@ -52,15 +87,17 @@ try {
   window.webgpu.adapter = adapter ? { vendor: info.vendor, architecture: info.architecture, description: info.description, device: info.device } : null;
   document.getElementById('adapter').textContent = adapter ? `adapter: ${JSON.stringify(window.webgpu.adapter)}` : 'no WebGPU adapter';
   if (adapter) {
+    window.webgpu.isNan = await isNanOnWebGpu();
+    window.webgpu.state = await stateChecks(models[0]);
     for (const name of models) {
       status.textContent = `${name}: placement…`;
       const manifest = JSON.parse(new TextDecoder().decode(await read(`${name}/export/manifest.json`)));
       await logPlacement(name, await read(`${name}/export/${manifest.files.step_webgpu.path}`));
       const where = new URL(`${name}/export/`, fixtures).href;
       status.textContent = `${name}: training on WebGPU…`;
-      const gpu = await trainFixture(ort, read, where, name, { steps, executionProviders: ['webgpu'] });
+      const gpu = await trainFixture(ort, read, where, name, { steps, warmup, executionProviders: ['webgpu'] });
       status.textContent = `${name}: training on wasm…`;
-      const wasm = await trainFixture(ortWasm, read, where, name, { steps });
+      const wasm = await trainFixture(ortWasm, read, where, name, { steps, warmup });
       const worstVsWasm = Math.max(...gpu.losses.map((l, i) => Math.abs(l - wasm.losses[i]) / Math.abs(wasm.losses[i])));
       const report = { name, steps, backend: gpu.backend, wasmBackend: wasm.backend, worstVsWasm,
         worstVsPython: gpu.worstLoss, wasmVsPython: wasm.worstLoss, evalLoss: gpu.evalLoss,
