@@ -77,17 +77,22 @@ def _export_step(args: argparse.Namespace) -> int:
 
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a file; give a directory")
-    shapes = {}
-    for spec in args.input_shapes or []:
-        name, sep, dims = spec.partition("=")
-        try:
-            shapes[name] = [int(d) for d in dims.split(",")]
-        except ValueError:
-            sep = ""
-        if not sep or not name:
-            raise TrainingOpError(f"--input-shape {spec!r}: expected NAME=D,D,... (e.g. input=32,64)")
+    def shapes(specs: list[str] | None, flag: str) -> dict[str, list[int]] | None:
+        found = {}
+        for spec in specs or []:
+            name, sep, dims = spec.partition("=")
+            try:
+                found[name] = [int(d) for d in dims.split(",")]
+            except ValueError:
+                sep = ""
+            if not sep or not name:
+                raise TrainingOpError(f"{flag} {spec!r}: expected NAME=D,D,... (e.g. input=32,64)")
+        return found or None
+
     manifest = export_step(args.input, args.output, eval_outputs=args.eval_outputs, ort=args.ort,
-                           packed=args.packed, target=args.target, input_shapes=shapes or None)
+                           packed=args.packed, target=args.target,
+                           input_shapes=shapes(args.input_shapes, "--input-shape"),
+                           eval_input_shapes=shapes(args.eval_input_shapes, "--eval-input-shape"))
     print(f"exported {args.input} -> {args.output}: " + ", ".join(f["path"] for f in manifest["files"].values())
           + ", manifest.json")
     return EXIT_OK
@@ -238,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "static shapes); the portable step stays as the wasm fallback")
     e.add_argument("--input-shape", dest="input_shapes", action="append", default=None, metavar="NAME=D,D,...",
                    help="the static shape of a data input with symbolic dims (--target webgpu; repeatable)")
+    e.add_argument("--eval-input-shape", dest="eval_input_shapes", action="append", default=None,
+                   metavar="NAME=D,D,...", help="the same for the WebGPU eval model (default: --input-shape)")
     e.set_defaults(func=_export_step)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
     c.add_argument("--portable", action="store_true",

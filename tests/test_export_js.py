@@ -131,8 +131,7 @@ def test_chromium_trains_on_webgpu(fixtures):
     """onnxruntime-web's WebGPU provider in headless Chromium (SwiftShader's adapter here):
     js/test/webgpu.test.js checks that every node of each model's WebGPU step is on
     WebGpuExecutionProvider and that 50 steps stay within 1e-4 of wasm and of Python (it skips,
-    with the reason, when the browser offers no adapter). Here: its report is complete, and the
-    state it trained loads into Python's onnxruntime."""
+    with the reason, when the browser offers no adapter). Here: its report is complete."""
     out = _node_test(["test/webgpu.test.js"], fixtures)
     if "# skipped 1" in out:
         pytest.skip("Chromium offers no WebGPU adapter here (see js/test/webgpu.test.js)")

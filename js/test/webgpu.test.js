@@ -109,6 +109,9 @@ test('the WebGPU step trains the three models in Chromium, every node on WebGPU,
   assert.deepEqual(state.counters, [3, 3]);
   assert.ok(Math.abs(state.next[0] - state.next[1]) <= 1e-5 * Math.abs(state.next[1]), `loadState: ${state.next}`);
   assert.ok(state.inference > 0);
+  assert.equal(state.fellBack.backend, 'wasm', `fallback: ${JSON.stringify(state.fellBack)}`);
+  assert.match(state.fellBack.reason, /cannot run WebGPU/);
+  assert.ok(Number.isFinite(state.fellBack.loss));
   const placed = placements(lines);
   for (const name of MODELS) {
     assert.ok((placed[name] ?? []).some((l) => /All nodes placed on \[WebGpuExecutionProvider\]/.test(l)),
@@ -127,4 +130,29 @@ test('the WebGPU step trains the three models in Chromium, every node on WebGPU,
       placement: placed[r.name] })),
   };
   await writeFile(join(FIXTURES, 'webgpu_report.json'), JSON.stringify(report, null, 1));
+});
+
+test('examples/browser with the WebGPU toggle trains on WebGPU and says so', async (t) => {
+  const page = await browser.newPage();
+  await page.setViewport({ width: 1100, height: 720 });
+  const errors = [];
+  page.on('pageerror', (e) => errors.push(String(e)));
+  await page.goto(`${origin}/examples/browser/index.html?model=/fixtures/example/&steps=40&autostart=1&backend=webgpu`, { waitUntil: 'load' });
+  await page.waitForFunction('window.example && window.example.done', { timeout: 240000, polling: 200 });
+  const example = await page.evaluate('window.example');
+  const shown = await page.evaluate("document.getElementById('backend').textContent + ' | ' + document.getElementById('status').textContent");
+  await page.screenshot({ path: join(SCREENSHOTS, 'browser-example-webgpu.png') });
+  await page.close();
+  if (example.backend !== 'webgpu' && /no adapter|navigator.gpu is absent/.test(shown)) {
+    t.skip(`no WebGPU adapter: ${shown}`);
+    return;
+  }
+  assert.equal(example.error, null, example.error);
+  assert.deepEqual(errors, []);
+  assert.equal(example.backend, 'webgpu', shown);
+  assert.match(shown, /training on: WebGPU/);
+  assert.match(shown, /on WebGPU/);
+  assert.equal(example.losses.length, 40);
+  assert.ok(example.losses.at(-1) < example.losses[0], `the loss fell: ${example.losses[0]} -> ${example.losses.at(-1)}`);
+  assert.ok(example.accuracyAfter >= example.accuracyBefore, `accuracy ${example.accuracyBefore} -> ${example.accuracyAfter}`);
 });

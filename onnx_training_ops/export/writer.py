@@ -116,7 +116,8 @@ def _webgpu_eval(evaluation: onnx.ModelProto, state: dict[str, np.ndarray],
 def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
                 eval_outputs: Sequence[str] | None = None, ort: bool = False,
                 packed: bool = False, target: str = "portable",
-                input_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+                input_shapes: Mapping[str, Sequence[int]] | None = None,
+                eval_input_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """Write the step, eval and inference models, the state and the manifest to ``out_dir``
     (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
     whose main graph has no outputs no inference model).
@@ -130,13 +131,15 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to convert
     each step). ``target="webgpu"``: also write ``step.webgpu.onnx`` and ``eval.webgpu.onnx``,
     the step and eval models rewritten so that every node runs on onnxruntime-web's WebGPU
-    provider (:mod:`.webgpu`; the manifest's ``webgpu`` section); ``input_shapes`` gives it static shapes for data inputs with symbolic
-    dims. The portable step stays: it is the wasm fallback. Returns the manifest.
+    provider (:mod:`.webgpu`; the manifest's ``webgpu`` section); ``input_shapes`` gives the
+    step static shapes for data inputs with symbolic dims, ``eval_input_shapes`` the eval
+    model's (default: ``input_shapes``). The portable step stays: it is the wasm fallback.
+    Returns the manifest.
     """
     if target not in TARGETS:
         raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
-    if input_shapes and target != "webgpu":
-        raise TrainingOpError("export: input_shapes applies to target='webgpu' only")
+    if (input_shapes or eval_input_shapes) and target != "webgpu":
+        raise TrainingOpError("export: input_shapes and eval_input_shapes apply to target='webgpu' only")
     model = _training_model(model_or_checkpoint)
     meta = metadata(model)
     state_protos = collect_state_protos(model)
@@ -151,7 +154,7 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
 
     # the WebGPU step before any file is written: a graph it refuses changes nothing on disk
     gpu_step = _webgpu_step(model, meta, step.model, state, input_shapes) if target == "webgpu" else None
-    gpu_eval = _webgpu_eval(evaluation.model, state, input_shapes) \
+    gpu_eval = _webgpu_eval(evaluation.model, state, eval_input_shapes or input_shapes) \
         if target == "webgpu" and evaluation is not None else None
 
     out_dir = os.fspath(out_dir)

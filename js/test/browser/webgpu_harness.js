@@ -75,7 +75,11 @@ async function stateChecks(name) {
   const inference = (await gpu.inferenceModel()).length;
   await gpu.release();
   await wasm.release();
-  return { locations, evalGpu, evalWasm, counters, next, inference };
+  // a build without WebGPU (the wasm bundle) asked for WebGPU: the wasm trainer, with the reason
+  const fallback = await Trainer.load(ortWasm, where, { executionProviders: ['webgpu'] });
+  const fellBack = { backend: fallback.backend, reason: fallback.backendReason, loss: (await fallback.step(batchAt(ortWasm, tensors, 0))).loss };
+  await fallback.release();
+  return { locations, evalGpu, evalWasm, counters, next, inference, fellBack };
 }
 
 const table = document.getElementById('results');
