@@ -45,7 +45,7 @@ export async function trainFixture(ort, read, location, name, options = {}) {
   const evaluation = await trainer.evaluate(batchAt(ort, tensors, 0));
   const report = {
     name, steps, worstLoss, worstReturned, worstRate, backend: trainer.backend,
-    evalLoss: relative(evaluation.loss, expected.eval_loss), stepsPerSecond: (steps - warmup) / seconds,
+    evalLoss: relative(evaluation.loss, expected.eval_loss), evaluation: evaluation.loss, stepsPerSecond: (steps - warmup) / seconds,
     losses, state: await trainer.exportState(), inference: await trainer.inferenceModel(),
   };
   await trainer.release();

@@ -104,7 +104,8 @@ try {
       const wasm = await trainFixture(ortWasm, read, where, name, { steps, warmup });
       const worstVsWasm = Math.max(...gpu.losses.map((l, i) => Math.abs(l - wasm.losses[i]) / Math.abs(wasm.losses[i])));
       const report = { name, steps, backend: gpu.backend, wasmBackend: wasm.backend, worstVsWasm,
-        worstVsPython: gpu.worstLoss, wasmVsPython: wasm.worstLoss, evalLoss: gpu.evalLoss,
+        worstVsPython: gpu.worstLoss, wasmVsPython: wasm.worstLoss,
+        evalVsWasm: Math.abs(gpu.evaluation - wasm.evaluation) / Math.abs(wasm.evaluation),
         gpuStepsPerSecond: gpu.stepsPerSecond, wasmStepsPerSecond: wasm.stepsPerSecond,
         losses: gpu.losses, wasmLosses: wasm.losses, state: Array.from(gpu.state) };
       const row = table.insertRow();
