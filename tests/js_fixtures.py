@@ -103,6 +103,7 @@ def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
     shapes = {k: list(v.shape[1:]) for k, v in batches.items()}  # the WebGPU step's static shapes
     export_step(session, directory / "export", packed=True, target="webgpu", input_shapes=shapes)
     (directory / "batches.safetensors").write_bytes(safetensors.encode(batches))
+    _write_host_expected(directory)
     losses, rates, returned = [], [], []
     for i in range(steps):
         rates.append(session.learning_rates)
@@ -116,6 +117,25 @@ def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
     (directory / "expected_state.safetensors").write_bytes(safetensors.encode(session.state_dict()))
     (directory / "export_state.safetensors").write_bytes(safetensors.encode(_train_export(directory, batches, rates)))
     return directory
+
+
+def _write_host_expected(directory: Path) -> None:
+    """``host_expected.json``: the WebGPU step's host program evaluated in Python
+    (onnx_training_ops/export/host_program.py) for a few update counts, for the JavaScript
+    evaluator (js/src/host_program.js) to match bit for bit."""
+    from onnx_training_ops.export.host_program import run as run_host
+
+    manifest = json.loads((directory / "export" / "manifest.json").read_text())
+    host = manifest["webgpu"]["host"]
+    rates = {e["name"]: np.float32(e["base"] * 0.37) for e in manifest["learning_rates"]}
+    cases = []
+    for t in (0, 1, 2, 9, 1000, 123456789, 2 ** 40):
+        inputs = {**{k: np.array(v) for k, v in rates.items()}, **({manifest["counter"]: np.array(t, np.int64)}
+                                                                  if manifest["counter"] else {})}
+        values = run_host(host, inputs)
+        cases.append({"inputs": {k: float(v) for k, v in inputs.items()},
+                      "values": {n: float(values[n]) for n in [*host["outputs"], *(f["name"] for f in host["feeds"])]}})
+    (directory / "host_expected.json").write_text(json.dumps(cases))
 
 
 def _train_export(directory: Path, batches: dict, rates: list[dict]) -> dict:

@@ -131,9 +131,11 @@ def test_chromium_trains_on_webgpu(fixtures):
     """onnxruntime-web's WebGPU provider in headless Chromium (SwiftShader's adapter here):
     js/test/webgpu.test.js checks that every node of each model's WebGPU step is on
     WebGpuExecutionProvider and that 50 steps stay within 1e-4 of wasm and of Python (it skips,
-    with the reason, when the browser offers no adapter). Here: its report is complete."""
-    out = _node_test(["test/webgpu.test.js"], fixtures)
-    if "# skipped 1" in out:
+    with the reason, when the browser offers no adapter); js/test/webgpu.unit.test.js checks the
+    host program against Python's bit for bit and the fallback in Node. Here: the report is
+    complete."""
+    out = _node_test(["test/webgpu.unit.test.js", "test/webgpu.test.js"], fixtures)
+    if "# skipped" in out and "# skipped 0" not in out:
         pytest.skip("Chromium offers no WebGPU adapter here (see js/test/webgpu.test.js)")
     report = json.loads((fixtures / "webgpu_report.json").read_text())
     assert [m["name"] for m in report["models"]] == list(js_fixtures.MODELS)

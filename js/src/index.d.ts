@@ -44,6 +44,18 @@ export interface Manifest {
   param_groups: Record<string, unknown>[] | null;
   schedule: { type: string; args: Record<string, unknown>; counter: string; step_offset: number } | null;
   counter: string | null;
+  /** With `export-step --target webgpu`: the WebGPU step's interface (docs/export.md, "WebGPU"). */
+  webgpu?: {
+    inputs: ValueSpec[];
+    eval_inputs?: ValueSpec[];
+    rates: string[];
+    feedback: Record<string, string>;
+    host: { inputs: string[]; constants: Record<string, { dtype: Dtype; shape: number[]; values: number[] }>;
+      nodes: { op: string; inputs: string[]; outputs: string[]; attrs: Record<string, unknown> }[];
+      outputs: string[]; feeds: { name: string; dtype: Dtype; shape: number[] }[] };
+    host_state: string[];
+    returned: string[];
+  } | null;
 }
 
 export interface ExportFiles {
@@ -53,6 +65,8 @@ export interface ExportFiles {
   eval?: Uint8Array | null;
   inference?: Uint8Array | null;
   state: Uint8Array;
+  stepWebgpu?: Uint8Array | null;
+  evalWebgpu?: Uint8Array | null;
 }
 
 /** A batch: an onnxruntime tensor, or plain data converted to the input's dtype. */
@@ -67,6 +81,14 @@ export interface TrainerOptions {
   onNonFinite?: 'raise' | 'skip' | 'ignore';
   /** Run the packed step (one state tensor per dtype; default: when the export has one). */
   packed?: boolean;
+  /**
+   * E.g. `['webgpu']`: the export's WebGPU step on onnxruntime-web's WebGPU provider, the state kept
+   * on the GPU, when the runtime has an adapter and the export a WebGPU step (`export-step --target
+   * webgpu`); otherwise the other providers listed (default: onnxruntime's). `trainer.backend` says which.
+   */
+  executionProviders?: (string | { name: string; [option: string]: unknown })[];
+  /** The onnxruntime module to use when WebGPU is not (e.g. ort.wasm.min.mjs beside ort.webgpu.min.mjs). */
+  fallback?: OrtModule;
 }
 
 export declare class NonFiniteLossError extends Error {}
@@ -78,6 +100,10 @@ export declare class Trainer {
   /** An export directory: a path in Node, a URL in the browser. */
   static load(ort: OrtModule, location: string | URL, options?: TrainerOptions): Promise<Trainer>;
   readonly manifest: Manifest;
+  /** What runs the step: 'webgpu', 'wasm', 'cpu' (onnxruntime-node) or the first provider asked for. */
+  readonly backend: string;
+  /** Why WebGPU was not used when it was asked for (null otherwise). */
+  readonly backendReason: string | null;
   /** The state: one onnxruntime tensor per state variable (views into the packs of a packed step). */
   readonly state: Record<string, OrtTensor>;
   schedule: Schedule | null;
@@ -88,9 +114,11 @@ export declare class Trainer {
   setSchedule(schedule: Schedule | null, step?: number): void;
   step(batch: Batch, options?: { lr?: number | Record<string, number> }): Promise<Outputs>;
   evaluate(batch: Batch): Promise<Outputs>;
-  exportState(): Uint8Array;
+  /** On WebGPU a Promise (the state is downloaded from the GPU): `await` works for both. */
+  exportState(): Uint8Array | Promise<Uint8Array>;
   loadState(bytes: Uint8Array | ArrayBuffer): void;
-  inferenceModel(): Uint8Array;
+  /** On WebGPU a Promise (the weights are downloaded from the GPU): `await` works for both. */
+  inferenceModel(): Uint8Array | Promise<Uint8Array>;
   release(): Promise<void>;
 }
 

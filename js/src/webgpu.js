@@ -69,6 +69,7 @@ export class WebGpuTrainer extends Trainer {
     super(ort, manifest, options);
     const gpu = manifest.webgpu;
     this.backend = 'webgpu';
+    this.backendReason = null;
     this.gpu = gpu;
     this.inputs = Object.fromEntries(gpu.inputs.map((e) => [e.name, e]));
     this.evalInputs = Object.fromEntries((gpu.eval_inputs ?? manifest.eval_inputs).map((e) => [e.name, e]));
