@@ -45,6 +45,17 @@ function int32Data(name, tensorOrData) {
   return out;
 }
 
+/**
+ * WGSL does not propagate NaN as IEEE arithmetic does (on SwiftShader, Relu of NaN gave 0 and the
+ * step's loss stayed finite): a NaN or infinity in a float input need not reach the loss, where
+ * onNonFinite would catch it. The WebGPU trainer refuses such a batch before it reaches the GPU.
+ */
+function finiteData(name, data) {
+  for (let i = 0; i < data.length; i++) {
+    if (!Number.isFinite(data[i])) throw new Error(`step: input ${JSON.stringify(name)} holds ${data[i]} at ${i}; the WebGPU trainer refuses non-finite inputs (WGSL need not carry a NaN to the loss)`);
+  }
+}
+
 export class WebGpuTrainer extends Trainer {
   /** Create the WebGPU trainer from the files of an export (readExport) and Trainer options. */
   static async createWebGpu(ort, files, options = {}) {
@@ -86,6 +97,7 @@ export class WebGpuTrainer extends Trainer {
     const converted = { ...batch };
     for (const [name, spec] of Object.entries(specs)) {
       const value = batch[name];
+      if (spec.dtype.startsWith('float') && value?.data) finiteData(name, value.data);
       if (spec.dtype === 'int32' && value !== undefined && value.type !== 'int32') {
         converted[name] = new this.ort.Tensor('int32', int32Data(name, value), value.dims);
       }

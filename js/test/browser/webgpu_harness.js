@@ -79,7 +79,29 @@ async function stateChecks(name) {
   const fallback = await Trainer.load(ortWasm, where, { executionProviders: ['webgpu'] });
   const fellBack = { backend: fallback.backend, reason: fallback.backendReason, loss: (await fallback.step(batchAt(ortWasm, tensors, 0))).loss };
   await fallback.release();
-  return { locations, evalGpu, evalWasm, counters, next, inference, fellBack };
+  return { locations, evalGpu, evalWasm, counters, next, inference, fellBack, refusals: await refusals(where, tensors) };
+}
+
+/** Bad batches on WebGPU: a NaN loss (state unchanged), a shape other than the export's static one, a label past int32. */
+async function refusals(where, tensors) {
+  const trainer = await Trainer.load(ort, where, { executionProviders: ['webgpu'] });
+  const batch = batchAt(ort, tensors, 0);
+  const message = async (run) => { try { await run(); return null; } catch (error) { return `${error.name}: ${error.message}`; } };
+  const nanInput = Object.fromEntries(Object.entries(batch).map(([k, t]) => [k, t.type === 'float32'
+    ? new ort.Tensor('float32', new Float32Array(t.data.length).fill(NaN), t.dims) : t]));
+  const nonFinite = await message(() => trainer.step(nanInput));
+  const counter = trainer.scheduleStep;
+  const first = (await trainer.step(batch)).loss;  // as if the NaN step never happened
+  const fresh = await Trainer.load(ort, where, { executionProviders: ['webgpu'] });
+  const expected = (await fresh.step(batch)).loss;
+  const labels = trainer.manifest.labels ?? 'labels';
+  const wrongShape = await message(() => trainer.step({ ...batch, [labels]: new ort.Tensor(batch[labels].type, batch[labels].data.subarray(1), [batch[labels].dims[0] - 1]) }));
+  const big = batch[labels].type === 'int64' ? BigInt64Array.from(batch[labels].data) : Float64Array.from(batch[labels].data);
+  big[0] = batch[labels].type === 'int64' ? 2n ** 31n : 2 ** 31;
+  const outOfRange = await message(() => trainer.step({ ...batch, [labels]: { data: big, dims: batch[labels].dims } }));
+  await trainer.release();
+  await fresh.release();
+  return { nonFinite, counter, first, expected, wrongShape, outOfRange };
 }
 
 const table = document.getElementById('results');
