@@ -14,12 +14,15 @@ async function readBytes(location, name) {
   return new Uint8Array(await response.arrayBuffer());
 }
 
-/** {manifest, step, stepPacked, eval, inference, state} of an export directory (a path in Node, a URL in the browser). */
-export async function readExport(location) {
+/**
+ * {manifest, step, stepPacked, eval, inference, state, stepWebgpu, evalWebgpu} of an export
+ * directory (a path in Node, a URL in the browser); the WebGPU models only with `{ webgpu: true }`.
+ */
+export async function readExport(location, { webgpu = false } = {}) {
   const manifest = JSON.parse(new TextDecoder().decode(await readBytes(location, 'manifest.json')));
   const f = manifest.files;  // eval and inference are absent for a model without a loss or outputs
   const [step, stepPacked, evalModel, inference, state, stepWebgpu, evalWebgpu] = await Promise.all(
-    [f.step, f.step_packed, f.eval, f.inference, f.state, f.step_webgpu, f.eval_webgpu]
+    [f.step, f.step_packed, f.eval, f.inference, f.state, webgpu && f.step_webgpu, webgpu && f.eval_webgpu]
       .map((entry) => (entry ? readBytes(location, entry.path) : null)));
   return { manifest, step, stepPacked, eval: evalModel, inference, state, stepWebgpu, evalWebgpu };
 }

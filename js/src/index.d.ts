@@ -126,7 +126,8 @@ export interface DecodedTensor { dtype: Dtype; dims: number[]; data: ArrayBuffer
 export declare function encodeSafetensors(tensors: Record<string, { type?: string; dtype?: string; dims: readonly number[]; data: ArrayBufferView }>, metadata?: Record<string, string>): Uint8Array;
 export declare function decodeSafetensors(bytes: Uint8Array | ArrayBuffer, where?: string): { tensors: Record<string, DecodedTensor>; metadata: Record<string, string> };
 export declare function embedWeights(modelBytes: Uint8Array, weights: Record<string, { data: ArrayBufferView }>): Uint8Array;
-export declare function readExport(location: string | URL): Promise<ExportFiles>;
+/** `webgpu`: also read the WebGPU step and eval models (what `Trainer.load` does when WebGPU is asked for). */
+export declare function readExport(location: string | URL, options?: { webgpu?: boolean }): Promise<ExportFiles>;
 
 export declare namespace schedules {
   class StepLR implements Schedule { constructor(a: { step_size: number; gamma?: number }); lr(base: number, k: number): number }

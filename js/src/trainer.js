@@ -93,7 +93,8 @@ export class Trainer {
 
   /** Load an export directory (a path in Node, a URL in the browser) and create the trainer. */
   static async load(ort, location, options = {}) {
-    return Trainer.create(ort, await readExport(location), options);
+    const webgpu = (providersOf(options) ?? []).some((p) => (typeof p === 'string' ? p : p.name) === 'webgpu');
+    return Trainer.create(ort, await readExport(location, { webgpu }), options);
   }
 
   constructor(ort, manifest, options) {
