@@ -14,7 +14,6 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-import onnx_training_ops as ot
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.export import export_step, safetensors
 from onnx_training_ops.export.host_program import run as run_host
@@ -187,7 +186,6 @@ def _webgpu_steps(directory, manifest, batches, steps):
                                    providers=["CPUExecutionProvider"])
     state, _ = safetensors.read(directory / "state.safetensors")
     rates = {e["name"]: np.array(e["base"], np.float32) for e in manifest["learning_rates"]}
-    int32 = set(gpu["host"]["inputs"])  # noqa: F841 - the host inputs are the counter and the rates
     losses = []
     for i in range(steps):
         host = run_host(gpu["host"], {**state, **rates})
@@ -259,7 +257,6 @@ def test_cli_export_step_target_webgpu(tmp_path):
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["files"]["step_webgpu"]["path"] == "step.webgpu.onnx"
     assert [e["shape"] for e in manifest["webgpu"]["inputs"]] == [[32, 64], [32]]
-    _ = ot  # the package imports cleanly beside the passes
 
 
 def _maxpool_scatter(kernel, strides, shape=(2, 3, 4, 6)):

@@ -70,13 +70,12 @@ def lower_one_hot(model: ModelProto) -> ModelProto:
                 helper.make_node("Less", [as_float, zero_name], [negative]),
                 helper.make_node("Add", [as_float, size_name], [wrapped]),
                 helper.make_node("Where", [negative, wrapped, as_float], [index])]
-        expanded = names("unsqueezed")
-        position = axis if axis >= 0 else axis
+        expanded = names("unsqueezed")  # OneHot's axis and Unsqueeze's both count in the output's rank
         if version >= 13:
-            axes, axes_name = constant(names, "axes", np.array([position], np.int64))
+            axes, axes_name = constant(names, "axes", np.array([axis], np.int64))
             out += [axes, helper.make_node("Unsqueeze", [index, axes_name], [expanded])]
         else:
-            out.append(helper.make_node("Unsqueeze", [index], [expanded], axes=[position]))
+            out.append(helper.make_node("Unsqueeze", [index], [expanded], axes=[axis]))
         grid, grid_name = constant(names, "range", np.arange(depth, dtype=np.float32).reshape((depth,) + (1,) * trailing))
         hit = names("equal")
         on_node, on_name = constant(names, "on", np.array(on))

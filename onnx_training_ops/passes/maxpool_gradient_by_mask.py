@@ -49,6 +49,22 @@ def _reduce(op: str, x: str, out: str, version: int, names: Names) -> list:
     return [helper.make_node(op, [x], [out], axes=[-1], keepdims=1)]
 
 
+def _emitters(out: list, names: Names):
+    """``const(hint, value)`` and ``op(op_type, inputs, **attrs)``: append a node to ``out``, return its output."""
+
+    def const(hint: str, value: np.ndarray) -> str:
+        node, name = constant(names, hint, value)
+        out.append(node)
+        return name
+
+    def op(op_type: str, inputs: list[str], **attrs) -> str:
+        name = names(op_type.lower())
+        out.append(helper.make_node(op_type, inputs, [name], **attrs))
+        return name
+
+    return const, op
+
+
 def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
     """Rewrite each MaxPool gradient scatter as a mask (in place; returns ``model``).
 
@@ -69,6 +85,7 @@ def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
     inferred = onnx.shape_inference.infer_shapes(model).graph
     shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
               for vi in (*inferred.input, *inferred.value_info) if vi.type.tensor_type.HasField("shape")}
+    elem = {vi.name: vi.type.tensor_type.elem_type for vi in (*inferred.input, *inferred.value_info)}
     readers: dict[str, list[onnx.NodeProto]] = {}
     producer = {o: n for n in graph.node for o in n.output}
     for n in graph.node:
@@ -97,18 +114,8 @@ def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
             if flat_g is None or flat_g.op_type != "Reshape":
                 raise TrainingOpError(f"maxpool_gradient_by_mask: {node_label(scatter)} does not scatter a reshaped gradient")
             g = flat_g.input[0]
-            out = []
-
-            def const(hint, value):
-                node, name = constant(names, hint, value)
-                out.append(node)
-                return name
-
-            def op(op_type, inputs, **attrs):
-                name = names(op_type.lower())
-                out.append(helper.make_node(op_type, inputs, [name], **attrs))
-                return name
-
+            out: list[onnx.NodeProto] = []
+            const, op = _emitters(out, names)
             windows = op("Reshape", [x, const("shape", np.array([n, c, oh, kh, ow, kw], np.int64))])
             windows = op("Transpose", [windows], perm=[0, 1, 2, 4, 3, 5])
             windows = op("Reshape", [windows, const("shape", np.array([n, c, oh, ow, kh * kw], np.int64))])
@@ -120,9 +127,7 @@ def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
             out += _reduce("ReduceMin", candidates, first, version, names)
             hit = op("Equal", [positions, first])
             grad = op("Reshape", [g, const("shape", np.array([n, c, oh, ow, 1], np.int64))])
-            zero = const("zero", np.array(0, helper.tensor_dtype_to_np_dtype(
-                next(vi.type.tensor_type.elem_type for vi in inferred.value_info if vi.name == g)
-                if any(vi.name == g for vi in inferred.value_info) else onnx.TensorProto.FLOAT)))
+            zero = const("zero", np.array(0, helper.tensor_dtype_to_np_dtype(elem.get(g, onnx.TensorProto.FLOAT))))
             spread = op("Where", [hit, grad, zero])
             spread = op("Reshape", [spread, const("shape", np.array([n, c, oh, ow, kh, kw], np.int64))])
             spread = op("Transpose", [spread], perm=[0, 1, 2, 4, 3, 5])

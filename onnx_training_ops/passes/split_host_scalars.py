@@ -88,7 +88,6 @@ def split_host_scalars(model: ModelProto, roots: Iterable[str]) -> tuple[ModelPr
                 raise TrainingOpError(f"split_host_scalars: {node_label(node)} output {name!r} has shape {shape}; "
                                       "the host program computes scalars (one element) only")
     read_by_rest = {i for n in rest for i in n.input}
-    outputs = {o.name for o in graph.output}
     used_constants = {i for n in cone for i in n.input if i in known and i not in host}
     program = {
         "inputs": roots,
