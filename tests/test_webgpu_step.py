@@ -219,7 +219,7 @@ def _portable_steps(directory, manifest, batches, steps):
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_the_webgpu_step_trains_like_the_portable_step(tmp_path, name):
     """50 steps: the same losses (float32 rounding) and state; no node WebGPU lacks, no float64
-    anywhere, the update count off the graph, labels int32."""
+    anywhere, no node computing int64, the update count off the graph, labels int32."""
     manifest, batches = _export(tmp_path, name)
     directory = tmp_path / name
     model = onnx.load(directory / "step.webgpu.onnx")
@@ -227,6 +227,9 @@ def test_the_webgpu_step_trains_like_the_portable_step(tmp_path, name):
     inferred = onnx.shape_inference.infer_shapes(model).graph
     elem = {vi.name: vi.type.tensor_type.elem_type for vi in (*inferred.input, *inferred.value_info, *inferred.output)}
     assert TensorProto.DOUBLE not in elem.values()
+    computed_int64 = {n.op_type for n in model.graph.node if n.op_type != "Constant"
+                      and any(elem.get(o) == TensorProto.INT64 for o in n.output)}
+    assert not computed_int64, f"int64 arithmetic left for WebGPU: {computed_int64}"
     assert manifest["counter"] not in {vi.name for vi in model.graph.input}
     assert {e["name"]: e["dtype"] for e in manifest["webgpu"]["inputs"]}["labels"] == "int32"
     ours, our_state = _webgpu_steps(directory, manifest, batches, 50)
