@@ -11,7 +11,9 @@
 // Not used: graph capture (`enableGraphCapture`): it needs every input and output to be a GPU
 // buffer, the batch and the loss included, and turns int64 arithmetic into 32-bit arithmetic.
 
-import { Trainer, NonFiniteLossError } from './trainer.js';
+import { Trainer, fileName, openSession } from './trainer.js';
+import { TrainerError, NonFiniteLossError } from './errors.js';
+import { checkBatch, checkRates } from './validate.js';
 import { encode } from './safetensors.js';
 import { embedWeights } from './onnx_weights.js';
 import { runHost } from './host_program.js';
@@ -38,7 +40,7 @@ function int32Data(name, tensorOrData) {
   for (let i = 0; i < data.length; i++) {
     const v = Number(data[i]);
     if (!Number.isInteger(v) || v < INT32_MIN || v > INT32_MAX) {
-      throw new Error(`step: input ${JSON.stringify(name)} holds ${data[i]} at ${i}; the WebGPU step reads it as int32`);
+      throw new TrainerError(`step: input ${JSON.stringify(name)} holds ${data[i]} at ${i}; the WebGPU step reads it as int32`);
     }
     out[i] = v;
   }
@@ -52,7 +54,7 @@ function int32Data(name, tensorOrData) {
  */
 function finiteData(name, data) {
   for (let i = 0; i < data.length; i++) {
-    if (!Number.isFinite(data[i])) throw new Error(`step: input ${JSON.stringify(name)} holds ${data[i]} at ${i}; the WebGPU trainer refuses non-finite inputs (WGSL need not carry a NaN to the loss)`);
+    if (!Number.isFinite(data[i])) throw new TrainerError(`step: input ${JSON.stringify(name)} holds ${data[i]} at ${i}; the WebGPU trainer refuses non-finite inputs (WGSL need not carry a NaN to the loss)`);
   }
 }
 
@@ -67,12 +69,17 @@ export class WebGpuTrainer extends Trainer {
     for (const output of gpu.returned) location[output] = 'cpu';
     const provider = { name: 'webgpu', preferredLayout: 'NCHW' }; // NHWC Conv is wrong for some channel counts (1.30)
     const sessionOptions = { ...(options.sessionOptions ?? {}), executionProviders: [provider], preferredOutputLocation: location };
-    trainer.stepSession = await ort.InferenceSession.create(files.stepWebgpu, sessionOptions);
-    // evaluate(): the export's WebGPU eval model, fed the state where it lies (on the GPU)
-    const evalOptions = { ...(options.sessionOptions ?? {}), executionProviders: [provider] };
-    trainer.evalSession = files.evalWebgpu ? await ort.InferenceSession.create(files.evalWebgpu, evalOptions) : null;
-    trainer.inferenceBytes = files.inference ?? null;
-    trainer.loadState(files.state);
+    trainer.stepSession = await openSession(ort, files.stepWebgpu, sessionOptions, fileName(manifest, 'stepWebgpu'));
+    try {
+      // evaluate(): the export's WebGPU eval model, fed the state where it lies (on the GPU)
+      const evalOptions = { ...(options.sessionOptions ?? {}), executionProviders: [provider] };
+      trainer.evalSession = files.evalWebgpu ? await openSession(ort, files.evalWebgpu, evalOptions, fileName(manifest, 'evalWebgpu')) : null;
+      trainer.inferenceBytes = files.inference ?? null;
+      trainer.loadState(files.state, { verify: options.verify ?? true, where: fileName(manifest, 'state') });
+    } catch (error) {
+      await trainer.release();
+      throw error;
+    }
     return trainer;
   }
 
@@ -90,10 +97,13 @@ export class WebGpuTrainer extends Trainer {
   }
 
   _counterValue() {
+    const t = this.stepState?.[this.counter];  // during loadState, before it moves to the host
+    if (t && t.location !== 'gpu-buffer') return Number(t.data[0]);
     return this.host[this.counter] ?? 0;
   }
 
-  _batch(batch, specs = this.inputs) {
+  _batch(batch, specs = this.inputs, what = 'step') {
+    checkBatch(batch, what);
     const converted = { ...batch };
     for (const [name, spec] of Object.entries(specs)) {
       const value = batch[name];
@@ -105,22 +115,15 @@ export class WebGpuTrainer extends Trainer {
     return converted;
   }
 
-  _rateValues(lr) {
-    const rates = lr === undefined ? this.learningRates
-      : typeof lr === 'number' ? Object.fromEntries(this.manifest.learning_rates.map((e) => [e.name, lr])) : lr;
-    for (const e of this.manifest.learning_rates) {
-      if (!(e.name in rates)) throw new Error(`step: no learning rate for ${JSON.stringify(e.name)}`);
-    }
-    return rates;
-  }
-
-  /** One training step on the GPU; returns the returned outputs (numbers for one-element ones). */
-  async step(batch, { lr } = {}) {
-    const rates = this._rateValues(lr);
+  /** One training step on the GPU (step() serializes the calls); returns the returned outputs (numbers for one-element ones). */
+  async _step(batch, options = {}) {
+    if (options === null || typeof options !== 'object') throw new TrainerError(`step: options must be {lr}, found ${options}`);
+    const { lr } = options;
+    const rates = checkRates(lr, this.manifest.learning_rates, lr === undefined ? this.learningRates : undefined);
     const feeds = this._feeds(this._batch(batch), this.inputs, 'step');
     const host = runHost(this.gpu.host, { ...this.host, ...rates }, this.dtypes);
     for (const f of this.gpu.host.feeds) {
-      if (f.dtype !== 'float32') throw new Error(`step: host value ${f.name} is ${f.dtype}; the WebGPU step reads float32`);
+      if (f.dtype !== 'float32') throw new TrainerError(`step: host value ${f.name} is ${f.dtype}; the WebGPU step reads float32`);
       feeds[f.name] = new this.ort.Tensor('float32', Float32Array.of(host[f.name].value), f.shape);
     }
     const rateFeeds = this._rateFeeds(rates);
@@ -165,12 +168,13 @@ export class WebGpuTrainer extends Trainer {
 
   /** The state as safetensors bytes (a Promise on this backend). */
   async exportState() {
-    return encode(await this.downloadState(), { format: 'onnx-training-ops/export' });
+    return encode(await this.downloadState(), { format: 'onnx-training-ops/export' }, { sha256: true });
   }
 
-  loadState(bytes) {
+  /** Replace the state (Trainer.loadState); the previous GPU buffers are released. */
+  loadState(bytes, options) {
     const previous = this.stepState;
-    super.loadState(bytes);
+    super.loadState(bytes, options);
     for (const name of this.gpu.host_state) {
       this.host[name] = Number(this.stepState[name].data[0]);
       delete this.stepState[name];
@@ -180,18 +184,18 @@ export class WebGpuTrainer extends Trainer {
 
   /** The inference model with the current weights embedded (a Promise on this backend). */
   async inferenceModel() {
-    if (!this.inferenceBytes) throw new Error('inferenceModel: the export was loaded without inference.onnx');
-    return embedWeights(this.inferenceBytes, await this.downloadState());
+    if (!this.inferenceBytes) throw new TrainerError('inferenceModel: the export was loaded without inference.onnx');
+    return embedWeights(this.inferenceBytes, await this.downloadState(), fileName(this.manifest, 'inference'));
   }
 
-  /** The loss and eval outputs (eval mode) on WebGPU with the current state; nothing changes. */
-  async evaluate(batch) {
-    if (!this.evalSession) throw new Error('evaluate: the export has no WebGPU eval model (eval.webgpu.onnx)');
-    const feeds = this._feeds(this._batch(batch, this.evalInputs), this.evalInputs, 'evaluate');
+  /** The loss and eval outputs (eval mode) on WebGPU with the current state (evaluate() serializes the calls); nothing changes. */
+  async _evaluate(batch) {
+    if (!this.evalSession) throw new TrainerError('evaluate: the export has no WebGPU eval model (eval.webgpu.onnx)');
+    const feeds = this._feeds(this._batch(batch, this.evalInputs, 'evaluate'), this.evalInputs, 'evaluate');
     const state = this.stepState;
     for (const name of this.evalSession.inputNames) if (name in state) feeds[name] = state[name];
     const out = await this.evalSession.run(feeds);
-    return Object.fromEntries(this.manifest.eval_outputs.map((n) => [n, out[n].size === 1 ? Number(out[n].data[0]) : out[n]]));
+    return Object.fromEntries((this.manifest.eval_outputs ?? []).map((n) => [n, out[n].size === 1 ? Number(out[n].data[0]) : out[n]]));
   }
 
   get state() {

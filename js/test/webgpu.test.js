@@ -113,7 +113,7 @@ test('the WebGPU step trains the three models in Chromium, every node on WebGPU,
   assert.match(state.fellBack.reason, /cannot run WebGPU/);
   assert.ok(Number.isFinite(state.fellBack.loss));
   const bad = state.refusals;
-  assert.match(bad.nonFinite, /^Error: step: input "input" holds NaN at 0; the WebGPU trainer refuses non-finite inputs/);
+  assert.match(bad.nonFinite, /^TrainerError: step: input "input" holds NaN at 0; the WebGPU trainer refuses non-finite inputs/);
   assert.equal(bad.counter, 0, 'a refused step leaves the update count');
   assert.equal(bad.first, bad.expected, 'a refused step leaves the GPU state');
   assert.match(bad.wrongShape, /input "labels" must have shape \[\d+\], found \[\d+\]/);

@@ -79,6 +79,17 @@ class Adam:
 
     ``eps`` is added to ``sqrt(H)`` before the bias correction (TensorFlow's form), see the
     module doc; torch and this op agree exactly when ``eps == 0``.
+
+    Args:
+        lr: learning rate (the base rate of the model's learning-rate input).
+        betas: ``(beta1, beta2)``, ONNX's ``alpha`` and ``beta``, each in [0, 1).
+        eps: ONNX's ``epsilon``, added to ``sqrt(H)``.
+        weight_decay: L2 penalty added to the gradient (ONNX's ``norm_coefficient``).
+        post_weight_decay: ONNX's ``norm_coefficient_post``, ``X <- (1 - c) * X_new`` after the
+            update, not scaled by the learning rate.
+
+    Raises:
+        TrainingOpError: a value out of range (negative, not finite, betas not in [0, 1)).
     """
 
     lr: float = 1e-3
@@ -122,9 +133,21 @@ class Adam:
 
 @dataclass(frozen=True)
 class AdamW(Adam):
-    """``torch.optim.AdamW``: decoupled weight decay ``X <- X * (1 - lr*weight_decay)``
-    before the Adam update (default ``weight_decay=1e-2``, as torch). The decay is emitted
-    as standard ONNX ops before the ``Adam`` node, whose own ``norm_coefficient`` stays 0."""
+    """``torch.optim.AdamW``: decoupled weight decay ``X <- X * (1 - lr*weight_decay)`` before the Adam update.
+
+    The decay is emitted as standard ONNX ops before the ``Adam`` node, whose own
+    ``norm_coefficient`` stays 0; the learning rate scales it, so schedules do too.
+
+    Args:
+        lr: learning rate.
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: ONNX's ``epsilon``, added to ``sqrt(H)``.
+        weight_decay: decoupled weight decay (default 1e-2, as torch's).
+        post_weight_decay: ONNX's ``norm_coefficient_post`` (see :class:`Adam`).
+
+    Raises:
+        TrainingOpError: a value out of range.
+    """
 
     weight_decay: float = 1e-2
 
@@ -140,8 +163,17 @@ class AdamW(Adam):
 class Momentum:
     """SGD with momentum as ``torch.optim.SGD`` spells it; ONNX op ``Momentum``.
 
-    ``momentum`` -> alpha, ``1 - dampening`` -> beta, ``nesterov`` -> mode,
-    ``weight_decay`` -> norm_coefficient. ``momentum=0`` is plain SGD.
+    ``momentum=0`` is plain SGD.
+
+    Args:
+        lr: learning rate.
+        momentum: ONNX's ``alpha``.
+        dampening: ``1 - dampening`` is ONNX's ``beta``.
+        nesterov: ONNX's ``mode``: ``"nesterov"`` if True, else ``"standard"``.
+        weight_decay: L2 penalty added to the gradient (ONNX's ``norm_coefficient``).
+
+    Raises:
+        TrainingOpError: a value out of range.
     """
 
     lr: float = 1e-2
@@ -182,8 +214,15 @@ class Momentum:
 class Adagrad:
     """Adagrad as ``torch.optim.Adagrad`` spells it (defaults from torch); ONNX op ``Adagrad``.
 
-    ``lr_decay`` -> decay_factor, ``eps`` -> epsilon, ``weight_decay`` -> norm_coefficient;
-    ``initial_accumulator_value`` is the initial value of the state H.
+    Args:
+        lr: learning rate.
+        lr_decay: ONNX's ``decay_factor``.
+        eps: ONNX's ``epsilon``.
+        weight_decay: L2 penalty added to the gradient (ONNX's ``norm_coefficient``).
+        initial_accumulator_value: the initial value of the state H.
+
+    Raises:
+        TrainingOpError: a value out of range.
     """
 
     lr: float = 1e-2

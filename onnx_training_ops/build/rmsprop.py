@@ -35,7 +35,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RMSProp:
-    """``torch.optim.RMSprop(lr, alpha, eps, weight_decay, momentum, centered)``; defaults from torch."""
+    """``torch.optim.RMSprop``, emitted as standard ONNX ops (the domain has no RMSProp op); defaults from torch.
+
+    Args:
+        lr: learning rate.
+        alpha: smoothing constant of the squared-gradient average (state ``square_avg``).
+        eps: added to the root of the average.
+        weight_decay: L2 penalty added to the gradient.
+        momentum: momentum factor; > 0 adds the state ``momentum_buffer``.
+        centered: subtract the squared mean gradient (state ``grad_avg``).
+
+    Raises:
+        TrainingOpError: a value out of range.
+    """
 
     lr: float = 1e-2
     alpha: float = 0.99

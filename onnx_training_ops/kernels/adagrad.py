@@ -33,7 +33,23 @@ def adagrad(
     epsilon: float = DEFAULTS["epsilon"],
     norm_coefficient: float = DEFAULTS["norm_coefficient"],
 ) -> tuple[np.ndarray, ...]:
-    """Adagrad over ``X1..Xn, G1..Gn, H1..Hn``; returns ``X_new.., H_new..``."""
+    """Adagrad over ``X1..Xn, G1..Gn, H1..Hn``, in the ONNX pseudo code's operation order.
+
+    Args:
+        r: the learning rate R, a float scalar.
+        t: the update count T, an int64 scalar.
+        *tensors: ``X1..Xn, G1..Gn, H1..Hn``; G/H may broadcast to their X's shape.
+        decay_factor: the rate is ``R / (1 + T * decay_factor)``.
+        epsilon: added to ``sqrt(H)``.
+        norm_coefficient: L2 penalty added to the gradient.
+
+    Returns:
+        ``X_new1..n, H_new1..n``, each in its X's dtype; the inputs are not modified.
+
+    Raises:
+        TrainingOpError: R not a float scalar, T not an int64 scalar, a tensor count that does
+            not fit, or shapes that do not broadcast to X's.
+    """
     rate = adagrad_rate(scalar_rate(r, "Adagrad"), scalar_count(t, "Adagrad"), decay_factor)
     return interleave(
         [

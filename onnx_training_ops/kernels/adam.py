@@ -45,7 +45,25 @@ def adam(
     norm_coefficient: float = DEFAULTS["norm_coefficient"],
     norm_coefficient_post: float = DEFAULTS["norm_coefficient_post"],
 ) -> tuple[np.ndarray, ...]:
-    """Adam over ``X1..Xn, G1..Gn, V1..Vn, H1..Hn``; returns ``X_new.., V_new.., H_new..``."""
+    """Adam over ``X1..Xn, G1..Gn, V1..Vn, H1..Hn``, in the ONNX pseudo code's operation order.
+
+    Args:
+        r: the learning rate R, a float scalar.
+        t: the update count T, an int64 scalar (no bias correction when 0).
+        *tensors: ``X1..Xn, G1..Gn, V1..Vn, H1..Hn``; G/V/H may broadcast to their X's shape.
+        alpha: the first moment's decay.
+        beta: the second moment's decay.
+        epsilon: added to ``sqrt(H)``.
+        norm_coefficient: L2 penalty added to the gradient.
+        norm_coefficient_post: ``X <- (1 - c) * X_new`` after the update.
+
+    Returns:
+        ``X_new1..n, V_new1..n, H_new1..n``, each in its X's dtype; the inputs are not modified.
+
+    Raises:
+        TrainingOpError: R not a float scalar, T not an int64 scalar, a tensor count that does
+            not fit, or shapes that do not broadcast to X's.
+    """
     rate = adam_rate(scalar_rate(r, "Adam"), scalar_count(t, "Adam"), alpha, beta)
     return interleave(
         [

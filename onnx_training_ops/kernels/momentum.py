@@ -39,9 +39,26 @@ def check_mode(mode) -> bool:
 def momentum(
     r, t, *tensors, alpha: float, beta: float, mode: str, norm_coefficient: float
 ) -> tuple[np.ndarray, ...]:
-    """Momentum over ``X1..Xn, G1..Gn, V1..Vn``; returns ``X_new.., V_new..``.
+    """Momentum over ``X1..Xn, G1..Gn, V1..Vn``, in the ONNX pseudo code's operation order.
 
     The schema makes all four attributes required, so they have no defaults here.
+
+    Args:
+        r: the learning rate R, a float scalar.
+        t: the update count T, an int64 scalar (the gradient's coefficient is 1 when 0).
+        *tensors: ``X1..Xn, G1..Gn, V1..Vn``; G/V may broadcast to their X's shape.
+        alpha: the momentum's decay.
+        beta: the gradient's coefficient from T = 1 on.
+        mode: ``"standard"`` or ``"nesterov"``.
+        norm_coefficient: L2 penalty added to the gradient.
+
+    Returns:
+        ``X_new1..n, V_new1..n``, each in its X's dtype; the inputs are not modified.
+
+    Raises:
+        TrainingOpError: R not a float scalar, T not an int64 scalar, a tensor count that does
+            not fit, shapes that do not broadcast to X's,
+            or another mode.
     """
     nesterov = check_mode(mode)
     rate = scalar_rate(r, "Momentum")

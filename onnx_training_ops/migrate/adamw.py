@@ -40,12 +40,21 @@ from ..build.ops import Ops
 
 @dataclass(frozen=True)
 class OrtAdamW:
-    """onnxruntime-training's ``AdamWOptimizer``: its attributes with torch's names.
+    """onnxruntime-training's ``AdamWOptimizer``: its attributes with torch's names, as standard ops.
 
-    ``betas`` = (alpha, beta), ``eps`` = epsilon, ``mode`` = adam_mode (1: transformers, 0: torch),
-    ``bias_correction`` = correct_bias. Defaults are onnxblock's ``AdamW()`` (what
-    ``generate_artifacts(..., OptimType.AdamW)`` writes); ``lr`` is the on-device Optimizer's
-    default learning rate. float32 parameters only, as the kernel.
+    Defaults are onnxblock's ``AdamW()`` (what ``generate_artifacts(..., OptimType.AdamW)``
+    writes). float32 parameters only, as the kernel.
+
+    Args:
+        lr: the on-device Optimizer's default learning rate.
+        betas: ``(alpha, beta)``, the moments' decays.
+        eps: ``epsilon``.
+        weight_decay: the decoupled weight decay.
+        mode: ``adam_mode``: 1 transformers' AdamW, 0 torch's.
+        bias_correction: ``correct_bias``.
+
+    Raises:
+        TrainingOpError: a value out of range.
     """
 
     lr: float = 1e-3

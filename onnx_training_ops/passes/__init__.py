@@ -2,7 +2,8 @@
 
 Each pass takes a ModelProto and returns it rewritten (pure ONNX in, ONNX out; nothing here
 talks to onnxruntime beyond reading its supported versions). :data:`PASSES` targets the PyOp
-kernels, :data:`NATIVE_PASSES` the native ones, :data:`PORTABLE_PASSES` plain onnxruntime;
+kernels, :data:`NATIVE_PASSES` the native ones, :data:`PORTABLE_PASSES` plain onnxruntime
+(:data:`FLAT_PORTABLE_PASSES` the same for a GPU: one optimizer chain over all parameters);
 :func:`onnx_training_ops.prepare` (``runtime/pipeline.py``) picks one and runs it on a copy.
 
 May import: errors, schema, walk, storage, kernels (their reference math), autodiff.
@@ -19,6 +20,7 @@ from .conv_forward_gemm import conv_forward_gemm
 from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient, expand_gradient_native
 from .fill_defaults import fill_default_attributes
+from .flatten_optimizers import flatten_optimizers
 from .fuse_gelu import fuse_gelu
 from .fit_runtime import fit_runtime
 from .lower_cross_entropy import lower_cross_entropy
@@ -44,6 +46,12 @@ PASSES: list[tuple[str, Pass]] = [
     ("encode_exact_attributes", encode_exact_attributes),
     ("fit_runtime", fit_runtime),
 ]
+"""The (name, pass) pipeline :func:`~onnx_training_ops.prepare` runs for the PyOp kernels, in order.
+
+Each pass takes a ModelProto and returns a new one. The native kernels' pipeline
+(``NATIVE_PASSES``) and the portable form's (``PORTABLE_PASSES``) share its first passes;
+what each pass does: [Kernel paths](../kernels.md#prepare-passes).
+"""
 # What every kernel path shares: PASSES up to the PyOp-specific targeting.
 _SHARED: list[tuple[str, Pass]] = [
     (name, run_pass) for name, run_pass in PASSES
@@ -62,3 +70,10 @@ NATIVE_PASSES: list[tuple[str, Pass]] = [
 # lowered; no plugin needed).
 PORTABLE_PASSES: list[tuple[str, Pass]] = [(name, run_pass) for name, run_pass in _SHARED if name != "fuse_gelu"] + [
     ("lower_optimizers", lower_optimizers), ("fit_runtime", fit_runtime)]
+# The portable form for a GPU (CUDA, WebGPU): each multi-tensor optimizer node runs over its
+# tensors laid end to end, one chain of elementwise kernels for all parameters. On a CPU the
+# copies in and out cost more than the per-tensor chains (BERT 4L/256: 1.26x the step).
+FLAT_PORTABLE_PASSES: list[tuple[str, Pass]] = [
+    entry for name, run_pass in PORTABLE_PASSES
+    for entry in ([("flatten_optimizers", flatten_optimizers)] if name == "lower_optimizers" else []) + [(name, run_pass)]
+]

@@ -319,7 +319,7 @@ def _default_opset(model: ModelProto) -> int:
     return imports[0].version
 
 
-def _types_by_graph(model: ModelProto) -> list[tuple[GraphProto, dict[str, ValueType], str]]:
+def types_by_graph(model: ModelProto) -> list[tuple[GraphProto, dict[str, ValueType], str]]:
     """(top-level graph, inferred types, label prefix): the main graph, then each training_info
     graph, the algorithm typed as the IR runs it (after the main graph)."""
     from .validate import _with_graph
@@ -347,7 +347,7 @@ def lower_optimizers(model: ModelProto) -> ModelProto:
     taken: set[str] = set()
     for graph in model_graphs(model):
         taken |= all_names(graph)
-    for top, types, where in _types_by_graph(model):
+    for top, types, where in types_by_graph(model):
         # bodies before the graphs that hold them: rewriting a node list copies its nodes
         for graph in reversed(list(all_graphs(top))):
             _lower_graph(graph, types, taken, opset, where)
