@@ -129,3 +129,20 @@ def test_chromium_trains_the_models_and_the_browser_example(fixtures):
     accuracy = float(np.mean(logits.argmax(-1) == data["test_y"]))
     assert abs(accuracy - example["accuracyAfter"]) <= 1 / len(data["test_y"])
     assert example["accuracyAfter"] > example["accuracyBefore"]
+
+
+def test_chromium_trains_on_webgpu(fixtures):
+    """onnxruntime-web's WebGPU provider in headless Chromium (SwiftShader's adapter here):
+    js/test/webgpu.test.js checks that every node of each model's WebGPU step is on
+    WebGpuExecutionProvider and that 50 steps stay within 1e-4 of wasm and of Python (it skips,
+    with the reason, when the browser offers no adapter); js/test/webgpu.unit.test.js checks the
+    host program against Python's bit for bit and the fallback in Node. Here: the report is
+    complete."""
+    out = _node_test(["test/webgpu.unit.test.js", "test/webgpu.test.js"], fixtures)
+    if "# skipped" in out and "# skipped 0" not in out:
+        pytest.skip("Chromium offers no WebGPU adapter here (see js/test/webgpu.test.js)")
+    report = json.loads((fixtures / "webgpu_report.json").read_text())
+    assert [m["name"] for m in report["models"]] == list(js_fixtures.MODELS)
+    for model in report["models"]:
+        assert any("All nodes placed on [WebGpuExecutionProvider]" in line for line in model["placement"])
+        assert model["worstVsWasm"] <= 1e-4 and model["worstVsPython"] <= 1e-4

@@ -73,16 +73,18 @@ export function parseManifest(bytes, where = 'manifest.json') {
 }
 
 /**
- * {manifest, step, stepPacked, eval, inference, state} of an export location: a directory path or
- * file: URL in Node, a URL in a browser (absolute, or relative to the page).
+ * {manifest, step, stepPacked, eval, inference, state, stepWebgpu, evalWebgpu} of an export
+ * location: a directory path or file: URL in Node, a URL in a browser (absolute, or relative to
+ * the page); the WebGPU models (export-step --target webgpu) only with `{ webgpu: true }`.
  * @throws {TrainerError} naming the file that is missing, unreadable, malformed or outside the location
  */
-export async function readExport(location) {
+export async function readExport(location, { webgpu = false } = {}) {
   const where = await resolveLocation(location);
   const manifest = parseManifest(await readBytes(where, 'manifest.json'),
     where.kind === 'fs' ? `${where.dir}/manifest.json` : String(new URL('manifest.json', where.base)));
   const f = manifest.files;  // eval and inference are absent for a model without a loss or outputs
-  const [step, stepPacked, evalModel, inference, state] = await Promise.all(
-    [f.step, f.step_packed, f.eval, f.inference, f.state].map((entry) => (entry ? readBytes(where, entry.path) : null)));
-  return { manifest, step, stepPacked, eval: evalModel, inference, state };
+  const [step, stepPacked, evalModel, inference, state, stepWebgpu, evalWebgpu] = await Promise.all(
+    [f.step, f.step_packed, f.eval, f.inference, f.state, webgpu && f.step_webgpu, webgpu && f.eval_webgpu]
+      .map((entry) => (entry ? readBytes(where, entry.path) : null)));
+  return { manifest, step, stepPacked, eval: evalModel, inference, state, stepWebgpu, evalWebgpu };
 }

@@ -48,6 +48,18 @@ export interface Manifest {
   /** The class count C when the loss takes class labels (labels must be in [0, C) or equal ignore_index); absent in older exports. */
   classes?: number | null;
   ignore_index?: number | null;
+  /** With `export-step --target webgpu`: the WebGPU step's interface (docs/export.md, "WebGPU"). */
+  webgpu?: {
+    inputs: ValueSpec[];
+    eval_inputs?: ValueSpec[];
+    rates: string[];
+    feedback: Record<string, string>;
+    host: { inputs: string[]; constants: Record<string, { dtype: Dtype; shape: number[]; values: number[] }>;
+      nodes: { op: string; inputs: string[]; outputs: string[]; attrs: Record<string, unknown> }[];
+      outputs: string[]; feeds: { name: string; dtype: Dtype; shape: number[] }[] };
+    host_state: string[];
+    returned: string[];
+  } | null;
 }
 
 export interface ExportFiles {
@@ -57,6 +69,8 @@ export interface ExportFiles {
   eval?: Uint8Array | null;
   inference?: Uint8Array | null;
   state: Uint8Array;
+  stepWebgpu?: Uint8Array | null;
+  evalWebgpu?: Uint8Array | null;
 }
 
 /** A batch: an onnxruntime tensor, or plain data converted to the input's dtype. */
@@ -73,6 +87,14 @@ export interface TrainerOptions {
   packed?: boolean;
   /** Check each file against manifest.json's sha256 and the state's __metadata__ sha256 (default true; false: skip, for speed). */
   verify?: boolean;
+  /**
+   * E.g. `['webgpu']`: the export's WebGPU step on onnxruntime-web's WebGPU provider, the state kept
+   * on the GPU, when the runtime has an adapter and the export a WebGPU step (`export-step --target
+   * webgpu`); otherwise the other providers listed (default: onnxruntime's). `trainer.backend` says which.
+   */
+  executionProviders?: (string | { name: string; [option: string]: unknown })[];
+  /** The onnxruntime module to use when WebGPU is not (e.g. ort.wasm.min.mjs beside ort.webgpu.min.mjs). */
+  fallback?: OrtModule;
 }
 
 /** Bad input (manifest, file, batch, learning rate, state): the message names the file, field or input, what was expected and what was found. */
@@ -91,6 +113,10 @@ export declare class Trainer {
    */
   static load(ort: OrtModule, location: string | URL, options?: TrainerOptions): Promise<Trainer>;
   readonly manifest: Manifest;
+  /** What runs the step: 'webgpu', 'wasm', 'cpu' (onnxruntime-node) or the first provider asked for. */
+  readonly backend: string;
+  /** Why WebGPU was not used when it was asked for (null otherwise). */
+  readonly backendReason: string | null;
   /** The state: one onnxruntime tensor per state variable (views into the packs of a packed step). */
   readonly state: Record<string, OrtTensor>;
   schedule: Schedule | null;
@@ -102,10 +128,11 @@ export declare class Trainer {
   /** Calls of step() and evaluate() run one after another in call order (a queue), as in Python. */
   step(batch: Batch, options?: { lr?: number | Record<string, number> }): Promise<Outputs>;
   evaluate(batch: Batch): Promise<Outputs>;
-  /** safetensors bytes; __metadata__ holds "format" and "sha256" (of the data section). */
-  exportState(): Uint8Array;
+  /** safetensors bytes; __metadata__ holds "format" and "sha256" (of the data section). On WebGPU a Promise (the state is downloaded from the GPU): `await` works for both. */
+  exportState(): Uint8Array | Promise<Uint8Array>;
   loadState(bytes: Uint8Array | ArrayBuffer, options?: { verify?: boolean; where?: string }): void;
-  inferenceModel(): Uint8Array;
+  /** On WebGPU a Promise (the weights are downloaded from the GPU): `await` works for both. */
+  inferenceModel(): Uint8Array | Promise<Uint8Array>;
   release(): Promise<void>;
 }
 
@@ -113,7 +140,8 @@ export interface DecodedTensor { dtype: Dtype; dims: number[]; data: ArrayBuffer
 export declare function encodeSafetensors(tensors: Record<string, { type?: string; dtype?: string; dims: readonly number[]; data: ArrayBufferView }>, metadata?: Record<string, string>, options?: { sha256?: boolean }): Uint8Array;
 export declare function decodeSafetensors(bytes: Uint8Array | ArrayBuffer, where?: string, options?: { verify?: boolean }): { tensors: Record<string, DecodedTensor>; metadata: Record<string, string> };
 export declare function embedWeights(modelBytes: Uint8Array, weights: Record<string, { data: ArrayBufferView }>, where?: string): Uint8Array;
-export declare function readExport(location: string | URL): Promise<ExportFiles>;
+/** `webgpu`: also read the WebGPU step and eval models (what `Trainer.load` does when WebGPU is asked for). */
+export declare function readExport(location: string | URL, options?: { webgpu?: boolean }): Promise<ExportFiles>;
 
 export declare namespace schedules {
   class StepLR implements Schedule { constructor(a: { step_size: number; gamma?: number }); lr(base: number, k: number): number }

@@ -20,11 +20,15 @@ export { TrainerError, NonFiniteLossError };
 const FORMAT = 'onnx-training-ops/export';
 
 /** The file names of an export's parts, for messages. */
-const FILE_KEYS = { step: 'step', stepPacked: 'step_packed', eval: 'eval', inference: 'inference', state: 'state' };
-const fileName = (manifest, key) => manifest.files?.[FILE_KEYS[key]]?.path ?? key;
+const FILE_KEYS = {
+  step: 'step', stepPacked: 'step_packed', eval: 'eval', inference: 'inference', state: 'state',
+  stepWebgpu: 'step_webgpu', evalWebgpu: 'eval_webgpu',
+};
+/** The name of an export's part (a FILE_KEYS key) in messages: its path in the manifest. */
+export const fileName = (manifest, key) => manifest.files?.[FILE_KEYS[key]]?.path ?? key;
 
 /** Each file's bytes against manifest.json's files.<key>.sha256, where the manifest has one. */
-async function verifyFiles(manifest, files) {
+export async function verifyFiles(manifest, files) {
   for (const [key, entry] of Object.entries(FILE_KEYS)) {
     const expected = manifest.files[entry]?.sha256;
     if (!expected || !files[key]) continue;
@@ -37,7 +41,7 @@ async function verifyFiles(manifest, files) {
 }
 
 /** An onnxruntime session of a model file; onnxruntime's refusal becomes an error naming the file. */
-async function openSession(ort, bytes, options, name) {
+export async function openSession(ort, bytes, options, name) {
   if (!(bytes instanceof Uint8Array)) throw new TrainerError(`${name}: expected the model's bytes (a Uint8Array), found ${show(bytes)}`);
   try {
     return await ort.InferenceSession.create(bytes, options);
@@ -58,12 +62,54 @@ function scalarOf(tensor) {
   return typeof v === 'bigint' ? Number(v) : v;
 }
 
+/** The execution providers asked for: options.executionProviders, else sessionOptions'. */
+function providersOf(options) {
+  return options.executionProviders ?? options.sessionOptions?.executionProviders ?? null;
+}
+
+/**
+ * `executionProviders` containing 'webgpu': the WebGPU trainer (js/src/webgpu.js) when the
+ * runtime has an adapter and the export a WebGPU step; otherwise the remaining providers
+ * (default: onnxruntime's, wasm in a browser), with the reason WebGPU was not used.
+ */
+async function chooseBackend(ort, files, options) {
+  const providers = providersOf(options);
+  const nameOf = (p) => (typeof p === 'string' ? p : p.name);
+  const inNode = typeof process !== 'undefined' && Boolean(process.versions?.node) && typeof window === 'undefined';
+  let reason = null;
+  let rest = providers;
+  if (providers?.some((p) => nameOf(p) === 'webgpu')) {
+    const { WebGpuTrainer, webgpuUnavailable } = await import('./webgpu.js');
+    reason = await webgpuUnavailable(files);
+    if (!reason) {
+      try {
+        return { trainer: await WebGpuTrainer.createWebGpu(ort, files, options) };
+      } catch (error) {  // a build without WebGPU (ort.wasm.min.mjs, onnxruntime-node): fall back
+        if (!/backend not found|not supported|unsupported/i.test(String(error?.message ?? error))) throw error;
+        reason = `this onnxruntime build cannot run WebGPU: ${error?.message ?? error}`;
+      }
+    }
+    rest = providers.filter((p) => nameOf(p) !== 'webgpu');
+  }
+  const sessionOptions = { ...(options.sessionOptions ?? {}) };
+  if (rest?.length) sessionOptions.executionProviders = rest;
+  else delete sessionOptions.executionProviders;
+  const name = rest?.length ? nameOf(rest[0]) : (inNode ? 'cpu' : 'wasm');
+  // the fallback may need another build: ort.webgpu.min.mjs's wasm runs no float64 op (the portable step has some)
+  const runtime = reason && options.fallback ? options.fallback : ort;
+  return { options: { ...options, sessionOptions }, name, reason, ort: runtime };
+}
+
 export class Trainer {
   /**
    * @param ort the onnxruntime module (onnxruntime-node or onnxruntime-web)
    * @param files {manifest, step, stepPacked, eval, inference, state}: the manifest object, model bytes, state bytes
    * @param options {sessionOptions, onNonFinite: "raise" | "skip" | "ignore", packed: use the packed
-   *   step (default: when the export has one), verify: check each file's SHA-256 (default true)}
+   *   step (default: when the export has one), verify: check each file's SHA-256 (default true),
+   *   executionProviders: e.g. ['webgpu', 'wasm'] (WebGPU when the runtime has an adapter and the
+   *   export a WebGPU step; `trainer.backend` says which one runs, `trainer.backendReason` why
+   *   WebGPU did not), fallback: the onnxruntime module to use when WebGPU is not (e.g.
+   *   ort.wasm.min.mjs beside ort.webgpu.min.mjs, whose wasm backend runs no float64 op)}
    * @throws {TrainerError} naming the file and field that do not fit
    */
   static async create(ort, files, options = {}) {
@@ -74,10 +120,16 @@ export class Trainer {
     const manifest = validateManifest(files.manifest);
     const verify = options.verify ?? true;
     if (verify) await verifyFiles(manifest, files);
+    const backend = await chooseBackend(ort, { ...files, manifest }, options);  // WebGPU (js/src/webgpu.js) when asked for and possible
+    if (backend.trainer) return backend.trainer;
+    options = backend.options;
+    ort = backend.ort;
     const packed = options.packed ?? Boolean(manifest.packs && files.stepPacked);
     if (packed && !(manifest.packs && files.stepPacked)) throw new TrainerError('packed: the export has no packed step (export-step --packed)');
     const trainer = new Trainer(ort, manifest, { ...options, packed });
     const sessionOptions = options.sessionOptions ?? {};
+    trainer.backend = backend.name;
+    trainer.backendReason = backend.reason;
     const stepFile = fileName(manifest, packed ? 'stepPacked' : 'step');
     trainer.stepSession = await openSession(ort, packed ? files.stepPacked : files.step, sessionOptions, stepFile);
     trainer.evalSession = files.eval ? await openSession(ort, files.eval, sessionOptions, fileName(manifest, 'eval')) : null;
@@ -101,7 +153,8 @@ export class Trainer {
    * @throws {TrainerError} naming a missing, damaged or refused file
    */
   static async load(ort, location, options = {}) {
-    return Trainer.create(ort, await readExport(location), options);
+    const webgpu = (providersOf(options) ?? []).some((p) => (typeof p === 'string' ? p : p.name) === 'webgpu');
+    return Trainer.create(ort, await readExport(location, { webgpu }), options);
   }
 
   constructor(ort, manifest, options) {

@@ -72,8 +72,23 @@ def _export_step(args: argparse.Namespace) -> int:
 
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a file; give a directory")
+
+    def shapes(specs: list[str] | None, flag: str) -> dict[str, list[int]] | None:
+        found = {}
+        for spec in specs or []:
+            name, sep, dims = spec.partition("=")
+            try:
+                found[name] = [int(d) for d in dims.split(",")]
+            except ValueError:
+                sep = ""
+            if not sep or not name:
+                raise TrainingOpError(f"{flag} {spec!r}: expected NAME=D,D,... (e.g. input=32,64)")
+        return found or None
+
     manifest = export_step(args.input, args.output, eval_outputs=args.eval_outputs, ort=args.ort,
-                           packed=args.packed, flat_optimizer=args.flat_optimizer)
+                           packed=args.packed, flat_optimizer=args.flat_optimizer, target=args.target,
+                           input_shapes=shapes(args.input_shapes, "--input-shape"),
+                           eval_input_shapes=shapes(args.eval_input_shapes, "--eval-input-shape"))
     print(f"exported {args.input} -> {args.output}: " + ", ".join(f["path"] for f in manifest["files"].values())
           + ", manifest.json")
     return EXIT_OK
@@ -238,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--packed", action="store_true",
                    help="also write step.packed.onnx: the state packed into one input and one output per "
                         "dtype (faster in bindings that convert each tensor per run, such as onnxruntime-node)")
+    e.add_argument("--target", choices=("portable", "webgpu"), default="portable",
+                   help="webgpu: also write step.webgpu.onnx, a step whose every node runs on onnxruntime-web's "
+                        "WebGPU provider (no LogSoftmax/OneHot/Sum, no float64, the update count on the host, "
+                        "static shapes); the portable step stays as the wasm fallback")
+    e.add_argument("--input-shape", dest="input_shapes", action="append", default=None, metavar="NAME=D,D,...",
+                   help="the static shape of a data input with symbolic dims (--target webgpu; repeatable)")
+    e.add_argument("--eval-input-shape", dest="eval_input_shapes", action="append", default=None,
+                   metavar="NAME=D,D,...", help="the same for the WebGPU eval model (default: --input-shape)")
     e.add_argument("--flat-optimizer", action="store_true",
                    help="for a GPU: each optimizer runs over all its tensors laid end to end (a few kernels "
                         "instead of ~16 per tensor; the same values; slower on a CPU)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -26,10 +26,12 @@ from ..storage.model_files import ModelLike, load_model
 from ..storage.tensors import attach
 from ..training.nominal import nominal_names
 from ..training.state import collect_state_protos
-from . import graphs, manifest as manifest_, packing, safetensors
+from . import graphs, manifest as manifest_, packing, safetensors, webgpu
 
 FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
-         "state": "state.safetensors"}
+         "state": "state.safetensors", "step_webgpu": webgpu.FILE,
+         "eval_webgpu": webgpu.EVAL_FILE}
+TARGETS = ("portable", "webgpu")
 
 
 def _training_model(model_or_checkpoint: Any) -> onnx.ModelProto:
@@ -111,9 +113,47 @@ def _add_digests(out_dir: str, files: dict[str, Any]) -> None:
                 entry["sha256"] = manifest_.sha256(f.read())
 
 
+def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelProto, state: dict[str, np.ndarray],
+                 input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """The WebGPU step model and the manifest's ``webgpu`` section: its data inputs (labels
+    and ids int32 where they only index), the learning rates it reads itself, its state
+    feedback (the update count is host state, advanced by the host program)."""
+    binding = {e.key: e.value for e in model.training_info[0].update_binding}
+    rates = set(_rate_names(model, meta))
+    counter = _counter(model, state)
+    gpu_model, info = webgpu.webgpu_step(step, list(state), counter, [vi.name for vi in step.graph.input
+                                                                       if vi.name in rates], input_shapes)
+    gpu_model = graphs._standard(gpu_model, "webgpu step")
+    inputs = list(gpu_model.graph.input)
+    outputs = {o.name for o in gpu_model.graph.output}
+    host_fed = {f["name"] for f in info["host"]["feeds"]}
+    section = {
+        "inputs": [manifest_.value_entry(vi) for vi in inputs
+                   if vi.name not in state and vi.name not in rates and vi.name not in host_fed],
+        "rates": [vi.name for vi in inputs if vi.name in rates],
+        "feedback": {vi.name: binding[vi.name] for vi in inputs if vi.name in binding},
+        "host": info["host"],
+        "host_state": [n for n in info["host"]["inputs"] if n in state],
+        "returned": [o.name for o in step.graph.output if o.name not in set(binding.values()) and o.name in outputs],
+    }
+    return gpu_model, section
+
+
+def _webgpu_eval(evaluation: onnx.ModelProto, state: dict[str, np.ndarray],
+                 input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """The eval model for WebGPU (the same rewrites; no update count): the model and its data inputs."""
+    names = {vi.name for vi in evaluation.graph.input}
+    shapes = {k: v for k, v in (input_shapes or {}).items() if k in names}
+    gpu_model, _ = webgpu.webgpu_step(evaluation, list(state), None, [], shapes)
+    gpu_model = graphs._standard(gpu_model, "webgpu eval")
+    return gpu_model, [manifest_.value_entry(vi) for vi in gpu_model.graph.input if vi.name not in state]
+
+
 def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
                 eval_outputs: Sequence[str] | None = None, ort: bool = False,
-                packed: bool = False, flat_optimizer: bool = False) -> dict[str, Any]:
+                packed: bool = False, flat_optimizer: bool = False, target: str = "portable",
+                input_shapes: Mapping[str, Sequence[int]] | None = None,
+                eval_input_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """Write the step, eval and inference models, the state and the manifest to ``out_dir``
     (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
     whose main graph has no outputs no inference model).
@@ -128,13 +168,23 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     each step). ``flat_optimizer``: for a GPU (:class:`~onnx_training_ops.export.DeviceTrainer`
     on CUDA, WebGPU), each optimizer runs over all its tensors laid end to end, a few kernels
     instead of ~16 per tensor; the same values bit for bit, slower on a CPU (the copies).
+    ``target="webgpu"``: also write ``step.webgpu.onnx`` and ``eval.webgpu.onnx``, the step
+    and eval models rewritten so that every node runs on onnxruntime-web's WebGPU provider
+    (:mod:`.webgpu`; the manifest's ``webgpu`` section); ``input_shapes`` gives the step static
+    shapes for data inputs with symbolic dims, ``eval_input_shapes`` the eval model's (default:
+    ``input_shapes``). The portable step stays: it is the wasm fallback.
     Returns the manifest. Every file entry carries its ``sha256``; ``classes`` and
     ``ignore_index`` give the range class labels must lie in.
 
     Raises:
         TrainingOpError: not a training model, a nominal checkpoint (no values), a model the
-            exported graphs cannot express.
+            exported graphs cannot express, an unknown target, a WebGPU step without static
+            shapes or with an op its passes refuse.
     """
+    if target not in TARGETS:
+        raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
+    if (input_shapes or eval_input_shapes) and target != "webgpu":
+        raise TrainingOpError("export: input_shapes and eval_input_shapes apply to target='webgpu' only")
     model = _training_model(model_or_checkpoint)
     meta = metadata(model)
     state_protos = collect_state_protos(model)
@@ -146,6 +196,11 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     state_bytes = safetensors.encode(state, {"format": manifest_.FORMAT})
     inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes)) \
         if model.graph.output else None
+
+    # the WebGPU step before any file is written: a graph it refuses changes nothing on disk
+    gpu_step = _webgpu_step(model, meta, step.model, state, input_shapes) if target == "webgpu" else None
+    gpu_eval = _webgpu_eval(evaluation.model, state, eval_input_shapes or input_shapes) \
+        if target == "webgpu" and evaluation is not None else None
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -174,6 +229,13 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     step_inputs = list(step.model.graph.input)
     state_order = [vi.name for vi in step_inputs if vi.name in state]
     counter = _counter(model, state)
+    gpu = None
+    if gpu_step is not None:
+        files["step_webgpu"] = _write(out_dir, "step_webgpu", gpu_step[0])
+        gpu = gpu_step[1]
+        if gpu_eval is not None:
+            files["eval_webgpu"] = _write(out_dir, "eval_webgpu", gpu_eval[0])
+            gpu["eval_inputs"] = gpu_eval[1]
     roles = manifest_.state_roles(list(state), meta, counter)
     eval_graph = evaluation.model.graph if evaluation is not None else onnx.GraphProto()
     classes, ignore_index = _label_range(meta)
@@ -202,6 +264,7 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         "param_groups": json.loads(meta["param_groups"]) if meta.get("param_groups") else None,
         "schedule": _schedule(meta, counter, state),
         "counter": counter,
+        "webgpu": gpu,
     }
     checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
     return manifest
