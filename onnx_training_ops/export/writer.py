@@ -154,27 +154,38 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
                 packed: bool = False, flat_optimizer: bool = False, target: str = "portable",
                 input_shapes: Mapping[str, Sequence[int]] | None = None,
                 eval_input_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
-    """Write the step, eval and inference models, the state and the manifest to ``out_dir``
-    (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
-    whose main graph has no outputs no inference model).
+    """Write the step, eval and inference models, the state and the manifest to ``out_dir``.
 
-    ``model_or_checkpoint``: a training model (ModelProto, path or bytes; a checkpoint
-    written by :meth:`TrainingSession.save` exports its state mid-run) or a
-    :class:`TrainingSession` (its current state). ``eval_outputs``: what the eval model
-    returns beside the loss (default: the main graph's outputs). ``ort``: also write
-    ORT-format models and ``required_operators.config`` for onnxruntime mobile builds.
-    ``packed``: also write ``step.packed.onnx``, the same step with the state packed into one
-    input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to convert
-    each step). ``flat_optimizer``: for a GPU (:class:`~onnx_training_ops.export.DeviceTrainer`
-    on CUDA, WebGPU), each optimizer runs over all its tensors laid end to end, a few kernels
-    instead of ~16 per tensor; the same values bit for bit, slower on a CPU (the copies).
-    ``target="webgpu"``: also write ``step.webgpu.onnx`` and ``eval.webgpu.onnx``, the step
-    and eval models rewritten so that every node runs on onnxruntime-web's WebGPU provider
-    (:mod:`.webgpu`; the manifest's ``webgpu`` section); ``input_shapes`` gives the step static
-    shapes for data inputs with symbolic dims, ``eval_input_shapes`` the eval model's (default:
-    ``input_shapes``). The portable step stays: it is the wasm fallback.
-    Returns the manifest. Every file entry carries its ``sha256``; ``classes`` and
-    ``ignore_index`` give the range class labels must lie in.
+    A model without a loss (as ``TrainingSession.from_graph`` makes) has no eval model; one
+    whose main graph has no outputs has no inference model. Every file entry of the manifest
+    carries its ``sha256``; ``classes`` and ``ignore_index`` give the range class labels must
+    lie in.
+
+    Args:
+        model_or_checkpoint: a training model (ModelProto, path or bytes; a checkpoint written
+            by :meth:`TrainingSession.save` exports its state mid-run) or a
+            :class:`TrainingSession` (its current state).
+        out_dir: the directory to write (created if missing).
+        eval_outputs: what the eval model returns beside the loss (default: the main graph's
+            outputs).
+        ort: also write ORT-format models and ``required_operators.config`` for onnxruntime
+            mobile builds.
+        packed: also write ``step.packed.onnx``, the same step with the state packed into one
+            input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to
+            convert each step).
+        flat_optimizer: for a GPU (:class:`~onnx_training_ops.export.DeviceTrainer` on CUDA,
+            WebGPU): each optimizer runs over all its tensors laid end to end, a few kernels
+            instead of ~16 per tensor; the same values bit for bit, slower on a CPU (the copies).
+        target: ``"portable"``, or ``"webgpu"`` to also write ``step.webgpu.onnx`` and
+            ``eval.webgpu.onnx``, rewritten so that every node runs on onnxruntime-web's WebGPU
+            provider (:mod:`.webgpu`; the manifest's ``webgpu`` section). The portable step
+            stays: it is the wasm fallback.
+        input_shapes: with ``target="webgpu"``, static shapes for the step's data inputs with
+            symbolic dims.
+        eval_input_shapes: the eval model's (default: ``input_shapes``).
+
+    Returns:
+        The manifest, as written to ``manifest.json``.
 
     Raises:
         TrainingOpError: not a training model, a nominal checkpoint (no values), a model the
