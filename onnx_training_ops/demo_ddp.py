@@ -63,8 +63,26 @@ def refusal(path: str, epochs: int, optimizer: str) -> str:
     from .build.model_metadata import metadata
     from .storage.model_files import load_model
 
+    from .errors import TrainingOpError
+    from .training.checks import stored_properties
+
     meta = metadata(load_model(path))
-    done = int(json.loads(meta.get("properties") or "{}").get("epoch", 0))
+    try:
+        properties = stored_properties(meta.get("properties") or "{}")
+    except TrainingOpError as error:
+        return f"{path}: {error}"
+    done = properties.get("epoch", 0)
+    if isinstance(done, bool) or not isinstance(done, int) or done < 0:
+        return (f"{path}: property 'epoch' is {done!r}; expected an integer >= 0 (the epochs the checkpoint "
+                "holds): give another --out")
+    history = properties.get("history", "[]")
+    try:
+        history = json.loads(history) if isinstance(history, str) else None
+    except ValueError:
+        history = None
+    if not isinstance(history, list):
+        return (f"{path}: property 'history' is {properties.get('history')!r}; expected a JSON list of "
+                "[train, held-out] losses per epoch: give another --out")
     if done >= epochs:
         return (f"{path} already holds {done} epoch(s) and --epochs is {epochs}: nothing to train "
                 "(raise --epochs to go on, or give another --out)")

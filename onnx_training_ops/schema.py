@@ -14,6 +14,7 @@ import onnx
 from onnx import AttributeProto
 
 DOMAIN = "ai.onnx.preview.training"
+"""The ONNX training domain: Adam, Momentum, Adagrad and Gradient, opset version 1."""
 OPSET_VERSION = 1
 
 

@@ -100,8 +100,10 @@ def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
     session = ot.TrainingSession(training)
     if schedule is not None:
         session.set_lr_schedule(schedule)
-    export_step(session, directory / "export", packed=True)
+    shapes = {k: list(v.shape[1:]) for k, v in batches.items()}  # the WebGPU step's static shapes
+    export_step(session, directory / "export", packed=True, target="webgpu", input_shapes=shapes)
     (directory / "batches.safetensors").write_bytes(safetensors.encode(batches))
+    _write_host_expected(directory)
     losses, rates, returned = [], [], []
     for i in range(steps):
         rates.append(session.learning_rates)
@@ -115,6 +117,25 @@ def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
     (directory / "expected_state.safetensors").write_bytes(safetensors.encode(session.state_dict()))
     (directory / "export_state.safetensors").write_bytes(safetensors.encode(_train_export(directory, batches, rates)))
     return directory
+
+
+def _write_host_expected(directory: Path) -> None:
+    """``host_expected.json``: the WebGPU step's host program evaluated in Python
+    (onnx_training_ops/export/host_program.py) for a few update counts, for the JavaScript
+    evaluator (js/src/host_program.js) to match bit for bit."""
+    from onnx_training_ops.export.host_program import run as run_host
+
+    manifest = json.loads((directory / "export" / "manifest.json").read_text())
+    host = manifest["webgpu"]["host"]
+    rates = {e["name"]: np.float32(e["base"] * 0.37) for e in manifest["learning_rates"]}
+    cases = []
+    for t in (0, 1, 2, 9, 1000, 123456789, 2 ** 40):
+        inputs = {**{k: np.array(v) for k, v in rates.items()}, **({manifest["counter"]: np.array(t, np.int64)}
+                                                                  if manifest["counter"] else {})}
+        values = run_host(host, inputs)
+        cases.append({"inputs": {k: float(v) for k, v in inputs.items()},
+                      "values": {n: float(values[n]) for n in [*host["outputs"], *(f["name"] for f in host["feeds"])]}})
+    (directory / "host_expected.json").write_text(json.dumps(cases))
 
 
 def _train_export(directory: Path, batches: dict, rates: list[dict]) -> dict:
@@ -160,10 +181,25 @@ def write_schedules(out_dir: Path, steps: int = 60) -> None:
     (out_dir / "schedules.json").write_text(json.dumps(table))
 
 
+def write_probes(out_dir: Path) -> None:
+    """``probes/is_nan.onnx``: IsNaN as the WebGPU step lowers it (Not(Equal(x, x))), for the
+    browser to check that WebGPU's Equal sees NaN as IEEE does."""
+    from onnx_training_ops.passes.lower_is_nan import lower_is_nan
+
+    graph = helper.make_graph([helper.make_node("IsNaN", ["x"], ["y"])], "is_nan",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6])],
+                              [helper.make_tensor_value_info("y", TensorProto.BOOL, [6])])
+    model = lower_is_nan(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    model.ir_version = 8
+    (out_dir / "probes").mkdir(exist_ok=True)
+    (out_dir / "probes" / "is_nan.onnx").write_bytes(model.SerializeToString())
+
+
 def write_all(out_dir: Path, steps: int = STEPS) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_schedules(out_dir)
+    write_probes(out_dir)
     for name in MODELS:
         write_model(name, out_dir, steps)
     write_example(out_dir)

@@ -55,7 +55,7 @@ class First(nn.Module):
 
 def _ids(shape, vocab=100, seed=0):
     """Token ids >= 2: torch's Embedding(padding_idx=...) (BART's pad id is 1) gives the
-    padding row no gradient, a rule the exported Gather does not carry (see README)."""
+    padding row no gradient, a rule the exported Gather does not carry (see docs/finetuning.md)."""
     return torch.randint(2, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 

@@ -3,7 +3,8 @@
 onnxruntime-web (js/test/*.test.js); here the states and models they wrote come back to Python.
 
 Needs node and js/node_modules (``cd js && npm ci --ignore-scripts``) and Debian's chromium:
-``make test`` installs them.
+``make test`` installs them. ``OTO_SKIP_BROWSER=1`` (``make test SKIP_BROWSER=1``) skips the
+Chromium tests, with that reason.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import js_fixtures
 from onnx_training_ops.export import load_state, safetensors, session_from_export
 
 REPO = Path(__file__).resolve().parents[1]
+browser = pytest.mark.skipif(os.environ.get("OTO_SKIP_BROWSER", "") not in ("", "0"),
+                             reason="OTO_SKIP_BROWSER is set (make test SKIP_BROWSER=1): no headless Chromium")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +110,7 @@ def test_node_writes_a_self_contained_trained_inference_model(fixtures):
                                    rtol=1e-6, atol=1e-6)
 
 
+@browser
 def test_chromium_trains_the_models_and_the_browser_example(fixtures):
     """onnxruntime-web (wasm) in headless Chromium: each step's loss within 1e-5 of Python's, the
     final state close to Python's; the example page's downloaded model scores what the page said."""
@@ -125,3 +129,20 @@ def test_chromium_trains_the_models_and_the_browser_example(fixtures):
     accuracy = float(np.mean(logits.argmax(-1) == data["test_y"]))
     assert abs(accuracy - example["accuracyAfter"]) <= 1 / len(data["test_y"])
     assert example["accuracyAfter"] > example["accuracyBefore"]
+
+
+def test_chromium_trains_on_webgpu(fixtures):
+    """onnxruntime-web's WebGPU provider in headless Chromium (SwiftShader's adapter here):
+    js/test/webgpu.test.js checks that every node of each model's WebGPU step is on
+    WebGpuExecutionProvider and that 50 steps stay within 1e-4 of wasm and of Python (it skips,
+    with the reason, when the browser offers no adapter); js/test/webgpu.unit.test.js checks the
+    host program against Python's bit for bit and the fallback in Node. Here: the report is
+    complete."""
+    out = _node_test(["test/webgpu.unit.test.js", "test/webgpu.test.js"], fixtures)
+    if "# skipped" in out and "# skipped 0" not in out:
+        pytest.skip("Chromium offers no WebGPU adapter here (see js/test/webgpu.test.js)")
+    report = json.loads((fixtures / "webgpu_report.json").read_text())
+    assert [m["name"] for m in report["models"]] == list(js_fixtures.MODELS)
+    for model in report["models"]:
+        assert any("All nodes placed on [WebGpuExecutionProvider]" in line for line in model["placement"])
+        assert model["worstVsWasm"] <= 1e-4 and model["worstVsPython"] <= 1e-4

@@ -1,7 +1,7 @@
 """The package's import graph: no cycles, and every layer imports only the layers below it.
 
 The layers, bottom to top (docs/architecture.md): the foundation (errors, schema, interrupts,
-walk), storage, kernels, autodiff, passes, runtime, build, training, then the applications
+walk), storage, optim, kernels, autodiff, passes, runtime, build, training, then the applications
 built on them (export, migrate, distributed, backend; conformance, demo; bench; cli). Imports inside
 functions count: a lazy import is still a dependency.
 """
@@ -18,6 +18,7 @@ ROOT = Path(onnx_training_ops.__file__).parent
 LAYERS = [
     {"errors", "schema", "interrupts", "walk", "_moved", "_version"},
     {"storage"},
+    {"optim"},
     {"kernels"},
     {"autodiff"},
     {"passes"},

@@ -1,18 +1,24 @@
 // The browser example: load an export, fine-tune it with a live loss chart, download the result.
 // Query parameters: model (export directory URL, default ./model/), steps (default 300),
-// autostart (train at once: the screenshot test uses it).
-import * as ort from '../../js/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs';
+// autostart (train at once: the screenshot test uses it), backend=webgpu (the WebGPU toggle:
+// the export's WebGPU step on onnxruntime-web's WebGPU provider, wasm where there is none).
+import * as ortWasm from '../../js/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs';
+import * as ortWebgpu from '../../js/node_modules/onnxruntime-web/dist/ort.webgpu.min.mjs';
 import { Trainer, decodeSafetensors } from '../../js/src/index.js';
 
-ort.env.wasm.wasmPaths = new URL('../../js/node_modules/onnxruntime-web/dist/', import.meta.url).href;
-ort.env.wasm.numThreads = 1;
+for (const module of [ortWasm, ortWebgpu]) {
+  module.env.wasm.wasmPaths = new URL('../../js/node_modules/onnxruntime-web/dist/', import.meta.url).href;
+  module.env.wasm.numThreads = 1;
+}
+let ort = ortWasm; // the module of the backend that trains (its Tensor class)
 
 const params = new URLSearchParams(location.search);
+const wantWebgpu = params.get('backend') === 'webgpu';
 const modelURL = new URL(params.get('model') ?? './model/', location.href).href;
 const steps = Number(params.get('steps') ?? 300);
 const BATCH = 32;
 const $ = (id) => document.getElementById(id);
-window.example = { done: false, losses: [], accuracyBefore: null, accuracyAfter: null, error: null };
+window.example = { done: false, losses: [], accuracyBefore: null, accuracyAfter: null, error: null, backend: null };
 
 function drawChart(losses) {
   const canvas = $('chart');
@@ -85,13 +91,24 @@ async function train(trainer, data) {
   }
   window.example.accuracyAfter = await accuracy(trainer, data);
   $('accuracy').textContent = `test accuracy ${(100 * window.example.accuracyBefore).toFixed(1)}% → ${(100 * window.example.accuracyAfter).toFixed(1)}%`;
-  $('status').textContent = `done: ${steps} steps in onnxruntime-web`;
+  $('status').textContent = `done: ${steps} steps in onnxruntime-web on ${trainer.backend === 'webgpu' ? 'WebGPU' : 'WebAssembly (CPU)'}`;
   $('download').disabled = false;
   $('state').disabled = false;
 }
 
 try {
-  const trainer = await Trainer.load(ort, modelURL);
+  $('webgpu').checked = wantWebgpu;
+  $('webgpu').onchange = () => {
+    params.set('backend', $('webgpu').checked ? 'webgpu' : 'wasm');
+    location.search = params.toString();
+  };
+  const trainer = wantWebgpu
+    ? await Trainer.load(ortWebgpu, modelURL, { executionProviders: ['webgpu'], fallback: ortWasm })
+    : await Trainer.load(ortWasm, modelURL);
+  ort = trainer.ort;
+  window.example.backend = trainer.backend;
+  $('backend').textContent = trainer.backend === 'webgpu' ? 'training on: WebGPU'
+    : `training on: WebAssembly (CPU)${trainer.backendReason ? ` (WebGPU: ${trainer.backendReason})` : ''}`;
   const response = await fetch(new URL('data.safetensors', modelURL));
   const data = decodeSafetensors(new Uint8Array(await response.arrayBuffer())).tensors;
   window.example.accuracyBefore = await accuracy(trainer, data);
@@ -100,8 +117,9 @@ try {
   drawChart([]);
   $('train').disabled = false;
   $('train').onclick = () => train(trainer, data).catch(fail).finally(() => { window.example.done = true; });
-  $('download').onclick = () => download(trainer.inferenceModel(), 'digits-trained.onnx');
-  $('state').onclick = () => download(trainer.exportState(), 'state.safetensors');
+  // on WebGPU these download the state from the GPU first: Promises (await works for both)
+  $('download').onclick = async () => download(await trainer.inferenceModel(), 'digits-trained.onnx');
+  $('state').onclick = async () => download(await trainer.exportState(), 'state.safetensors');
   if (params.has('autostart')) $('train').click();
 } catch (error) {
   fail(error);

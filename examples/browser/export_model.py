@@ -4,7 +4,8 @@
 
 trains a 64-32-10 MLP on scikit-learn's 8x8 digits (they ship inside scikit-learn: no
 download) for 30 Adam steps under a warm-up + cosine schedule, then writes
-``export_step(session, OUT)`` — a checkpoint taken mid-run, schedule position included — and
+``export_step(session, OUT)`` — a checkpoint taken mid-run, schedule position included, with
+the WebGPU step (batches of 32; its eval model takes the whole held-out set) — and
 the digits as ``data.safetensors`` (train_x, train_y, test_x, test_y) for the page to
 fine-tune on.
 """
@@ -40,7 +41,8 @@ def write_example(out_dir: Path) -> Path:
         start = i * 32 % 1400
         session.step({"input": x[start:start + 32], "labels": y[start:start + 32]})
     out_dir = Path(out_dir)
-    export_step(session, out_dir, packed=True)
+    export_step(session, out_dir, packed=True, target="webgpu", input_shapes={"input": [32, 64], "labels": [32]},
+                eval_input_shapes={"input": [len(x) - 1400, 64], "labels": [len(x) - 1400]})
     (out_dir / "data.safetensors").write_bytes(safetensors.encode(
         {"train_x": x[:1400], "train_y": y[:1400], "test_x": x[1400:], "test_y": y[1400:]}))
     return out_dir

@@ -25,7 +25,8 @@ export interface RateSpec { name: string; dtype: Dtype; shape: number[]; base: n
 export interface Manifest {
   format: 'onnx-training-ops/export';
   version: 1;
-  files: Record<string, { path: string; operators?: string[]; external_data?: string }>;
+  /** Paths relative to the export location (no "..", not absolute); `sha256`: the file's lowercase hex SHA-256, checked at load. */
+  files: Record<string, { path: string; operators?: string[]; external_data?: string; sha256?: string }>;
   opset: Record<string, number>;
   ir_version: number;
   inputs: ValueSpec[];
@@ -44,6 +45,21 @@ export interface Manifest {
   param_groups: Record<string, unknown>[] | null;
   schedule: { type: string; args: Record<string, unknown>; counter: string; step_offset: number } | null;
   counter: string | null;
+  /** The class count C when the loss takes class labels (labels must be in [0, C) or equal ignore_index); absent in older exports. */
+  classes?: number | null;
+  ignore_index?: number | null;
+  /** With `export-step --target webgpu`: the WebGPU step's interface (docs/export.md, "WebGPU"). */
+  webgpu?: {
+    inputs: ValueSpec[];
+    eval_inputs?: ValueSpec[];
+    rates: string[];
+    feedback: Record<string, string>;
+    host: { inputs: string[]; constants: Record<string, { dtype: Dtype; shape: number[]; values: number[] }>;
+      nodes: { op: string; inputs: string[]; outputs: string[]; attrs: Record<string, unknown> }[];
+      outputs: string[]; feeds: { name: string; dtype: Dtype; shape: number[] }[] };
+    host_state: string[];
+    returned: string[];
+  } | null;
 }
 
 export interface ExportFiles {
@@ -53,6 +69,8 @@ export interface ExportFiles {
   eval?: Uint8Array | null;
   inference?: Uint8Array | null;
   state: Uint8Array;
+  stepWebgpu?: Uint8Array | null;
+  evalWebgpu?: Uint8Array | null;
 }
 
 /** A batch: an onnxruntime tensor, or plain data converted to the input's dtype. */
@@ -67,17 +85,38 @@ export interface TrainerOptions {
   onNonFinite?: 'raise' | 'skip' | 'ignore';
   /** Run the packed step (one state tensor per dtype; default: when the export has one). */
   packed?: boolean;
+  /** Check each file against manifest.json's sha256 and the state's __metadata__ sha256 (default true; false: skip, for speed). */
+  verify?: boolean;
+  /**
+   * E.g. `['webgpu']`: the export's WebGPU step on onnxruntime-web's WebGPU provider, the state kept
+   * on the GPU, when the runtime has an adapter and the export a WebGPU step (`export-step --target
+   * webgpu`); otherwise the other providers listed (default: onnxruntime's). `trainer.backend` says which.
+   */
+  executionProviders?: (string | { name: string; [option: string]: unknown })[];
+  /** The onnxruntime module to use when WebGPU is not (e.g. ort.wasm.min.mjs beside ort.webgpu.min.mjs). */
+  fallback?: OrtModule;
 }
 
-export declare class NonFiniteLossError extends Error {}
+/** Bad input (manifest, file, batch, learning rate, state): the message names the file, field or input, what was expected and what was found. */
+export declare class TrainerError extends Error {}
+/** A NaN or infinite loss (onNonFinite "raise"); the state is unchanged. */
+export declare class NonFiniteLossError extends TrainerError {}
 
 export interface Schedule { lr(base: number, k: number, name?: string): number }
 
 export declare class Trainer {
   static create(ort: OrtModule, files: ExportFiles, options?: TrainerOptions): Promise<Trainer>;
-  /** An export directory: a path in Node, a URL in the browser. */
+  /**
+   * An export location. Node: a directory path or a file: URL (string or URL). Browser: a URL,
+   * absolute or relative to the page ('model/', '../model/', '/model/'). Throws a TrainerError
+   * naming a missing, damaged or refused file.
+   */
   static load(ort: OrtModule, location: string | URL, options?: TrainerOptions): Promise<Trainer>;
   readonly manifest: Manifest;
+  /** What runs the step: 'webgpu', 'wasm', 'cpu' (onnxruntime-node) or the first provider asked for. */
+  readonly backend: string;
+  /** Why WebGPU was not used when it was asked for (null otherwise). */
+  readonly backendReason: string | null;
   /** The state: one onnxruntime tensor per state variable (views into the packs of a packed step). */
   readonly state: Record<string, OrtTensor>;
   schedule: Schedule | null;
@@ -86,19 +125,23 @@ export declare class Trainer {
   readonly learningRates: Record<string, number>;
   tensor(name: string, data: ArrayLike<number | bigint>, dims: readonly number[]): OrtTensor;
   setSchedule(schedule: Schedule | null, step?: number): void;
+  /** Calls of step() and evaluate() run one after another in call order (a queue), as in Python. */
   step(batch: Batch, options?: { lr?: number | Record<string, number> }): Promise<Outputs>;
   evaluate(batch: Batch): Promise<Outputs>;
-  exportState(): Uint8Array;
-  loadState(bytes: Uint8Array | ArrayBuffer): void;
-  inferenceModel(): Uint8Array;
+  /** safetensors bytes; __metadata__ holds "format" and "sha256" (of the data section). On WebGPU a Promise (the state is downloaded from the GPU): `await` works for both. */
+  exportState(): Uint8Array | Promise<Uint8Array>;
+  loadState(bytes: Uint8Array | ArrayBuffer, options?: { verify?: boolean; where?: string }): void;
+  /** On WebGPU a Promise (the weights are downloaded from the GPU): `await` works for both. */
+  inferenceModel(): Uint8Array | Promise<Uint8Array>;
   release(): Promise<void>;
 }
 
 export interface DecodedTensor { dtype: Dtype; dims: number[]; data: ArrayBufferView }
-export declare function encodeSafetensors(tensors: Record<string, { type?: string; dtype?: string; dims: readonly number[]; data: ArrayBufferView }>, metadata?: Record<string, string>): Uint8Array;
-export declare function decodeSafetensors(bytes: Uint8Array | ArrayBuffer, where?: string): { tensors: Record<string, DecodedTensor>; metadata: Record<string, string> };
-export declare function embedWeights(modelBytes: Uint8Array, weights: Record<string, { data: ArrayBufferView }>): Uint8Array;
-export declare function readExport(location: string | URL): Promise<ExportFiles>;
+export declare function encodeSafetensors(tensors: Record<string, { type?: string; dtype?: string; dims: readonly number[]; data: ArrayBufferView }>, metadata?: Record<string, string>, options?: { sha256?: boolean }): Uint8Array;
+export declare function decodeSafetensors(bytes: Uint8Array | ArrayBuffer, where?: string, options?: { verify?: boolean }): { tensors: Record<string, DecodedTensor>; metadata: Record<string, string> };
+export declare function embedWeights(modelBytes: Uint8Array, weights: Record<string, { data: ArrayBufferView }>, where?: string): Uint8Array;
+/** `webgpu`: also read the WebGPU step and eval models (what `Trainer.load` does when WebGPU is asked for). */
+export declare function readExport(location: string | URL, options?: { webgpu?: boolean }): Promise<ExportFiles>;
 
 export declare namespace schedules {
   class StepLR implements Schedule { constructor(a: { step_size: number; gamma?: number }); lr(base: number, k: number): number }

@@ -3,6 +3,8 @@
 // step k (0-based), in closed form. The same float64 arithmetic in the same order, so the
 // float32 rate fed to the step model is the one Python feeds (a test compares them).
 
+import { TrainerError } from './errors.js';
+
 const bisectRight = (sorted, x) => {
   let lo = 0;
   let hi = sorted.length;
@@ -48,8 +50,8 @@ export class OneCycleLR {
   }
   lr(base, k, name = '') {
     const top = typeof this.max_lr === 'object' ? this.max_lr[name] : this.max_lr;
-    if (top === undefined) throw new Error(`OneCycleLR: max_lr has no entry for learning rate ${JSON.stringify(name)}`);
-    if (k > this.total_steps) throw new Error(`OneCycleLR: step ${k + 1} is beyond total_steps=${this.total_steps}`);
+    if (top === undefined) throw new TrainerError(`OneCycleLR: max_lr has no entry for learning rate ${JSON.stringify(name)}`);
+    if (k > this.total_steps) throw new TrainerError(`OneCycleLR: step ${k + 1} is beyond total_steps=${this.total_steps}`);
     const initial = top / this.div_factor;
     const low = initial / this.final_div_factor;
     const end = this.pct_start * this.total_steps - 1;
@@ -65,7 +67,7 @@ export class OneCycleLR {
       }
       start = phaseEnd;
     }
-    throw new Error('unreachable');
+    throw new TrainerError('unreachable');
   }
 }
 
@@ -91,13 +93,13 @@ export const SCHEDULES = { StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR
 /** A schedule from the manifest's {type, args} (or a checkpoint's). */
 export function fromJSON({ type, args }) {
   const Cls = SCHEDULES[type];
-  if (!Cls) throw new Error(`unknown schedule ${JSON.stringify(type)}; known: ${Object.keys(SCHEDULES).join(', ')}`);
+  if (!Cls) throw new TrainerError(`unknown schedule ${JSON.stringify(type)}; known: ${Object.keys(SCHEDULES).join(', ')}`);
   return new Cls(args);
 }
 
 /** {type, args} of a schedule, as the manifest stores it. */
 export function toJSON(schedule) {
   const type = Object.keys(SCHEDULES).find((name) => schedule instanceof SCHEDULES[name]);
-  if (!type) throw new Error('not a schedule of this package');
+  if (!type) throw new TrainerError('not a schedule of this package');
   return { type, args: { ...schedule } };
 }

@@ -9,16 +9,95 @@ import { decode, encode, arrayType } from './safetensors.js';
 import { fromJSON } from './schedules.js';
 import { readExport } from './files.js';
 import { embedWeights } from './onnx_weights.js';
+import { TrainerError, NonFiniteLossError, show } from './errors.js';
+import { sha256 } from './sha256.js';
+import {
+  validateManifest, validateModels, checkFeedbackFlow, checkRates, checkLabels, checkBatch, checkPlainValue, checkTensor,
+} from './validate.js';
+
+export { TrainerError, NonFiniteLossError };
 
 const FORMAT = 'onnx-training-ops/export';
-const VERSION = 1;
 
-/** Raised by step() on a NaN or infinite loss (onNonFinite "raise"); the state is left as it was. */
-export class NonFiniteLossError extends Error {}
+/** The file names of an export's parts, for messages. */
+const FILE_KEYS = {
+  step: 'step', stepPacked: 'step_packed', eval: 'eval', inference: 'inference', state: 'state',
+  stepWebgpu: 'step_webgpu', evalWebgpu: 'eval_webgpu',
+};
+/** The name of an export's part (a FILE_KEYS key) in messages: its path in the manifest. */
+export const fileName = (manifest, key) => manifest.files?.[FILE_KEYS[key]]?.path ?? key;
+
+/** Each file's bytes against manifest.json's files.<key>.sha256, where the manifest has one. */
+export async function verifyFiles(manifest, files) {
+  for (const [key, entry] of Object.entries(FILE_KEYS)) {
+    const expected = manifest.files[entry]?.sha256;
+    if (!expected || !files[key]) continue;
+    const found = await sha256(files[key]);
+    if (found !== expected) {
+      throw new TrainerError(`${fileName(manifest, key)}: the SHA-256 of the file differs from manifest.json's files.${entry}.sha256 `
+        + `(expected ${expected}, found ${found}): the file is damaged or not this export's`);
+    }
+  }
+}
+
+/** An onnxruntime session of a model file; onnxruntime's refusal becomes an error naming the file. */
+export async function openSession(ort, bytes, options, name) {
+  if (!(bytes instanceof Uint8Array)) throw new TrainerError(`${name}: expected the model's bytes (a Uint8Array), found ${show(bytes)}`);
+  try {
+    return await ort.InferenceSession.create(bytes, options);
+  } catch (error) {
+    throw new TrainerError(`${name}: onnxruntime cannot load the model (${error.message})`);
+  }
+}
+
+/** Calls of `fn` one after another, in call order (steps and evaluations never interleave). */
+function serialized(owner, fn) {
+  const run = owner.queue.then(fn);
+  owner.queue = run.then(() => undefined, () => undefined);
+  return run;
+}
 
 function scalarOf(tensor) {
   const v = tensor.data[0];
   return typeof v === 'bigint' ? Number(v) : v;
+}
+
+/** The execution providers asked for: options.executionProviders, else sessionOptions'. */
+function providersOf(options) {
+  return options.executionProviders ?? options.sessionOptions?.executionProviders ?? null;
+}
+
+/**
+ * `executionProviders` containing 'webgpu': the WebGPU trainer (js/src/webgpu.js) when the
+ * runtime has an adapter and the export a WebGPU step; otherwise the remaining providers
+ * (default: onnxruntime's, wasm in a browser), with the reason WebGPU was not used.
+ */
+async function chooseBackend(ort, files, options) {
+  const providers = providersOf(options);
+  const nameOf = (p) => (typeof p === 'string' ? p : p.name);
+  const inNode = typeof process !== 'undefined' && Boolean(process.versions?.node) && typeof window === 'undefined';
+  let reason = null;
+  let rest = providers;
+  if (providers?.some((p) => nameOf(p) === 'webgpu')) {
+    const { WebGpuTrainer, webgpuUnavailable } = await import('./webgpu.js');
+    reason = await webgpuUnavailable(files);
+    if (!reason) {
+      try {
+        return { trainer: await WebGpuTrainer.createWebGpu(ort, files, options) };
+      } catch (error) {  // a build without WebGPU (ort.wasm.min.mjs, onnxruntime-node): fall back
+        if (!/backend not found|not supported|unsupported/i.test(String(error?.message ?? error))) throw error;
+        reason = `this onnxruntime build cannot run WebGPU: ${error?.message ?? error}`;
+      }
+    }
+    rest = providers.filter((p) => nameOf(p) !== 'webgpu');
+  }
+  const sessionOptions = { ...(options.sessionOptions ?? {}) };
+  if (rest?.length) sessionOptions.executionProviders = rest;
+  else delete sessionOptions.executionProviders;
+  const name = rest?.length ? nameOf(rest[0]) : (inNode ? 'cpu' : 'wasm');
+  // the fallback may need another build: ort.webgpu.min.mjs's wasm runs no float64 op (the portable step has some)
+  const runtime = reason && options.fallback ? options.fallback : ort;
+  return { options: { ...options, sessionOptions }, name, reason, ort: runtime };
 }
 
 export class Trainer {
@@ -26,36 +105,67 @@ export class Trainer {
    * @param ort the onnxruntime module (onnxruntime-node or onnxruntime-web)
    * @param files {manifest, step, stepPacked, eval, inference, state}: the manifest object, model bytes, state bytes
    * @param options {sessionOptions, onNonFinite: "raise" | "skip" | "ignore", packed: use the packed
-   *   step (default: when the export has one)}
+   *   step (default: when the export has one), verify: check each file's SHA-256 (default true),
+   *   executionProviders: e.g. ['webgpu', 'wasm'] (WebGPU when the runtime has an adapter and the
+   *   export a WebGPU step; `trainer.backend` says which one runs, `trainer.backendReason` why
+   *   WebGPU did not), fallback: the onnxruntime module to use when WebGPU is not (e.g.
+   *   ort.wasm.min.mjs beside ort.webgpu.min.mjs, whose wasm backend runs no float64 op)}
+   * @throws {TrainerError} naming the file and field that do not fit
    */
   static async create(ort, files, options = {}) {
-    const { manifest } = files;
-    if (manifest?.format !== FORMAT) throw new Error(`not an onnx-training-ops export manifest (format ${JSON.stringify(manifest?.format)})`);
-    if (manifest.version !== VERSION) throw new Error(`manifest version ${manifest.version}; this trainer reads version ${VERSION}`);
+    if (typeof ort?.InferenceSession?.create !== 'function' || typeof ort?.Tensor !== 'function') {
+      throw new TrainerError('Trainer: the first argument must be the onnxruntime module (onnxruntime-node or onnxruntime-web)');
+    }
+    if (files === null || typeof files !== 'object') throw new TrainerError(`Trainer.create: expected {manifest, step, state, ...}, found ${show(files)}`);
+    const manifest = validateManifest(files.manifest);
+    const verify = options.verify ?? true;
+    if (verify) await verifyFiles(manifest, files);
+    const backend = await chooseBackend(ort, { ...files, manifest }, options);  // WebGPU (js/src/webgpu.js) when asked for and possible
+    if (backend.trainer) return backend.trainer;
+    options = backend.options;
+    ort = backend.ort;
     const packed = options.packed ?? Boolean(manifest.packs && files.stepPacked);
-    if (packed && !(manifest.packs && files.stepPacked)) throw new Error('packed: the export has no packed step (export-step --packed)');
+    if (packed && !(manifest.packs && files.stepPacked)) throw new TrainerError('packed: the export has no packed step (export-step --packed)');
     const trainer = new Trainer(ort, manifest, { ...options, packed });
     const sessionOptions = options.sessionOptions ?? {};
-    trainer.stepSession = await ort.InferenceSession.create(packed ? files.stepPacked : files.step, sessionOptions);
-    trainer.evalSession = files.eval ? await ort.InferenceSession.create(files.eval, sessionOptions) : null;
-    trainer.inferenceBytes = files.inference ?? null;
-    trainer.loadState(files.state);
+    trainer.backend = backend.name;
+    trainer.backendReason = backend.reason;
+    const stepFile = fileName(manifest, packed ? 'stepPacked' : 'step');
+    trainer.stepSession = await openSession(ort, packed ? files.stepPacked : files.step, sessionOptions, stepFile);
+    trainer.evalSession = files.eval ? await openSession(ort, files.eval, sessionOptions, fileName(manifest, 'eval')) : null;
+    try {
+      validateModels(manifest, trainer.stepSession, trainer.evalSession, {
+        feedback: trainer.stepFeedback, shapes: trainer.stepShapes(), stepFile, evalFile: fileName(manifest, 'eval'),
+      });
+      if (files.step) checkFeedbackFlow(manifest, files.step, fileName(manifest, 'step'));
+      trainer.inferenceBytes = files.inference ?? null;
+      trainer.loadState(files.state, { verify, where: fileName(manifest, 'state') });
+    } catch (error) {
+      await trainer.release();
+      throw error;
+    }
     return trainer;
   }
 
-  /** Load an export directory (a path in Node, a URL in the browser) and create the trainer. */
+  /**
+   * Load an export and create the trainer. `location`: in Node a directory path or a file: URL
+   * (string or URL); in a browser a URL, absolute or relative to the page ('model/', '/model/').
+   * @throws {TrainerError} naming a missing, damaged or refused file
+   */
   static async load(ort, location, options = {}) {
-    return Trainer.create(ort, await readExport(location), options);
+    const webgpu = (providersOf(options) ?? []).some((p) => (typeof p === 'string' ? p : p.name) === 'webgpu');
+    return Trainer.create(ort, await readExport(location, { webgpu }), options);
   }
 
   constructor(ort, manifest, options) {
     this.ort = ort;
     this.manifest = manifest;
     this.onNonFinite = options.onNonFinite ?? 'raise';
-    if (!['raise', 'skip', 'ignore'].includes(this.onNonFinite)) throw new Error(`onNonFinite must be raise, skip or ignore, found ${this.onNonFinite}`);
+    if (!['raise', 'skip', 'ignore'].includes(this.onNonFinite)) throw new TrainerError(`onNonFinite must be raise, skip or ignore, found ${show(this.onNonFinite)}`);
+    this.queue = Promise.resolve();
     this.inputs = Object.fromEntries(manifest.inputs.map((e) => [e.name, e]));
-    this.evalInputs = Object.fromEntries(manifest.eval_inputs.map((e) => [e.name, e]));
-    this.schedule = manifest.schedule ? fromJSON(manifest.schedule) : null;
+    this.evalInputs = Object.fromEntries((manifest.eval_inputs ?? []).map((e) => [e.name, e]));
+    this.schedule = manifest.schedule ? fromJSON(manifest.schedule) : null;  // validateManifest checked it
     this.scheduleOffset = manifest.schedule ? manifest.schedule.step_offset : 0;
     this.counter = manifest.counter;
     this.skippedSteps = 0;
@@ -69,6 +179,13 @@ export class Trainer {
     ]);
     this.stepState = {};
     this.views = null; // the named state over the packs, made when asked for
+  }
+
+  /** {state input of the step run: {dtype, shape}}: the packs and the variables outside them. */
+  stepShapes() {
+    const shapes = Object.fromEntries(this.manifest.state.map((e) => [e.name, { dtype: e.dtype, shape: e.shape }]));
+    for (const p of this.packs) shapes[p.input] = { dtype: p.dtype, shape: [p.size] };
+    return shapes;
   }
 
   /** The state variables by name, as ORT tensors (views into the packs of a packed step). */
@@ -99,35 +216,36 @@ export class Trainer {
   /** A tensor for input `name` of the step (or eval) model from plain data: numbers or a TypedArray, converted to the manifest's dtype (labels become BigInt64Array). */
   tensor(name, data, dims) {
     const spec = this.inputs[name] ?? this.evalInputs[name];
-    if (!spec) throw new Error(`${JSON.stringify(name)} is not an input; inputs: ${Object.keys(this.inputs).join(', ')}`);
+    if (!spec) throw new TrainerError(`${JSON.stringify(name)} is not an input; inputs: ${Object.keys(this.inputs).join(', ')}`);
+    checkPlainValue(name, { data, dims }, spec.dtype, 'tensor');
     const Type = arrayType(spec.dtype);
     let values = data;
     if (!(data instanceof Type)) {
-      values = Type === BigInt64Array || Type === BigUint64Array ? Type.from(data, (v) => BigInt(v)) : Type.from(data);
+      values = Type === BigInt64Array || Type === BigUint64Array ? Type.from(data, (v) => BigInt(v)) : Type.from(data, Number);
     }
-    return new this.ort.Tensor(spec.dtype, values, dims);
+    return new this.ort.Tensor(spec.dtype, values, Array.from(dims, Number));
   }
 
   _feeds(batch, specs, what) {
+    checkBatch(batch, what);
+    for (const name of Object.keys(batch)) {
+      if (!(name in specs)) throw new TrainerError(`${what}: unknown input ${JSON.stringify(name)}; inputs: ${Object.keys(specs).join(', ')}`);
+    }
     const feeds = {};
     for (const [name, spec] of Object.entries(specs)) {
       let value = batch[name];
       if (value === undefined) {
         const fallback = this.manifest.defaults?.[name];
-        if (!fallback) throw new Error(`${what}: batch has no ${JSON.stringify(name)}; needs ${Object.keys(specs).join(', ')}`);
+        if (!fallback) throw new TrainerError(`${what}: batch has no ${JSON.stringify(name)}; needs ${Object.keys(specs).join(', ')}`);
         value = this.tensor(name, fallback.values, fallback.shape);
       } else if (!(value instanceof this.ort.Tensor)) {
+        checkPlainValue(name, value, spec.dtype, what);
         value = this.tensor(name, value.data, value.dims);
       }
-      if (value.type !== spec.dtype) throw new Error(`${what}: input ${JSON.stringify(name)} must be ${spec.dtype}, found ${value.type}`);
-      if (spec.shape && (value.dims.length !== spec.shape.length || spec.shape.some((d, i) => typeof d === 'number' && d !== value.dims[i]))) {
-        throw new Error(`${what}: input ${JSON.stringify(name)} must have shape [${spec.shape}], found [${value.dims}]`);
-      }
+      checkTensor(name, value, spec, what);
       feeds[name] = value;
     }
-    for (const name of Object.keys(batch)) {
-      if (!(name in specs)) throw new Error(`${what}: unknown input ${JSON.stringify(name)}; inputs: ${Object.keys(specs).join(', ')}`);
-    }
+    checkLabels(this.manifest, feeds, what);
     return feeds;
   }
 
@@ -144,16 +262,18 @@ export class Trainer {
 
   /** Attach a schedule (or null) from optimizer step `step` on. */
   setSchedule(schedule, step = 0) {
+    if (schedule !== null && typeof schedule?.lr !== 'function') {
+      throw new TrainerError(`setSchedule: expected a schedule (an object with lr(base, k)) or null, found ${show(schedule)}`);
+    }
+    if (!Number.isSafeInteger(step) || step < 0) throw new TrainerError(`setSchedule: step must be an integer >= 0, found ${show(step)}`);
     this.schedule = schedule;
     this.scheduleOffset = step - (this.counter ? this._counterValue() : 0);
   }
 
   _rateFeeds(lr) {
-    const rates = lr === undefined ? this.learningRates
-      : typeof lr === 'number' ? Object.fromEntries(this.manifest.learning_rates.map((e) => [e.name, lr])) : lr;
+    const rates = checkRates(lr, this.manifest.learning_rates, lr === undefined ? this.learningRates : undefined);
     const feeds = {};
     for (const e of this.manifest.learning_rates) {
-      if (!(e.name in rates)) throw new Error(`step: no learning rate for ${JSON.stringify(e.name)}`);
       let t = this.rateTensors[e.name];
       if (!t) {
         t = new this.ort.Tensor(e.dtype, new (arrayType(e.dtype))(1), e.shape);
@@ -170,7 +290,13 @@ export class Trainer {
    * group, or {input name: rate}; default: the schedule's. Returns the step's returned
    * outputs (loss, grad_norm...): one-element ones as numbers, others as ORT tensors.
    */
-  async step(batch, { lr } = {}) {
+  step(batch, options) {
+    return serialized(this, () => this._step(batch, options));
+  }
+
+  async _step(batch, options = {}) {
+    if (options === null || typeof options !== 'object') throw new TrainerError(`step: options must be {lr}, found ${show(options)}`);
+    const { lr } = options;
     const feeds = { ...this._feeds(batch, this.inputs, 'step'), ...this._rateFeeds(lr), ...this.stepState };
     const out = await this.stepSession.run(feeds);
     const result = {};
@@ -187,32 +313,41 @@ export class Trainer {
   }
 
   /** The loss and eval outputs with the current weights (eval mode); nothing changes. */
-  async evaluate(batch) {
-    if (!this.evalSession) throw new Error('evaluate: the export was loaded without its eval model');
+  evaluate(batch) {
+    return serialized(this, () => this._evaluate(batch));
+  }
+
+  async _evaluate(batch) {
+    if (!this.evalSession) throw new TrainerError('evaluate: the export was loaded without its eval model');
     const feeds = this._feeds(batch, this.evalInputs, 'evaluate');
     const state = this.state;
     for (const name of this.evalSession.inputNames) if (name in state) feeds[name] = state[name];
     const out = await this.evalSession.run(feeds);
-    return Object.fromEntries(this.manifest.eval_outputs.map((n) => [n, out[n].size === 1 ? scalarOf(out[n]) : out[n]]));
+    return Object.fromEntries((this.manifest.eval_outputs ?? []).map((n) => [n, out[n].size === 1 ? scalarOf(out[n]) : out[n]]));
   }
 
   /** The state as safetensors bytes (tensor names = state input names): resume here, in Python, or on another device. */
   exportState() {
-    return encode(this.state, { format: FORMAT });
+    return encode(this.state, { format: FORMAT }, { sha256: true });
   }
 
-  /** Replace the state with safetensors bytes (every state variable, same dtype and shape). */
-  loadState(bytes) {
-    const { tensors } = decode(bytes, 'state');
+  /**
+   * Replace the state with safetensors bytes (every state variable, same dtype and shape); on
+   * failure the state is unchanged.
+   * @param options {verify: check __metadata__.sha256 (default true), where: the name in errors}
+   * @throws {TrainerError}
+   */
+  loadState(bytes, { verify = true, where = 'loadState' } = {}) {
+    const { tensors } = decode(bytes, where, { verify });
     const declared = this.manifest.state;
     const missing = declared.filter((e) => !(e.name in tensors)).map((e) => e.name);
     const unknown = Object.keys(tensors).filter((n) => !declared.some((e) => e.name === n));
-    if (missing.length || unknown.length) throw new Error(`loadState: missing ${JSON.stringify(missing)}, unknown ${JSON.stringify(unknown)}`);
+    if (missing.length || unknown.length) throw new TrainerError(`${where}: missing ${JSON.stringify(missing)}, unknown ${JSON.stringify(unknown)}`);
     const state = {};
     for (const e of declared) {
       const t = tensors[e.name];
       if (t.dtype !== e.dtype || t.dims.length !== e.shape.length || t.dims.some((d, i) => d !== e.shape[i])) {
-        throw new Error(`loadState: ${e.name} must be ${e.dtype} [${e.shape}], found ${t.dtype} [${t.dims}]`);
+        throw new TrainerError(`${where}: ${e.name} must be ${e.dtype} [${e.shape}], found ${t.dtype} [${t.dims}]`);
       }
       state[e.name] = new this.ort.Tensor(e.dtype, t.data, e.shape);
     }
@@ -224,14 +359,36 @@ export class Trainer {
       }
       state[p.input] = new this.ort.Tensor(p.dtype, flat, [p.size]);
     }
+    this._checkSchedulePosition(state, where);
     this.stepState = state;
     this.views = null;
   }
 
+  /** The schedule's step for `state` is >= 0 and gives finite rates >= 0. */
+  _checkSchedulePosition(state, where) {
+    if (!this.schedule || !this.counter) return;
+    const previous = [this.stepState, this.views];
+    this.stepState = state;
+    this.views = null;
+    try {
+      const k = this.scheduleStep;
+      if (k < 0) {
+        throw new TrainerError(`${where}: the schedule's step is ${k} (update count ${this._counterValue()} + manifest.json `
+          + `schedule.step_offset ${this.scheduleOffset}); expected >= 0`);
+      }
+      checkRates(undefined, this.manifest.learning_rates, this.learningRates, where);
+    } catch (error) {
+      if (!(error instanceof TrainerError)) throw new TrainerError(`${where}: manifest.json schedule: ${error.message}`);
+      throw error;
+    } finally {
+      [this.stepState, this.views] = previous;
+    }
+  }
+
   /** The inference model with the current weights embedded: a self-contained .onnx file's bytes. */
   inferenceModel() {
-    if (!this.inferenceBytes) throw new Error('inferenceModel: the export was loaded without inference.onnx');
-    return embedWeights(this.inferenceBytes, this.state);
+    if (!this.inferenceBytes) throw new TrainerError('inferenceModel: the export was loaded without inference.onnx');
+    return embedWeights(this.inferenceBytes, this.state, fileName(this.manifest, 'inference'));
   }
 
   async release() {

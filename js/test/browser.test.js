@@ -91,6 +91,20 @@ test('the three models train in onnxruntime-web (wasm) in Chromium, each step wi
   await page.close();
 });
 
+test('Trainer.load in the browser: page-relative, root-relative and absolute URLs; a missing export names the file', async () => {
+  const { page, errors } = await open('/js/test/browser/load.html?fixtures=/fixtures/');
+  await page.waitForFunction('window.loading && window.loading.done', { timeout: 60000, polling: 200 });
+  const loading = await page.evaluate('window.loading');
+  await page.close();
+  assert.equal(loading.error, null, loading.error);
+  assert.deepEqual(errors, []);
+  assert.deepEqual(loading.loaded.map((l) => l.location), ['../../../fixtures/mlp/export/', '/fixtures/mlp/export', `${origin}/fixtures/mlp/export/`]);
+  for (const l of loading.loaded) assert.ok(Number.isFinite(l.loss) && l.step === 1, JSON.stringify(l));
+  assert.equal(new Set(loading.loaded.map((l) => l.loss)).size, 1, 'the same export, the same first step');
+  assert.ok(loading.missing?.isTrainerError, JSON.stringify(loading.missing));
+  assert.match(loading.missing.message, new RegExp(`^${origin}/fixtures/nowhere/manifest\\.json: cannot fetch the file \\(HTTP 404\\)$`));
+});
+
 test('examples/browser fine-tunes in the page, charts the loss and downloads the trained model', async () => {
   const downloads = join(root, 'downloads');
   await mkdir(downloads);

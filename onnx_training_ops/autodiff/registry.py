@@ -110,7 +110,7 @@ def missing_rules_of(nodes: Iterable[onnx.NodeProto]) -> list[Missing]:
     counts: Counter = Counter()
     first: dict[str, str] = {}
     for node in nodes:
-        key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+        key = rule_key(node)
         counts[key] += 1
         first.setdefault(key, node.name or node.output[0])
     return [Missing(op, n, first[op]) for op, n in counts.most_common()]

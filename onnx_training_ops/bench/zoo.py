@@ -97,6 +97,8 @@ SPECS: dict[str, Spec] = {s.name: s for s in [
     Spec("gpt2-124m", layers=12, hidden=768, heads=12, batch=4, seq=128, **_GPT2),
     Spec("gpt2-355m", layers=24, hidden=1024, heads=16, batch=4, seq=128, **_GPT2),
     Spec("bert-base", layers=12, hidden=768, heads=12, batch=4, seq=128, **_BERT),
+    Spec("resnet50", family="resnet", image=224, batch=64, sizes=(256, 512, 1024, 2048), depths=(3, 4, 6, 3),
+         classes=1000, extra={"layer_type": "bottleneck"}),
 ]}
 
 
@@ -185,9 +187,10 @@ def _build(s: Spec):
                                       **s.extra)
         return transformers.GPT2LMHeadModel(cfg)
     if s.family == "resnet":
-        cfg = transformers.ResNetConfig(embedding_size=s.sizes[0], hidden_sizes=list(s.sizes),
-                                        depths=list(s.depths), layer_type="basic", num_labels=s.classes,
-                                        **s.extra)
+        extra = {"layer_type": "basic", **s.extra}  # ResNet-50: layer_type="bottleneck"
+        cfg = transformers.ResNetConfig(embedding_size=s.sizes[0] if extra["layer_type"] == "basic" else 64,
+                                        hidden_sizes=list(s.sizes), depths=list(s.depths), num_labels=s.classes,
+                                        **extra)
         return transformers.ResNetForImageClassification(cfg)
     raise ValueError(f"unknown family {s.family!r}")
 

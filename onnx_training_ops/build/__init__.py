@@ -12,7 +12,7 @@
 * :mod:`.algorithm`, :mod:`.ops` — the algorithm graph under construction, node emission;
 * :mod:`.model_metadata` — what the builder records in the model for the session to read.
 
-May import: errors, schema, walk, storage, autodiff, passes (never runtime or training: a
+May import: errors, schema, walk, storage, optim, autodiff, passes (never runtime or training: a
 model is built without onnxruntime).
 """
 

@@ -2,37 +2,21 @@
 
 :func:`emit_update` writes one optimizer step for a group of tensors: one multi-tensor node
 of the training domain (Adam, Momentum, Adagrad), or standard ops for optimizers the domain
-lacks (RMSProp; onnxruntime-training's AdamW, which ``migrate/adamw.py`` registers in
-:data:`STANDARD_OP_UPDATES`). The builder's dense
-update and the row updates of :mod:`.sparse_updates` both go through it.
+lacks (RMSProp, onnxruntime-training's AdamW: listed in
+:data:`onnx_training_ops.optim.registry.STANDARD_OP_UPDATES`). The builder's dense update and
+the row updates of :mod:`.sparse_updates` both go through it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 from onnx import helper
 
 from ..schema import DOMAIN
+from ..optim.registry import STANDARD_OP_UPDATES
 from .ops import Ops
-from .rmsprop import RMSProp, emit_rmsprop
-
-
-def _rmsprop_update(ops: Ops, optimizer: RMSProp, r: str, t: str, xs: Sequence[str], gs: Sequence[str],
-                    states: dict[str, list[str]], new_xs: Sequence[str],
-                    new_states: dict[str, list[str]], dtypes: Sequence[np.dtype]) -> None:
-    casts: dict[np.dtype, str] = {}
-    for i, (x, g, dtype) in enumerate(zip(xs, gs, dtypes)):
-        if dtype not in casts:  # R in each tensor's dtype
-            casts[dtype] = ops.op("Cast", [r], to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
-        emit_rmsprop(ops, optimizer, casts[dtype], x, g, {s: v[i] for s, v in states.items()},
-                     new_xs[i], {s: v[i] for s, v in new_states.items()}, np.dtype(dtype))
-
-
-# optimizer class -> the function writing its update with standard ops (same arguments as
-# emit_update without attributes/label); optimizers of the training domain are not listed
-STANDARD_OP_UPDATES: dict[type, Callable[..., None]] = {RMSProp: _rmsprop_update}
 
 
 def emit_update(ops: Ops, optimizer, r: str, t: str, xs: Sequence[str], gs: Sequence[str],

@@ -81,6 +81,15 @@ class Loss:
 
 @dataclass(frozen=True)
 class MSELoss(Loss):
+    """``torch.nn.MSELoss``: the squared difference of prediction and target (string ``"mse"``).
+
+    Args:
+        reduction: ``"mean"`` or ``"sum"`` over every element.
+
+    Raises:
+        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+    """
+
     reduction: str = "mean"
 
     def __post_init__(self):
@@ -93,6 +102,15 @@ class MSELoss(Loss):
 
 @dataclass(frozen=True)
 class L1Loss(Loss):
+    """``torch.nn.L1Loss``: the absolute difference of prediction and target (string ``"l1"``).
+
+    Args:
+        reduction: ``"mean"`` or ``"sum"`` over every element.
+
+    Raises:
+        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+    """
+
     reduction: str = "mean"
 
     def __post_init__(self):
@@ -115,6 +133,16 @@ def _quadratic_then_linear(em: Emit, pred: str, label: str, width: float, scale_
 
 @dataclass(frozen=True)
 class HuberLoss(Loss):
+    """``torch.nn.HuberLoss``: ``0.5 d^2`` inside ``|d| < delta``, else ``delta (|d| - 0.5 delta)`` (string ``"huber"``).
+
+    Args:
+        delta: where the quadratic part meets the linear one (> 0).
+        reduction: ``"mean"`` or ``"sum"`` over every element.
+
+    Raises:
+        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+    """
+
     delta: float = 1.0
     reduction: str = "mean"
 
@@ -130,6 +158,16 @@ class HuberLoss(Loss):
 
 @dataclass(frozen=True)
 class SmoothL1Loss(Loss):
+    """``torch.nn.SmoothL1Loss``: ``0.5 d^2 / beta`` inside ``|d| < beta``, else ``|d| - 0.5 beta`` (string ``"smooth_l1"``).
+
+    Args:
+        beta: where the quadratic part meets the linear one (> 0).
+        reduction: ``"mean"`` or ``"sum"`` over every element.
+
+    Raises:
+        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+    """
+
     beta: float = 1.0
     reduction: str = "mean"
 
@@ -145,8 +183,19 @@ class SmoothL1Loss(Loss):
 
 @dataclass(frozen=True)
 class BCEWithLogitsLoss(Loss):
-    """``(1 - t) x + (1 + (pos_weight - 1) t) softplus(-x)``, times ``weight``; softplus
-    written as ``relu(-x) + log(1 + exp(-|x|))`` so it never overflows."""
+    """``torch.nn.BCEWithLogitsLoss`` (string ``"bce_with_logits"``).
+
+    ``(1 - t) x + (1 + (pos_weight - 1) t) softplus(-x)``, times ``weight``; softplus written as
+    ``relu(-x) + log(1 + exp(-|x|))`` so it never overflows.
+
+    Args:
+        pos_weight: weight of the positive term, one value per class (broadcast over the batch).
+        weight: weight of each element's loss, broadcast to the logits.
+        reduction: ``"mean"`` or ``"sum"`` over every element.
+
+    Raises:
+        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+    """
 
     pos_weight: tuple | None = None
     weight: tuple | None = None
@@ -172,6 +221,23 @@ class BCEWithLogitsLoss(Loss):
 
 @dataclass(frozen=True)
 class CrossEntropyLoss(Loss):
+    """``torch.nn.CrossEntropyLoss`` on logits and int64 class labels (string ``"cross_entropy"``).
+
+    Args:
+        class_axis: the logits' class axis: 1 for torch's ``[N, C, d...]``, -1 for a language
+            model's ``[N, T, C]``; must be stated for logits of rank >= 3 (None: rank 2).
+        ignore_index: a label value that contributes no loss (torch's -100); None: every label
+            counts, and no per-sample mask is built.
+        label_smoothing: torch's label smoothing, in [0, 1].
+        weight: one weight per class.
+        reduction: ``"mean"`` or ``"sum"`` over every element.
+        shift_labels: the causal-LM next-token loss: logits at position t score the label at
+            t + 1 (labels = input_ids); implies ``class_axis=-1``.
+
+    Raises:
+        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+    """
+
     class_axis: int | None = None
     ignore_index: int | None = -100
     label_smoothing: float = 0.0

@@ -50,10 +50,9 @@ from .initialization import initialization_graph
 from .loss_graph import add_loss, label_range, label_shape
 from .losses import Loss
 from .model_metadata import set_metadata
-from .optimizers import Adagrad, Adam, Momentum, Optimizer, to_json
+from .optimizers import OPTIMIZER_CLASSES, Optimizer, to_json
 from .rmsprop import RMSProp
 from .param_groups import groups_to_json, resolve_groups
-from .emit_update import STANDARD_OP_UPDATES
 from .dynamo_params import restore_parameters
 from .eval_mode import to_inference
 from .train_mode import fit_opset, training_forward
@@ -89,7 +88,7 @@ def _fit_opset(model: onnx.ModelProto) -> onnx.ModelProto:
 def _check_choices(mode: str, optimizer) -> None:
     if mode not in ("eval", "train"):
         raise TrainingOpError(f"mode must be 'eval' or 'train', found {mode!r}")
-    if not isinstance(optimizer, (Adam, Momentum, Adagrad, *STANDARD_OP_UPDATES)):
+    if not isinstance(optimizer, tuple(OPTIMIZER_CLASSES.values())):
         raise TrainingOpError(
             f"optimizer must be onnx_training_ops.Adam, AdamW, Momentum, Adagrad, RMSProp or OrtAdamW, found "
             f"{type(optimizer).__name__}"
@@ -153,54 +152,56 @@ def build_training_model(
     optimizer state) would pass that size. Its optimizer state takes no memory: read-only
     constant arrays that a :class:`~onnx_training_ops.TrainingSession` materializes.
 
-    Parameters
-    ----------
-    model:
-        an inference model (ModelProto, LargeModel, path or bytes), e.g. from ``onnx.helper``
-        or ``torch.onnx.export`` (past 2 GB: with external data). Opsets below 13 are converted.
-    loss:
-        a loss of :mod:`onnx_training_ops.build.losses` (``CrossEntropyLoss(...)``, ``MSELoss()``,
-        ``L1Loss()``, ``HuberLoss()``, ``SmoothL1Loss()``, ``BCEWithLogitsLoss()``), one of
-        their names (``"mse"``, ``"cross_entropy"``, ``"l1"``, ``"huber"``, ``"smooth_l1"``,
-        ``"bce_with_logits"``; defaults as in torch) reading ``output`` and a new input
-        (``labels`` int64 for cross-entropy, ``target`` shaped like the output otherwise),
-        or the name of a scalar float output already in the model.
-    optimizer:
-        :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.AdamW`,
-        :class:`~onnx_training_ops.Momentum` or :class:`~onnx_training_ops.Adagrad`.
-    trainable:
-        names of main-graph initializers to train; default: what torch would call the
-        parameters — every float/double initializer of rank >= 1 with a differentiable path
-        to the loss, except BatchNormalization's running statistics.
-    output:
-        the model output the loss reads; default the first output.
-    labels:
-        name of the new label/target input; default ``"labels"`` (cross_entropy) or ``"target"`` (mse).
-    learning_rate:
-        name of the algorithm graph's learning-rate input R (default value ``optimizer.lr``);
-        other parameter groups get ``<learning_rate>.<group name>``.
-    mode:
-        ``"eval"`` (default): the loss reads the inference graph as it is. ``"train"``: the
-        algorithm graph runs a training-mode copy of the forward pass, like torch's
-        ``model.train()`` — BatchNormalization on batch statistics with its running
-        statistics updated as state, Dropout with a fresh mask each step (see
-        :mod:`onnx_training_ops.build.train_mode`); the main graph stays the eval-mode graph.
-    seed:
-        the dropout masks' seed (``mode="train"``): same seed, same masks.
-    param_groups:
-        torch-style parameter groups chosen by glob or regex patterns, with per-group
-        optimizer values and ``frozen`` groups (:mod:`onnx_training_ops.build.param_groups`): one
-        optimizer node and one learning-rate input per group.
-    clip_grad_norm, clip_grad_value:
-        gradient clipping as ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
-        (:mod:`onnx_training_ops.build.grad_clip`); the norm before clipping is the output
-        ``grad_norm`` that ``step`` returns.
-    sparse_updates:
-        ``{trainable name or glob pattern: "dense" | "lazy" | "sparse"}`` for embedding
-        tables (trainables read only by axis-0 ``Gather``): gradients kept as (unique
-        indices, summed rows) and, with ``"lazy"``, only the looked-up rows updated
-        (torch ``SparseAdam``); ``"sparse"`` is TensorFlow's sparse apply. See
-        :mod:`onnx_training_ops.build.sparse_updates`.
+    Args:
+        model: an inference model (ModelProto, LargeModel, path or bytes), e.g. from
+            ``onnx.helper`` or ``torch.onnx.export`` (past 2 GB: with external data). Opsets
+            below 13 are converted.
+        loss: a loss of :mod:`onnx_training_ops.build.losses` (``CrossEntropyLoss(...)``,
+            ``MSELoss()``, ``L1Loss()``, ``HuberLoss()``, ``SmoothL1Loss()``,
+            ``BCEWithLogitsLoss()``), one of their names (``"mse"``, ``"cross_entropy"``,
+            ``"l1"``, ``"huber"``, ``"smooth_l1"``, ``"bce_with_logits"``; defaults as in torch)
+            reading ``output`` and a new input (``labels`` int64 for cross-entropy, ``target``
+            shaped like the output otherwise), or the name of a scalar float output already in
+            the model.
+        optimizer: :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.AdamW`,
+            :class:`~onnx_training_ops.Momentum`, :class:`~onnx_training_ops.Adagrad`,
+            :class:`~onnx_training_ops.RMSProp` or :class:`~onnx_training_ops.OrtAdamW`.
+        trainable: names of main-graph initializers to train; default: what torch would call
+            the parameters, every float/double initializer of rank >= 1 with a differentiable
+            path to the loss, except BatchNormalization's running statistics.
+        output: the model output the loss reads; default the first output.
+        labels: name of the new label/target input; default ``"labels"`` (cross_entropy) or
+            ``"target"`` (the other losses).
+        learning_rate: name of the algorithm graph's learning-rate input R (default value
+            ``optimizer.lr``); other parameter groups get ``<learning_rate>.<group name>``.
+        mode: ``"eval"`` (default): the loss reads the inference graph as it is. ``"train"``:
+            the algorithm graph runs a training-mode copy of the forward pass, like torch's
+            ``model.train()``: BatchNormalization on batch statistics with its running
+            statistics updated as state, Dropout with a fresh mask each step (see
+            :mod:`onnx_training_ops.build.train_mode`); the main graph stays the eval-mode graph.
+        seed: the dropout masks' seed (``mode="train"``): same seed, same masks.
+        param_groups: torch-style parameter groups chosen by glob or regex patterns, with
+            per-group optimizer values and ``frozen`` groups
+            (:mod:`onnx_training_ops.build.param_groups`): one optimizer node and one
+            learning-rate input per group.
+        clip_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_``
+            (:mod:`onnx_training_ops.build.grad_clip`); the norm before clipping is the output
+            ``grad_norm`` that ``step`` returns.
+        clip_grad_value: clip each gradient element as ``torch.nn.utils.clip_grad_value_``.
+        sparse_updates: ``{trainable name or glob pattern: "dense" | "lazy" | "sparse"}`` for
+            embedding tables (trainables read only by axis-0 ``Gather``): gradients kept as
+            (unique indices, summed rows) and, with ``"lazy"``, only the looked-up rows updated
+            (torch ``SparseAdam``); ``"sparse"`` is TensorFlow's sparse apply. See
+            :mod:`onnx_training_ops.build.sparse_updates`.
+
+    Returns:
+        The training model: a ModelProto, or a ``LargeModel`` as said above. It passes
+        ``onnx.checker.check_model(full_check=True)``.
+
+    Raises:
+        TrainingOpError: bad arguments, a model that already has ``training_info``, no
+            trainable tensor, or ops on the path to the loss without a derivative rule (all
+            of them listed at once, with a hint).
     """
     _check_choices(mode, optimizer)
     clip_grad_norm = checked_limit("clip_grad_norm", clip_grad_norm)

@@ -12,9 +12,9 @@ trainable (keys are names or :mod:`fnmatch` patterns, the first matching key win
     touched rows of X, V, H -> the domain's optimizer op on the row slices -> ``ScatterND``
     back into X, V, H.
 ``"sparse"``
-    TensorFlow's ``Adam._apply_sparse_shared`` (seed 003): ``m = beta1 * m`` and ``v = beta2 * v``
-    on *every* row, then ``scatter_add`` of ``(1-beta1) * g`` and ``(1-beta2) * g*g`` on the
-    looked-up rows, then ``var -= lr_t * m / (sqrt(v) + eps)`` on every row. That is Adam on
+    TensorFlow's ``Adam._apply_sparse_shared`` (``tensorflow/python/training/adam.py``):
+    ``m = beta1 * m`` and ``v = beta2 * v`` on *every* row, then ``scatter_add`` of
+    ``(1-beta1) * g`` and ``(1-beta2) * g*g`` on the looked-up rows, then ``var -= lr_t * m / (sqrt(v) + eps)`` on every row. That is Adam on
     the whole table with the gradient scattered into zeros — dense work. Weight decay
     (``norm_coefficient``) joins only the looked-up rows' gradients, as TF's sparse apply
     sees only ``grad.values``. TensorFlow's ``sparse_apply_adagrad``, ``sparse_apply_momentum``

@@ -3,13 +3,15 @@
 :func:`export_step` writes the step, eval and inference models in standard ONNX ops, the
 state as ``.safetensors`` and a versioned ``manifest.json`` (:mod:`.writer`);
 :func:`load_state` brings a state trained elsewhere back into a TrainingSession
-(:mod:`.importing`). The JavaScript trainer that runs an export lives in ``js/``; the format
+(:mod:`.importing`); :class:`DeviceTrainer` trains an export on any execution provider, the
+state resident on its device (:mod:`.device`: a GPU with onnxruntime-gpu). The JavaScript trainer that runs an export lives in ``js/``; the format
 is described in ``docs/export.md``.
 """
 
 from __future__ import annotations
 
+from .device import DeviceTrainer
 from .importing import load_state, read_state, session_from_export
 from .writer import FILES, export_step
 
-__all__ = ["FILES", "export_step", "load_state", "read_state", "session_from_export"]
+__all__ = ["FILES", "DeviceTrainer", "export_step", "load_state", "read_state", "session_from_export"]

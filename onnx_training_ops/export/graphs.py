@@ -103,11 +103,12 @@ def short_names(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def step_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
-               meta: Mapping[str, str]) -> Graph:
-    """The training step: data, learning rates and state in; returned values and new state out."""
+               meta: Mapping[str, str], flat: bool = False) -> Graph:
+    """The training step: data, learning rates and state in; returned values and new state out.
+    ``flat``: each optimizer node over its tensors laid end to end (for a GPU, :func:`prepare`)."""
     combined = combined_graph(model, 0, state_protos, meta)
     combined.graph.name = "training_step"
-    portable = prepare(combined, portable=True)
+    portable = prepare(combined, portable=True, flat=flat)
     defaults = _plain_inputs(portable)
     return Graph(_standard(short_names(portable), "step model"), defaults)
 

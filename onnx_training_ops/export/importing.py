@@ -14,24 +14,45 @@ from typing import Any
 
 import numpy as np
 
+from ..build.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..training.schedules import SCHEDULES
-from . import manifest as manifest_, safetensors
+from . import manifest as manifest_
+from . import safetensors
 from .writer import FILES
 
 
-def read_state(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
-    """(state, manifest or None) of an export directory or a ``.safetensors`` file."""
+def read_state(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
+    """(state, manifest or None) of an export directory or a ``.safetensors`` file.
+
+    Args:
+        path: an export directory (its manifest validated, the state file's path kept inside
+            it) or a ``.safetensors`` file.
+        verify: check the SHA-256 digests (the manifest's of the state file, the file's own of
+            its data) where they are recorded; False skips them, for speed.
+
+    Returns:
+        (name -> array, the manifest or None for a bare file).
+
+    Raises:
+        TrainingOpError: a bad manifest, a damaged or mismatched state file.
+    """
     path = os.fspath(path)
     if os.path.isdir(path):
         manifest = manifest_.read(path)
-        state, _ = safetensors.read(os.path.join(path, manifest["files"]["state"]["path"]))
+        where = repr(manifest_.file_path(path, manifest, "state"))
+        state, _ = safetensors.decode(manifest_.file_bytes(path, manifest, "state", verify), where, verify)
         declared = {e["name"]: e for e in manifest["state"]}
         if set(declared) != set(state):
             raise TrainingOpError(f"{path!r}: the state file holds {sorted(state)}, the manifest declares "
                                   f"{sorted(declared)}")
+        for name, entry in declared.items():
+            if state[name].dtype.name != entry["dtype"] or list(state[name].shape) != entry["shape"]:
+                raise TrainingOpError(f"{where}: tensor {name!r} is {state[name].dtype.name} "
+                                      f"{list(state[name].shape)}, the manifest's field 'state' declares "
+                                      f"{entry['dtype']} {entry['shape']}")
         return state, manifest
-    state, _ = safetensors.read(path)
+    state, _ = safetensors.read(path, verify)
     return state, None
 
 
@@ -44,31 +65,73 @@ def _only_counter(state: dict[str, np.ndarray]) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def load_state(session, path: str | os.PathLike) -> None:
-    """Load the state of an export directory or ``.safetensors`` file into ``session`` (every
-    state variable, same names, dtypes and shapes). From a directory whose manifest has a
-    schedule, the session takes that schedule at the position the state has reached; from a
-    bare file, the session's own schedule moves as far as the update count did."""
-    state, manifest = read_state(path)
+def manifest_schedule(manifest: dict[str, Any], state: dict[str, np.ndarray], where: str):
+    """(schedule, position) of a manifest's ``schedule`` at the state's update count, checked.
+
+    Raises:
+        TrainingOpError: unknown arguments, bad values, or a negative position.
+    """
+    schedule = manifest["schedule"]  # types checked by manifest_.validate
+    cls = SCHEDULES[schedule["type"]]
+    args = dict(schedule["args"])
+    if isinstance(args.get("milestones"), list):
+        args["milestones"] = tuple(args["milestones"])
+    try:
+        built = cls(**args)
+    except TrainingOpError as error:
+        raise TrainingOpError(f"{where}: field 'schedule.args': {error}") from None
+    except (TypeError, ValueError) as error:
+        raise TrainingOpError(f"{where}: field 'schedule.args' {schedule['args']!r} does not fit "
+                              f"{schedule['type']}: {error}") from None
+    counter = _counter_value(state, schedule["counter"])
+    if state[schedule["counter"]].dtype.kind not in "iu" or state[schedule["counter"]].size != 1:
+        raise TrainingOpError(f"{where}: field 'schedule.counter' names {schedule['counter']!r}, which is not an "
+                              "integer scalar")
+    position = counter + schedule["step_offset"]
+    if position < 0:
+        raise TrainingOpError(f"{where}: field 'schedule.step_offset' is {schedule['step_offset']}, so the "
+                              f"schedule's position (update count {counter} + step_offset) is {position}; it "
+                              "must be >= 0")
+    return built, position
+
+
+def load_state(session, path: str | os.PathLike, verify: bool = True) -> None:
+    """Load the state of an export directory or ``.safetensors`` file into ``session``.
+
+    Every state variable is required, with the same names, dtypes and shapes. From a directory
+    whose manifest has a schedule, the session takes that schedule at the position the state
+    has reached; from a bare file, the session's own schedule moves as far as the update
+    count did. Everything is checked before anything changes: on an error the session keeps
+    its state and schedule.
+
+    Args:
+        session: a :class:`~onnx_training_ops.TrainingSession`.
+        path: an export directory or a ``.safetensors`` file.
+        verify: check the recorded SHA-256 digests (False skips them, for speed).
+
+    Raises:
+        TrainingOpError: a bad manifest or file, a state that does not fit the session, a bad schedule.
+    """
+    state, manifest = read_state(path, verify)
+    where = repr(os.path.join(os.fspath(path), manifest_.MANIFEST)) if manifest is not None else repr(os.fspath(path))
     if manifest is not None and manifest.get("schedule"):
-        schedule = manifest["schedule"]
-        counter = schedule["counter"]
-        cls = SCHEDULES.get(schedule["type"])
-        if cls is None:
-            raise TrainingOpError(f"{os.fspath(path)!r}: unknown schedule {schedule['type']!r}")
-        args = dict(schedule["args"])
-        if "milestones" in args:
-            args["milestones"] = tuple(args["milestones"])
-        position = _counter_value(state, counter) + int(schedule["step_offset"])
-        session.load_state_dict(state)
-        session.set_lr_schedule(cls(**args), position)
+        schedule, position = manifest_schedule(manifest, state, where)
+        with session._lock:  # one change: no step between the state and the schedule
+            old = session.lr_schedule, session.lr_schedule_step
+            session.set_lr_schedule(schedule, position)  # validated against the session first
+            try:
+                session.load_state_dict(state)
+            except BaseException:
+                session.set_lr_schedule(*old)
+                raise
         return
     counter = manifest.get("counter") if manifest else _only_counter(state)
-    before = session.state_views([counter])[0].reshape(-1)[0] if counter in session.state_names else None
-    session.load_state_dict(state)
-    if session.lr_schedule is not None and before is not None:
-        offset = session.lr_schedule_step - int(before)
-        session.set_lr_schedule(session.lr_schedule, max(0, _counter_value(state, counter) + offset))
+    with session._lock:
+        before = session.state_views([counter])[0].reshape(-1)[0] if counter in session.state_names else None
+        session.load_state_dict(state)
+        if session.lr_schedule is not None and before is not None:
+            offset = session.lr_schedule_step - int(before)
+            session.set_lr_schedule(session.lr_schedule, max(0, _counter_value(state, counter) + offset))
 
 
 def pack(state: dict[str, np.ndarray], packs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -76,26 +139,55 @@ def pack(state: dict[str, np.ndarray], packs: list[dict[str, Any]]) -> dict[str,
     return {p["input"]: np.concatenate([state[m["name"]].reshape(-1) for m in p["members"]]) for p in packs}
 
 
-def session_from_export(directory: str | os.PathLike, packed: bool = False, **kwargs: Any):
-    """A :class:`TrainingSession` running the export's step model itself (``from_graph``: the
-    feedback map, the exported state); the learning rates and data are feeds of each step.
-    ``packed``: the packed step (``export_step(..., packed=True)``), its state variables the
-    packs. Keyword arguments go to the session (``fast=False``, ``sess_options``...)."""
+def session_from_export(directory: str | os.PathLike, packed: bool = False, verify: bool = True, **kwargs: Any):
+    """A :class:`TrainingSession` running the export's step model itself.
+
+    The session is ``from_graph`` (the feedback map, the exported state); the learning rates
+    and data are feeds of each step. Class labels are checked against the manifest's
+    ``classes`` / ``ignore_index`` before each step, as a built model's session does.
+
+    Args:
+        directory: the export directory.
+        packed: run the packed step (``export_step(..., packed=True)``), its state variables the packs.
+        verify: check the files' SHA-256 digests recorded in the manifest (False skips them).
+        **kwargs: for the session (``fast=False``, ``sess_options``...).
+
+    Returns:
+        The session.
+
+    Raises:
+        TrainingOpError: a bad manifest, a damaged file, a feedback map that does not fit the step.
+    """
+    from ..training.from_graph import graph_to_training_model
     from ..training.session import TrainingSession
 
-    state, manifest = read_state(directory)
-    step = os.path.join(os.fspath(directory), manifest["files"]["step_packed" if packed else "step"]["path"])
+    directory = os.fspath(directory)
+    state, manifest = read_state(directory, verify)
+    kind = "step_packed" if packed else "step"
+    if packed and not manifest.get("packs"):
+        raise TrainingOpError(f"{directory!r}: no packed step (export with packed=True)")
+    if kind not in manifest["files"]:
+        raise TrainingOpError(f"{os.path.join(directory, manifest_.MANIFEST)!r}: field 'files' has no entry {kind!r}")
+    step = manifest_.file_bytes(directory, manifest, kind, verify)
     feedback = {out: name for name, out in manifest["feedback"].items()}
     initial = {name: state[name] for name in manifest["feedback"]}
     if packed:
-        if not manifest.get("packs"):
-            raise TrainingOpError(f"{os.fspath(directory)!r}: no packed step (export with packed=True)")
         for p in manifest["packs"]:
             for m in p["members"]:
                 del feedback[manifest["feedback"][m["name"]]], initial[m["name"]]
             feedback[p["output"]] = p["input"]
         initial.update(pack(state, manifest["packs"]))
-    return TrainingSession.from_graph(step, feedback, initial_state=initial, **kwargs)
+    try:
+        model = graph_to_training_model(step, feedback, initial)
+    except TrainingOpError as error:
+        raise TrainingOpError(f"{os.path.join(directory, manifest_.MANIFEST)!r}: field 'feedback' does not fit "
+                              f"{manifest['files'][kind]['path']!r}: {error}") from None
+    if manifest.get("labels") and manifest.get("classes") is not None:
+        ignore = manifest.get("ignore_index")
+        for key, value in (("labels", manifest["labels"]),
+                           ("label_range", f"{manifest['classes']},{'' if ignore is None else ignore}")):
+            model.metadata_props.add(key=META_PREFIX + key, value=value)
+    return TrainingSession(model, **kwargs)
 
 
 __all__ = ["FILES", "load_state", "read_state", "session_from_export"]

@@ -11,14 +11,23 @@ Version 1 holds (see ``docs/export.md`` for every field):
 * ``state``: each state variable's name, dtype, shape and role (parameter, optimizer,
   counter, buffer), in the step model's input order;
 * ``optimizer`` and ``schedule``: the rate of optimizer step ``k`` is the schedule's, for
-  ``k = counter + step_offset`` (both advance once per applied step).
+  ``k = counter + step_offset`` (both advance once per applied step);
+* ``classes`` / ``ignore_index``: the class range labels must lie in (null without class labels).
+
+Each ``files`` entry carries the ``sha256`` of its bytes; every path stays inside the export
+directory. :func:`read` validates all of it (:func:`validate`, one schema in one place) and
+:func:`file_bytes` reads a named file, its digest checked. Manifests of older exports lack
+``sha256``, ``classes`` and ``ignore_index``: those checks are then skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
-from typing import Any, Mapping
+import re
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
@@ -86,7 +95,18 @@ def write(manifest: Mapping[str, Any]) -> bytes:
 
 
 def read(directory: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of an export directory, its format and version checked."""
+    """The manifest of an export directory, validated.
+
+    Args:
+        directory: the export directory.
+
+    Returns:
+        The manifest (format, version, every field's type, names and paths checked).
+
+    Raises:
+        TrainingOpError: unreadable, not JSON, another format or version, a field of the wrong
+            type, or a path leaving the directory; the message names ``manifest.json`` and the field.
+    """
     path = os.path.join(os.fspath(directory), MANIFEST)
     try:
         with open(path, "rb") as f:
@@ -101,4 +121,259 @@ def read(directory: str | os.PathLike) -> dict[str, Any]:
     if manifest.get("version") != VERSION:
         raise TrainingOpError(f"{path!r}: manifest version {manifest.get('version')!r}; this package reads "
                               f"version {VERSION}")
+    validate(manifest, path)
+    for kind in manifest["files"]:
+        file_path(directory, manifest, kind)
     return manifest
+
+
+# ------------------------------------------------------------------ validation
+
+def _fail(where: str, field: str, expected: str, value: Any) -> TrainingOpError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return TrainingOpError(f"{where}: field {field!r} must be {expected}, found {shown}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+ROLES = ("parameter", "optimizer", "counter", "buffer")
+
+# field -> (test, what it must be)
+_Test = tuple[Callable[[Any], bool], str]
+_STR: _Test = (lambda v: isinstance(v, str) and v != "", "a non-empty string")
+_OPT_STR: _Test = (lambda v: v is None or (isinstance(v, str) and v != ""), "a non-empty string or null")
+_NATURAL: _Test = (lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+_OPT_INT: _Test = (lambda v: v is None or _is_int(v), "an integer or null")
+_STRS: _Test = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings")
+_DTYPE: _Test = (lambda v: isinstance(v, str) and _known_dtype(v), "a numpy dtype name (float32, int64...)")
+_SHAPE: _Test = (lambda v: isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v),
+                 "a list of integers >= 0")
+_DIMS: _Test = (lambda v: v is None or (isinstance(v, list) and all((_is_int(d) and d >= 0) or isinstance(d, str)
+                                                                    for d in v)),
+                "null or a list of integers >= 0 and dimension names")
+
+
+def _known_dtype(name: str) -> bool:
+    try:
+        return np.dtype(name).name == name
+    except TypeError:
+        return False
+
+
+def _check(where: str, field: str, value: Any, test: _Test) -> None:
+    if not test[0](value):
+        raise _fail(where, field, test[1], value)
+
+
+def _entries(where: str, field: str, value: Any, fields: Mapping[str, _Test], optional: Mapping[str, _Test] = {},
+             kind: type = list) -> None:
+    """``value``: a list (or a dict by name) of objects holding ``fields`` (and maybe ``optional``)."""
+    if not isinstance(value, kind):
+        raise _fail(where, field, f"a{'n object' if kind is dict else ' list'} of entries", value)
+    items = value.items() if kind is dict else enumerate(value)
+    for key, entry in items:
+        at = f"{field}[{key!r}]" if kind is dict else f"{field}[{key}]"
+        if not isinstance(entry, dict):
+            raise _fail(where, at, "an object", entry)
+        for name, test in fields.items():
+            if name not in entry:
+                raise TrainingOpError(f"{where}: field {at!r} lacks {name!r}")
+            _check(where, f"{at}.{name}", entry[name], test)
+        for name, test in optional.items():
+            if name in entry:
+                _check(where, f"{at}.{name}", entry[name], test)
+
+
+def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
+    """Check every field of a version-1 manifest (types, names, paths as text).
+
+    Args:
+        manifest: the parsed ``manifest.json``.
+        where: how messages name the file.
+
+    Raises:
+        TrainingOpError: naming ``where`` and the first field that is missing or of the wrong type.
+    """
+    for field in ("files", "state", "feedback"):
+        if field not in manifest:
+            raise TrainingOpError(f"{where}: the manifest lacks the required field {field!r}")
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise _fail(where, "files", "an object of file entries", files)
+    for kind in ("step", "state"):
+        if kind not in files:
+            raise TrainingOpError(f"{where}: field 'files' lacks the entry {kind!r}")
+    _entries(where, "files", files, {"path": _STR},
+             {"operators": _STRS, "external_data": _STR,
+              "sha256": (lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v)),
+                         "64 lowercase hex digits (a SHA-256)")}, kind=dict)
+    for kind, entry in files.items():
+        for key in ("path", "external_data"):
+            if key in entry:
+                checked_relative(entry[key], where, f"files[{kind!r}].{key}")
+    _entries(where, "state", manifest["state"], {"name": _STR, "dtype": _DTYPE, "shape": _SHAPE},
+             {"role": (lambda v: v in ROLES, f"one of {list(ROLES)}")})
+    state = [e["name"] for e in manifest["state"]]
+    if len(set(state)) != len(state):
+        raise _fail(where, "state", "a list of distinct names", state)
+    feedback = manifest["feedback"]
+    if not isinstance(feedback, dict):
+        raise _fail(where, "feedback", "an object mapping state inputs to step outputs", feedback)
+    for name, output in feedback.items():
+        if name not in state:
+            raise TrainingOpError(f"{where}: field 'feedback' names {name!r}, which is not a state variable "
+                                  f"(field 'state': {state[:8]}{'...' if len(state) > 8 else ''})")
+        _check(where, f"feedback[{name!r}]", output, _STR)
+    if len(set(feedback.values())) != len(feedback):
+        raise _fail(where, "feedback", "distinct step outputs (one per state input)", feedback)
+    value = {"name": _STR, "dtype": _DTYPE, "shape": _DIMS}
+    for field in ("inputs", "eval_inputs"):
+        if field in manifest:
+            _entries(where, field, manifest[field], value)
+    if "defaults" in manifest:
+        _entries(where, "defaults", manifest["defaults"], {**value, "values": (
+            lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) for x in v),
+            "a list of numbers (or booleans)")}, kind=dict)
+    if "learning_rates" in manifest:
+        _entries(where, "learning_rates", manifest["learning_rates"],
+                 {"name": _STR, "dtype": _DTYPE, "base": (lambda v: _is_int(v) or (isinstance(v, float) and
+                                                                                    math.isfinite(v)),
+                                                          "a finite number")},
+                 {"group": _STR, "params": _STRS, "shape": _SHAPE})
+    for field in ("returned", "eval_outputs"):
+        if field in manifest:
+            _check(where, field, manifest[field], _STRS)
+    for field in ("loss", "labels", "counter"):
+        if field in manifest:
+            _check(where, field, manifest[field], _OPT_STR)
+    if manifest.get("counter") is not None and manifest["counter"] not in state:
+        raise _fail(where, "counter", "a state variable or null", manifest["counter"])
+    for field, test in (("classes", (lambda v: v is None or (_is_int(v) and v >= 1), "an integer >= 1 or null")),
+                        ("ignore_index", _OPT_INT), ("ir_version", _OPT_INT)):
+        if field in manifest:
+            _check(where, field, manifest[field], test)
+    for field, kind in (("optimizer", dict), ("param_groups", list), ("opset", dict)):
+        if manifest.get(field) is not None and not isinstance(manifest[field], kind):
+            raise _fail(where, field, f"a{'n object' if kind is dict else ' list'} or null", manifest[field])
+    if manifest.get("packs") is not None:
+        _validate_packs(where, manifest["packs"], {e["name"]: e for e in manifest["state"]}, feedback)
+    if manifest.get("schedule") is not None:
+        _validate_schedule(where, manifest["schedule"], state)
+
+
+def _validate_packs(where: str, packs: Any, state: Mapping[str, Mapping[str, Any]],
+                    feedback: Mapping[str, str]) -> None:
+    """Each pack: its members fed-back state variables of its dtype, laid out back to back."""
+    _entries(where, "packs", packs, {"dtype": _DTYPE, "input": _STR, "output": _STR,
+                                     "size": _NATURAL,
+                                     "members": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list")})
+    packed: set[str] = set()
+    for i, p in enumerate(packs):
+        _entries(where, f"packs[{i}].members", p["members"], {"name": _STR, "offset": _NATURAL, "shape": _SHAPE})
+        offset = 0
+        for j, m in enumerate(p["members"]):
+            at = f"packs[{i}].members[{j}]"
+            if m["name"] not in feedback or m["name"] in packed:
+                raise TrainingOpError(f"{where}: field {at + '.name'!r} is {m['name']!r}, which is not a fed-back "
+                                      "state variable, or is packed twice")
+            packed.add(m["name"])
+            entry = state[m["name"]]
+            if m["shape"] != entry["shape"] or entry["dtype"] != p["dtype"]:
+                raise TrainingOpError(f"{where}: field {at!r}: {p['dtype']} {m['shape']}, the state variable "
+                                      f"{m['name']!r} is {entry['dtype']} {entry['shape']}")
+            if m["offset"] != offset:
+                raise _fail(where, f"{at}.offset", f"{offset} (the members lie back to back)", m["offset"])
+            offset += math.prod(m["shape"])
+        if p["size"] != offset:
+            raise _fail(where, f"packs[{i}].size", f"{offset} (the members' total)", p["size"])
+
+
+def _validate_schedule(where: str, schedule: Any, state: list[str]) -> None:
+    from ..training.schedules import SCHEDULES
+
+    if not isinstance(schedule, dict):
+        raise _fail(where, "schedule", "an object or null", schedule)
+    for name, test in (("type", (lambda v: isinstance(v, str) and v in SCHEDULES, f"one of {sorted(SCHEDULES)}")),
+                       ("args", (lambda v: isinstance(v, dict), "an object")),
+                       ("counter", (lambda v: v in state, "the name of a state variable (the update count)")),
+                       ("step_offset", (_is_int, "an integer"))):
+        if name not in schedule:
+            raise TrainingOpError(f"{where}: field 'schedule' lacks {name!r}")
+        _check(where, f"schedule.{name}", schedule[name], test)
+
+
+def checked_relative(path: Any, where: str, field: str) -> str:
+    """``path`` if it is a relative path that stays inside its directory (no ``..``, not absolute)."""
+    if not isinstance(path, str) or not path:
+        raise _fail(where, field, "a non-empty relative path", path)
+    parts = re.split(r"[\\/]", path)
+    if os.path.isabs(path) or path.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", path) or ".." in parts \
+            or "\0" in path:
+        raise TrainingOpError(f"{where}: field {field!r} is {path!r}: paths must be relative and stay inside "
+                              "the export directory (no '..', not absolute)")
+    return path
+
+
+def file_path(directory: str | os.PathLike, manifest: Mapping[str, Any], kind: str) -> str:
+    """The path of file ``kind`` of the manifest, checked to resolve inside ``directory``
+    (a symlink leading out of it is refused).
+
+    Raises:
+        TrainingOpError: no such entry, or a path leaving the directory.
+    """
+    directory = os.fspath(directory)
+    where = os.path.join(directory, MANIFEST)
+    entry = manifest["files"].get(kind)
+    if entry is None:
+        raise TrainingOpError(f"{where!r}: field 'files' has no entry {kind!r}")
+    for key in ("path", "external_data"):
+        if key in entry:
+            relative = checked_relative(entry[key], repr(where), f"files[{kind!r}].{key}")
+            root = os.path.realpath(directory)
+            real = os.path.realpath(os.path.join(directory, relative))
+            if os.path.commonpath([root, real]) != root:
+                raise TrainingOpError(f"{where!r}: field 'files[{kind!r}].{key}' is {relative!r}, which resolves "
+                                      f"to {real!r}, outside the export directory (a symlink out is refused)")
+    return os.path.join(directory, entry["path"])
+
+
+def sha256(data: bytes | memoryview) -> str:
+    """Lowercase hex SHA-256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_bytes(directory: str | os.PathLike, manifest: Mapping[str, Any], kind: str, verify: bool = True) -> bytes:
+    """The bytes of file ``kind`` of an export, checked against the manifest's ``sha256``.
+
+    Args:
+        directory: the export directory.
+        manifest: its manifest (:func:`read`).
+        kind: the ``files`` entry (``"step"``, ``"state"``...).
+        verify: check the digest (when the manifest has one); False skips it, for speed.
+
+    Returns:
+        The file's bytes.
+
+    Raises:
+        TrainingOpError: the file is unreadable, outside the directory, or its digest differs.
+    """
+    path = file_path(directory, manifest, kind)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as error:
+        raise TrainingOpError(f"cannot read {path!r} (manifest field 'files[{kind!r}]'): "
+                              f"{error.strerror or error}") from None
+    expected = manifest["files"][kind].get("sha256")
+    if verify and expected is not None and sha256(data) != expected:
+        raise TrainingOpError(f"{path!r}: its SHA-256 differs from the manifest's (field 'files[{kind!r}].sha256'): "
+                              "the file is damaged or was replaced (verify=False skips this check)")
+    return data

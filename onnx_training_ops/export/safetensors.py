@@ -13,10 +13,15 @@ element size) then name, compact JSON in that order, the header padded with spac
 multiple of 8 bytes. The exported inference model reads its weights from
 ``state.safetensors`` by offset (ONNX external data), so a state file written by the
 trainer after training lines up with it.
+
+Our writers put the lowercase hex SHA-256 of the data section (the bytes after the header)
+in ``__metadata__["sha256"]`` (:func:`encode`, after the other metadata); :func:`decode`
+checks it when present (``verify=False`` skips it), so a flipped byte in a tensor is caught.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -35,6 +40,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 MAX_HEADER = 100_000_000  # the reference implementation's limit
+DIGEST = "sha256"  # __metadata__ key: SHA-256 of the data section
 
 
 def dtype_code(dtype: np.dtype, name: str) -> str:
@@ -69,14 +75,25 @@ def header(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None
 
 
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
-    """``tensors`` (name -> array) as safetensors bytes."""
+    """``tensors`` (name -> array) as safetensors bytes.
+
+    Args:
+        tensors: name -> array.
+        metadata: ``__metadata__`` entries; ``"sha256"`` (the data section's digest) is added last.
+
+    Returns:
+        The file's bytes.
+    """
     arrays = {name: np.asarray(value) for name, value in tensors.items()}
-    parts = [header(arrays, metadata)]
+    parts = []
     for name in layout(arrays):
         array = arrays[name]
         dtype_code(array.dtype, name)
         parts.append(np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
-    return b"".join(parts)
+    body = b"".join(parts)
+    digest = hashlib.sha256(body).hexdigest()
+    meta = {**{k: v for k, v in (metadata or {}).items() if k != DIGEST}, DIGEST: digest}
+    return header(arrays, meta) + body
 
 
 def parse_header(data: bytes | memoryview, where: str) -> tuple[dict, int]:
@@ -97,10 +114,29 @@ def parse_header(data: bytes | memoryview, where: str) -> tuple[dict, int]:
     return table, 8 + length
 
 
-def decode(data: bytes | memoryview, where: str = "safetensors data") -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) of safetensors bytes; each tensor a fresh writeable array."""
+def decode(data: bytes | memoryview, where: str = "safetensors data",
+           verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of safetensors bytes; each tensor a fresh writeable array.
+
+    Args:
+        data: the file's bytes.
+        where: how messages name the file.
+        verify: check ``__metadata__["sha256"]`` against the data section when present.
+
+    Returns:
+        (name -> array, metadata).
+
+    Raises:
+        TrainingOpError: a malformed header, metadata that is not an object of strings,
+            overlapping or misplaced tensors, or a digest that differs.
+    """
     table, start = parse_header(data, where)
-    metadata = table.pop("__metadata__", None) or {}
+    metadata = table.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise TrainingOpError(f"{where}: the safetensors header's '__metadata__' must be an object of strings, "
+                              f"found {json.dumps(metadata)[:80]}")
     body = len(data) - start
     tensors: dict[str, np.ndarray] = {}
     spans = []
@@ -127,17 +163,20 @@ def decode(data: bytes | memoryview, where: str = "safetensors data") -> tuple[d
         position = end
     if position != body:
         raise TrainingOpError(f"{where}: {body - position} bytes after the last tensor")
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    if verify and DIGEST in metadata and hashlib.sha256(memoryview(data)[start:]).hexdigest() != metadata[DIGEST]:
+        raise TrainingOpError(f"{where}: the tensor data's SHA-256 differs from the header's "
+                              f"'__metadata__.{DIGEST}': the file is damaged")
+    return tensors, dict(metadata)
 
 
-def read(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file."""
+def read(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file (:func:`decode`; ``verify``: check its digest)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as error:
         raise TrainingOpError(f"cannot read {os.fspath(path)!r}: {error.strerror or error}") from None
-    return decode(data, repr(os.fspath(path)))
+    return decode(data, repr(os.fspath(path)), verify)
 
 
 def offsets(data: bytes | memoryview) -> dict[str, tuple[int, int]]:

@@ -11,29 +11,50 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+from onnx.model_container import ModelContainer
 
 from ..build.model_metadata import metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
 from ..storage import checkpoint
 from ..storage.model_files import ModelLike, load_model
+from ..storage.tensors import attach
+from ..training.nominal import nominal_names
 from ..training.state import collect_state_protos
-from . import graphs, manifest as manifest_, packing, safetensors
+from . import graphs, manifest as manifest_, packing, safetensors, webgpu
 
 FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
-         "state": "state.safetensors"}
+         "state": "state.safetensors", "step_webgpu": webgpu.FILE,
+         "eval_webgpu": webgpu.EVAL_FILE}
+TARGETS = ("portable", "webgpu")
 
 
 def _training_model(model_or_checkpoint: Any) -> onnx.ModelProto:
+    """The training model to export, every tensor inline (a large model's arrays attached)."""
     if hasattr(model_or_checkpoint, "training_model") and hasattr(model_or_checkpoint, "state_names"):
-        return model_or_checkpoint.training_model()  # a TrainingSession: its current state
+        if getattr(model_or_checkpoint, "nominal", False):
+            raise TrainingOpError("export: this session was opened from a nominal checkpoint and its parameters "
+                                  "have no values yet: load them (load_flat_parameters / load_state_dict), "
+                                  "then export the session")
+        model = model_or_checkpoint.training_model()  # a TrainingSession: its current state
+        return attach(model) if isinstance(model, ModelContainer) else model
+    path = model_or_checkpoint if isinstance(model_or_checkpoint, (str, os.PathLike)) else None
+    where = f"checkpoint {os.fspath(path)!r}" if path is not None else "the model"
     model = load_model(model_or_checkpoint)
-    checkpoint.verify(model, model_or_checkpoint if isinstance(model_or_checkpoint, (str, os.PathLike)) else None)
+    checkpoint.verify(model, path)
+    if isinstance(model, ModelContainer):
+        model = attach(model)
+    empty = nominal_names(metadata(model))
+    if empty:
+        raise TrainingOpError(f"export: {where} is a nominal checkpoint (save(path, nominal=True)): "
+                              f"{len(empty)} state tensor(s) such as {empty[0]!r} have no values. Open it in a "
+                              "TrainingSession, load the parameters (load_flat_parameters / load_state_dict) "
+                              "and export the session")
     if len(model.training_info) != 1:
         raise TrainingOpError(f"export: expected a training model with one training_info (what "
                               f"build_training_model writes), found {len(model.training_info)}")
@@ -71,31 +92,115 @@ def _schedule(meta: dict[str, str], counter: str | None, state: dict[str, np.nda
 
 def _write(out_dir: str, kind: str, model: onnx.ModelProto) -> dict[str, Any]:
     """Write one exported model; its manifest entry."""
-    checkpoint.atomic_write(os.path.join(out_dir, FILES[kind]), model.SerializeToString())
-    return {"path": FILES[kind], "operators": graphs.operators(model)}
+    data = model.SerializeToString()
+    checkpoint.atomic_write(os.path.join(out_dir, FILES[kind]), data)
+    return {"path": FILES[kind], "operators": graphs.operators(model), "sha256": manifest_.sha256(data)}
+
+
+def _label_range(meta: dict[str, str]) -> tuple[int | None, int | None]:
+    """(classes, ignore_index) of a loss taking class labels (the builder's ``label_range``)."""
+    if not meta.get("label_range"):
+        return None, None
+    classes, ignore = meta["label_range"].split(",")
+    return int(classes), (int(ignore) if ignore else None)
+
+
+def _add_digests(out_dir: str, files: dict[str, Any]) -> None:
+    """``sha256`` of each file entry that lacks one (the files written by other modules)."""
+    for entry in files.values():
+        if "sha256" not in entry:
+            with open(os.path.join(out_dir, entry["path"]), "rb") as f:
+                entry["sha256"] = manifest_.sha256(f.read())
+
+
+def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelProto, state: dict[str, np.ndarray],
+                 input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """The WebGPU step model and the manifest's ``webgpu`` section: its data inputs (labels
+    and ids int32 where they only index), the learning rates it reads itself, its state
+    feedback (the update count is host state, advanced by the host program)."""
+    binding = {e.key: e.value for e in model.training_info[0].update_binding}
+    rates = set(_rate_names(model, meta))
+    counter = _counter(model, state)
+    gpu_model, info = webgpu.webgpu_step(step, list(state), counter, [vi.name for vi in step.graph.input
+                                                                       if vi.name in rates], input_shapes)
+    gpu_model = graphs._standard(gpu_model, "webgpu step")
+    inputs = list(gpu_model.graph.input)
+    outputs = {o.name for o in gpu_model.graph.output}
+    host_fed = {f["name"] for f in info["host"]["feeds"]}
+    section = {
+        "inputs": [manifest_.value_entry(vi) for vi in inputs
+                   if vi.name not in state and vi.name not in rates and vi.name not in host_fed],
+        "rates": [vi.name for vi in inputs if vi.name in rates],
+        "feedback": {vi.name: binding[vi.name] for vi in inputs if vi.name in binding},
+        "host": info["host"],
+        "host_state": [n for n in info["host"]["inputs"] if n in state],
+        "returned": [o.name for o in step.graph.output if o.name not in set(binding.values()) and o.name in outputs],
+    }
+    return gpu_model, section
+
+
+def _webgpu_eval(evaluation: onnx.ModelProto, state: dict[str, np.ndarray],
+                 input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """The eval model for WebGPU (the same rewrites; no update count): the model and its data inputs."""
+    names = {vi.name for vi in evaluation.graph.input}
+    shapes = {k: v for k, v in (input_shapes or {}).items() if k in names}
+    gpu_model, _ = webgpu.webgpu_step(evaluation, list(state), None, [], shapes)
+    gpu_model = graphs._standard(gpu_model, "webgpu eval")
+    return gpu_model, [manifest_.value_entry(vi) for vi in gpu_model.graph.input if vi.name not in state]
 
 
 def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike,
                 eval_outputs: Sequence[str] | None = None, ort: bool = False,
-                packed: bool = False) -> dict[str, Any]:
-    """Write the step, eval and inference models, the state and the manifest to ``out_dir``
-    (a model without a loss, as ``TrainingSession.from_graph`` makes, has no eval model; one
-    whose main graph has no outputs no inference model).
+                packed: bool = False, flat_optimizer: bool = False, target: str = "portable",
+                input_shapes: Mapping[str, Sequence[int]] | None = None,
+                eval_input_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+    """Write the step, eval and inference models, the state and the manifest to ``out_dir``.
 
-    ``model_or_checkpoint``: a training model (ModelProto, path or bytes; a checkpoint
-    written by :meth:`TrainingSession.save` exports its state mid-run) or a
-    :class:`TrainingSession` (its current state). ``eval_outputs``: what the eval model
-    returns beside the loss (default: the main graph's outputs). ``ort``: also write
-    ORT-format models and ``required_operators.config`` for onnxruntime mobile builds.
-    ``packed``: also write ``step.packed.onnx``, the same step with the state packed into one
-    input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to convert
-    each step). Returns the manifest.
+    A model without a loss (as ``TrainingSession.from_graph`` makes) has no eval model; one
+    whose main graph has no outputs has no inference model. Every file entry of the manifest
+    carries its ``sha256``; ``classes`` and ``ignore_index`` give the range class labels must
+    lie in.
+
+    Args:
+        model_or_checkpoint: a training model (ModelProto, path or bytes; a checkpoint written
+            by :meth:`TrainingSession.save` exports its state mid-run) or a
+            :class:`TrainingSession` (its current state).
+        out_dir: the directory to write (created if missing).
+        eval_outputs: what the eval model returns beside the loss (default: the main graph's
+            outputs).
+        ort: also write ORT-format models and ``required_operators.config`` for onnxruntime
+            mobile builds.
+        packed: also write ``step.packed.onnx``, the same step with the state packed into one
+            input and one output per dtype (:mod:`.packing`: far fewer tensors for a binding to
+            convert each step).
+        flat_optimizer: for a GPU (:class:`~onnx_training_ops.export.DeviceTrainer` on CUDA,
+            WebGPU): each optimizer runs over all its tensors laid end to end, a few kernels
+            instead of ~16 per tensor; the same values bit for bit, slower on a CPU (the copies).
+        target: ``"portable"``, or ``"webgpu"`` to also write ``step.webgpu.onnx`` and
+            ``eval.webgpu.onnx``, rewritten so that every node runs on onnxruntime-web's WebGPU
+            provider (:mod:`.webgpu`; the manifest's ``webgpu`` section). The portable step
+            stays: it is the wasm fallback.
+        input_shapes: with ``target="webgpu"``, static shapes for the step's data inputs with
+            symbolic dims.
+        eval_input_shapes: the eval model's (default: ``input_shapes``).
+
+    Returns:
+        The manifest, as written to ``manifest.json``.
+
+    Raises:
+        TrainingOpError: not a training model, a nominal checkpoint (no values), a model the
+            exported graphs cannot express, an unknown target, a WebGPU step without static
+            shapes or with an op its passes refuse.
     """
+    if target not in TARGETS:
+        raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
+    if (input_shapes or eval_input_shapes) and target != "webgpu":
+        raise TrainingOpError("export: input_shapes and eval_input_shapes apply to target='webgpu' only")
     model = _training_model(model_or_checkpoint)
     meta = metadata(model)
     state_protos = collect_state_protos(model)
     state = {name: numpy_helper.to_array(proto) for name, proto in state_protos.items()}
-    step = graphs.step_graph(model, state_protos, meta)
+    step = graphs.step_graph(model, state_protos, meta, flat=flat_optimizer)
     outputs = list(eval_outputs) if eval_outputs is not None else [o.name for o in model.graph.output]
     # a model without a loss (from_graph) has no eval model; one without outputs no inference model
     evaluation = graphs.eval_graph(model, state_protos, meta, outputs) if meta.get("loss") else None
@@ -103,12 +208,18 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes)) \
         if model.graph.output else None
 
+    # the WebGPU step before any file is written: a graph it refuses changes nothing on disk
+    gpu_step = _webgpu_step(model, meta, step.model, state, input_shapes) if target == "webgpu" else None
+    gpu_eval = _webgpu_eval(evaluation.model, state, eval_input_shapes or input_shapes) \
+        if target == "webgpu" and evaluation is not None else None
+
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, manifest_.MANIFEST)):  # until the new one: incomplete
         os.remove(os.path.join(out_dir, manifest_.MANIFEST))
     checkpoint.atomic_write(os.path.join(out_dir, FILES["state"]), state_bytes)
-    files: dict[str, Any] = {"step": _write(out_dir, "step", step.model), "state": {"path": FILES["state"]}}
+    files: dict[str, Any] = {"step": _write(out_dir, "step", step.model),
+                             "state": {"path": FILES["state"], "sha256": manifest_.sha256(state_bytes)}}
     if evaluation is not None:
         files["eval"] = _write(out_dir, "eval", evaluation.model)
     if inference is not None:
@@ -123,13 +234,22 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         from .ort_format import convert
 
         files.update(convert(out_dir, [files[k]["path"] for k in ("step", "step_packed", "eval") if k in files]))
+    _add_digests(out_dir, files)
 
     rates = {n: v for n, v in step.defaults.items() if n in set(_rate_names(model, meta))}
     step_inputs = list(step.model.graph.input)
     state_order = [vi.name for vi in step_inputs if vi.name in state]
     counter = _counter(model, state)
+    gpu = None
+    if gpu_step is not None:
+        files["step_webgpu"] = _write(out_dir, "step_webgpu", gpu_step[0])
+        gpu = gpu_step[1]
+        if gpu_eval is not None:
+            files["eval_webgpu"] = _write(out_dir, "eval_webgpu", gpu_eval[0])
+            gpu["eval_inputs"] = gpu_eval[1]
     roles = manifest_.state_roles(list(state), meta, counter)
     eval_graph = evaluation.model.graph if evaluation is not None else onnx.GraphProto()
+    classes, ignore_index = _label_range(meta)
     manifest = {
         "format": manifest_.FORMAT,
         "version": manifest_.VERSION,
@@ -149,10 +269,13 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
                   for n in [*state_order, *(n for n in state if n not in state_order)]],
         "loss": meta.get("loss") or None,
         "labels": meta.get("labels") or None,
+        "classes": classes,
+        "ignore_index": ignore_index,
         "optimizer": json.loads(meta["optimizer"]) if meta.get("optimizer") else None,
         "param_groups": json.loads(meta["param_groups"]) if meta.get("param_groups") else None,
         "schedule": _schedule(meta, counter, state),
         "counter": counter,
+        "webgpu": gpu,
     }
     checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
     return manifest

@@ -1,9 +1,15 @@
 """Numpy reference kernels of the training domain's optimizers: the oracle every faster path is tested against.
 
 ``adam(r, t, *tensors, **attributes)`` (likewise ``momentum``, ``adagrad``) take the op's
-inputs in the op's order and return its outputs in the op's order.
+inputs in the op's order and return its outputs in the op's order. They live with each
+optimizer's other forms in :mod:`onnx_training_ops.optim`; this package holds the loops that
+compile their elements (``fused``: numba in place; ``_native_kernels``: onnxruntime cfuncs).
+
+May import: errors, schema, optim.
 """
 
+# through the re-exporting modules, first: each submodule is loaded here, so the names below
+# (the functions) are what ``kernels.adam`` stays, whatever imports ``kernels.adam`` later
 from .adagrad import adagrad
 from .adam import adam
 from .momentum import momentum

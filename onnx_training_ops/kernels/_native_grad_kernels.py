@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from ._native_kernels import (API_KERNEL_CONTEXT_GET_OUTPUT, API_KERNEL_CONTEXT_PARALLEL_FOR,
+from ._ort_api import (API_KERNEL_CONTEXT_GET_OUTPUT, API_KERNEL_CONTEXT_PARALLEL_FOR,
                               API_GET_TENSOR_MUTABLE_DATA, API_CREATE_STATUS, API_TABLE_LENGTH, ELEM_FLOAT,
                               ELEM_INT64, ORT_INVALID_ARGUMENT, _addr, _call2, _call5, _call_void1, _count, _input,
                               _keep,

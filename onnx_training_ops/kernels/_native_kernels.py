@@ -2,13 +2,10 @@
 
 :mod:`onnx_training_ops.runtime.native` registers these as ``OrtCustomOp`` callbacks. Everything
 here is ``nopython`` and ``nogil``: onnxruntime calls ``kernel_compute`` on its own threads.
-Functions of the ``OrtApi`` table are called through their addresses (read from the
-table at run time, by index: the table is append-only, so an index written from the
-documented C API stays valid in every later onnxruntime), with all arguments passed as
-64-bit integers (pointers, ``size_t`` and the ``int`` enums all travel in integer
-registers on the 64-bit Linux/macOS ABIs).
+Functions of the ``OrtApi`` table are called through their addresses (:mod:`._ort_api`).
 
-The arithmetic is the fused kernels' (:mod:`._numba_kernels`), written out of place: inputs
+The arithmetic is the fused kernels' (each optimizer's element and scalar preparation, in
+:mod:`onnx_training_ops.optim`), written out of place: inputs
 are onnxruntime's buffers (the caller's, no copy), outputs are the buffers onnxruntime hands
 out (allocated, or the caller's IOBinding buffers, which may be the inputs themselves: every
 element is read before it is written, so an output bound onto its input updates in place).
@@ -25,41 +22,31 @@ Memory layouts (int64 words) shared with :mod:`onnx_training_ops.runtime.native`
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from llvmlite import ir
 from numba import carray, cfunc, njit, types
-from numba.extending import intrinsic
 
+from ..optim import adagrad as _adagrad
+from ..optim import adam as _adam
+from ..optim import momentum as _momentum
 from . import _numba_kernels as _k
+from ._ort_api import (API_CREATE_STATUS, API_GET_TENSOR_MUTABLE_DATA, API_KERNEL_CONTEXT_GET_INPUT_COUNT,
+                       API_KERNEL_CONTEXT_GET_OUTPUT, API_KERNEL_CONTEXT_GET_OUTPUT_COUNT,
+                       API_KERNEL_CONTEXT_PARALLEL_FOR, API_TABLE_LENGTH, ELEM_DOUBLE,
+                       ELEM_FLOAT, ELEM_INT64, ORT_INVALID_ARGUMENT, _I64, _OPTIONS, _addr,
+                       _broadcasts_to, _call2, _call5, _call_void1, _count, _expand, _input,
+                       _keep, _ptr)
+# read by runtime/native.py and runtime/custom_op.py as nk.<name>
+from ._ort_api import (
+    API_GET_ERROR_CODE as API_GET_ERROR_CODE,
+    API_GET_ERROR_MESSAGE as API_GET_ERROR_MESSAGE,
+    API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE as API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE,
+    API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT as API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
+    API_KERNEL_INFO_GET_ATTRIBUTE_STRING as API_KERNEL_INFO_GET_ATTRIBUTE_STRING,
+    API_KERNEL_INFO_GET_NODE_NAME as API_KERNEL_INFO_GET_NODE_NAME,
+    API_RELEASE_STATUS as API_RELEASE_STATUS,
+    SHAPE_REFERENCE_API as SHAPE_REFERENCE_API,
+)
 
-# ---- OrtApi function indices (0-based position in struct OrtApi, onnxruntime_c_api.h) ----
-API_CREATE_STATUS = 0
-API_GET_ERROR_CODE = 1
-API_GET_ERROR_MESSAGE = 2
-API_GET_TENSOR_MUTABLE_DATA = 51
-API_GET_TENSOR_ELEMENT_TYPE = 60
-API_GET_DIMENSIONS_COUNT = 61
-API_GET_DIMENSIONS = 62
-API_GET_TENSOR_SHAPE_ELEMENT_COUNT = 64
-API_GET_TENSOR_TYPE_AND_SHAPE = 65
-API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85
-API_KERNEL_INFO_GET_ATTRIBUTE_STRING = 87
-API_KERNEL_CONTEXT_GET_INPUT_COUNT = 88
-API_KERNEL_CONTEXT_GET_OUTPUT_COUNT = 89
-API_KERNEL_CONTEXT_GET_INPUT = 90
-API_KERNEL_CONTEXT_GET_OUTPUT = 91
-API_RELEASE_STATUS = 93
-API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99
-API_KERNEL_INFO_GET_NODE_NAME = 244  # since API 15
-API_KERNEL_CONTEXT_PARALLEL_FOR = 274  # since API 17
-API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE = 414  # since API 24: no allocation
-API_TABLE_LENGTH = 275  # entries read through the table (index 414 is read only where it exists)
-SHAPE_REFERENCE_API = 24
-
-ORT_INVALID_ARGUMENT = 2
-ELEM_FLOAT, ELEM_INT64, ELEM_DOUBLE = 1, 7, 11
 
 KIND_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD = 0, 1, 2, 3
 GROUPS_IN = (4, 3, 3, 3)  # X, G and the states per optimized tensor
@@ -79,111 +66,42 @@ ERR_COUNT = 5
 JOB_N, JOB_CHUNK, JOB_KIND = 0, 1, 2
 JOB_IN = 3  # x, g, s1, s2 (s1/s2: v/h for Adam, v for Momentum, h for Adagrad)
 JOB_OUT = 7  # x_new, s1_new, s2_new
-JOB_SCALARS = 10  # 8 float64, the fused kernels' scalar layout
-JOB_WORDS = 18
-
-_i64 = ir.IntType(64)
-
-
-@intrinsic
-def _ptr(typingctx, addr, like):
-    """``addr`` (int64) as a pointer to ``like``'s type, for ``carray``."""
-    ptr_type = types.CPointer(like)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(ptr_type))
-
-    return ptr_type(types.int64, like), codegen
+JOB_SCALARS = 10  # float64: the optimizer's named tuple (AdamScalars, ...), the fused kernels' layout
+JOB_SCALAR_WORDS = max(len(t._fields) for t in (_adam.AdamScalars, _momentum.MomentumScalars,
+                                                _adagrad.AdagradScalars))
+JOB_WORDS = JOB_SCALARS + JOB_SCALAR_WORDS
 
 
-@intrinsic
-def _addr(typingctx, pointer):
-    """A ``voidptr`` as int64."""
 
-    def codegen(context, builder, signature, args):
-        return builder.ptrtoint(args[0], _i64)
-
-    return types.int64(types.voidptr), codegen
-
-
-def _make_call(n_args: int, void: bool):
-    """An intrinsic calling the C function at address ``fn`` with ``n_args`` int64 arguments."""
-
-    def call(typingctx, fn, *args):
-        if len(args) != n_args:
-            return None
-        signature = (types.void if void else types.int64)(*([types.int64] * (n_args + 1)))
-
-        def codegen(context, builder, sig, llargs):
-            fnty = ir.FunctionType(ir.VoidType() if void else _i64, [_i64] * n_args)
-            target = builder.inttoptr(llargs[0], fnty.as_pointer())
-            result = builder.call(target, list(llargs[1:]))
-            return context.get_dummy_value() if void else result
-
-        return signature, codegen
-
-    return call
-
-
-# numba's @intrinsic wants a fixed parameter list: spell out the arities used
-@intrinsic
-def _call2(typingctx, fn, a, b):
-    return _make_call(2, False)(typingctx, fn, a, b)
-
-
-@intrinsic
-def _call3(typingctx, fn, a, b, c):
-    return _make_call(3, False)(typingctx, fn, a, b, c)
-
-
-@intrinsic
-def _call4(typingctx, fn, a, b, c, d):
-    return _make_call(4, False)(typingctx, fn, a, b, c, d)
-
-
-@intrinsic
-def _call5(typingctx, fn, a, b, c, d, e):
-    return _make_call(5, False)(typingctx, fn, a, b, c, d, e)
-
-
-@intrinsic
-def _call_void1(typingctx, fn, a):
-    return _make_call(1, True)(typingctx, fn, a)
-
-
-_I64 = np.int64(0)
-_OPTIONS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-
-
-# ---- element loops out of place: the fused kernels' per-element arithmetic (_numba_kernels) ----
+# ---- element loops out of place: each optimizer's element (onnx_training_ops.optim) ----
 
 
 @njit(**_OPTIONS)
-def _adam(x, g, v, h, xo, vo, ho, s):
-    c = _k.adam_scalars(s)
+def _adam_out(x, g, v, h, xo, vo, ho, s):
+    c = _adam.load_scalars(s)
     for i in range(x.size):
-        xo[i], vo[i], ho[i] = _k.adam_element(x[i], g[i], v[i], h[i], c)
+        xo[i], vo[i], ho[i] = _adam.adam_element(x[i], g[i], v[i], h[i], c)
 
 
 @njit(**_OPTIONS)
-def _momentum(x, g, v, xo, vo, s):
-    c = _k.momentum_scalars(s)
+def _momentum_out(x, g, v, xo, vo, s):
+    c = _momentum.load_scalars(s)
     for i in range(x.size):
-        xo[i], vo[i] = _k.momentum_element(x[i], g[i], v[i], c)
+        xo[i], vo[i] = _momentum.momentum_element(x[i], g[i], v[i], c)
 
 
 @njit(**_OPTIONS)
-def _nesterov(x, g, v, xo, vo, s):
-    c = _k.momentum_scalars(s)
+def _nesterov_out(x, g, v, xo, vo, s):
+    c = _momentum.load_scalars(s)
     for i in range(x.size):
-        xo[i], vo[i] = _k.nesterov_element(x[i], g[i], v[i], c)
+        xo[i], vo[i] = _momentum.nesterov_element(x[i], g[i], v[i], c)
 
 
 @njit(**_OPTIONS)
-def _adagrad(x, g, h, xo, ho, s):
-    c = _k.adagrad_scalars(s)
+def _adagrad_out(x, g, h, xo, ho, s):
+    c = _adagrad.load_scalars(s)
     for i in range(x.size):
-        xo[i], ho[i] = _k.adagrad_element(x[i], g[i], h[i], c)
+        xo[i], ho[i] = _adagrad.adagrad_element(x[i], g[i], h[i], c)
 
 
 @njit(**_OPTIONS)
@@ -197,8 +115,8 @@ def _run_chunk(job_addr, index, like, size):
     if m <= 0:
         return
     offset = start * size
-    s = np.full(8, like)
-    for k in range(8):
+    s = np.full(JOB_SCALAR_WORDS, like)
+    for k in range(JOB_SCALAR_WORDS):
         s[k] = jf[JOB_SCALARS + k]  # rounded to the arrays' dtype, as numpy rounds a Python float
     x = carray(_ptr(job[JOB_IN] + offset, like), m)
     g = carray(_ptr(job[JOB_IN + 1] + offset, like), m)
@@ -216,7 +134,7 @@ def _run_chunk(job_addr, index, like, size):
             _k.adam_serial(x, g, s1, s2, s)
         else:
             s2o = carray(_ptr(job[JOB_OUT + 2] + offset, like), m)
-            _adam(x, g, s1, s2, xo, s1o, s2o, s)
+            _adam_out(x, g, s1, s2, xo, s1o, s2o, s)
     elif in_place:
         if kind == KIND_MOMENTUM:
             _k.momentum_serial(x, g, s1, s)
@@ -225,11 +143,11 @@ def _run_chunk(job_addr, index, like, size):
         else:
             _k.adagrad_serial(x, g, s1, s)
     elif kind == KIND_MOMENTUM:
-        _momentum(x, g, s1, xo, s1o, s)
+        _momentum_out(x, g, s1, xo, s1o, s)
     elif kind == KIND_NESTEROV:
-        _nesterov(x, g, s1, xo, s1o, s)
+        _nesterov_out(x, g, s1, xo, s1o, s)
     else:
-        _adagrad(x, g, s1, xo, s1o, s)
+        _adagrad_out(x, g, s1, xo, s1o, s)
 
 
 @cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
@@ -253,102 +171,130 @@ def _error(fns, state, code):
 
 
 @njit(**_OPTIONS)
-def _tensor(fns, shape_reference, value, out):
-    """Element type, dims and data address of an OrtValue tensor.
-
-    Returns ``(status, elem_type, dims, data)``; ``out`` is scratch for the out-parameters.
-    With ``shape_reference`` (API >= 24) ``dims`` views onnxruntime's own shape: no allocation."""
-    out_addr = out.ctypes.data
-    if shape_reference != 0:
-        out[0] = 0
-        status = _call4(shape_reference, value, out_addr, out_addr + 8, out_addr + 16)
-        if status != 0:
-            return status, 0, carray(_ptr(0, _I64), 0), 0
-        elem = out[0] & 0xFFFFFFFF
-        dims = carray(_ptr(out[1], _I64), out[2])
-    else:
-        dims = carray(_ptr(0, _I64), 0)
-        status = _call2(fns[API_GET_TENSOR_TYPE_AND_SHAPE], value, out_addr)
-        if status != 0:
-            return status, 0, dims, 0
-        info = out[0]
-        status = _call2(fns[API_GET_TENSOR_ELEMENT_TYPE], info, out_addr)
-        elem = out[0] & 0xFFFFFFFF
-        if status == 0:
-            status = _call2(fns[API_GET_DIMENSIONS_COUNT], info, out_addr)
-        if status == 0:
-            dims = np.empty(out[0], np.int64)
-            status = _call3(fns[API_GET_DIMENSIONS], info, dims.ctypes.data, np.int64(dims.size))
-        _call_void1(fns[API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO], info)
-        if status != 0:
-            return status, 0, dims, 0
-    status = _call2(fns[API_GET_TENSOR_MUTABLE_DATA], value, out_addr)
-    return status, elem, dims, out[0]
-
-
-@njit(**_OPTIONS)
-def _input(fns, shape_reference, context, index, out):
-    status = _call3(fns[API_KERNEL_CONTEXT_GET_INPUT], context, np.int64(index), out.ctypes.data)
+def _counts(fns, context, out):
+    """``(status, inputs, outputs)``: the node's input and output counts."""
+    status = _call2(fns[API_KERNEL_CONTEXT_GET_INPUT_COUNT], context, out.ctypes.data)
     if status != 0:
-        return status, 0, carray(_ptr(0, _I64), 0), 0
-    return _tensor(fns, shape_reference, out[0], out)
+        return status, 0, 0
+    n_in = out[0]
+    status = _call2(fns[API_KERNEL_CONTEXT_GET_OUTPUT_COUNT], context, out.ctypes.data)
+    return status, n_in, out[0]
 
 
 @njit(**_OPTIONS)
-def _count(dims):
-    n = 1
-    for d in dims:
-        n *= d
-    return n
+def _rate_and_count(fns, state, shape_reference, context, out):
+    """``(status, R, T)``: the learning rate (float32 or float64 scalar, as float64) and the
+    update count (int64 scalar), or an error status naming the node."""
+    status, elem, dims, data = _input(fns, shape_reference, context, 0, out)
+    if status != 0:
+        return status, 0.0, 0
+    if dims.size > 1 or _count(dims) != 1:
+        return _error(fns, state, ERR_RATE), 0.0, 0
+    if elem == ELEM_FLOAT:
+        r = np.float64(carray(_ptr(data, np.float32(0)), 1)[0])
+    elif elem == ELEM_DOUBLE:
+        r = carray(_ptr(data, np.float64(0)), 1)[0]
+    else:
+        return _error(fns, state, ERR_RATE), 0.0, 0
+    status, elem, dims, data = _input(fns, shape_reference, context, 1, out)
+    if status != 0:
+        return status, 0.0, 0
+    if elem != ELEM_INT64 or dims.size > 1 or _count(dims) != 1:
+        return _error(fns, state, ERR_COUNT_T), 0.0, 0
+    return 0, r, carray(_ptr(data, _I64), 1)[0]
 
 
 @njit(**_OPTIONS)
-def _broadcasts_to(dims, target):
-    """True when a tensor of ``dims`` broadcasts to ``target`` (numpy rules, result ``target``)."""
-    if dims.size > target.size:
-        return False
-    lead = target.size - dims.size
-    for k in range(dims.size):
-        if dims[k] != 1 and dims[k] != target[lead + k]:
-            return False
-    return True
+def _store(job, scalars):
+    """An optimizer's scalars (its named tuple, float64) into the job's scalar words."""
+    jf = carray(_ptr(job.ctypes.data, np.float64(0)), JOB_WORDS)
+    for k in range(len(scalars)):
+        jf[JOB_SCALARS + k] = scalars[k]
 
 
 @njit(**_OPTIONS)
-def _expand(src, dims, target, dst, size):
-    """Copy the tensor at address ``src`` (shape ``dims``) broadcast to ``target`` into the
-    contiguous buffer ``dst`` (``size`` bytes per element)."""
-    nd = target.size
-    strides = np.zeros(nd, np.int64)  # source strides in elements, 0 along broadcast axes
-    lead = nd - dims.size
-    step = 1
-    for k in range(dims.size - 1, -1, -1):
-        if dims[k] != 1:
-            strides[lead + k] = step
-        step *= dims[k]
-    index = np.zeros(nd, np.int64)
-    source = carray(_ptr(src, np.uint8(0)), max(step, 1) * size)
-    n = _count(target)
-    offset = 0
-    for i in range(n):
-        for b in range(size):
-            dst[i * size + b] = source[offset * size + b]
-        for k in range(nd - 1, -1, -1):  # odometer over target's index, source offset beside it
-            index[k] += 1
-            offset += strides[k]
-            if index[k] < target[k]:
-                break
-            offset -= strides[k] * target[k]
-            index[k] = 0
+def _store_scalars(kind, r, t, attrs, job):
+    """This step's scalars, prepared by the optimizer's own ``step_scalars`` (as the reference)."""
+    if kind == KIND_ADAM:
+        _store(job, _adam.step_scalars(r, t, attrs[0], attrs[1], attrs[2], attrs[3], attrs[4]))
+    elif kind == KIND_ADAGRAD:
+        _store(job, _adagrad.step_scalars(r, t, attrs[0], attrs[1], attrs[2]))
+    else:
+        _store(job, _momentum.step_scalars(r, t, attrs[0], attrs[1], attrs[2]))
 
 
 @njit(**_OPTIONS)
-def _keep(a):
-    return a.size
+def _bind_inputs(fns, state, shape_reference, context, i, n, k_in, job, out):
+    """X, G and the states of tensor ``i`` into the job; inputs that broadcast to X's shape
+    are expanded into a scratch buffer. Returns ``(status, X's dims, element size in bytes,
+    element count, scratch, expanded)``: the scratch must live until the update has run."""
+    scratch = carray(_ptr(out.ctypes.data, np.uint8(0)), 0)
+    expanded = False
+    status, x_elem, x_dims, x_data = _input(fns, shape_reference, context, 2 + i, out)
+    if status != 0:
+        return status, x_dims, 0, 0, scratch, expanded
+    if x_elem != ELEM_FLOAT and x_elem != ELEM_DOUBLE:
+        return _error(fns, state, ERR_DTYPE), x_dims, 0, 0, scratch, expanded
+    size = 4 if x_elem == ELEM_FLOAT else 8
+    count = _count(x_dims)
+    job[JOB_IN] = x_data
+    for j in range(1, k_in):
+        status, elem, dims, data = _input(fns, shape_reference, context, 2 + j * n + i, out)
+        if status == 0 and elem != x_elem:
+            status = _error(fns, state, ERR_DTYPE)
+        if status == 0 and not _broadcasts_to(dims, x_dims):
+            status = _error(fns, state, ERR_SHAPE)
+        if status != 0:
+            return status, x_dims, size, count, scratch, expanded
+        if _count(dims) != count:
+            if not expanded:
+                expanded = True
+                scratch = np.empty(max(count * size * (k_in - 1), 1), np.uint8)
+            part = scratch[(j - 1) * count * size:j * count * size]
+            _expand(data, dims, x_dims, part, size)
+            data = part.ctypes.data
+        job[JOB_IN + j] = data
+    return 0, x_dims, size, count, scratch, expanded
+
+
+@njit(**_OPTIONS)
+def _bind_outputs(fns, context, i, n, k_out, x_dims, job, out):
+    """The output buffers of tensor ``i`` (X's shape) into the job; returns a status."""
+    for j in range(k_out):
+        status = _call5(fns[API_KERNEL_CONTEXT_GET_OUTPUT], context, np.int64(j * n + i),
+                        x_dims.ctypes.data, np.int64(x_dims.size), out.ctypes.data)
+        if status != 0:
+            return status
+        status = _call2(fns[API_GET_TENSOR_MUTABLE_DATA], out[0], out.ctypes.data)
+        if status != 0:
+            return status
+        job[JOB_OUT + j] = out[0]
+    return 0
+
+
+@njit(**_OPTIONS)
+def _run_job(fns, state, context, job, count, size, expanded):
+    """Run the job's element loop: in chunks on onnxruntime's thread pool when large (and not
+    expanded), else here in one chunk. Returns a status."""
+    job[JOB_N] = count
+    if count >= state[ST_PARALLEL_MIN] and not expanded:
+        chunk = state[ST_CHUNK]
+        job[JOB_CHUNK] = chunk
+        worker = state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64]
+        return _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, worker,
+                      np.int64((count + chunk - 1) // chunk), np.int64(0), job.ctypes.data)
+    job[JOB_CHUNK] = max(count, 1)
+    if size == 4:
+        _run_chunk(job.ctypes.data, 0, np.float32(0), 4)
+    else:
+        _run_chunk(job.ctypes.data, 0, np.float64(0), 8)
+    return 0
 
 
 @njit(**_OPTIONS)
 def _compute(state_addr, context):
+    """One node's step: check the arity, R and T, store the step's scalars, then per tensor
+    bind its inputs and outputs and run the element loop. Returns 0 or an OrtStatus."""
     state = carray(_ptr(state_addr, _I64), ST_WORDS)
     attrs = carray(_ptr(state_addr, np.float64(0)), ST_WORDS)[ST_ATTRS:ST_ATTRS + 8]
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
@@ -357,116 +303,29 @@ def _compute(state_addr, context):
     work = np.zeros(JOB_WORDS + 4, np.int64)  # one allocation: the job, then out-parameter scratch
     job = work[:JOB_WORDS]
     out = work[JOB_WORDS:]
-    status = _call2(fns[API_KERNEL_CONTEXT_GET_INPUT_COUNT], context, out.ctypes.data)
+    status, n_in, n_out = _counts(fns, context, out)
     if status != 0:
         return status
-    n_in = out[0]
-    status = _call2(fns[API_KERNEL_CONTEXT_GET_OUTPUT_COUNT], context, out.ctypes.data)
-    if status != 0:
-        return status
-    n_out = out[0]
     k_in = 4 if kind == KIND_ADAM else 3
     k_out = k_in - 1
     n = (n_in - 2) // k_in
     if n_in < 2 + k_in or (n_in - 2) % k_in != 0 or n_out != n * k_out:
         return _error(fns, state, ERR_ARITY)
-
-    status, elem, dims, data = _input(fns, shape_reference, context, 0, out)
+    status, r, t = _rate_and_count(fns, state, shape_reference, context, out)
     if status != 0:
         return status
-    if dims.size > 1 or _count(dims) != 1:
-        return _error(fns, state, ERR_RATE)
-    if elem == ELEM_FLOAT:
-        r = np.float64(carray(_ptr(data, np.float32(0)), 1)[0])
-    elif elem == ELEM_DOUBLE:
-        r = carray(_ptr(data, np.float64(0)), 1)[0]
-    else:
-        return _error(fns, state, ERR_RATE)
-    status, elem, dims, data = _input(fns, shape_reference, context, 1, out)
-    if status != 0:
-        return status
-    if elem != ELEM_INT64 or dims.size > 1 or _count(dims) != 1:
-        return _error(fns, state, ERR_COUNT_T)
-    t = carray(_ptr(data, _I64), 1)[0]
-
-    jf = carray(_ptr(job.ctypes.data, np.float64(0)), JOB_WORDS)
     job[JOB_KIND] = kind
-    if kind == KIND_ADAM:
-        alpha, beta = attrs[0], attrs[1]
-        rate = r
-        if t > 0:
-            rate = r * math.sqrt(1.0 - math.pow(beta, np.float64(t))) / (1.0 - math.pow(alpha, np.float64(t)))
-        jf[JOB_SCALARS] = rate
-        jf[JOB_SCALARS + 1] = alpha
-        jf[JOB_SCALARS + 2] = 1.0 - alpha
-        jf[JOB_SCALARS + 3] = beta
-        jf[JOB_SCALARS + 4] = 1.0 - beta
-        jf[JOB_SCALARS + 5] = attrs[2]
-        jf[JOB_SCALARS + 6] = attrs[3]
-        jf[JOB_SCALARS + 7] = 1.0 - attrs[4]
-    elif kind == KIND_ADAGRAD:
-        jf[JOB_SCALARS] = r / (1.0 + np.float64(t) * attrs[0])
-        jf[JOB_SCALARS + 1] = attrs[1]
-        jf[JOB_SCALARS + 2] = attrs[2]
-    else:
-        jf[JOB_SCALARS] = r
-        jf[JOB_SCALARS + 1] = attrs[0]
-        jf[JOB_SCALARS + 2] = attrs[1] if t > 0 else 1.0
-        jf[JOB_SCALARS + 3] = attrs[2]
-
-    scratch = carray(_ptr(work.ctypes.data, np.uint8(0)), 0)  # broadcast inputs expanded to X's shape, if any
+    _store_scalars(kind, r, t, attrs, job)
     for i in range(n):
-        expanded = False
-        status, x_elem, x_dims, x_data = _input(fns, shape_reference, context, 2 + i, out)
+        status, x_dims, size, count, scratch, expanded = _bind_inputs(fns, state, shape_reference, context,
+                                                                      i, n, k_in, job, out)
+        if status == 0:
+            status = _bind_outputs(fns, context, i, n, k_out, x_dims, job, out)
+        if status == 0:
+            status = _run_job(fns, state, context, job, count, size, expanded)
+        _keep(scratch)  # the expanded inputs live until the update has run
         if status != 0:
             return status
-        if x_elem != ELEM_FLOAT and x_elem != ELEM_DOUBLE:
-            return _error(fns, state, ERR_DTYPE)
-        size = 4 if x_elem == ELEM_FLOAT else 8
-        count = _count(x_dims)
-        job[JOB_IN] = x_data
-        for j in range(1, k_in):
-            status, elem, dims, data = _input(fns, shape_reference, context, 2 + j * n + i, out)
-            if status != 0:
-                return status
-            if elem != x_elem:
-                return _error(fns, state, ERR_DTYPE)
-            if not _broadcasts_to(dims, x_dims):
-                return _error(fns, state, ERR_SHAPE)
-            if _count(dims) != count:
-                if not expanded:
-                    expanded = True
-                    scratch = np.empty(max(count * size * (k_in - 1), 1), np.uint8)
-                part = scratch[(j - 1) * count * size:j * count * size]
-                _expand(data, dims, x_dims, part, size)
-                data = part.ctypes.data
-            job[JOB_IN + j] = data
-        for j in range(k_out):
-            status = _call5(fns[API_KERNEL_CONTEXT_GET_OUTPUT], context, np.int64(j * n + i),
-                            x_dims.ctypes.data, np.int64(x_dims.size), out.ctypes.data)
-            if status != 0:
-                return status
-            value = out[0]
-            status = _call2(fns[API_GET_TENSOR_MUTABLE_DATA], value, out.ctypes.data)
-            if status != 0:
-                return status
-            job[JOB_OUT + j] = out[0]
-        job[JOB_N] = count
-        if count >= state[ST_PARALLEL_MIN] and not expanded:
-            chunk = state[ST_CHUNK]
-            job[JOB_CHUNK] = chunk
-            worker = state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64]
-            status = _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, worker,
-                            np.int64((count + chunk - 1) // chunk), np.int64(0), job.ctypes.data)
-            if status != 0:
-                return status
-        else:
-            job[JOB_CHUNK] = max(count, 1)
-            if size == 4:
-                _run_chunk(job.ctypes.data, 0, np.float32(0), 4)
-            else:
-                _run_chunk(job.ctypes.data, 0, np.float64(0), 8)
-        _keep(scratch)  # the expanded inputs live until the update has run
     _keep(work)
     return 0
 

@@ -31,14 +31,19 @@ import os
 import warnings
 
 import numba
-import numpy as np
 from numba import njit, prange
+
+from ..optim import adagrad as _adagrad
+from ..optim import adam as _adam
+from ..optim import momentum as _momentum
+from ..optim._numba import OPTIONS as _OPTIONS
+from ..optim._numba import cache_covers_inlined_sources
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
 
 _WARNED = False
-_OPTIONS = dict(fastmath=False, error_model="numpy", boundscheck=False)
+cache_covers_inlined_sources()  # before any cached loop below is defined
 
 
 def _jit(parallel: bool):
@@ -66,69 +71,14 @@ def _jit(parallel: bool):
     return decorate
 
 
-# Scalar layouts (index -> value), each rounded to the arrays' dtype by the caller:
-#   adam:     rate, alpha, 1-alpha, beta, 1-beta, epsilon, norm_coefficient, 1-norm_coefficient_post
-#   momentum: rate, alpha, beta_adjusted, norm_coefficient
-#   adagrad:  rate, epsilon, norm_coefficient
-
-
-# ---- the per-element arithmetic, written once: every loop here and in _numba_rows,
-# _numba_rmsprop and _native_kernels inlines these (numba inline="always": the same IR as
-# a written-out body). Scalars come unpacked into a tuple once per call, so LLVM keeps them
-# in registers (reading ``s[k]`` per element, ``s`` could alias the arrays being written).
+# ---- the per-element arithmetic is written once, in the optimizer's module
+# (onnx_training_ops.optim.<name>: *_element, and load_scalars reading the scalar array as the
+# optimizer's named tuple, e.g. AdamScalars); every loop here and in _numba_rows,
+# _numba_rmsprop and _native_kernels inlines them (numba inline="always": the same IR as a
+# written-out body). Scalars come unpacked into a tuple once per call, so LLVM keeps them in
+# registers (reading ``s[k]`` per element, ``s`` could alias the arrays being written).
 # A cached caller in another file is not invalidated when these change: clear
 # __pycache__/*.nbi after editing them.
-
-
-@njit(inline="always", **_OPTIONS)
-def adam_scalars(s):
-    return s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]
-
-
-@njit(inline="always", **_OPTIONS)
-def adam_element(xi, gi, vi, hi, c):
-    """(X_new, V_new, H_new) of one element: the reference kernel's operations in order."""
-    rate, alpha, one_minus_alpha, beta, one_minus_beta, epsilon, norm, post = c
-    g_regularized = norm * xi + gi
-    v_new = alpha * vi + one_minus_alpha * g_regularized
-    h_new = beta * hi + one_minus_beta * (g_regularized * g_regularized)
-    h_sqrt = np.sqrt(h_new) + epsilon
-    return post * (xi - rate * (v_new / h_sqrt)), v_new, h_new
-
-
-@njit(inline="always", **_OPTIONS)
-def momentum_scalars(s):
-    return s[0], s[1], s[2], s[3]
-
-
-@njit(inline="always", **_OPTIONS)
-def momentum_element(xi, gi, vi, c):
-    rate, alpha, beta_adjusted, norm = c
-    g_regularized = norm * xi + gi
-    v_new = alpha * vi + beta_adjusted * g_regularized
-    return xi - rate * v_new, v_new
-
-
-@njit(inline="always", **_OPTIONS)
-def nesterov_element(xi, gi, vi, c):
-    rate, alpha, beta_adjusted, norm = c
-    g_regularized = norm * xi + gi
-    v_new = alpha * vi + beta_adjusted * g_regularized
-    return xi - rate * (g_regularized + alpha * v_new), v_new
-
-
-@njit(inline="always", **_OPTIONS)
-def adagrad_scalars(s):
-    return s[0], s[1], s[2]
-
-
-@njit(inline="always", **_OPTIONS)
-def adagrad_element(xi, gi, hi, c):
-    rate, epsilon, norm = c
-    g_regularized = norm * xi + gi
-    h_new = hi + g_regularized * g_regularized
-    h_sqrt = np.sqrt(h_new) + epsilon
-    return xi - rate * g_regularized / h_sqrt, h_new
 
 
 # ---- in-place loops: parallel and serial (see the module doc for why both are written out)
@@ -136,74 +86,74 @@ def adagrad_element(xi, gi, hi, c):
 
 @_jit(parallel=True)
 def adam_parallel(x, g, v, h, s):
-    c = adam_scalars(s)
+    c = _adam.load_scalars(s)
     for i in prange(x.size):
-        x[i], v[i], h[i] = adam_element(x[i], g[i], v[i], h[i], c)
+        x[i], v[i], h[i] = _adam.adam_element(x[i], g[i], v[i], h[i], c)
 
 
 @_jit(parallel=False)
 def adam_serial(x, g, v, h, s):
-    c = adam_scalars(s)
+    c = _adam.load_scalars(s)
     for i in range(x.size):
-        x[i], v[i], h[i] = adam_element(x[i], g[i], v[i], h[i], c)
+        x[i], v[i], h[i] = _adam.adam_element(x[i], g[i], v[i], h[i], c)
 
 
-# AdamW's decoupled decay folded in: ``x *= s[8]`` (float multiply in x's dtype, as numpy's
-# in-place multiply) right before the update, in the same pass over memory.
+# AdamW's decoupled decay folded in: ``x *= decay`` (AdamScalars.decay; a float multiply in
+# x's dtype, as numpy's in-place multiply) right before the update, in the same pass over memory.
 @_jit(parallel=True)
 def adam_decay_parallel(x, g, v, h, s):
-    c, decay = adam_scalars(s), s[8]
+    c = _adam.load_scalars(s)
     for i in prange(x.size):
-        x[i], v[i], h[i] = adam_element(x[i] * decay, g[i], v[i], h[i], c)
+        x[i], v[i], h[i] = _adam.adam_element(x[i] * c.decay, g[i], v[i], h[i], c)
 
 
 @_jit(parallel=False)
 def adam_decay_serial(x, g, v, h, s):
-    c, decay = adam_scalars(s), s[8]
+    c = _adam.load_scalars(s)
     for i in range(x.size):
-        x[i], v[i], h[i] = adam_element(x[i] * decay, g[i], v[i], h[i], c)
+        x[i], v[i], h[i] = _adam.adam_element(x[i] * c.decay, g[i], v[i], h[i], c)
 
 
 @_jit(parallel=True)
 def momentum_parallel(x, g, v, s):
-    c = momentum_scalars(s)
+    c = _momentum.load_scalars(s)
     for i in prange(x.size):
-        x[i], v[i] = momentum_element(x[i], g[i], v[i], c)
+        x[i], v[i] = _momentum.momentum_element(x[i], g[i], v[i], c)
 
 
 @_jit(parallel=False)
 def momentum_serial(x, g, v, s):
-    c = momentum_scalars(s)
+    c = _momentum.load_scalars(s)
     for i in range(x.size):
-        x[i], v[i] = momentum_element(x[i], g[i], v[i], c)
+        x[i], v[i] = _momentum.momentum_element(x[i], g[i], v[i], c)
 
 
 @_jit(parallel=True)
 def nesterov_parallel(x, g, v, s):
-    c = momentum_scalars(s)
+    c = _momentum.load_scalars(s)
     for i in prange(x.size):
-        x[i], v[i] = nesterov_element(x[i], g[i], v[i], c)
+        x[i], v[i] = _momentum.nesterov_element(x[i], g[i], v[i], c)
 
 
 @_jit(parallel=False)
 def nesterov_serial(x, g, v, s):
-    c = momentum_scalars(s)
+    c = _momentum.load_scalars(s)
     for i in range(x.size):
-        x[i], v[i] = nesterov_element(x[i], g[i], v[i], c)
+        x[i], v[i] = _momentum.nesterov_element(x[i], g[i], v[i], c)
 
 
 @_jit(parallel=True)
 def adagrad_parallel(x, g, h, s):
-    c = adagrad_scalars(s)
+    c = _adagrad.load_scalars(s)
     for i in prange(x.size):
-        x[i], h[i] = adagrad_element(x[i], g[i], h[i], c)
+        x[i], h[i] = _adagrad.adagrad_element(x[i], g[i], h[i], c)
 
 
 @_jit(parallel=False)
 def adagrad_serial(x, g, h, s):
-    c = adagrad_scalars(s)
+    c = _adagrad.load_scalars(s)
     for i in range(x.size):
-        x[i], h[i] = adagrad_element(x[i], g[i], h[i], c)
+        x[i], h[i] = _adagrad.adagrad_element(x[i], g[i], h[i], c)
 
 
 # Distinct functions, not one body jitted twice: numba's cache index is keyed by the

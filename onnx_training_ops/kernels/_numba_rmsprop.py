@@ -1,44 +1,27 @@
 """Numba loops of RMSProp (torch's form), one pass in place, operation by operation as
-:func:`onnx_training_ops.build.rmsprop.emit_rmsprop` writes the update in ONNX ops (same rounding:
+:func:`onnx_training_ops.optim.rmsprop.emit_rmsprop` writes the update in ONNX ops (same rounding:
 every scalar arrives in ``s`` already in the arrays' dtype; ``fastmath=False``).
 
-Scalars ``s``: rate, weight_decay, alpha, 1-alpha, eps, momentum. ``buf``/``grad_avg`` are
-read only when ``use_momentum``/``centered`` (pass any 1-element array otherwise).
+Scalars ``s``: :class:`onnx_training_ops.optim.rmsprop.RMSPropScalars`; the element is
+:func:`onnx_training_ops.optim.rmsprop.rmsprop_element`. ``buf``/``grad_avg`` are read only
+when ``use_momentum``/``centered`` (pass any 1-element array otherwise).
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from ..optim import rmsprop as _rmsprop
 from ._numba_kernels import _jit
-
-
-@njit(inline="always", fastmath=False, error_model="numpy", boundscheck=False)
-def _element(xi, gi, sq, b, ga, c, decay, use_momentum, centered):
-    """(X_new, square_avg_new, buf_new, grad_avg_new) of one element, in the graph's order."""
-    rate, weight_decay, alpha, one_minus_alpha, eps, momentum = c
-    if decay:
-        gi = gi + weight_decay * xi
-    sq = alpha * sq + one_minus_alpha * (gi * gi)
-    avg = sq
-    if centered:
-        ga = ga + one_minus_alpha * (gi - ga)
-        avg = sq - ga * ga
-    step = gi / (np.sqrt(avg) + eps)
-    if use_momentum:
-        step = momentum * b + step
-        b = step
-    return xi - rate * step, sq, b, ga
 
 
 @_jit(parallel=False)
 def rmsprop_serial(x, g, square_avg, buf, grad_avg, s, decay, use_momentum, centered):
-    c = (s[0], s[1], s[2], s[3], s[4], s[5])
+    c = _rmsprop.load_scalars(s)
     mb, cg = (1 if use_momentum else 0), (1 if centered else 0)  # unused states: read element 0
     for i in range(x.size):
-        x[i], square_avg[i], b, ga = _element(x[i], g[i], square_avg[i], buf[i * mb],
-                                              grad_avg[i * cg], c, decay, use_momentum, centered)
+        x[i], square_avg[i], b, ga = _rmsprop.rmsprop_element(
+            x[i], g[i], square_avg[i], buf[i * mb], grad_avg[i * cg], c, decay, use_momentum, centered)
         if use_momentum:
             buf[i] = b
         if centered:
@@ -47,11 +30,11 @@ def rmsprop_serial(x, g, square_avg, buf, grad_avg, s, decay, use_momentum, cent
 
 @_jit(parallel=True)
 def rmsprop_parallel(x, g, square_avg, buf, grad_avg, s, decay, use_momentum, centered):
-    c = (s[0], s[1], s[2], s[3], s[4], s[5])
+    c = _rmsprop.load_scalars(s)
     mb, cg = (1 if use_momentum else 0), (1 if centered else 0)  # unused states: read element 0
     for i in prange(x.size):
-        x[i], square_avg[i], b, ga = _element(x[i], g[i], square_avg[i], buf[i * mb],
-                                              grad_avg[i * cg], c, decay, use_momentum, centered)
+        x[i], square_avg[i], b, ga = _rmsprop.rmsprop_element(
+            x[i], g[i], square_avg[i], buf[i * mb], grad_avg[i * cg], c, decay, use_momentum, centered)
         if use_momentum:
             buf[i] = b
         if centered:

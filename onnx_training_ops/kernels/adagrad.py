@@ -1,43 +1,5 @@
-"""Adagrad (ai.onnx.preview.training, version 1): the reference kernel."""
+"""Adagrad's reference kernel: now in :mod:`onnx_training_ops.optim.adagrad` (with its other forms)."""
 
-from __future__ import annotations
+from ..optim.adagrad import DEFAULTS, NAMES, adagrad, adagrad_rate, adagrad_update
 
-import numpy as np
-
-from ..schema import OPTIMIZERS
-from ._common import interleave, scalar_count, scalar_rate, split_groups
-
-DEFAULTS = OPTIMIZERS["Adagrad"].defaults  # float32-exact, as a model holds them
-NAMES = ("X", "G", "H")
-
-
-def adagrad_rate(r: float, t: int, decay_factor: float) -> float:
-    """The decayed learning rate R / (1 + T * decay_factor)."""
-    return r / (1.0 + t * decay_factor)
-
-
-def adagrad_update(x, g, h, rate, epsilon, norm_coefficient):
-    """One tensor's Adagrad step with the decayed rate; returns (X_new, H_new)."""
-    g_regularized = norm_coefficient * x + g
-    h_new = h + g_regularized * g_regularized
-    h_sqrt = np.sqrt(h_new) + epsilon
-    x_new = x - rate * g_regularized / h_sqrt
-    return np.asarray(x_new, x.dtype), np.asarray(h_new, x.dtype)
-
-
-def adagrad(
-    r,
-    t,
-    *tensors,
-    decay_factor: float = DEFAULTS["decay_factor"],
-    epsilon: float = DEFAULTS["epsilon"],
-    norm_coefficient: float = DEFAULTS["norm_coefficient"],
-) -> tuple[np.ndarray, ...]:
-    """Adagrad over ``X1..Xn, G1..Gn, H1..Hn``; returns ``X_new.., H_new..``."""
-    rate = adagrad_rate(scalar_rate(r, "Adagrad"), scalar_count(t, "Adagrad"), decay_factor)
-    return interleave(
-        [
-            adagrad_update(x, g, h, rate, epsilon, norm_coefficient)
-            for x, g, h in split_groups(tensors, NAMES, "Adagrad")
-        ]
-    )
+__all__ = ["DEFAULTS", "NAMES", "adagrad", "adagrad_rate", "adagrad_update"]

@@ -15,13 +15,13 @@ from typing import Callable
 
 import numpy as np
 
-from ._common import check_group, scalar_count, scalar_rate
-from .adagrad import NAMES as ADAGRAD_NAMES
-from .adagrad import adagrad_rate, adagrad_update
-from .adam import NAMES as ADAM_NAMES
-from .adam import adam_rate, adam_update
-from .momentum import NAMES as MOMENTUM_NAMES
-from .momentum import check_mode, momentum_beta, momentum_update
+from ..optim._common import check_group, scalar_count, scalar_rate
+from ..optim.adagrad import NAMES as ADAGRAD_NAMES
+from ..optim.adagrad import adagrad_rate, adagrad_update
+from ..optim.adam import NAMES as ADAM_NAMES
+from ..optim.adam import adam_rate, adam_update
+from ..optim.momentum import NAMES as MOMENTUM_NAMES
+from ..optim.momentum import check_mode, momentum_beta, momentum_update
 
 try:  # the fused kernels are an optional accelerator; the reference is always there
     from . import fused as _fused
@@ -43,14 +43,20 @@ def _on_rows(step, r, t, tables, g, attributes, rows):
     return tuple(tables)
 
 
+def _gathered_or_checked(step, r, t, tables, g, attributes, rows, names, op_type: str):
+    """Before a step: with ``rows``, the step's result on the gathered rows when the fused row
+    drivers do not apply (None when they do); without, None once the group is checked."""
+    if rows is not None:
+        return _on_rows(step, r, t, tables, g, attributes, rows)
+    check_group((tables[0], g, *tables[1:]), names, op_type)
+    return None
+
+
 def adam_step(r, t, x, g, v, h, attributes, inplace: bool = False, rows=None):
     """Adam on one tensor; with ``inplace`` the fused kernel may overwrite x, v, h and return them."""
-    if rows is not None:
-        done = _on_rows(adam_step, r, t, (x, v, h), g, attributes, rows)
-        if done is not None:
-            return done
-    else:
-        check_group((x, g, v, h), ADAM_NAMES, "Adam")
+    done = _gathered_or_checked(adam_step, r, t, (x, v, h), g, attributes, rows, ADAM_NAMES, "Adam")
+    if done is not None:
+        return done
     a = attributes
     rate = adam_rate(scalar_rate(r, "Adam"), scalar_count(t, "Adam"), a["alpha"], a["beta"])
     if rows is not None:
@@ -67,12 +73,9 @@ def adam_step(r, t, x, g, v, h, attributes, inplace: bool = False, rows=None):
 
 def momentum_step(r, t, x, g, v, attributes, inplace: bool = False, rows=None):
     """Momentum (standard or nesterov) on one tensor; returns (X_new, V_new)."""
-    if rows is not None:
-        done = _on_rows(momentum_step, r, t, (x, v), g, attributes, rows)
-        if done is not None:
-            return done
-    else:
-        check_group((x, g, v), MOMENTUM_NAMES, "Momentum")
+    done = _gathered_or_checked(momentum_step, r, t, (x, v), g, attributes, rows, MOMENTUM_NAMES, "Momentum")
+    if done is not None:
+        return done
     a = attributes
     nesterov = check_mode(a["mode"])
     rate = scalar_rate(r, "Momentum")
@@ -88,12 +91,9 @@ def momentum_step(r, t, x, g, v, attributes, inplace: bool = False, rows=None):
 
 def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False, rows=None):
     """Adagrad on one tensor; returns (X_new, H_new)."""
-    if rows is not None:
-        done = _on_rows(adagrad_step, r, t, (x, h), g, attributes, rows)
-        if done is not None:
-            return done
-    else:
-        check_group((x, g, h), ADAGRAD_NAMES, "Adagrad")
+    done = _gathered_or_checked(adagrad_step, r, t, (x, h), g, attributes, rows, ADAGRAD_NAMES, "Adagrad")
+    if done is not None:
+        return done
     a = attributes
     rate = adagrad_rate(scalar_rate(r, "Adagrad"), scalar_count(t, "Adagrad"), a["decay_factor"])
     if rows is not None:
@@ -141,7 +141,7 @@ def prepare(op_type: str, r, t, tensors, attributes, decay=None) -> Callable[[],
 
 
 def rmsprop_step(r, x, g, states: dict, optimizer, rows=None) -> bool:
-    """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.build.rmsprop`) in place with the
+    """RMSProp (standard ops in the graph, :mod:`onnx_training_ops.optim.rmsprop`) in place with the
     fused kernel, on the ``rows`` of 2-D tables if given; False (nothing done) when it does not apply."""
     if rows is None and not _fusable(x, g, *states.values()):
         return False

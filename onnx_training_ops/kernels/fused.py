@@ -1,13 +1,14 @@
 """Fused in-place kernels: one pass over memory per optimizer step, multithreaded.
 
-Same math as the reference kernels (:mod:`.adam`, :mod:`.momentum`, :mod:`.adagrad`),
-operation by operation in the arrays' dtype, but updating ``X`` and the state tensors in
-place in a single numba loop instead of a dozen numpy temporaries. The scalars come
+Same math as the reference kernels (:mod:`onnx_training_ops.optim.adam`, ``.momentum``,
+``.adagrad``), operation by operation in the arrays' dtype, but updating ``X`` and the state
+tensors in place in a single numba loop instead of a dozen numpy temporaries. The scalars come
 prepared by the reference's own scalar functions (``adam_rate``, ``momentum_beta``,
-``adagrad_rate``)::
+``adagrad_rate``) and travel as each optimizer's named tuple (``AdamScalars``, ...), rounded
+to the arrays' dtype::
 
     from onnx_training_ops.kernels import fused
-    from onnx_training_ops.kernels.adam import adam_rate
+    from onnx_training_ops.optim.adam import adam_rate
 
     if fused.supports(x, g, v, h):
         fused.adam_(x, g, v, h, adam_rate(r, t, alpha, beta), alpha, beta, epsilon, nc, nc_post)
@@ -26,6 +27,10 @@ import time
 
 import numpy as np
 
+from ..optim import adagrad as _adagrad
+from ..optim import adam as _adam
+from ..optim import momentum as _momentum
+from ..optim import rmsprop as _rmsprop
 from . import _numba_kernels as _k
 from . import _numba_rmsprop as _rms
 from . import _numba_rows as _rows
@@ -61,6 +66,9 @@ _INF = float("inf")
 
 
 class _Choice:
+    """Serial or parallel for one op and size bucket: the running variant, each variant's
+    measured cost per element, and the probe schedule (see ADAPTIVE)."""
+
     __slots__ = ("use", "cost", "strikes", "countdown", "interval", "probe", "probe_left", "probe_best")
 
     def __init__(self):
@@ -69,6 +77,54 @@ class _Choice:
         self.strikes = 0
         self.countdown = self.interval = _PROBE_MIN
         self.probe, self.probe_left, self.probe_best = 1, _PROBE_LEN, _INF  # measure parallel first
+
+    def pick(self) -> int:
+        """The variant this call runs: the probe's while one lasts, else the running one
+        (starting a probe of the other when the countdown ends)."""
+        if self.probe_left:
+            return self.probe
+        self.countdown -= 1
+        if self.countdown > 0:
+            return self.use
+        self.probe = 1 - self.use
+        self.probe_left, self.probe_best = _PROBE_LEN, _INF
+        return self.probe
+
+    def record(self, use: int, per_element: float, n: int) -> None:
+        """What a call of variant ``use`` on ``n`` elements cost (seconds per element)."""
+        if self.probe_left:
+            self.probe_best = min(self.probe_best, per_element)  # the burst's best counts
+            self.probe_left -= 1
+            if not self.probe_left:
+                self._end_probe(use, n)
+        else:
+            self._track(use, per_element)
+
+    def _end_probe(self, use: int, n: int) -> None:
+        """A probe burst ended: keep its best; switch if it beat the other, else back off."""
+        other = self.cost[1 - use]
+        self.cost[use] = self.probe_best
+        if other == _INF:  # the other variant not measured yet: probe it next
+            self.use, self.countdown = use, 1
+            return
+        if self.probe_best < other:
+            self.use, self.strikes, self.interval = use, 0, _PROBE_MIN
+        else:  # back off, but probe again within _PROBE_SECONDS of kernel time
+            running = other * n
+            cap = _PROBE_MAX if running <= 0 else max(_PROBE_MIN, min(_PROBE_MAX, int(_PROBE_SECONDS / running)))
+            self.interval = min(2 * self.interval, cap)
+        self.countdown = self.interval
+
+    def _track(self, use: int, per_element: float) -> None:
+        """The running variant's EWMA cost; two calls in a row over _SLACK times the other's
+        cost switch to the other."""
+        self.cost[use] += _EWMA * (per_element - self.cost[use])
+        if per_element <= _SLACK * self.cost[1 - use]:
+            self.strikes = 0
+            return
+        self.strikes += 1
+        if self.strikes >= 2:
+            self.use, self.strikes = 1 - use, 0
 
 
 _CHOICES: dict[tuple[str, int], _Choice] = {}
@@ -105,7 +161,22 @@ def _launch(serial, parallel, args) -> int:
     return 0
 
 
+def _timed(serial, parallel, args, use: int) -> float | None:
+    """Seconds ``parallel(*args)`` (``use`` 1) or ``serial(*args)`` (0) took; None when the
+    pool was busy and the serial loop ran instead (a call that measures neither variant)."""
+    start = time.perf_counter()
+    if use:
+        if not _launch(serial, parallel, args):
+            return None
+    else:
+        serial(*args)
+    return time.perf_counter() - start
+
+
 def _dispatch(op: str, serial, parallel, n: int, *args) -> None:
+    """Run ``serial(*args)`` or ``parallel(*args)``, loops over ``n`` elements that compute the
+    same values: serial below the op's threshold; above it, the variant its :class:`_Choice`
+    picks (ADAPTIVE), or parallel whenever numba's thread pool is free."""
     if n < PARALLEL_THRESHOLDS[op]:
         serial(*args)
         return
@@ -113,52 +184,18 @@ def _dispatch(op: str, serial, parallel, n: int, *args) -> None:
         _launch(serial, parallel, args)
         return
     key = (op, n.bit_length())
-    c = _CHOICES.get(key)
-    if c is None:
-        c = _CHOICES[key] = _Choice()
-    if c.probe_left:
-        use = c.probe
-    else:
-        use = c.use
-        c.countdown -= 1
-        if c.countdown <= 0:
-            use = c.probe = 1 - use
-            c.probe_left, c.probe_best = _PROBE_LEN, _INF
-    start = time.perf_counter()
-    if use:
-        if not _launch(serial, parallel, args):
-            return  # the pool was busy: this call measures nothing about either variant
-    else:
-        serial(*args)
-    per_element = (time.perf_counter() - start) / n
-    cost = c.cost
-    if c.probe_left:
-        c.probe_best = min(c.probe_best, per_element)
-        c.probe_left -= 1
-        if not c.probe_left:
-            other = cost[1 - use]
-            cost[use] = c.probe_best
-            if other == _INF:  # the other variant not measured yet: probe it next
-                c.countdown = 1
-                c.use = use
-            elif c.probe_best < other:
-                c.use, c.strikes, c.interval = use, 0, _PROBE_MIN
-            else:  # back off, but probe again within _PROBE_SECONDS of kernel time
-                running = cost[1 - use] * n
-                cap = _PROBE_MAX if running <= 0 else max(_PROBE_MIN, min(_PROBE_MAX, int(_PROBE_SECONDS / running)))
-                c.interval = min(2 * c.interval, cap)
-            c.countdown = min(c.countdown, c.interval) if other == _INF else c.interval
-    else:
-        cost[use] += _EWMA * (per_element - cost[use])
-        if per_element > _SLACK * cost[1 - use]:
-            c.strikes += 1
-            if c.strikes >= 2:
-                c.use, c.strikes = 1 - use, 0
-        else:
-            c.strikes = 0
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _Choice()
+    use = choice.pick()
+    seconds = _timed(serial, parallel, args, use)
+    if seconds is not None:
+        choice.record(use, seconds / n, n)
 
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_MOST_SCALARS = max(len(t._fields) for t in (_adam.AdamScalars, _momentum.MomentumScalars,
+                                             _adagrad.AdagradScalars, _rmsprop.RMSPropScalars))
 # NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | NPY_ARRAY_WRITEABLE, as in ndarray.flags.num
 _REQUIRED_FLAGS = 0x0001 | 0x0100 | 0x0400
 
@@ -222,13 +259,11 @@ def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coeffic
           rows=None) -> None:
     """Adam step in place: ``x``, ``v``, ``h`` become X_new, V_new, H_new.
 
-    ``rate`` is R_adjusted from :func:`.adam.adam_rate`. Arrays must pass :func:`supports`,
+    ``rate`` is R_adjusted from :func:`onnx_training_ops.optim.adam.adam_rate`. Arrays must pass :func:`supports`,
     or with ``rows`` :func:`supports_rows` (the step on those rows of 2-D tables).
     """
-    s = np.array(
-        (rate, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient, 1.0 - norm_coefficient_post),
-        dtype=x.dtype,
-    )
+    s = np.array(_adam.adam_scalars(rate, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post),
+                 dtype=x.dtype)
     if rows is not None:
         _rows.adam_rows(x, g, v, h, rows, s)
         return
@@ -238,10 +273,10 @@ def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coeffic
 def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: bool, rows=None) -> None:
     """Momentum step (standard or Nesterov) in place: ``x``, ``v`` become X_new, V_new.
 
-    ``beta_adjusted`` comes from :func:`.momentum.momentum_beta`. Arrays must pass :func:`supports`
+    ``beta_adjusted`` comes from :func:`onnx_training_ops.optim.momentum.momentum_beta`. Arrays must pass :func:`supports`
     (with ``rows``: :func:`supports_rows`).
     """
-    s = np.array((rate, alpha, beta_adjusted, norm_coefficient), dtype=x.dtype)
+    s = np.array(_momentum.MomentumScalars(rate, alpha, beta_adjusted, norm_coefficient), dtype=x.dtype)
     if rows is not None:
         (_rows.nesterov_rows if nesterov else _rows.momentum_rows)(x, g, v, rows, s)
         return
@@ -254,10 +289,10 @@ def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: b
 def adagrad_(x, g, h, rate, epsilon, norm_coefficient, rows=None) -> None:
     """Adagrad step in place: ``x``, ``h`` become X_new, H_new.
 
-    ``rate`` comes from :func:`.adagrad.adagrad_rate`. Arrays must pass :func:`supports`
+    ``rate`` comes from :func:`onnx_training_ops.optim.adagrad.adagrad_rate`. Arrays must pass :func:`supports`
     (with ``rows``: :func:`supports_rows`).
     """
-    s = np.array((rate, epsilon, norm_coefficient), dtype=x.dtype)
+    s = np.array(_adagrad.AdagradScalars(rate, epsilon, norm_coefficient), dtype=x.dtype)
     if rows is not None:
         _rows.adagrad_rows(x, g, h, rows, s)
         return
@@ -269,17 +304,17 @@ def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coeff
     once; returns ``run(rate)``. The arrays must pass :func:`supports` and stay alive.
     ``decay``: a 0-d array of x's dtype, read at each run: ``x *= decay`` first (AdamW's
     decoupled decay), in the same pass."""
-    s = np.array((0.0, alpha, 1.0 - alpha, beta, 1.0 - beta, epsilon, norm_coefficient,
-                  1.0 - norm_coefficient_post, 1.0), dtype=x.dtype)
+    s = np.array(_adam.adam_scalars(0.0, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post),
+                 dtype=x.dtype)
     args, n = (_flat(x), _flat(g), _flat(v), _flat(h), s), x.size
     serial, parallel = (_k.adam_serial, _k.adam_parallel) if decay is None else \
         (_k.adam_decay_serial, _k.adam_decay_parallel)
     factor = None if decay is None else decay.reshape(())
 
     def run(rate: float) -> None:
-        s[0] = rate
+        s[_adam.RATE] = rate
         if factor is not None:
-            s[8] = factor
+            s[_adam.DECAY] = factor
         _dispatch("adam", serial, parallel, n, *args)
 
     return run
@@ -287,14 +322,14 @@ def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coeff
 
 def momentum_prepared(x, g, v, alpha, norm_coefficient, nesterov: bool):
     """:func:`momentum_` prepared once; returns ``run(rate, beta_adjusted)``."""
-    s = np.array((0.0, alpha, 0.0, norm_coefficient), dtype=x.dtype)
+    s = np.array(_momentum.MomentumScalars(0.0, alpha, 0.0, norm_coefficient), dtype=x.dtype)
     op = "nesterov" if nesterov else "momentum"
     serial, parallel = ((_k.nesterov_serial, _k.nesterov_parallel) if nesterov
                         else (_k.momentum_serial, _k.momentum_parallel))
     args, n = (_flat(x), _flat(g), _flat(v), s), x.size
 
     def run(rate: float, beta_adjusted: float) -> None:
-        s[0], s[2] = rate, beta_adjusted
+        s[_momentum.RATE], s[_momentum.BETA_ADJUSTED] = rate, beta_adjusted
         _dispatch(op, serial, parallel, n, *args)
 
     return run
@@ -302,11 +337,11 @@ def momentum_prepared(x, g, v, alpha, norm_coefficient, nesterov: bool):
 
 def adagrad_prepared(x, g, h, epsilon, norm_coefficient):
     """:func:`adagrad_` prepared once; returns ``run(rate)``."""
-    s = np.array((0.0, epsilon, norm_coefficient), dtype=x.dtype)
+    s = np.array(_adagrad.AdagradScalars(0.0, epsilon, norm_coefficient), dtype=x.dtype)
     args, n, serial, parallel = (_flat(x), _flat(g), _flat(h), s), x.size, _k.adagrad_serial, _k.adagrad_parallel
 
     def run(rate: float) -> None:
-        s[0] = rate
+        s[_adagrad.RATE] = rate
         _dispatch("adagrad", serial, parallel, n, *args)
 
     return run
@@ -316,7 +351,7 @@ def rmsprop_(x, g, states: dict, rate, opt, rows=None) -> None:
     """RMSProp (torch's form, :class:`onnx_training_ops.RMSProp` ``opt``) in place on ``x`` and
     ``states`` (square_avg[, momentum_buffer][, grad_avg]); ``rate`` in x's dtype as the graph
     casts it. Arrays must pass :func:`supports` (with ``rows``: :func:`supports_rows`)."""
-    s = np.array((rate, opt.weight_decay, opt.alpha, 1.0 - opt.alpha, opt.eps, opt.momentum), dtype=x.dtype)
+    s = np.array(_rmsprop.rmsprop_scalars(rate, opt), dtype=x.dtype)
     spare = states["square_avg"]  # never read: the flags say so
     flags = (opt.weight_decay != 0, opt.momentum > 0, bool(opt.centered))
     if rows is not None:
@@ -346,7 +381,7 @@ def warm_up() -> float:
 def _warm_up_all(parallel: bool) -> None:
     for dtype in _FLOATS:
         arrays = [np.zeros(1, dtype) for _ in range(4)]
-        s = np.zeros(9, dtype)  # each kernel reads only the scalars it needs
+        s = np.zeros(_MOST_SCALARS, dtype)  # each kernel reads only the scalars it needs
         adams = (_k.adam_parallel, _k.adam_serial, _k.adam_decay_parallel, _k.adam_decay_serial)
         for kernel in _k.ALL if parallel else _k.SERIAL:
             nargs = 4 if kernel in adams else 3
@@ -361,4 +396,5 @@ def _warm_up_all(parallel: bool) -> None:
         _rms.rmsprop_rows(*tables, tables[0], u, s, True, True, True)
 
 
-__all__ = ["adam_", "momentum_", "adagrad_", "supports", "supports_rows", "warm_up", "PARALLEL_THRESHOLDS", "ADAPTIVE"]
+__all__ = ["adam_", "momentum_", "adagrad_", "rmsprop_", "adam_prepared", "momentum_prepared", "adagrad_prepared",
+           "supports", "supports_rows", "warm_up", "PARALLEL_THRESHOLDS", "ADAPTIVE"]

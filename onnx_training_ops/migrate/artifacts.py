@@ -29,6 +29,9 @@ MS_DOMAIN = "com.microsoft"
 # AdamWOptimizerBase's defaults when the node lacks an attribute
 KERNEL_DEFAULTS = {"alpha": 0.9, "beta": 0.999, "epsilon": 1e-8, "weight_decay": 0.0,
                    "adam_mode": 0, "correct_bias": 1}
+_FLOAT, _INT = onnx.AttributeProto.FLOAT, onnx.AttributeProto.INT
+ATTRIBUTE_TYPES = {"alpha": (_FLOAT,), "beta": (_FLOAT,), "epsilon": (_FLOAT,), "weight_decay": (_FLOAT,),
+                   "adam_mode": (_INT,), "correct_bias": (_INT,)}  # the kernel's schema
 
 
 def read_optimizer(model: onnx.ModelProto, path: str, lr: float) -> OrtAdamW | Momentum:
@@ -42,6 +45,13 @@ def read_optimizer(model: onnx.ModelProto, path: str, lr: float) -> OrtAdamW | M
                               f"(what generate_artifacts writes for OptimType.AdamW / SGD), found {found}")
     if nodes[0].op_type == "SGDOptimizerV2":
         return Momentum(lr=lr, momentum=0.0)
+    for a in nodes[0].attribute:
+        expected = ATTRIBUTE_TYPES.get(a.name)
+        if expected is not None and a.type not in expected:
+            names = " or ".join(onnx.AttributeProto.AttributeType.Name(t) for t in expected)
+            raise TrainingOpError(f"{path}: node {nodes[0].name!r}: attribute {a.name!r} must be {names}, found "
+                                  f"{onnx.AttributeProto.AttributeType.Name(a.type)} "
+                                  f"{helper.get_attribute_value(a)!r}")
     attrs = {**KERNEL_DEFAULTS, **{a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}}
     try:
         return OrtAdamW(lr=lr, betas=(float(attrs["alpha"]), float(attrs["beta"])),

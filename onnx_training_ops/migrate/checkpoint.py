@@ -9,7 +9,15 @@ and shapes but no data: its tensors come back in ``shapes`` and the arrays stay 
 
 Every defect is a :class:`TrainingOpError` naming the file: not a checkpoint, damaged, an
 unknown version, a tensor whose bytes do not match its shape and dtype, data kept in an
-external file (not supported: onnxruntime-training writes one only past 2 GB).
+external file (not supported: onnxruntime-training writes one only past 2 GB), a negative
+step count or initial learning rate, NaN or infinite values, a negative AdamW second moment.
+
+**What cannot be detected.** The format carries no checksum (the schema,
+``ort_training_checkpoint.fbs``, has none). A flipped byte in the flatbuffer's offsets, sizes,
+names, dims or types is caught by the checks above (or makes the file unreadable); a flipped
+byte inside a tensor's raw values that leaves a finite number (any mantissa bit, most
+exponent bits) or inside a non-negative step count reads as a valid, different checkpoint.
+Our own checkpoints and exports carry SHA-256 digests and catch every flip.
 """
 
 from __future__ import annotations
@@ -112,9 +120,28 @@ def _groups(root: fbs.Checkpoint, path: str) -> list[OptimizerGroup]:
             for t in tensors:
                 moment, _, _, array = _tensor(t, path, nominal=False)
                 moments[name][moment] = array
-        groups.append(OptimizerGroup(g.group_name() or "", int(g.step()),
-                                     float(g.initial_learning_rate()), moments))
+        step, rate = int(g.step()), float(g.initial_learning_rate())
+        if step < 0:
+            raise TrainingOpError(f"{path}: optimizer group {g.group_name()!r} has step {step}; a step count is "
+                                  ">= 0 (the checkpoint is damaged)")
+        if not np.isfinite(rate) or rate < 0:
+            raise TrainingOpError(f"{path}: optimizer group {g.group_name()!r} has initial learning rate {rate}; "
+                                  "expected a finite number >= 0 (the checkpoint is damaged)")
+        for name, found in moments.items():
+            second = found.get("momentum1")
+            if second is not None and second.dtype.kind == "f" and (second < 0).any():
+                raise TrainingOpError(f"{path}: moment 'momentum1' of {name!r} holds a negative value; AdamW's "
+                                      "second moment is a mean of squares, >= 0 (the checkpoint is damaged)")
+        groups.append(OptimizerGroup(g.group_name() or "", step, rate, moments))
     return groups
+
+
+def _finite(tensors: dict[str, np.ndarray], what: str, path: str) -> None:
+    """Refuse NaN or infinite values: a trained state holds none (and a flipped exponent bit often makes one)."""
+    for name, array in tensors.items():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise TrainingOpError(f"{path}: {what} {name!r} holds NaN or infinite values (the checkpoint is "
+                                  "damaged, or the run it saved had diverged)")
 
 
 def _properties(root: fbs.Checkpoint, path: str) -> dict[str, int | float | str]:
@@ -163,6 +190,10 @@ def read_checkpoint(path: str | os.PathLike) -> OrtCheckpoint:
             ckpt.frozen = _tensors(module.frozen_params(), "frozen-parameter", path, ckpt.nominal, ckpt)
         ckpt.optimizer_groups = _groups(root, path)
         ckpt.properties = _properties(root, path)
+        _finite({**ckpt.trainable, **ckpt.frozen}, "parameter", path)
+        for group in ckpt.optimizer_groups:
+            for name, found in group.moments.items():
+                _finite({f"{name}/{k}": v for k, v in found.items()}, "moment", path)
     except (struct.error, IndexError, TypeError, OverflowError, UnicodeDecodeError, ValueError) as e:
         if isinstance(e, TrainingOpError):
             raise

@@ -109,10 +109,24 @@ def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: 
                                 lr: float | None = None) -> onnx.ModelProto:
     """One training model that continues the onnxruntime-training run saved in ``artifact_dir``.
 
-    ``checkpoint``: the checkpoint's file name in the folder (or a path). ``lr``: the learning
-    rate the model's steps use by default; without it the checkpoint's initial learning rate
-    (see the module docstring). ``TrainingSession(model)`` trains it; ``save`` writes our
-    checkpoint.
+    ``TrainingSession(model)`` trains it; ``save`` writes our checkpoint. Needs the ``migrate``
+    extra (flatbuffers).
+
+    Args:
+        artifact_dir: the folder ``generate_artifacts`` wrote (``eval_model.onnx``,
+            ``optimizer_model.onnx``) holding the checkpoint.
+        checkpoint: the checkpoint's file name in the folder, or a path.
+        lr: the learning rate the model's steps use by default; without it the checkpoint's
+            initial learning rate (see the module docstring).
+
+    Returns:
+        The training model: the eval model's forward and loss, the checkpoint's parameters,
+        AdamW moments, step and properties, and :class:`OrtAdamW` as standard ops (``Momentum(momentum=0)``
+    for their SGD).
+
+    Raises:
+        TrainingOpError: a missing or damaged folder, checkpoint or model, or an optimizer or
+            parameter layout this import does not handle.
     """
     folder = Path(artifact_dir)
     if not folder.is_dir():

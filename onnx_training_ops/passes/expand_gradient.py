@@ -18,20 +18,19 @@ with ``<gradient node name>/grad/``. See ``docs/gradient.md``.
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
-from ..autodiff.emitter import FLOAT_TYPES
 from ..autodiff.native_ops import ALL as NATIVE_GRAD_OPS
 from ..autodiff.native_ops import DOMAIN as NATIVE_DOMAIN
-from ..autodiff import Emitter, ValueMeta, backprop, topological_sort
-from ..autodiff.graph import ancestors, node_reads, producer_map
-from ..errors import TrainingOpError, node_label
+from ..autodiff import ValueMeta, topological_sort
+from ..errors import TrainingOpError
 from ..storage.tensors import location
 from ..walk import all_graphs
+from ._gradient_node import Scope, expand_node
 from ._graph import all_names, concatenated
 
 DOMAIN = "ai.onnx.preview.training"
@@ -88,6 +87,19 @@ def _infer(graph: GraphProto, opset_imports, ir_version: int,
     return _meta_of_graph(model.graph, {})
 
 
+def _reinfer(template: GraphProto, opset_imports, ir_version: int,
+             extra_initializers=()) -> Callable[[list[NodeProto]], dict[str, ValueMeta]]:
+    """``run(nodes)``: :func:`_infer` of ``template`` with its nodes replaced by ``nodes`` (the
+    value facts again after a Gradient node was expanded)."""
+    def run(nodes: list[NodeProto]) -> dict[str, ValueMeta]:
+        g = GraphProto()
+        g.CopyFrom(template)
+        del g.node[:]
+        g.node.extend(nodes)
+        return _infer(g, opset_imports, ir_version, extra_initializers)
+    return run
+
+
 class _Constants(Mapping):
     """Values of initializers and Constant nodes, converted to numpy on first use."""
 
@@ -137,200 +149,6 @@ class _Constants(Mapping):
         return len(self._protos)
 
 
-def _strings(node: NodeProto, name: str) -> list[str] | None:
-    for a in node.attribute:
-        if a.name == name:
-            v = helper.get_attribute_value(a)
-            if isinstance(v, bytes):
-                return [v.decode()]
-            return [s.decode() if isinstance(s, bytes) else s for s in v]
-    return None
-
-
-def _prefix(node: NodeProto, index: int, taken: set[str]) -> str:
-    base = node.name or (node.output[0] if len(node.output) and node.output[0] else
-                         f"Gradient_{index}")
-    prefix, k = f"{base}/grad/", 1
-    while any(t.startswith(prefix) for t in taken):
-        k += 1
-        prefix = f"{base}_{k}/grad/"
-    return prefix
-
-
-# ----------------------------------------------------------------------------- one node
-def _check_independent(label: str, nodes, producers, xs: list[str], zs: list[str],
-                       cut: set[str]) -> None:
-    """The spec: an xs/zs name must not be computed from other xs/zs names."""
-    for name in xs + zs:
-        if name not in producers:
-            continue
-        others = cut - {name}
-        found: set[str] = set()
-        for idx in ancestors(nodes, producers, [name], others):
-            found.update(i for i in node_reads(nodes[idx]) if i in others)
-        if found:
-            raise TrainingOpError(
-                f"{label}: {'xs' if name in xs else 'zs'} {name!r} is computed from "
-                f"{sorted(found)} (also in xs/zs); "
-                "xs and zs must be independent inputs of the differentiated computation")
-
-
-def _check_substitutes(label: str, subst: Mapping[str, str], meta: Mapping[str, ValueMeta]) -> None:
-    """Each input of the node is the value of its xs/zs name: same dtype, same rank."""
-    for name, value in subst.items():
-        want, got = meta.get(name, ValueMeta()), meta.get(value, ValueMeta())
-        if want.dtype is not None and got.dtype is not None and want.dtype != got.dtype:
-            raise TrainingOpError(
-                f"{label}: input {value!r} stands for {name!r} but is "
-                f"{onnx.helper.tensor_dtype_to_string(got.dtype)}, {name!r} is "
-                f"{onnx.helper.tensor_dtype_to_string(want.dtype)}")
-        if want.shape is not None and got.shape is not None and len(want.shape) != len(got.shape):
-            # dims may differ (the spec's example evaluates at another batch size); ranks not
-            raise TrainingOpError(f"{label}: input {value!r} stands for {name!r} but has rank "
-                                  f"{len(got.shape)} (shape {list(got.shape)}), {name!r} has "
-                                  f"rank {len(want.shape)} (shape {list(want.shape)})")
-
-
-def _check_forward_accepts(label: str, copies: list[NodeProto], meta: Mapping[str, ValueMeta],
-                           opset: int) -> None:
-    """Shape-infer the forward nodes re-evaluated at the node's inputs: values that do not fit
-    them (a [2, 3] fed for a [3, 2] weight) are this node's error, not onnxruntime's later."""
-    if not copies or any(n.domain not in ("", "ai.onnx") for n in copies):
-        return
-    produced = {o for n in copies for o in n.output if o}
-    inputs = []
-    for name in dict.fromkeys(i for n in copies for i in n.input if i and i not in produced):
-        m = meta.get(name, ValueMeta())
-        if m.dtype is None:
-            return  # too little is known to judge
-        inputs.append(helper.make_tensor_value_info(name, m.dtype, None if m.shape is None else list(m.shape)))
-    graph = helper.make_graph(list(copies), "forward", inputs,
-                              [helper.make_tensor_value_info(o, 0, None) for o in produced])
-    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    try:
-        onnx.shape_inference.infer_shapes(probe, check_type=True, strict_mode=True)
-    except onnx.shape_inference.InferenceError as error:
-        raise TrainingOpError(f"{label}: the forward graph, re-evaluated at this node's inputs, "
-                              f"does not accept them: {str(error).splitlines()[0]}") from None
-    except Exception:  # noqa: BLE001 - inference itself is a help, not a requirement
-        return
-
-
-def _expand_node(gnode: NodeProto, index: int, nodes: list[NodeProto], opset: int,
-                 meta: dict[str, ValueMeta], constants: Mapping, taken: set[str],
-                 visible: frozenset | None = None, native: frozenset = frozenset()) -> list[NodeProto]:
-    label = node_label(gnode)
-    xs = _strings(gnode, "xs")
-    zs = _strings(gnode, "zs") or []
-    y = _strings(gnode, "y")
-    if not y or not y[0]:
-        raise TrainingOpError(f"{label}: the required attribute 'y' is missing")
-    if not xs:
-        raise TrainingOpError(f"{label}: the required attribute 'xs' is missing or empty")
-    y = y[0]
-    if len(gnode.input) != len(xs) + len(zs):
-        raise TrainingOpError(
-            f"{label}: has {len(gnode.input)} inputs, expected len(xs) + len(zs) = "
-            f"{len(xs)} + {len(zs)} = {len(xs) + len(zs)} (values of xs then zs)")
-    if len(gnode.output) > len(xs):
-        raise TrainingOpError(f"{label}: has {len(gnode.output)} outputs but only {len(xs)} xs")
-    if visible is not None:
-        for kind, names in (("y", [y]), ("xs", xs), ("zs", zs)):
-            unknown = [n for n in names if n not in visible]
-            if unknown:
-                raise TrainingOpError(f"{label}: {kind} {unknown} not a value of the graph "
-                                      "(no input, initializer or node output has that name)")
-    for x in xs:
-        dtype = meta.get(x, ValueMeta()).dtype
-        if dtype is not None and dtype not in FLOAT_TYPES:
-            raise TrainingOpError(
-                f"{label}: xs {x!r} is {onnx.helper.tensor_dtype_to_string(dtype)}; only "
-                "floating-point tensors have gradients")
-    cut = set(xs) | set(zs)
-    producers = producer_map(nodes)
-    _check_independent(label, nodes, producers, xs, zs, cut)
-
-    prefix = _prefix(gnode, index, taken)
-    em = Emitter(prefix, opset, meta, native)
-    copies: list[NodeProto] = []
-    if list(gnode.input) == xs + zs:
-        fwd_nodes, leaves, y_name, leaf_cut = nodes, list(xs), y, cut
-    else:
-        subst = dict(zip(xs + zs, gnode.input))
-        _check_substitutes(label, subst, meta)
-        same = all(meta.get(k, ValueMeta()).shape == meta.get(v, ValueMeta()).shape
-                   and meta.get(k, ValueMeta()).shape is not None for k, v in subst.items())
-        rename: dict[str, str] = {}
-        downstream = set(cut)
-        for idx in ancestors(nodes, producers, [y], cut):
-            node = nodes[idx]
-            reads = node_reads(node)
-            if not any(i in downstream for i in reads):
-                continue
-            if any(i in downstream for i in reads[len(node.input):]):
-                raise TrainingOpError(
-                    f"{label}: cannot re-evaluate {node_label(node)} at the Gradient inputs "
-                    "(its subgraph reads a substituted value)")
-            copy = NodeProto()
-            copy.CopyFrom(node)
-            copy.name = f"{prefix}fwd/{node.name or node.output[0]}"
-            del copy.input[:]
-            copy.input.extend(subst.get(i, rename.get(i, i)) for i in node.input)
-            del copy.output[:]
-            for o in node.output:
-                if o:
-                    downstream.add(o)
-                    rename[o] = f"{prefix}fwd/{o}"
-                    m = meta.get(o, ValueMeta())
-                    meta[rename[o]] = m if same else ValueMeta(
-                        m.dtype, None if m.shape is None else (None,) * len(m.shape))
-                copy.output.append(rename.get(o, "") if o else "")
-            copies.append(copy)
-        _check_forward_accepts(label, copies, meta, opset)
-        fwd_nodes = copies
-        leaves = [subst[x] for x in xs]
-        y_name = subst.get(y, rename.get(y, y))
-        leaf_cut = set(gnode.input)
-
-    grads = backprop(fwd_nodes, y_name, leaves, leaf_cut, em, constants, label)
-    finals = {}
-    for i, out in enumerate(gnode.output):
-        if not out:
-            continue
-        try:
-            finals[i] = grads[leaves[i]] or em.filled_like(0.0, leaves[i])
-        except LookupError as e:
-            raise TrainingOpError(f"{label}: cannot build the zero gradient of "
-                                  f"{leaves[i]!r}: {e}") from None
-    # a gradient computed by one node of ours that nothing else reads takes the output's
-    # name; others get an Identity (one node less per parameter on every step)
-    producer = {o: n for n in em.nodes for o in n.output if o}
-    read = {name for n in em.nodes for name in n.input} | {y_name}
-    once = [g for g in finals.values()]
-    for i, g in finals.items():
-        out = gnode.output[i]
-        node = producer.get(g)
-        if node is not None and g not in read and once.count(g) == 1 and not _subgraph_reads(em.nodes, g):
-            node.output[list(node.output).index(g)] = out
-        else:
-            em.add_node(helper.make_node("Identity", [g], [out], name=f"{prefix}output_{i}"))
-        meta[out] = meta.get(leaves[i], ValueMeta())
-    taken.update(n.output[0] for n in em.nodes if n.output)
-    taken.update(n.output[0] for n in copies if n.output)
-    return copies + em.nodes
-
-
-def _subgraph_reads(nodes, name: str) -> bool:
-    """Whether a subgraph of ``nodes`` reads ``name`` from the enclosing scope."""
-    for node in nodes:
-        for attr in node.attribute:
-            graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-            for g in graphs:
-                if any(name in n.input for n in g.node) or _subgraph_reads(g.node, name):
-                    return True
-    return False
-
-
 # ----------------------------------------------------------------------------- graphs
 def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
                   constants: Mapping, taken: set[str], refresh=None,
@@ -365,8 +183,8 @@ def _expand_graph(graph: GraphProto, opset: int, meta: dict[str, ValueMeta],
         if expanded and refresh is not None:
             meta.update(refresh(nodes))
         grad_outputs.update(o for o in nodes[idx].output if o)
-        new_nodes = _expand_node(nodes[idx], expanded, nodes, opset, meta, constants, taken,
-                                 visible(), native)
+        new_nodes = expand_node(nodes[idx], expanded, nodes, Scope(opset, meta, constants, taken, native),
+                                visible())
         nodes = topological_sort(nodes[:idx] + new_nodes + nodes[idx + 1:])
         expanded += 1
     del out.node[:]
@@ -449,20 +267,10 @@ def expand_gradient(model: ModelProto, native: frozenset = frozenset()) -> Model
     for g in graphs:
         taken |= all_names(g)
     imports = list(out.opset_import)
-
-    def refresh(graph_template: GraphProto, extra=()):
-        def run(nodes):
-            g = GraphProto()
-            g.CopyFrom(graph_template)
-            del g.node[:]
-            g.node.extend(nodes)
-            return _infer(g, imports, out.ir_version, extra)
-        return run
-
     if _has_gradient(out.graph):
         meta = _infer(out.graph, imports, out.ir_version)
         new = _expand_graph(out.graph, opset, meta, _Constants(None, out.graph), taken,
-                            refresh(out.graph), native=native)
+                            _reinfer(out.graph, imports, out.ir_version), native=native)
         out.graph.CopyFrom(new)
     main_inits = list(model.graph.initializer)
     for ti in out.training_info:
@@ -472,7 +280,7 @@ def expand_gradient(model: ModelProto, native: frozenset = frozenset()) -> Model
         if _has_gradient(g):
             meta = _infer(g, imports, out.ir_version, main_inits)
             consts = _Constants(_Constants(None, model.graph), g)
-            new = _expand_graph(g, opset, meta, consts, taken, refresh(g, main_inits),
+            new = _expand_graph(g, opset, meta, consts, taken, _reinfer(g, imports, out.ir_version, main_inits),
                                 outer=frozenset(t.name for t in main_inits), native=native)
             g.CopyFrom(new)
     if any(n.domain == NATIVE_DOMAIN for g in graphs for n in g.node) and \
@@ -493,17 +301,10 @@ def _expand_algorithm(algorithm: GraphProto, main: GraphProto, opset: int, impor
     graph's nodes (a loss reading the model's logits): differentiate the concatenation, then
     keep only what is not the main graph's (the emitted nodes read main values by name)."""
     combined = concatenated(main, algorithm)
-
-    def run(nodes):
-        g = GraphProto()
-        g.CopyFrom(combined)
-        del g.node[:]
-        g.node.extend(nodes)
-        return _infer(g, imports, ir_version)
-
     meta = _infer(combined, imports, ir_version)
     consts = _Constants(None, combined)
-    new = _expand_graph(combined, opset, meta, consts, taken, run, native=native)
+    new = _expand_graph(combined, opset, meta, consts, taken, _reinfer(combined, imports, ir_version),
+                        native=native)
     main_outputs = {o for n in main.node for o in n.output if o}
     nodes = [n for n in new.node if not (n.output and all(o in main_outputs for o in n.output if o))]
     del algorithm.node[:]

@@ -8,7 +8,7 @@
 * :mod:`.pipeline` — :func:`prepare`: a pass pipeline of :mod:`..passes` for the chosen path;
 * :mod:`.session` — :class:`InferenceSession`, ``onnxruntime.InferenceSession`` that prepares first.
 
-May import: errors, schema, interrupts, walk, storage, kernels, passes.
+May import: errors, schema, interrupts, walk, storage, optim, kernels, passes.
 """
 
 from .options import session_options

@@ -36,7 +36,14 @@ def library_path() -> str:
 
 
 def session_options(so: ort.SessionOptions | None = None) -> ort.SessionOptions:
-    """``so`` (or new SessionOptions) with the kernel library registered (once, however often called)."""
+    """SessionOptions with the training kernels' library registered (once, however often called).
+
+    Args:
+        so: options to register the library in; None makes new ones.
+
+    Returns:
+        ``so`` itself, or the new options.
+    """
     plugin.register()
     so = so if so is not None else ort.SessionOptions()
     try:  # registering twice makes every session of these options fail ("Conflicting ... kernel")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 from onnx import ModelProto
 
-from ..passes import NATIVE_PASSES, PASSES, PORTABLE_PASSES
+from ..passes import FLAT_PORTABLE_PASSES, NATIVE_PASSES, PASSES, PORTABLE_PASSES
 from ..storage.external_data import transposed
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, load_model
@@ -16,28 +16,43 @@ from . import plugin
 from .options import select_kernels
 
 
-def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False) -> ModelProto | LargeModel:
+def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False,
+            flat: bool = False) -> ModelProto | LargeModel:
     """Return a copy of ``model`` that a plain onnxruntime session (with :func:`session_options`) runs.
 
     Validates every node of ai.onnx.preview.training (raising TrainingOpError), expands
     Gradient nodes, fills default attributes, then targets the optimizer kernels: the
     native ones (nodes become ``ai.onnx.contrib::TrainingAdam`` etc.) or the PyOp ones
     (multi-tensor nodes split, exact attribute values stored); last, fits IR version and
-    opsets to onnxruntime. ``kernels``: ``"native"``, ``"pyop"`` or ``None``/``"auto"``
-    (the ``ONNX_TRAINING_OPS_KERNELS`` environment variable, else native where it works).
-    Idempotent; nodes of other domains are left as they are. Registers the kernels with
-    onnxruntime-extensions (so that options registering its library see them).
+    opsets to onnxruntime. Idempotent; nodes of other domains are left as they are.
+    Registers the kernels with onnxruntime-extensions (so that options registering its
+    library see them).
 
-    ``portable=True`` (:data:`PORTABLE_PASSES`) lowers the optimizer nodes to standard ONNX
-    ops instead: the result runs in any onnxruntime, or ``onnx.reference``, with nothing
-    registered.
+    Args:
+        model: a ModelProto, LargeModel, path or bytes, using the training domain anywhere
+            (main graph, subgraphs, ``training_info``).
+        kernels: ``"native"``, ``"pyop"`` or ``None``/``"auto"`` (the
+            ``ONNX_TRAINING_OPS_KERNELS`` environment variable, else native where it works).
+        portable: lower the optimizer nodes to standard ONNX ops instead
+            (:data:`PORTABLE_PASSES`): the result runs in any onnxruntime, or
+            ``onnx.reference``, with nothing registered.
+        flat: with ``portable``, run each multi-tensor optimizer node over its tensors laid
+            end to end (:data:`FLAT_PORTABLE_PASSES`): a few elementwise kernels for all
+            parameters, what a GPU wants (bit for bit the per-tensor result).
 
-    A :class:`~onnx_training_ops.storage.LargeModel`, or a file past
-    :func:`~onnx_training_ops.storage.large_model_bytes`, comes back as a LargeModel: the
-    passes rewrite its message, its big tensors stay arrays (memory-mapped from the file).
+    Returns:
+        The prepared copy; ``model`` is left as it was. A
+        :class:`~onnx_training_ops.storage.LargeModel`, or a file past
+        :func:`~onnx_training_ops.storage.large_model_bytes`, comes back as a LargeModel: the
+        passes rewrite its message, its big tensors stay arrays (memory-mapped from the file).
+
+    Raises:
+        TrainingOpError: an invalid node of the domain (naming it, what was expected and
+            found), an op without a derivative rule under a Gradient, or ``kernels="native"``
+            where the native kernels do not work.
     """
     if portable:
-        passes = PORTABLE_PASSES
+        passes = FLAT_PORTABLE_PASSES if flat else PORTABLE_PASSES
     else:
         passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
     opened = load_model(model, large=True)

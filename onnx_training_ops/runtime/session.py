@@ -36,12 +36,9 @@ if hasattr(os, "register_at_fork"):
 class InferenceSession(ort.InferenceSession):
     """``onnxruntime.InferenceSession`` for models that use ai.onnx.preview.training.
 
-    Takes a path, serialized bytes, a ModelProto or a
-    :class:`~onnx_training_ops.storage.LargeModel`, runs :func:`prepare` on it (``kernels``:
-    ``"native"``, ``"pyop"`` or None for the default, see :func:`prepare`) and
-    registers the kernel library in ``sess_options`` (a copy is not made: the options
-    object gains the library). Everything else — ``run``, ``get_inputs``,
-    ``get_outputs``, ``io_binding`` — is onnxruntime's own.
+    Runs :func:`prepare` on the model and registers the kernel library in ``sess_options``
+    (a copy is not made: the options object gains the library). Everything else
+    (``get_inputs``, ``get_outputs``, ``io_binding``...) is onnxruntime's own.
 
     A large model (a LargeModel, or a file past
     :func:`~onnx_training_ops.storage.large_model_bytes`) reaches onnxruntime as its small
@@ -49,6 +46,17 @@ class InferenceSession(ort.InferenceSession):
     (``SessionOptions.add_external_initializers``: no 2 GB limit, but onnxruntime copies
     them; a TrainingSession binds them as inputs instead. The options object gains them
     too, so give each large model options of its own).
+
+    Args:
+        model: a path, serialized bytes, a ModelProto or a
+            :class:`~onnx_training_ops.storage.LargeModel`.
+        sess_options: onnxruntime options to use (they gain the kernel library); None: new ones.
+        providers: onnxruntime execution providers; default the CPU provider.
+        kernels: ``"native"``, ``"pyop"`` or None for the default (see :func:`prepare`).
+        **kwargs: passed on to ``onnxruntime.InferenceSession``.
+
+    Raises:
+        TrainingOpError: an invalid training-domain node (from :func:`prepare`).
     """
 
     def __init__(
@@ -71,9 +79,23 @@ class InferenceSession(ort.InferenceSession):
         )
 
     def run(self, output_names, input_feed, run_options=None):
-        """``onnxruntime.InferenceSession.run``; a failing training kernel raises TrainingOpError.
+        """``onnxruntime.InferenceSession.run``, with training kernel failures raised.
+
         Arrays in a non-native byte order (``'>f4'``) are converted first: onnxruntime would
-        read their bytes as native."""
+        read their bytes as native. The arrays fed are never modified.
+
+        Args:
+            output_names (Sequence[str] | None): the outputs to return; None for all.
+            input_feed (Mapping[str, np.ndarray]): input name -> array.
+            run_options (onnxruntime.RunOptions | None): onnxruntime's run options.
+
+        Returns:
+            The outputs' values, in the order asked for.
+
+        Raises:
+            TrainingOpError: ``input_feed`` is not a dict, or a training kernel failed (the
+                message names the node).
+        """
         if not isinstance(input_feed, Mapping):
             raise TrainingOpError(f"run: input_feed must be a dict of input name to array, found "
                                   f"{type(input_feed).__name__}")
@@ -85,7 +107,16 @@ class InferenceSession(ort.InferenceSession):
         return outputs
 
     def run_with_iobinding(self, iobinding, run_options=None):
-        """``onnxruntime.InferenceSession.run_with_iobinding`` with kernel errors raised."""
+        """``onnxruntime.InferenceSession.run_with_iobinding``, with training kernel failures raised.
+
+        Args:
+            iobinding (onnxruntime.IOBinding): the binding (``session.io_binding()``); an OrtValue bound as an input
+                and as the matching output is updated in place.
+            run_options (onnxruntime.RunOptions | None): onnxruntime's run options.
+
+        Raises:
+            TrainingOpError: a training kernel failed (the message names the node).
+        """
         take_kernel_errors()
         with held_interrupts(), native_errors_raised():
             super().run_with_iobinding(iobinding, run_options)

@@ -41,10 +41,11 @@ from .tensors import array_of, location, proto_of
 CHECKSUM_KEY = "onnx_training_ops.checksums"
 
 
-# The temporary file of a write to ``name``: ``.<name>.<pid>.<random>.tmp`` (random from
-# mkstemp: letters, digits, underscores). Matched exactly, so a save to ``ck.onnx`` never takes
-# the temporary of a save to ``ck.onnx.bak`` (``.ck.onnx.bak.<pid>...``) for its own.
-_TEMPORARY = r"(\d+)\.[A-Za-z0-9_]+\.tmp"
+# The temporary file of a write to ``name``: ``.<name>.<pid>.<thread>.<random>.tmp`` (random
+# from mkstemp: letters, digits, underscores; older versions wrote no thread id). Matched
+# exactly, so a save to ``ck.onnx`` never takes the temporary of a save to ``ck.onnx.bak``
+# (``.ck.onnx.bak.<pid>...``) for its own.
+_TEMPORARY = r"(\d+)\.(?:\d+\.)?[A-Za-z0-9_]+\.tmp"
 _IN_FLIGHT: set[str] = set()  # this process's temporaries being written (any thread)
 _IN_FLIGHT_LOCK = threading.Lock()
 
@@ -77,10 +78,12 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], obj
     try:
         os.makedirs(directory, exist_ok=True)
         _remove_stale_temporaries(directory, prefix)
-        with held_interrupts():
-            fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}.", suffix=".tmp", dir=directory)
-            with _IN_FLIGHT_LOCK:
-                _IN_FLIGHT.add(tmp)
+        # created and registered under the lock: another thread's stale-temporary sweep (which
+        # checks _IN_FLIGHT under it) never sees this one unregistered and removes it
+        with held_interrupts(), _IN_FLIGHT_LOCK:
+            fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}.{threading.get_native_id()}.",
+                                       suffix=".tmp", dir=directory)
+            _IN_FLIGHT.add(tmp)
         f, fd = os.fdopen(fd, "wb"), None
         path = _write_and_rename(f, tmp, path, data, final_path)
     except BaseException as error:

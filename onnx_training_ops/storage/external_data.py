@@ -42,12 +42,21 @@ def _entries(tensor: onnx.TensorProto) -> dict[str, str]:
 
 
 def _checked_path(base_dir: str, where: str, tensor: onnx.TensorProto) -> str:
-    """``base_dir/where``; a location that is absolute or leaves ``base_dir`` is refused
-    (onnx's rule: a model must not read files outside its directory)."""
+    """``base_dir/where``; a location that is absolute or leaves ``base_dir``, in its text or
+    through a symlink, is refused (onnx's rule: a model must not read files outside its
+    directory), and so is a symlink (onnx's loader refuses one even inside)."""
     if not where or os.path.isabs(where) or os.path.normpath(where).split(os.sep)[0] == "..":
         raise TrainingOpError(f"tensor {tensor.name!r}: external data location {where!r} must be a relative "
                               "path inside the model's directory")
-    return os.path.join(base_dir, where)
+    path = os.path.join(base_dir, where)
+    root, real = os.path.realpath(base_dir or "."), os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise TrainingOpError(f"tensor {tensor.name!r}: external data location {where!r} resolves to {real!r}, "
+                              "outside the model's directory (a symlink out of it is refused, as onnx's loader does)")
+    if os.path.islink(path):
+        raise TrainingOpError(f"tensor {tensor.name!r}: external data location {where!r} is a symbolic link; "
+                              "onnx's loader refuses those: copy the file into the model's directory")
+    return path
 
 
 def _dtype(tensor: onnx.TensorProto) -> np.dtype:

@@ -20,9 +20,15 @@ commits: :func:`.model_files.load_model` then reads the message again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 import onnx
 from onnx import numpy_helper
@@ -66,8 +72,32 @@ def data_files(path: str) -> list[str]:
                   if n.startswith(base + ".") and _DATA_NAME.search(n[len(base):]))
 
 
+@contextlib.contextmanager
+def _directory_lock(directory: str):
+    """An exclusive lock on ``directory`` (``flock``; processes and threads alike), where the
+    platform has one: two writers of external data there never remove each other's data file."""
+    if fcntl is None:  # pragma: no cover - Windows
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _save_external(model: onnx.ModelProto | ModelContainer, path: str, checksums: bool) -> str:
     directory, base = os.path.split(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    # One writer at a time from the data file to the removal of the old ones: a concurrent save to
+    # the same path would otherwise remove the data file this one is about to commit.
+    with _directory_lock(directory):
+        return _save_external_locked(model, path, directory, base, checksums)
+
+
+def _save_external_locked(model: onnx.ModelProto | ModelContainer, path: str, directory: str, base: str,
+                          checksums: bool) -> str:
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(proto_of(model))
     tensors = [t for g in graphs_with_tensors(skeleton) for t in g.initializer

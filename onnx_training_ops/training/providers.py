@@ -19,9 +19,9 @@ from ..errors import TrainingOpError
 CPU = "CPUExecutionProvider"
 
 _GPU_HINT = (
-    "to train on a GPU today, export the step (onnx_training_ops.export_step or "
-    "`onnx-training-ops export-step`) and run it in onnxruntime-gpu with IOBinding, the state "
-    "kept in device OrtValues (docs/export.md)"
+    "To train on a GPU today: export the step (onnx_training_ops.export.export_step, or "
+    "`onnx-training-ops export-step`) and train it with onnx_training_ops.export.DeviceTrainer(directory, "
+    "providers=['CUDAExecutionProvider', 'CPUExecutionProvider']), which keeps the state on the device"
 )
 
 
@@ -34,6 +34,22 @@ def provider_name(provider: "str | tuple[str, dict]") -> str:
     if not isinstance(provider, str):
         raise TrainingOpError(f"providers: expected a name or (name, options), found {provider!r}")
     return provider
+
+
+def require_available(providers: "Sequence[str | tuple[str, dict]]", available: Sequence[str] | None = None) -> None:
+    """Raise :class:`TrainingOpError` unless every provider is in this onnxruntime build
+    (onnxruntime itself drops a missing one with a logged warning and runs on the CPU)."""
+    names = [provider_name(p) for p in providers]
+    available = list(ort.get_available_providers() if available is None else available)
+    missing = [n for n in names if n not in available]
+    if missing:
+        hint = " (install onnxruntime-gpu instead of onnxruntime)" if any("CUDA" in n or "Tensorrt" in n
+                                                                          for n in missing) else ""
+        raise TrainingOpError(
+            f"providers: {', '.join(map(repr, missing))} not available in this onnxruntime build "
+            f"{ort.__version__}{hint}; available: {', '.join(available)}. onnxruntime would train on "
+            "the CPU without a word: ask for what is installed"
+        )
 
 
 def checked_providers(providers: "Sequence[str | tuple[str, dict]] | None",
@@ -51,17 +67,8 @@ def checked_providers(providers: "Sequence[str | tuple[str, dict]] | None",
     listed = list(providers)
     if not listed:
         raise TrainingOpError(f"providers: empty list; leave it out (or pass [{CPU!r}]) to train on the CPU")
+    require_available(listed, available)
     names = [provider_name(p) for p in listed]
-    available = list(ort.get_available_providers() if available is None else available)
-    missing = [n for n in names if n not in available]
-    if missing:
-        hint = " (install onnxruntime-gpu instead of onnxruntime)" if any("CUDA" in n or "Tensorrt" in n
-                                                                          for n in missing) else ""
-        raise TrainingOpError(
-            f"providers: {', '.join(map(repr, missing))} not available in this onnxruntime build "
-            f"{ort.__version__}{hint}; available: {', '.join(available)}. onnxruntime would train on "
-            "the CPU without a word: ask for what is installed"
-        )
     other = [n for n in names if n != CPU]
     if other:
         raise TrainingOpError(

@@ -43,7 +43,15 @@ def _positive(cls: str, name: str, value) -> float:
 
 @dataclass(frozen=True)
 class StepLR:
-    """``base * gamma ** (k // step_size)``."""
+    """torch's ``StepLR``: ``base * gamma ** (k // step_size)``.
+
+    Args:
+        step_size: steps between decays (> 0).
+        gamma: the decay factor (>= 0).
+
+    Raises:
+        TrainingOpError: a value out of range (named, with what was found).
+    """
 
     step_size: int
     gamma: float = 0.1
@@ -53,12 +61,29 @@ class StepLR:
         _nonnegative("StepLR", "gamma", self.gamma)
 
     def lr(self, base: float, k: int) -> float:
+        """The learning rate of optimizer step ``k`` (0-based) for the base rate ``base``.
+
+        Args:
+            base: the learning-rate input's own value (torch's ``base_lrs``).
+            k: optimizer steps taken before this one.
+
+        Returns:
+            The rate.
+        """
         return base * self.gamma ** (k // self.step_size)
 
 
 @dataclass(frozen=True)
 class MultiStepLR:
-    """``base * gamma ** (number of milestones <= k)``."""
+    """torch's ``MultiStepLR``: ``base * gamma ** (number of milestones <= k)``.
+
+    Args:
+        milestones: the steps at which the rate decays (each > 0; sorted here).
+        gamma: the decay factor (>= 0).
+
+    Raises:
+        TrainingOpError: a value out of range (named, with what was found).
+    """
 
     milestones: tuple[int, ...]
     gamma: float = 0.1
@@ -71,12 +96,28 @@ class MultiStepLR:
         _nonnegative("MultiStepLR", "gamma", self.gamma)
 
     def lr(self, base: float, k: int) -> float:
+        """The learning rate of optimizer step ``k`` (0-based) for the base rate ``base``.
+
+        Args:
+            base: the learning-rate input's own value (torch's ``base_lrs``).
+            k: optimizer steps taken before this one.
+
+        Returns:
+            The rate.
+        """
         return base * self.gamma ** bisect.bisect_right(self.milestones, k)
 
 
 @dataclass(frozen=True)
 class ExponentialLR:
-    """``base * gamma ** k``."""
+    """torch's ``ExponentialLR``: ``base * gamma ** k``.
+
+    Args:
+        gamma: the decay factor per step (>= 0).
+
+    Raises:
+        TrainingOpError: a value out of range (named, with what was found).
+    """
 
     gamma: float
 
@@ -84,12 +125,31 @@ class ExponentialLR:
         _nonnegative("ExponentialLR", "gamma", self.gamma)
 
     def lr(self, base: float, k: int) -> float:
+        """The learning rate of optimizer step ``k`` (0-based) for the base rate ``base``.
+
+        Args:
+            base: the learning-rate input's own value (torch's ``base_lrs``).
+            k: optimizer steps taken before this one.
+
+        Returns:
+            The rate.
+        """
         return base * self.gamma ** k
 
 
 @dataclass(frozen=True)
 class CosineAnnealingLR:
-    """``eta_min + (base - eta_min) * (1 + cos(pi * k / T_max)) / 2`` (periodic past T_max, as torch's)."""
+    """torch's ``CosineAnnealingLR``: ``eta_min + (base - eta_min) * (1 + cos(pi * k / T_max)) / 2``.
+
+    Periodic past ``T_max``, as torch's.
+
+    Args:
+        T_max: steps of one half cosine period (> 0).
+        eta_min: the lowest rate (>= 0).
+
+    Raises:
+        TrainingOpError: a value out of range (named, with what was found).
+    """
 
     T_max: int
     eta_min: float = 0.0
@@ -99,12 +159,30 @@ class CosineAnnealingLR:
         _nonnegative("CosineAnnealingLR", "eta_min", self.eta_min)
 
     def lr(self, base: float, k: int) -> float:
+        """The learning rate of optimizer step ``k`` (0-based) for the base rate ``base``.
+
+        Args:
+            base: the learning-rate input's own value (torch's ``base_lrs``).
+            k: optimizer steps taken before this one.
+
+        Returns:
+            The rate.
+        """
         return self.eta_min + (base - self.eta_min) * (1 + math.cos(math.pi * k / self.T_max)) / 2
 
 
 @dataclass(frozen=True)
 class LinearLR:
-    """``base * factor``, the factor going linearly from ``start_factor`` to ``end_factor`` over ``total_iters`` steps."""
+    """torch's ``LinearLR``: ``base * factor``, the factor going linearly over ``total_iters`` steps.
+
+    Args:
+        start_factor: the factor at step 0, in (0, 1].
+        end_factor: the factor from step ``total_iters`` on, in [0, 1].
+        total_iters: steps of the linear change (> 0).
+
+    Raises:
+        TrainingOpError: a value out of range (named, with what was found).
+    """
 
     start_factor: float = 1.0 / 3
     end_factor: float = 1.0
@@ -117,16 +195,38 @@ class LinearLR:
         _positive_int("LinearLR", "total_iters", self.total_iters)
 
     def lr(self, base: float, k: int) -> float:
+        """The learning rate of optimizer step ``k`` (0-based) for the base rate ``base``.
+
+        Args:
+            base: the learning-rate input's own value (torch's ``base_lrs``).
+            k: optimizer steps taken before this one.
+
+        Returns:
+            The rate.
+        """
         t = min(k, self.total_iters) / self.total_iters
         return base * (self.start_factor + (self.end_factor - self.start_factor) * t)
 
 
 @dataclass(frozen=True)
 class OneCycleLR:
-    """torch's ``OneCycleLR(max_lr, total_steps, pct_start, anneal_strategy, div_factor,
-    final_div_factor, three_phase)`` with ``cycle_momentum=False``: the rates come from
-    ``max_lr`` (a number, or ``{learning-rate input: max_lr}`` per group), not the base rate.
-    Momentum cycling is not offered: the momentum is an attribute of the optimizer node."""
+    """torch's ``OneCycleLR`` with ``cycle_momentum=False``.
+
+    The rates come from ``max_lr``, not the base rate. Momentum cycling is not offered: the
+    momentum is an attribute of the optimizer node.
+
+    Args:
+        max_lr: the peak rate, a number or ``{learning-rate input: max_lr}`` per group.
+        total_steps: steps of the whole cycle (> 0); a step past it raises.
+        pct_start: the fraction of the cycle spent rising, in [0, 1].
+        anneal_strategy: ``"cos"`` or ``"linear"``.
+        div_factor: the initial rate is ``max_lr / div_factor``.
+        final_div_factor: the final rate is the initial one ``/ final_div_factor``.
+        three_phase: torch's third phase (back down to the initial rate before the final decay).
+
+    Raises:
+        TrainingOpError: a value out of range (named, with what was found).
+    """
 
     max_lr: float | Mapping[str, float]
     total_steps: int
@@ -164,6 +264,19 @@ class OneCycleLR:
         return float(self.max_lr)
 
     def lr(self, base: float, k: int, name: str = "") -> float:
+        """The learning rate of optimizer step ``k`` (0-based) for the input ``name``.
+
+        Args:
+            base: the learning-rate input's own value (unused: the rates come from ``max_lr``).
+            k: optimizer steps taken before this one.
+            name: the learning-rate input, for a per-group ``max_lr``.
+
+        Returns:
+            The rate.
+
+        Raises:
+            TrainingOpError: ``k`` past ``total_steps``, or no ``max_lr`` entry for ``name``.
+        """
         top = self.max_lr_of(name)
         initial = top / self.div_factor
         low = initial / self.final_div_factor
@@ -188,8 +301,18 @@ class OneCycleLR:
 
 @dataclass(frozen=True)
 class WarmupCosineLR:
-    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to 0 at ``total_steps``
-    (transformers' ``get_cosine_schedule_with_warmup``, ``num_cycles`` included)."""
+    """transformers' ``get_cosine_schedule_with_warmup``.
+
+    Linear warm-up from 0 over ``warmup_steps``, then cosine decay to 0 at ``total_steps``.
+
+    Args:
+        warmup_steps: steps of the warm-up (>= 0, at most ``total_steps``).
+        total_steps: the step at which the rate reaches 0 (> 0).
+        num_cycles: cosine cycles over the decay (0.5: one half cosine down to 0).
+
+    Raises:
+        TrainingOpError: a value out of range (named, with what was found).
+    """
 
     warmup_steps: int
     total_steps: int
@@ -206,6 +329,15 @@ class WarmupCosineLR:
                                   "the base and the decay never start); pass warmup_steps <= total_steps")
 
     def lr(self, base: float, k: int) -> float:
+        """The learning rate of optimizer step ``k`` (0-based) for the base rate ``base``.
+
+        Args:
+            base: the learning-rate input's own value (torch's ``base_lrs``).
+            k: optimizer steps taken before this one.
+
+        Returns:
+            The rate.
+        """
         if k < self.warmup_steps:
             return base * k / max(1, self.warmup_steps)
         progress = (k - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
@@ -214,10 +346,20 @@ class WarmupCosineLR:
 
 @dataclass(frozen=True)
 class WarmupLinearLR:
-    """Linear warm-up from 0 over ``warmup_steps``, then linear decay to 0 at ``total_steps``
-    (transformers' ``get_linear_schedule_with_warmup``). ``warmup_steps > total_steps`` is
-    refused unless ``allow_warmup_past_total`` (onnxruntime-training 1.19.2's swapped counts:
-    a rise over ``warmup_steps``, 0 from ``warmup_steps`` on)."""
+    """transformers' ``get_linear_schedule_with_warmup``.
+
+    Linear warm-up from 0 over ``warmup_steps``, then linear decay to 0 at ``total_steps``.
+
+    Args:
+        warmup_steps: steps of the warm-up (>= 0, at most ``total_steps``).
+        total_steps: the step at which the rate reaches 0 (> 0).
+        allow_warmup_past_total: accept ``warmup_steps > total_steps``: onnxruntime-training
+            1.19.2's ``LinearLRScheduler`` (its binding swaps the two counts), a rise over
+            ``warmup_steps`` and 0 from ``warmup_steps`` on.
+
+    Raises:
+        TrainingOpError: a value out of range (named, with what was found).
+    """
 
     warmup_steps: int
     total_steps: int
@@ -234,6 +376,15 @@ class WarmupLinearLR:
                                   "onnxruntime-training 1.19.2's LinearLRScheduler, whose binding swaps the two)")
 
     def lr(self, base: float, k: int) -> float:
+        """The learning rate of optimizer step ``k`` (0-based) for the base rate ``base``.
+
+        Args:
+            base: the learning-rate input's own value (torch's ``base_lrs``).
+            k: optimizer steps taken before this one.
+
+        Returns:
+            The rate.
+        """
         if k < self.warmup_steps:
             return base * k / max(1, self.warmup_steps)
         return base * max(0.0, (self.total_steps - k) / max(1, self.total_steps - self.warmup_steps))

@@ -42,6 +42,7 @@ from .session_files import Checkpointing
 from .session_loop import TrainingLoop
 from .session_parameters import FlatParameters
 from .session_state import StateAccess
+from .session_summary import Introspection
 from .binding import open_program
 from .checks import batch_checker, stored_properties
 from .fast_path import flatten_cut_state
@@ -74,28 +75,42 @@ def _check_threads(threads, sess_options) -> None:
                               "pass one of them")
 
 
-class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, FlatParameters):
+class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, FlatParameters, Introspection):
     """Run an ONNX training model: ``initialize()``, ``step(feeds)``, ``run(...)``, checkpoints.
 
-    ``model_or_path``: a ModelProto, path or bytes of a model with ``training_info`` (from
-    :func:`~onnx_training_ops.build_training_model` or written by hand following the IR
-    spec). The state starts at the model's initializers, so a checkpoint written by
+    The state starts at the model's initializers, so a checkpoint written by
     :meth:`save` resumes where it stopped; call :meth:`initialize` to reset the state and run
     the initialization graphs (a model fresh from the builder is already in that state). A
     nominal checkpoint (``save(path, nominal=True)``) opens with zeros in its parameters and
     the optimizer state initialized; it trains once :meth:`load_flat_parameters` filled them.
 
-    ``sess_options`` (copied for each onnxruntime session this one opens) and
-    ``session_config`` (extra config entries) tune onnxruntime; what ``sess_options`` leaves at
-    onnxruntime's defaults gets the package's (no memory pattern, the shared arena, a large
-    model's memory options, the thread count: docs/training.md). ``threads``: intra-op threads
-    of every onnxruntime session (0: onnxruntime's choice, one per core; default: 1 for a small
-    model, else 0). ``fast`` and ``on_nonfinite``: see the module docstring.
-
     Threads: a session may be shared. ``step``, ``run``, ``save``, ``state_dict``,
     ``load_state_dict``, ``initialize`` and the exports hold one lock, so concurrent calls
     run one after the other (no step is lost, no checkpoint is torn); for parallel training,
     use one session per thread.
+
+    Args:
+        model_or_path: a ModelProto, LargeModel, path or bytes of a model with
+            ``training_info`` (from :func:`~onnx_training_ops.build_training_model` or written
+            by hand following the IR spec), or a checkpoint.
+        providers: onnxruntime execution providers; only the CPU provider trains (a device
+            provider or one missing from the installed build is refused).
+        fast: apply the optimizer nodes in place with the fused kernels (default); False runs
+            them in onnxruntime. Both agree bit for bit.
+        on_nonfinite: what a NaN or infinite loss does: ``"raise"``
+            (:class:`NonFiniteLossError`), ``"skip"`` the step (counted in ``skipped_steps``)
+            or ``"ignore"`` it; the first two leave the state unchanged.
+        sess_options: onnxruntime options, copied for each onnxruntime session this one opens;
+            what they leave at onnxruntime's defaults gets the package's (no memory pattern,
+            the shared arena, a large model's memory options, the thread count:
+            docs/training.md).
+        session_config: extra onnxruntime session config entries.
+        threads: intra-op threads of every onnxruntime session (0: onnxruntime's choice, one
+            per core; default: 1 for a small model, else 0).
+
+    Raises:
+        TrainingOpError: a model without ``training_info``, a damaged or mismatched
+            checkpoint (checksums), a refused provider or a bad argument.
     """
 
     def __init__(
@@ -219,11 +234,23 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
     ) -> "TrainingSession":
         """A session for a plain graph that holds the optimizer itself, with explicit state.
 
-        ``feedback`` maps graph outputs to the graph inputs they replace after each step
-        (``{"X_new": "X", "V_new": "V", "T_new": "T"}``). The initial value of each state
-        input is its initializer (an input with a default) or ``initial_state[name]``.
-        The graph becomes the algorithm of a training model whose main graph only holds
-        the state, so :meth:`save` writes a regular training model.
+        The graph becomes the algorithm of a training model whose main graph only holds the state,
+        so :meth:`save` writes a regular training model.
+
+        Args:
+            model: the graph's model (ModelProto, path or bytes): state in as inputs, new state out.
+            feedback: graph outputs -> the graph inputs they replace after each step
+                (``{"X_new": "X", "V_new": "V", "T_new": "T"}``).
+            initial_state: the initial value of a state input that has no initializer (an input
+                with a default starts at that value).
+            **kwargs: passed on to :class:`TrainingSession` (``fast``, ``sess_options``...).
+
+        Returns:
+            The TrainingSession.
+
+        Raises:
+            TrainingOpError: a feedback name that is not an output or input of the graph, or a
+                state input without a value.
         """
         return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
 
@@ -235,7 +262,14 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
                              force_threads=self._threads_given is not None)
 
     def with_model(self, model: ModelLike) -> "TrainingSession":
-        """A new session for ``model`` with this session's providers and options."""
+        """A new session for ``model`` with this session's providers and options.
+
+        Args:
+            model: the training model or checkpoint to open.
+
+        Returns:
+            The new TrainingSession.
+        """
         return type(self)(model, self._providers, fast=self.fast, on_nonfinite=self.on_nonfinite,
                           sess_options=self._sess_options, session_config=self._session_config,
                           threads=self._threads_given)
@@ -247,14 +281,26 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
              outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
         """One training step: run each algorithm, assign its outputs by ``update_binding``.
 
-        ``feeds``: the algorithm's inputs (the model's inputs and e.g. ``labels``).
-        ``lr``: the learning rate for this step, one for all groups or ``{input name: lr}``
-        (default: the schedule's, else the model's value, or a feed of the learning-rate
-        input). Returns the outputs not consumed by ``update_binding`` (the loss, ...), and
-        ``outputs``: values of the same run (``["logits"]``, any value of the main graph or
-        the algorithm; onnxruntime-training's ``additional_output_names``), computed before
-        the update. With gradients accumulated by :meth:`backward`, it is ``backward(feeds)``
-        then :meth:`optimizer_step` (the batch adds to them, as in torch).
+        With gradients accumulated by :meth:`backward`, it is ``backward(feeds)`` then
+        :meth:`optimizer_step` (the batch adds to them, as in torch).
+
+        Args:
+            feeds: the algorithm's inputs (the model's inputs and e.g. ``labels``).
+            lr: the learning rate for this step, one for all groups or ``{input name: lr}``
+                (default: the schedule's, else the model's value, or a feed of the learning-rate
+                input).
+            outputs: values of the same run to return too (``["logits"]``, any value of the main
+                graph or the algorithm; onnxruntime-training's ``additional_output_names``),
+                computed before the update.
+
+        Returns:
+            The outputs not consumed by ``update_binding`` (the loss, ``grad_norm``...), and
+            ``outputs``.
+
+        Raises:
+            TrainingOpError: a missing, unknown or mis-shaped feed, labels out of range, or a bad ``lr``.
+            NonFiniteLossError: a NaN or infinite loss with ``on_nonfinite="raise"`` (the state is
+                left as it was).
         """
         self._check_filled("step")
         if self._accumulation.count:

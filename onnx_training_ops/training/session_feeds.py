@@ -62,7 +62,18 @@ class FeedsAndRun:
 
     @locked
     def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
-        """Run the main (inference) graph with the current state; like ``InferenceSession.run``."""
+        """Run the main (inference) graph with the current state; like ``InferenceSession.run``.
+
+        Args:
+            output_names: the outputs to return (any value of the main graph); None for all outputs.
+            feeds: the main graph's inputs.
+
+        Returns:
+            The values, in the order asked for.
+
+        Raises:
+            TrainingOpError: a missing, unknown or mis-shaped feed, or an unknown output.
+        """
         self._check_filled("run")
         if self._inference is None:
             self._inference = inference_session(self._model, self._state, self._session_options(), self._providers)

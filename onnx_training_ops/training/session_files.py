@@ -50,9 +50,19 @@ class Checkpointing:
     def save(self, path: str | os.PathLike, nominal: bool = False) -> str:
         """Write the training model with the current state, atomically; reloading resumes bit-exact.
 
-        ``nominal=True``: names, dtypes and shapes only (onnxruntime-training's nominal
-        checkpoint): the graphs without the values of the state and the parameters, for a
-        device that opens it and loads the parameters it receives (:meth:`load_flat_parameters`)."""
+        Args:
+            path: the checkpoint file (``.onnx``; a large model also writes one data file beside it).
+            nominal: names, dtypes and shapes only (onnxruntime-training's nominal checkpoint): the
+                graphs without the values of the state and the parameters, for a device that opens
+                it and loads the parameters it receives (:meth:`load_flat_parameters`).
+
+        Returns:
+            The path written.
+
+        Raises:
+            TrainingOpError: the file cannot be written (``FileWriteError``, naming the path); the
+                previous file at ``path`` is left whole.
+        """
         if "shard" in self._meta:
             raise TrainingOpError(
                 "save: this session holds one rank's shard of the optimizer state (ZeRO-1); save through "
@@ -71,12 +81,21 @@ class Checkpointing:
     @locked
     def export_inference_model(self, path: str | os.PathLike | None = None,
                                outputs: Sequence[str] | None = None) -> onnx.ModelProto | LargeModel:
-        """The main graph with the trained weights and no training_info (written to ``path`` if
-        given, atomically; a large model with its weights in external data). ``outputs``: the
-        values it computes (any of the main graph; default its outputs), without what they do
-        not need (``export_model_for_inferencing(path, graph_output_names)``). A large model
-        comes back as a LargeModel: memory-mapped from ``path`` when given, else over copies
-        of the weights."""
+        """The main graph with the trained weights and no ``training_info``.
+
+        Args:
+            path: where to write it, atomically (a large model with its weights in external
+                data); None: only return it.
+            outputs: the values it computes (any of the main graph; default its outputs), without
+                what they do not need (onnxruntime-training's ``export_model_for_inferencing``).
+
+        Returns:
+            The inference model; a large model comes back as a LargeModel, memory-mapped from
+            ``path`` when given, else over copies of the weights.
+
+        Raises:
+            TrainingOpError: an unknown output name, or a file that cannot be written.
+        """
         self._check_filled("export_inference_model")
         live = self._large and path is not None  # streamed to disk under the lock: no copy
         model = inference_model(self._model, self._state, with_state_values=True, copy=not live)

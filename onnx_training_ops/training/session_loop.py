@@ -30,13 +30,33 @@ class TrainingLoop:
 
     @locked
     def eval_feeds(self, outputs: Sequence[str] = ()) -> list[Feed]:
-        """What :meth:`evaluate` takes (for the same ``outputs``)."""
+        """What :meth:`evaluate` takes (for the same ``outputs``).
+
+        Args:
+            outputs: the extra outputs :meth:`evaluate` would be asked for.
+
+        Returns:
+            One entry per input: name, dtype, shape and whether it is optional.
+        """
         return feed_list(*program_feeds(self._eval_program(tuple(outputs))))
 
     @locked
     def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
-        """The loss (the eval-mode loss of a ``mode="train"`` model: dropout off, BatchNorm
-        running statistics) and ``outputs`` with the current weights; nothing changes."""
+        """The loss and ``outputs`` with the current weights; nothing changes.
+
+        The loss of a ``mode="train"`` model is its eval-mode loss (dropout off, BatchNorm
+        running statistics), bit-equal to a step's in eval mode.
+
+        Args:
+            feeds: the inputs of the model and the loss (e.g. ``input`` and ``labels``).
+            outputs: more values to return (any value of the main graph).
+
+        Returns:
+            ``{"loss": ..., **outputs}``.
+
+        Raises:
+            TrainingOpError: a missing, unknown or mis-shaped feed, or an unknown output.
+        """
         self._check_filled("evaluate")
         # the loss's output too, when the labels' shape is not all known before the run: onnxruntime's
         # SoftmaxCrossEntropyLoss returned a number for labels [2, 8] against logits [2, 16, V]
@@ -109,9 +129,19 @@ class TrainingLoop:
 
     @locked
     def set_lr_schedule(self, schedule, step: int = 0) -> None:
-        """Drive every learning-rate input by ``schedule`` from optimizer step ``step`` on
-        (each from its own default as base rate, as torch's ``base_lrs``); None detaches it.
-        Saved in checkpoints with its position."""
+        """Drive every learning-rate input by ``schedule``, saved in checkpoints with its position.
+
+        Each input uses its own default as the base rate, as torch's ``base_lrs``. Schedules are
+        not called directly: the session steps them once per optimizer step.
+
+        Args:
+            schedule (Schedule | None): one of :mod:`onnx_training_ops.schedules` (``WarmupCosineLR(...)``...), or
+                None to detach the current one.
+            step: the optimizer step the schedule starts from.
+
+        Raises:
+            TrainingOpError: not a schedule, or a negative ``step``.
+        """
         self._rates.attach(schedule, step)
 
     # ------------------------------------------------------------------ gradient accumulation
@@ -121,10 +151,23 @@ class TrainingLoop:
 
     @locked
     def backward(self, feeds: Mapping[str, Any], scale: float = 1.0) -> dict[str, np.ndarray]:
-        """Add this batch's gradients (times ``scale``) to the accumulated ones; returns the
-        loss. Parameters and optimizer state do not change (BatchNorm running statistics do,
-        as in torch's forward). For the mean over k micro-batches pass ``scale=1/k``, as
-        torch users divide the loss. Non-finite losses follow ``on_nonfinite``."""
+        """Add this batch's gradients (times ``scale``) to the accumulated ones.
+
+        Parameters and optimizer state do not change (BatchNorm running statistics do, as in
+        torch's forward). Non-finite losses follow ``on_nonfinite``.
+
+        Args:
+            feeds: the algorithm's inputs (the model's inputs and e.g. ``labels``).
+            scale: factor on this batch's gradients; for the mean over k micro-batches pass
+                ``scale=1/k``, as torch users divide the loss.
+
+        Returns:
+            ``{"loss": ...}``: this batch's loss.
+
+        Raises:
+            TrainingOpError: a missing, unknown or mis-shaped feed.
+            NonFiniteLossError: a NaN or infinite loss with ``on_nonfinite="raise"``.
+        """
         self._check_filled("backward")
         backward = self._accumulation.programs()[0]
         required, optional = program_feeds(backward)
@@ -141,8 +184,18 @@ class TrainingLoop:
 
     @locked
     def optimizer_step(self, lr: float | Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
-        """Apply the accumulated gradients (clipping, weight decay, the optimizer, T + 1),
-        then zero them; returns the apply stage's outputs (``grad_norm`` when clipping)."""
+        """Apply the accumulated gradients (clipping, weight decay, the optimizer, T + 1), then zero them.
+
+        Args:
+            lr: the learning rate for this step, one for all groups or ``{input name: lr}``
+                (default: the schedule's, else the model's value).
+
+        Returns:
+            The apply stage's outputs (``grad_norm`` when clipping).
+
+        Raises:
+            TrainingOpError: no gradients accumulated (call :meth:`backward` first), or a bad ``lr``.
+        """
         if not self._accumulation.count:
             raise TrainingOpError("optimizer_step: no gradients accumulated since the last optimizer "
                                   "step; call backward(feeds) first")

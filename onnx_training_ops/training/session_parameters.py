@@ -42,17 +42,33 @@ class FlatParameters:
 
     @locked
     def parameters_size(self, trainable_only: bool = True) -> int:
-        """How many elements :meth:`get_flat_parameters` holds (``get_parameters_size``)."""
+        """How many elements :meth:`get_flat_parameters` holds (``get_parameters_size``).
+
+        Args:
+            trainable_only: count only the trained parameters.
+
+        Returns:
+            The number of elements.
+        """
         return int(sum(a.size for a in self._parameters(trainable_only).values()))
 
     @locked
     def get_flat_parameters(self, trainable_only: bool = True, copy: bool = True) -> np.ndarray:
-        """The parameters raveled into one 1-D vector (``get_contiguous_parameters``).
+        """The parameters raveled into one 1-D vector (onnxruntime-training's ``get_contiguous_parameters``).
 
-        ``copy=False`` returns the live buffer the trainables already are views of (the session
-        lays them out so; writing into it changes the parameters, no copy either way), or
-        raises when they are not one buffer (several optimizer nodes laid them out apart, or
-        ``trainable_only=False`` with frozen parameters, which are constants of the model)."""
+        Args:
+            trainable_only: only the trained parameters; False adds the frozen ones.
+            copy: False returns the live buffer the trainables already are views of (writing into
+                it changes the parameters).
+
+        Returns:
+            The vector, in the session's parameter order.
+
+        Raises:
+            TrainingOpError: ``copy=False`` when the parameters are not one buffer (several
+                optimizer nodes laid them out apart, or ``trainable_only=False`` with frozen
+                parameters, which are constants of the model).
+        """
         params = self._parameters(trainable_only)
         if not copy:
             names = list(params)
@@ -68,10 +84,18 @@ class FlatParameters:
 
     @locked
     def load_flat_parameters(self, buffer, trainable_only: bool = True) -> None:
-        """Copy ``buffer`` (a vector in :meth:`get_flat_parameters`'s order, dtype and size) into
-        the parameters (``copy_buffer_to_parameters``): trainables in place; frozen ones, when
-        their values change, by reopening the onnxruntime sessions. A nominal session is
-        complete once every parameter has been loaded."""
+        """Copy ``buffer`` into the parameters (onnxruntime-training's ``copy_buffer_to_parameters``).
+
+        Trainables are written in place; frozen ones, when their values change, by reopening the
+        onnxruntime sessions. A nominal session is complete once every parameter has been loaded.
+
+        Args:
+            buffer (np.ndarray): a vector in :meth:`get_flat_parameters`'s order, dtype and size.
+            trainable_only: the vector holds only the trained parameters.
+
+        Raises:
+            TrainingOpError: a buffer of another dtype or size.
+        """
         params = self._parameters(trainable_only)
         values = split_into(buffer, params, "load_flat_parameters")
         frozen = {n: v for n, v in values.items() if n not in self._state}

@@ -31,8 +31,14 @@ class StateAccess:
     def load_state_dict(self, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
         """Copy values into the state variables (same dtype and shape required).
 
-        With ``strict`` the keys must be exactly the state variables; otherwise unknown keys
-        raise and missing ones keep their value.
+        Args:
+            state: state variable name -> array.
+            strict: the keys must be exactly the state variables; False: unknown keys still raise
+                and missing ones keep their value.
+
+        Raises:
+            TrainingOpError: an unknown or (strict) missing name, or a dtype or shape that differs;
+                nothing is changed then.
         """
         unknown = [k for k in state if k not in self._state]
         if unknown:
@@ -67,8 +73,20 @@ class StateAccess:
 
     @locked
     def state_views(self, names: Sequence[str]) -> list[np.ndarray]:
-        """The live arrays of the state variables ``names``: writing into them in place (an
-        all-gather or broadcast across processes) changes the state the next run reads."""
+        """The live arrays of the state variables ``names``.
+
+        Writing into them in place (an all-gather or broadcast across processes) changes the state
+        the next run reads.
+
+        Args:
+            names: state variable names.
+
+        Returns:
+            One array per name, the session's own (no copy).
+
+        Raises:
+            TrainingOpError: an unknown name.
+        """
         unknown = [n for n in names if n not in self._state]
         if unknown:
             raise TrainingOpError(f"state_views: unknown state variable(s) {unknown}")

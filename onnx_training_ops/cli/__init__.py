@@ -1,4 +1,7 @@
-"""Command line: ``python -m onnx_training_ops {prepare,export-step,conformance,train,bench,import-ortt} ...`` (also ``onnx-training-ops``).
+"""Command line: ``python -m onnx_training_ops {build,train,summary,prepare,export-step,conformance,bench,import-ortt} ...``
+(also ``onnx-training-ops``); docs/cli.md walks through it. ``build`` (:mod:`.build`), ``train
+TRAINING.onnx`` (:mod:`.train`, data files: :mod:`.data`) and ``summary`` (:mod:`.summary`) have
+modules of their own; ``train`` without a model trains the demo.
 
 Exit status: 0 success; 1 the command ran and reports a failure (a conformance case
 failed, the demo's accuracy is below ``--min-accuracy``); 2 bad usage or input (argparse's
@@ -13,17 +16,9 @@ import sys
 from typing import Sequence
 
 
+from .extras import MissingExtra, require as _require
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-
-
-class MissingExtra(Exception):
-    """A command needs an optional dependency that is not installed."""
-
-
-def _require(module: str, extra: str) -> None:
-    import importlib.util
-    if importlib.util.find_spec(module) is None:
-        raise MissingExtra(f"this command needs {module!r}: pip install 'onnx-training-ops[{extra}]'")
 
 
 def _positive_int(text: str) -> int:
@@ -36,9 +31,9 @@ def _positive_int(text: str) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     import os
 
-    from .storage.save import save_model
-    from .errors import TrainingOpError
-    from .runtime.pipeline import prepare
+    from ..storage.save import save_model
+    from ..errors import TrainingOpError
+    from ..runtime.pipeline import prepare
 
     if os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
@@ -52,11 +47,11 @@ def _import_ortt(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from .storage.save import save_model
-    from .errors import TrainingOpError
+    from ..storage.save import save_model
+    from ..errors import TrainingOpError
 
     _require("flatbuffers", "migrate")
-    from .migrate import import_onnxruntime_training
+    from ..migrate import import_onnxruntime_training
 
     if os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
@@ -72,20 +67,35 @@ def _import_ortt(args: argparse.Namespace) -> int:
 def _export_step(args: argparse.Namespace) -> int:
     import os
 
-    from .errors import TrainingOpError
-    from .export import export_step
+    from ..errors import TrainingOpError
+    from ..export import export_step
 
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a file; give a directory")
+
+    def shapes(specs: list[str] | None, flag: str) -> dict[str, list[int]] | None:
+        found = {}
+        for spec in specs or []:
+            name, sep, dims = spec.partition("=")
+            try:
+                found[name] = [int(d) for d in dims.split(",")]
+            except ValueError:
+                sep = ""
+            if not sep or not name:
+                raise TrainingOpError(f"{flag} {spec!r}: expected NAME=D,D,... (e.g. input=32,64)")
+        return found or None
+
     manifest = export_step(args.input, args.output, eval_outputs=args.eval_outputs, ort=args.ort,
-                           packed=args.packed)
+                           packed=args.packed, flat_optimizer=args.flat_optimizer, target=args.target,
+                           input_shapes=shapes(args.input_shapes, "--input-shape"),
+                           eval_input_shapes=shapes(args.eval_input_shapes, "--eval-input-shape"))
     print(f"exported {args.input} -> {args.output}: " + ", ".join(f["path"] for f in manifest["files"].values())
           + ", manifest.json")
     return EXIT_OK
 
 
 def _conformance(args: argparse.Namespace) -> int:
-    from .conformance import format_table, run_conformance
+    from ..conformance import format_table, run_conformance
 
     results = run_conformance(portable=args.portable)
     if args.portable:
@@ -102,8 +112,8 @@ def _train_data_parallel(args: argparse.Namespace) -> int:
 
     import os
 
-    from .demo_ddp import refusal
-    from .errors import TrainingOpError
+    from ..demo_ddp import refusal
+    from ..errors import TrainingOpError
 
     _require("sklearn", "demo")
     _require("torch", "distributed")
@@ -126,19 +136,29 @@ def _train_data_parallel(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    if args.nproc > 1 and args.threads is not None:
-        raise MissingExtra("--threads is for one process; with --nproc each rank takes its share of the cores")
+    if args.model is not None:  # train TRAINING.onnx --data ...: a user's model
+        from .train import train_model
+
+        return train_model(args)
+    for option, given in (("--data", args.data), ("--eval-data", args.eval_data), ("--schedule", args.schedule),
+                          ("--threads", args.threads)):
+        if given is not None:
+            from ..errors import TrainingOpError
+
+            raise TrainingOpError(f"{option} needs a training model: onnx-training-ops train TRAINING.onnx "
+                               f"{option} ... (without one, train runs the digits demo)")
+    args.optimizer = args.optimizer or "adam"
     if args.nproc > 1:
         return _train_data_parallel(args)
     if args.shard_optimizer_state:
         raise MissingExtra("--shard-optimizer-state needs --nproc 2 or more (it shards over processes)")
-    for module in ("sklearn", "matplotlib") + (() if args.no_progress else ("tqdm",)):
+    for module in ("sklearn",) + (() if args.no_plot else ("matplotlib",)) + (() if args.no_progress else ("tqdm",)):
         _require(module, "demo")
-    from .demo import train
+    from ..demo import train
 
     result = train(
         out_dir=args.out, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-        batch_size=args.batch_size, progress=not args.no_progress, threads=args.threads,
+        batch_size=args.batch_size, progress=not args.no_progress, plot=not args.no_plot,
     )
     if result.accuracy < args.min_accuracy:
         print(f"held-out accuracy {result.accuracy:.3f} is below --min-accuracy "
@@ -149,33 +169,38 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.bench_args[:1] == ["embeddings"]:  # embedding tables: dense vs lazy Adam (vs torch if installed)
-        from .bench.embeddings import main as embeddings_main
+        from ..bench.embeddings import main as embeddings_main
 
         return embeddings_main(args.bench_args[1:])
     if args.bench_args[:1] == ["overhead"]:  # import and Gradient-expansion times, with the load
-        from .bench.overhead import main as overhead_main
+        from ..bench.overhead import main as overhead_main
 
         return overhead_main(args.bench_args[1:])
     if args.bench_args[:1] == ["memory"]:  # peak RSS of real models: ours, torch eager, onnxruntime-training
-        from .bench.memory import main as memory_main
+        from ..bench.memory import main as memory_main
 
         return memory_main(args.bench_args[1:])
 
+    if args.bench_args[:1] == ["gpu"]:  # ours (state on the device) vs torch fp32 and AMP bf16, on a GPU
+        from .bench.gpu import main as gpu_main
+
+        return gpu_main(args.bench_args[1:])
+
     if args.bench_args[:1] == ["models"]:  # real models: ours vs onnxruntime-training, torch eager, torch.compile
-        from .bench.models import main as models_main
+        from ..bench.models import main as models_main
 
         return models_main(args.bench_args[1:])
 
     if not any(a in ("-h", "--help") for a in args.bench_args):
         for module in ("torch", "matplotlib"):
             _require(module, "test")
-    from .bench import main as bench_main
+    from ..bench import main as bench_main
 
     return bench_main(args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ._version import __version__
+    from .._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime.",
@@ -184,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    from . import build, summary
+
+    build.add_parser(commands)
     p = commands.add_parser(
         "prepare", help="rewrite a model so that onnxruntime runs it",
         description="Validate a model of the ai.onnx.preview.training domain and write the "
@@ -225,18 +253,33 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--packed", action="store_true",
                    help="also write step.packed.onnx: the state packed into one input and one output per "
                         "dtype (faster in bindings that convert each tensor per run, such as onnxruntime-node)")
+    e.add_argument("--target", choices=("portable", "webgpu"), default="portable",
+                   help="webgpu: also write step.webgpu.onnx, a step whose every node runs on onnxruntime-web's "
+                        "WebGPU provider (no LogSoftmax/OneHot/Sum, no float64, the update count on the host, "
+                        "static shapes); the portable step stays as the wasm fallback")
+    e.add_argument("--input-shape", dest="input_shapes", action="append", default=None, metavar="NAME=D,D,...",
+                   help="the static shape of a data input with symbolic dims (--target webgpu; repeatable)")
+    e.add_argument("--eval-input-shape", dest="eval_input_shapes", action="append", default=None,
+                   metavar="NAME=D,D,...", help="the same for the WebGPU eval model (default: --input-shape)")
+    e.add_argument("--flat-optimizer", action="store_true",
+                   help="for a GPU: each optimizer runs over all its tensors laid end to end (a few kernels "
+                        "instead of ~16 per tensor; the same values; slower on a CPU)")
     e.set_defaults(func=_export_step)
+    summary.add_parser(commands)
     c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
     c.add_argument("--portable", action="store_true",
                    help="run them on the portable form (prepare --portable) in plain onnxruntime")
     c.set_defaults(func=_conformance)
     for name in ("train", "demo"):  # `make demo` runs `python -m onnx_training_ops demo --out out/demo`
         t = commands.add_parser(
-            name, help="demo: train an MLP on scikit-learn's digits with a training model in "
-                       "onnxruntime (needs the demo extra)",
-            description="Train an MLP on scikit-learn's digits (shipped with the package, no "
-                        "download) through a training model in onnxruntime; writes the models, "
-                        "a loss plot (training and held-out loss) and summary.json to --out; with --nproc, "
+            name, help="train a training model on a data file (train TRAINING.onnx --data FILE); without a "
+                       "model, the demo: an MLP on scikit-learn's digits (needs the demo extra)",
+            description="With a training model (from `build`): train it on --data (.npz/.safetensors: arrays "
+                        "named as the inputs; .csv: a header naming them, the label column last or named), "
+                        "with a progress bar, metrics.jsonl, loss_curve.png and checkpoint.onnx in --out "
+                        "(a second run continues from it), then inference_model.onnx. Without a model: "
+                        "train an MLP on scikit-learn's digits (shipped with the package, no download); "
+                        "writes the models, a loss plot and summary.json to --out; with --nproc, "
                         "a checkpoint per epoch as well.")
         _train_arguments(t)
     b = commands.add_parser(
@@ -262,10 +305,21 @@ def _threads(text: str) -> int:
 
 
 def _train_arguments(t: argparse.ArgumentParser) -> None:
+    t.add_argument("model", nargs="?", default=None,
+                   help="the training model (.onnx, from `build`); omitted: the digits demo")
+    t.add_argument("--data", default=None, metavar="FILE", help="training data: .npz, .safetensors or .csv")
+    t.add_argument("--eval-data", default=None, metavar="FILE", help="held-out data, evaluated after each epoch")
+    t.add_argument("--schedule", default=None, metavar="NAME[:k=v,...]",
+                   help="learning-rate schedule: cosine, linear, step:step_size=N, exponential:gamma=G, "
+                        "warmup_cosine:warmup_steps=N, warmup_linear:warmup_steps=N, onecycle:max_lr=X "
+                        "(torch's argument names; the run's total steps by default)")
+    t.add_argument("--no-plot", action="store_true", help="no loss-curve PNG (no matplotlib needed)")
     t.add_argument("--out", default="out/", help="output folder (default: out/)")
     t.add_argument("--epochs", type=_positive_int, default=30, help="epochs (default: 30)")
-    t.add_argument("--optimizer", choices=("adam", "momentum", "adagrad"), default="adam")
-    t.add_argument("--lr", type=float, default=None, help="learning rate (default: per optimizer)")
+    t.add_argument("--optimizer", choices=("adam", "momentum", "adagrad"), default=None,
+                   help="the demo's optimizer (default adam); a training model holds its own")
+    t.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: per optimizer for the demo, the model's for a model)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--batch-size", type=_positive_int, default=64)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -284,7 +338,7 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .errors import TrainingOpError
+    from ..errors import TrainingOpError
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -306,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - not a reported failure: a bug, told apart by its status
         import traceback
 
-        from ._version import __version__
+        from .._version import __version__
         traceback.print_exc()
         print(f"internal error of onnx-training-ops {__version__}: please report it with the "
               "traceback above", file=sys.stderr)

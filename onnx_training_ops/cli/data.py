@@ -1,0 +1,155 @@
+"""Data files for ``onnx-training-ops train``: columns by name, matched to the model's inputs.
+
+* ``.npz`` and ``.safetensors``: one array per input, keyed by the input's name
+  (``input``, ``labels``...), first axis the samples.
+* ``.csv``: a header row names the columns. A column named as an input is that input (one
+  value per sample); columns ``NAME[0]``, ``NAME[1]``... are the flattened values of input
+  ``NAME`` per sample (C order), reshaped to the input's per-sample shape when the model
+  fixes it. The label input (``labels``/``target``) may go unnamed: then it is the last
+  column. Values are parsed as numbers.
+
+Each array is cast to its input's element type when that loses no kind (integers to int64,
+floats to float32...); a float column for an integer input is refused.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import TrainingOpError
+
+_ELEMENT = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def read_columns(path: str, label: str | None = None) -> dict[str, np.ndarray]:
+    """The arrays of a ``.npz``, ``.safetensors`` or ``.csv`` file by name.
+
+    Args:
+        path: the data file.
+        label: the label input's name; a csv without such a column gives it its last column.
+
+    Returns:
+        ``{name: array}``, samples on the first axis.
+
+    Raises:
+        TrainingOpError: a missing or unreadable file, an unknown extension, a bad header or value.
+    """
+    if not os.path.isfile(path):
+        raise TrainingOpError(f"data file {path!r} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        if ext == ".safetensors":
+            from ..export.safetensors import read
+
+            return dict(read(path)[0])
+    except TrainingOpError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a damaged file, told in one line
+        raise TrainingOpError(f"data file {path!r}: cannot read it as {ext[1:]}: {error}") from error
+    if ext == ".csv":
+        return _read_csv(path, label)
+    raise TrainingOpError(f"data file {path!r}: expected .npz, .safetensors or .csv, found {ext or 'no extension'!r}")
+
+
+def _read_csv(path: str, label: str | None) -> dict[str, np.ndarray]:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows or not rows[0]:
+        raise TrainingOpError(f"data file {path!r}: expected a header row naming the columns, found an empty file")
+    header, body = [h.strip() for h in rows[0]], rows[1:]
+    if not body:
+        raise TrainingOpError(f"data file {path!r}: no rows after the header")
+    try:
+        values = np.array([[float(v) for v in row] for row in body], dtype=np.float64)
+    except ValueError as error:
+        raise TrainingOpError(f"data file {path!r}: every value must be a number: {error}") from error
+    if values.ndim != 2 or values.shape[1] != len(header):
+        bad = next(i for i, row in enumerate(body) if len(row) != len(header))
+        raise TrainingOpError(f"data file {path!r}: row {bad + 2} has {len(body[bad])} values, the header "
+                              f"{len(header)}")
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for column, name in enumerate(header):
+        match = _ELEMENT.match(name)
+        base, index = (match.group(1), int(match.group(2))) if match else (name, -1)
+        groups.setdefault(base, []).append((index, column))
+    if label is not None and label not in groups:  # the label column last, unnamed
+        last = header[-1]
+        base = _ELEMENT.match(last).group(1) if _ELEMENT.match(last) else last
+        groups[base] = [p for p in groups[base] if p[1] != len(header) - 1]
+        if not groups[base]:
+            del groups[base]
+        groups[label] = [(-1, len(header) - 1)]
+    out = {}
+    for name, parts in groups.items():
+        if len(parts) == 1 and parts[0][0] == -1:
+            out[name] = values[:, parts[0][1]]
+            continue
+        indices = sorted(i for i, _ in parts)
+        if indices != list(range(len(parts))):
+            raise TrainingOpError(f"data file {path!r}: columns of {name!r} must be {name}[0]..{name}[{len(parts) - 1}] "
+                                  f"once each, found indices {indices}")
+        out[name] = values[:, [c for _, c in sorted(parts)]]
+    return out
+
+
+def match_feeds(columns: Mapping[str, np.ndarray], feeds: Sequence, where: str) -> dict[str, np.ndarray]:
+    """``columns`` as the feeds of ``feeds`` (:class:`~onnx_training_ops.training.feeds.Feed`): cast, reshaped.
+
+    Args:
+        columns: arrays by name (:func:`read_columns`).
+        feeds: the model's inputs for this use (required ones must all be there).
+        where: the file, for messages.
+
+    Returns:
+        ``{input name: array}``, every array with the same number of samples.
+
+    Raises:
+        TrainingOpError: a required input missing, a column no input takes, a dtype or
+            shape that does not fit, differing sample counts.
+    """
+    by_name = {f.name: f for f in feeds}
+    unknown = sorted(set(columns) - set(by_name))
+    if unknown:
+        raise TrainingOpError(f"{where}: {', '.join(map(repr, unknown))} is not an input of the model; "
+                              f"inputs: {', '.join(by_name)}")
+    missing = [f.name for f in feeds if not f.optional and f.name not in columns]
+    if missing:
+        raise TrainingOpError(f"{where}: no data for input(s) {', '.join(map(repr, missing))}; "
+                              f"found {', '.join(map(repr, columns)) or 'nothing'}")
+    out = {}
+    for name, array in columns.items():
+        feed, array = by_name[name], np.asarray(array)
+        want = np.dtype(feed.dtype)
+        if array.dtype != want:
+            if want.kind in "iu" and array.dtype.kind == "f":
+                if not np.all(np.isfinite(array)) or np.any(array != np.round(array)):
+                    raise TrainingOpError(f"{where}: input {name!r} is {want.name} and its data holds non-integers")
+            elif want.kind != array.dtype.kind and not (want.kind in "iu" and array.dtype.kind in "iub") \
+                    and not (want.kind == "f" and array.dtype.kind in "iub"):
+                raise TrainingOpError(f"{where}: input {name!r} is {want.name}, found {array.dtype.name} data")
+            array = array.astype(want)
+        if array.ndim == 0:
+            raise TrainingOpError(f"{where}: input {name!r} needs samples on a first axis, found a scalar")
+        per_sample = feed.shape[1:] if feed.shape else None
+        if per_sample and all(isinstance(d, int) for d in per_sample) and array.shape[1:] != tuple(per_sample):
+            size = int(np.prod(per_sample))
+            if int(np.prod(array.shape[1:])) != size:
+                raise TrainingOpError(f"{where}: input {name!r} takes samples of shape {list(per_sample)}, found "
+                                      f"{list(array.shape[1:])}")
+            array = array.reshape((len(array), *per_sample))
+        out[name] = np.ascontiguousarray(array)
+    counts = {len(a) for a in out.values()}
+    if len(counts) > 1:
+        raise TrainingOpError(f"{where}: the inputs hold different numbers of samples: "
+                              + ", ".join(f"{k} {len(v)}" for k, v in out.items()))
+    if counts == {0}:
+        raise TrainingOpError(f"{where}: no samples")
+    return out

@@ -1,0 +1,233 @@
+"""``onnx-training-ops train TRAINING.onnx --data FILE --out DIR``: train a training model on a data file.
+
+Each epoch shuffles the samples (the order depends on ``--seed`` and the epoch only), steps
+through them in batches of ``--batch-size`` (the last one smaller), evaluates ``--eval-data``
+if given, then writes to ``--out``, in this order (each file atomically):
+
+* ``metrics.jsonl``: one JSON object per epoch (``epoch``, ``steps``, ``train_loss``,
+  ``eval_loss``, ``lr``, ``seconds``);
+* ``loss_curve.png``: training (and held-out) loss per epoch (matplotlib, the demo extra);
+* ``checkpoint.onnx``: the training model with its state, the epoch and the run's settings
+  (the session's ``properties``) and the schedule's position. A second run with the same
+  ``--out`` continues from it (dropping log rows past its epoch): the same result as one
+  long run.
+
+At the end, ``inference_model.onnx``: the trained weights without training_info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+from typing import Mapping
+
+import numpy as np
+
+from ..errors import TrainingOpError
+from ..storage.checkpoint import atomic_write
+from .data import match_feeds, read_columns
+from .extras import require
+
+CHECKPOINT, METRICS, CURVE, INFERENCE = "checkpoint.onnx", "metrics.jsonl", "loss_curve.png", "inference_model.onnx"
+
+
+def parse_schedule(text: str, total_steps: int):
+    """``NAME[:key=value,...]`` -> a schedule of :mod:`onnx_training_ops.schedules`.
+
+    Args:
+        text: ``cosine``, ``linear``, ``step:step_size=100,gamma=0.5``, ``exponential:gamma=0.99``,
+            ``warmup_cosine:warmup_steps=50``, ``warmup_linear:warmup_steps=50``,
+            ``onecycle:max_lr=0.01`` (torch's argument names).
+        total_steps: the run's optimizer steps: the default of ``T_max``, ``total_steps``, ``total_iters``.
+
+    Returns:
+        The schedule object.
+
+    Raises:
+        TrainingOpError: an unknown name, a malformed or unknown argument.
+    """
+    from ..training import schedules
+
+    kinds = {"cosine": (schedules.CosineAnnealingLR, "T_max"), "linear": (schedules.LinearLR, "total_iters"),
+             "step": (schedules.StepLR, None), "exponential": (schedules.ExponentialLR, None),
+             "warmup_cosine": (schedules.WarmupCosineLR, "total_steps"),
+             "warmup_linear": (schedules.WarmupLinearLR, "total_steps"),
+             "onecycle": (schedules.OneCycleLR, "total_steps")}
+    name, _, rest = text.partition(":")
+    if name not in kinds:
+        raise TrainingOpError(f"--schedule {text!r}: expected one of {', '.join(kinds)} (then :key=value,...)")
+    cls, total = kinds[name]
+    kwargs: dict = {total: total_steps} if total else {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise TrainingOpError(f"--schedule {text!r}: expected key=value, found {item!r}")
+        try:
+            kwargs[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+        except ValueError as error:
+            raise TrainingOpError(f"--schedule {text!r}: {key} must be a number, found {value!r}") from error
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise TrainingOpError(f"--schedule {text!r}: {error}") from error
+
+
+def _batches(n: int, batch_size: int, seed: int, epoch: int):
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
+
+
+def _evaluate(session, data: Mapping[str, np.ndarray]) -> float:
+    """The held-out loss, in one ``evaluate`` call (TrainingSession.evaluate on batches of
+    changing size fails on main today: one size each epoch keeps it working)."""
+    return float(session.evaluate(data)["loss"])
+
+
+def _read_metrics(path: str, done: int) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if r["epoch"] <= done]  # a crash after the log, before the checkpoint
+
+
+def _plot(path: str, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    epochs = [r["epoch"] for r in rows]
+    ax.plot(epochs, [r["train_loss"] for r in rows], marker="o", label="training loss")
+    if any(r.get("eval_loss") is not None for r in rows):
+        ax.plot(epochs, [r["eval_loss"] for r in rows], marker="o", label="held-out loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write(path, buffer.getvalue())
+
+
+def _run_settings(args: argparse.Namespace, samples: int | None) -> dict:
+    """What a resumed run must share with the first (kept in the checkpoint's properties)."""
+    settings = {"cli.batch_size": args.batch_size, "cli.seed": args.seed}
+    return settings if samples is None else {**settings, "cli.samples": samples}
+
+
+def _open(args: argparse.Namespace):
+    """The session: the checkpoint in --out when there is one (checked against this run), else the model."""
+    from ..training import TrainingSession
+
+    checkpoint = os.path.join(args.out, CHECKPOINT)
+    resumed = os.path.exists(checkpoint)
+    # --threads: 0 is onnxruntime's default, one per core; None the package's default
+    session = TrainingSession(checkpoint if resumed else args.model, threads=args.threads)
+    if resumed:
+        props = session.properties
+        for key, value in _run_settings(args, None).items():
+            if props.get(key) != value:
+                raise TrainingOpError(f"{checkpoint} was written by a run with --{key[4:].replace('_', '-')} "
+                                      f"{props.get(key)}, this run asks {value}: use another --out to start afresh")
+        sized = props.get("cli.schedule_epochs")
+        if sized is not None and sized != args.epochs:
+            raise TrainingOpError(f"{checkpoint}: its learning-rate schedule was sized for --epochs {sized}, this run "
+                                  f"asks {args.epochs}: rerun with --epochs {sized}, or use another --out")
+        if args.schedule and props.get("cli.schedule") != args.schedule:
+            raise TrainingOpError(f"{checkpoint} was written with --schedule {props.get('cli.schedule')}, this run "
+                                  f"asks {args.schedule}: the checkpoint keeps its schedule; use another --out")
+    return session, resumed
+
+
+def train_model(args: argparse.Namespace) -> int:
+    """The ``train TRAINING.onnx`` command (see the module docstring).
+
+    Args:
+        args: the parsed command line.
+
+    Returns:
+        The exit status (0).
+
+    Raises:
+        TrainingOpError: bad data, model or options (exit status 2).
+    """
+    demo_only = {"--nproc": args.nproc > 1, "--shard-optimizer-state": args.shard_optimizer_state,
+                 "--max-restarts": args.max_restarts != 0, "--min-accuracy": args.min_accuracy != 0.0,
+                 "--optimizer": args.optimizer is not None}
+    if any(demo_only.values()):
+        raise TrainingOpError(f"{', '.join(k for k, v in demo_only.items() if v)}: options of the demo (train without "
+                              "a model); a training model holds its optimizer (choose it with `onnx-training-ops build`)")
+    if not args.data:
+        raise TrainingOpError("train TRAINING.onnx needs --data FILE (.npz, .safetensors or .csv)")
+    if args.lr is not None and args.schedule:
+        raise TrainingOpError("give --lr or --schedule, not both (a schedule starts from the model's learning rate)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise TrainingOpError(f"--out {args.out!r} is a file; give a directory")
+    tqdm = None
+    if not args.no_progress:
+        require("tqdm", "demo")
+        from tqdm import tqdm
+    if not args.no_plot:
+        require("matplotlib", "demo")
+
+    session, resumed = _open(args)
+    labels = session.metadata.get("labels")
+    data = match_feeds(read_columns(args.data, labels), session.feeds, args.data)
+    eval_data = None
+    if args.eval_data:
+        eval_data = match_feeds(read_columns(args.eval_data, labels), session.eval_feeds(), args.eval_data)
+    n = len(next(iter(data.values())))
+    if resumed and session.properties.get("cli.samples", n) != n:
+        raise TrainingOpError(f"{os.path.join(args.out, CHECKPOINT)} was trained on {session.properties['cli.samples']} "
+                              f"samples, --data {args.data} holds {n}: use another --out to start afresh")
+    steps_per_epoch = -(-n // args.batch_size)
+    done = int(session.properties.get("epoch", 0)) if resumed else 0
+    if not resumed and args.schedule:
+        session.set_lr_schedule(parse_schedule(args.schedule, args.epochs * steps_per_epoch))
+    os.makedirs(args.out, exist_ok=True)
+    metrics_path = os.path.join(args.out, METRICS)
+    rows = _read_metrics(metrics_path, done)
+    if done >= args.epochs:  # no silent no-op (as the data-parallel demo)
+        raise TrainingOpError(f"{os.path.join(args.out, CHECKPOINT)} already holds {done} epoch(s) and --epochs is "
+                              f"{args.epochs}: nothing to train (raise --epochs, or use another --out)")
+    if resumed:
+        print(f"resuming from {os.path.join(args.out, CHECKPOINT)} after epoch {done}", file=sys.stderr)
+    bar = tqdm(total=(args.epochs - done) * steps_per_epoch, unit="step", desc="training") if tqdm else None
+    for epoch in range(done + 1, args.epochs + 1):
+        start, losses = time.perf_counter(), []
+        lr = next(iter(session.learning_rates.values()), None) if args.lr is None else args.lr
+        for idx in _batches(n, args.batch_size, args.seed, epoch):
+            losses.append(float(session.step({k: v[idx] for k, v in data.items()}, lr=args.lr)["loss"]))
+            if bar is not None:
+                bar.update(1)
+        row = {"epoch": epoch, "steps": epoch * steps_per_epoch, "train_loss": float(np.mean(losses)),
+               "eval_loss": _evaluate(session, eval_data) if eval_data else None,
+               "lr": lr, "seconds": round(time.perf_counter() - start, 3)}
+        if bar is not None:
+            bar.set_postfix(epoch=epoch, loss=f"{row['train_loss']:.4f}")
+        else:
+            print(json.dumps(row), file=sys.stderr)
+        rows.append(row)  # the log first: a resumed run drops rows past its checkpoint's epoch
+        atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+        if not args.no_plot:
+            _plot(os.path.join(args.out, CURVE), rows)
+        session.properties.update({"epoch": epoch, **_run_settings(args, n)})
+        if args.schedule and not resumed:
+            session.properties.update({"cli.schedule": args.schedule, "cli.schedule_epochs": args.epochs})
+        session.save(os.path.join(args.out, CHECKPOINT))
+    if bar is not None:
+        bar.close()
+    session.export_inference_model(os.path.join(args.out, INFERENCE))
+    last = rows[-1]
+    print(f"trained {args.epochs} epoch{'' if args.epochs == 1 else 's'}: training loss {last['train_loss']:.4f}"
+          + (f", held-out loss {last['eval_loss']:.4f}" if last["eval_loss"] is not None else "")
+          + f"; wrote {args.out}/{{{CHECKPOINT}, {METRICS}, {INFERENCE}"
+          + ("" if args.no_plot else f", {CURVE}") + "}")
+    return 0

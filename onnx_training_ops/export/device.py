@@ -1,0 +1,313 @@
+"""Train an export on any execution provider, its state resident on the device between steps.
+
+:class:`DeviceTrainer` runs the exported step model (:func:`~onnx_training_ops.export.export_step`:
+standard ONNX ops, the state as inputs and its new values as outputs) in onnxruntime with
+IOBinding. The state lives in two sets of OrtValues on the device, A and B; a step reads one
+set and writes the other, and the roles swap only when the step is kept. So per step only
+the batch and the learning rates go up and the returned values (loss, grad norm) come down;
+no host array is bound as a device input (onnxruntime copies such an input once, at bind time,
+which would freeze the parameters at their first value), and a NaN loss leaves the state as
+it was without a copy. This is the Python twin of the JavaScript trainer (``js/``).
+
+On a CPU-only machine the same code runs with ``device="cpu"`` (what the test suite checks);
+on a GPU, ``providers=["CUDAExecutionProvider", "CPUExecutionProvider"]`` (onnxruntime-gpu).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import TrainingOpError
+from ..storage.checkpoint import atomic_write
+from ..training.providers import provider_name, require_available
+from ..training.schedules import checked_rate
+from ..training.step import NONFINITE_POLICIES, NonFiniteLossError
+from . import safetensors
+from . import manifest as manifest_
+from .importing import manifest_schedule, read_state
+
+# execution provider -> the OrtValue device type its inputs live on
+_DEVICE_OF = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda",
+              "ROCMExecutionProvider": "cuda", "DmlExecutionProvider": "dml"}
+
+
+def _device_for(providers: Sequence[Any]) -> str:
+    for provider in providers:
+        device = _DEVICE_OF.get(provider_name(provider))
+        if device is not None:
+            return device
+    return "cpu"
+
+
+class DeviceTrainer:
+    """Train an export directory on ``providers``, the state resident on their device.
+
+    Args:
+        directory: what :func:`~onnx_training_ops.export.export_step` wrote.
+        providers: onnxruntime execution providers (default: the CPU's). A provider missing from
+            the installed onnxruntime is an error, never a silent CPU run.
+        device_id: the device's index (``"cuda"`` devices).
+        on_nonfinite: ``"raise"`` (:class:`NonFiniteLossError`), ``"skip"`` or ``"ignore"``: what a
+            NaN or infinite loss does; the first two keep the state as it was.
+        sess_options: onnxruntime SessionOptions for the step and eval sessions.
+        verify: check the files against the manifest's SHA-256 digests (False skips it, for speed).
+
+    Raises:
+        TrainingOpError: the directory is not a valid export, or a provider is not available.
+    """
+
+    def __init__(self, directory: str | os.PathLike, providers: Sequence[str | tuple[str, dict]] | None = None,
+                 *, device_id: int = 0, on_nonfinite: str = "raise",
+                 sess_options: ort.SessionOptions | None = None, verify: bool = True) -> None:
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
+        providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
+        require_available(providers)
+        self.directory = os.fspath(directory)
+        state, manifest = read_state(self.directory, verify)
+        if manifest is None:
+            raise TrainingOpError(f"{self.directory!r}: DeviceTrainer takes an export directory (manifest.json)")
+        self.manifest = manifest
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0
+        self.device = _device_for(providers)
+        self.device_id = int(device_id)
+        files = manifest["files"]
+        # the bytes checked against the manifest's sha256, read from inside the directory
+        self._step = ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "step", verify),
+                                          sess_options, providers=providers)
+        self._eval = (ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "eval", verify),
+                                           sess_options, providers=providers) if "eval" in files else None)
+        self._feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
+        self._inputs = {e["name"]: e for e in manifest["inputs"]}
+        self._eval_inputs = {e["name"]: e for e in manifest.get("eval_inputs", [])}
+        self._defaults = {n: np.array(e["values"], e["dtype"]).reshape(e["shape"])
+                          for n, e in (manifest.get("defaults") or {}).items()}
+        self._rates = {e["name"]: np.zeros(e["shape"], e["dtype"]) for e in manifest["learning_rates"]}
+        self._bases = {e["name"]: float(e["base"]) for e in manifest["learning_rates"]}
+        self._schedule = None
+        self._schedule_offset = 0
+        if manifest.get("schedule"):
+            self._schedule, _ = manifest_schedule(manifest, state, repr(os.path.join(self.directory, "manifest.json")))
+            self._schedule_offset = int(manifest["schedule"]["step_offset"])
+        self._counter = manifest.get("counter")
+        self._returned = list(manifest["returned"])
+        self._loss = manifest.get("loss")
+        self._classes = manifest.get("classes")
+        self._ignore_index = manifest.get("ignore_index")
+        self._labels = manifest.get("labels")
+        step_inputs = {i.name for i in self._step.get_inputs()}
+        missing = [n for n in self._feedback if n not in step_inputs]
+        if missing:
+            raise TrainingOpError(f"{self.directory!r}: manifest feedback names {missing}, which the step model "
+                                  "does not take as inputs")
+        self._upload(state)
+
+    # ------------------------------------------------------------------ state on the device
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _upload(self, state: Mapping[str, np.ndarray]) -> None:
+        """Put ``state`` on the device as set A, allocate set B, bind both step directions."""
+        sets: list[dict[str, ort.OrtValue]] = [{}, {}]
+        for name in self._feedback:
+            array = np.array(state[name], order="C")  # a copy, 0-d kept 0-d (ascontiguousarray makes it 1-d)
+            sets[0][name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
+            sets[1][name] = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype,
+                                                                      self.device, self.device_id)
+        self._sets = sets
+        self._current = 0  # the set holding the state
+        self._bindings = [self._bind(sets[i], sets[1 - i]) for i in (0, 1)]
+        self._count = int(np.asarray(state[self._counter]).reshape(-1)[0]) if self._counter in state else 0
+
+    def _bind(self, read: dict[str, ort.OrtValue], write: dict[str, ort.OrtValue]) -> ort.IOBinding:
+        io = self._step.io_binding()
+        for name, value in read.items():
+            io.bind_ortvalue_input(name, value)
+        for name, value in write.items():
+            io.bind_ortvalue_output(self._feedback[name], value)
+        for name in self._returned:  # what comes down: the loss, the grad norm
+            io.bind_output(name, "cpu")
+        return io
+
+    @property
+    def providers(self) -> list[str]:
+        """The providers onnxruntime runs the step on."""
+        return self._step.get_providers()
+
+    @property
+    def state_names(self) -> list[str]:
+        """The state variables, in the step model's order."""
+        return list(self._feedback)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The state, copied to the host (names as in the export)."""
+        return {name: value.numpy() for name, value in self._sets[self._current].items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace the whole state (every variable, same dtype and shape); nothing changes on error."""
+        current = self._sets[self._current]
+        given = set(state)
+        if given != set(current):
+            raise TrainingOpError(f"load_state_dict: expected the state variables {sorted(current)}, "
+                                  f"missing {sorted(set(current) - given)}, unknown {sorted(given - set(current))}")
+        for name, value in current.items():
+            array = np.asarray(state[name])
+            expected = (_np_type(value), value.shape())
+            if array.dtype != expected[0] or list(array.shape) != list(expected[1]):
+                raise TrainingOpError(f"load_state_dict: {name!r} must be {expected[0]} {list(expected[1])}, "
+                                      f"found {array.dtype} {list(array.shape)}")
+        self._upload(state)
+
+    def save_state(self, path: str | os.PathLike) -> None:
+        """Write the state as ``.safetensors`` (atomically): resume here, in a TrainingSession
+        (:func:`~onnx_training_ops.export.load_state`) or in the JavaScript trainer."""
+        atomic_write(os.fspath(path), safetensors.encode(self.state_dict()))
+
+    # ------------------------------------------------------------------ steps
+
+    @property
+    def schedule_step(self) -> int:
+        """Optimizer steps taken under the schedule: the update count plus the manifest's offset."""
+        return self._count + self._schedule_offset
+
+    def learning_rates(self) -> dict[str, float]:
+        """The rate of each learning-rate input for the next step: the schedule's, else the base."""
+        if self._schedule is None:
+            return dict(self._bases)
+        k = self.schedule_step
+        return {n: checked_rate(self._schedule, base, k, n) for n, base in self._bases.items()}
+
+    def _rate_values(self, lr: float | Mapping[str, float] | None) -> dict[str, float]:
+        if lr is None:
+            return self.learning_rates()
+        rates = dict(lr) if isinstance(lr, Mapping) else {n: lr for n in self._rates}
+        unknown = set(rates) - set(self._rates)
+        if unknown:
+            raise TrainingOpError(f"step: unknown learning-rate input(s) {sorted(unknown)}; "
+                                  f"the export has {sorted(self._rates)}")
+        for name in self._rates:
+            value = rates.get(name, self._bases[name])
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+                    or not math.isfinite(float(value)) or float(value) < 0:
+                raise TrainingOpError(f"step: learning rate {name!r} must be a finite number >= 0, found {value!r}")
+            rates[name] = float(value)
+        return rates
+
+    def _check_feeds(self, feeds: Mapping[str, Any], specs: Mapping[str, dict], what: str) -> dict[str, np.ndarray]:
+        if not isinstance(feeds, Mapping):
+            raise TrainingOpError(f"{what}: feeds must be a mapping of input name to array, found {type(feeds).__name__}")
+        unknown = set(feeds) - set(specs)
+        if unknown:
+            raise TrainingOpError(f"{what}: unknown input(s) {sorted(unknown)}; the model takes {sorted(specs)}")
+        arrays = {}
+        for name, spec in specs.items():
+            if name not in feeds:
+                if name in self._defaults:
+                    arrays[name] = self._defaults[name]
+                    continue
+                raise TrainingOpError(f"{what}: input {name!r} is missing; the model takes {sorted(specs)}")
+            array = feeds[name]
+            if not isinstance(array, np.ndarray) or array.dtype != np.dtype(spec["dtype"]):
+                found = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+                raise TrainingOpError(f"{what}: input {name!r} must be a {spec['dtype']} array, found {found}")
+            shape = spec.get("shape")
+            if shape is not None and (array.ndim != len(shape) or any(
+                    isinstance(d, int) and d != n for d, n in zip(shape, array.shape))):
+                raise TrainingOpError(f"{what}: input {name!r} must have shape {shape}, found {list(array.shape)}")
+            arrays[name] = np.require(array, requirements="C")
+        self._check_labels(arrays, what)
+        return arrays
+
+    def _check_labels(self, arrays: Mapping[str, np.ndarray], what: str) -> None:
+        """Labels in [0, classes) or equal to ignore_index, when the manifest records the class count."""
+        if self._classes is None or self._labels not in arrays:
+            return
+        labels = arrays[self._labels]
+        bad = (labels < 0) | (labels >= int(self._classes))
+        if self._ignore_index is not None:
+            bad &= labels != int(self._ignore_index)
+        if bad.any():
+            value = labels[bad].reshape(-1)[0]
+            allowed = f" or {self._ignore_index}" if self._ignore_index is not None else ""
+            raise TrainingOpError(f"{what}: input {self._labels!r} holds {value}, outside the classes "
+                                  f"[0, {self._classes}){allowed}; the step was not taken")
+
+    def step(self, feeds: Mapping[str, np.ndarray], lr: float | Mapping[str, float] | None = None
+             ) -> dict[str, np.ndarray]:
+        """One training step on the device.
+
+        Args:
+            feeds: the step's data inputs (``manifest["inputs"]``), numpy arrays.
+            lr: one rate for every group or ``{input name: rate}`` (default: the schedule's).
+
+        Returns:
+            The returned outputs (the loss, ...), on the host.
+
+        Raises:
+            NonFiniteLossError: the loss was NaN or infinite (``on_nonfinite="raise"``); the state
+                is as it was.
+            TrainingOpError: a missing, unknown or malformed input or rate.
+        """
+        arrays = self._check_feeds(feeds, self._inputs, "step")
+        rates = self._rate_values(lr)
+        io = self._bindings[self._current]
+        for name, array in arrays.items():
+            io.bind_cpu_input(name, array)  # copied up by onnxruntime
+        for name, value in rates.items():
+            buf = self._rates[name]
+            buf[...] = value
+            io.bind_cpu_input(name, buf)
+        try:
+            self._step.run_with_iobinding(io)
+        except Exception as error:  # onnxruntime's own errors: name what failed
+            raise TrainingOpError(f"step: onnxruntime failed on the exported step: {error}") from error
+        outputs = io.get_outputs()
+        result = {name: outputs[len(self._feedback) + i].numpy() for i, name in enumerate(self._returned)}
+        if self._loss in result and self.on_nonfinite != "ignore":
+            loss = result[self._loss]
+            if not np.all(np.isfinite(loss)):
+                if self.on_nonfinite == "raise":
+                    raise NonFiniteLossError(f"step: loss {self._loss!r} is {loss.reshape(-1)[0]}; the step was "
+                                             "not applied, the state is unchanged")
+                self.skipped_steps += 1
+                return result
+        self._current = 1 - self._current  # the written set holds the state now
+        self._count += 1
+        return result
+
+    def evaluate(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The eval model's outputs (loss, logits...) with the current state; nothing changes."""
+        if self._eval is None:
+            raise TrainingOpError(f"evaluate: the export {self.directory!r} has no eval model")
+        arrays = self._check_feeds(feeds, self._eval_inputs, "evaluate")
+        io = self._eval.io_binding()
+        state = self._sets[self._current]
+        for node_input in self._eval.get_inputs():
+            if node_input.name in state:
+                io.bind_ortvalue_input(node_input.name, state[node_input.name])
+        for name, array in arrays.items():
+            io.bind_cpu_input(name, array)
+        names = [o.name for o in self._eval.get_outputs()]
+        for name in names:
+            io.bind_output(name, "cpu")
+        try:
+            self._eval.run_with_iobinding(io)
+        except Exception as error:
+            raise TrainingOpError(f"evaluate: onnxruntime failed on the exported eval model: {error}") from error
+        return {name: value.numpy() for name, value in zip(names, io.get_outputs())}
+
+
+def _np_type(value: ort.OrtValue) -> np.dtype:
+    """The numpy dtype of an OrtValue's ``tensor(...)`` type."""
+    text = value.data_type()[len("tensor("):-1]
+    return np.dtype({"float": "float32", "double": "float64", "float16": "float16"}.get(text, text))
+
+
+__all__ = ["DeviceTrainer"]

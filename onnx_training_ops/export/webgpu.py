@@ -1,0 +1,119 @@
+"""The WebGPU step (``export_step(..., target="webgpu")``): the exported step rewritten so that
+every node runs on onnxruntime-web's WebGPU execution provider.
+
+What that provider lacks (onnxruntime-web 1.30, measured in Chromium): LogSoftmax, OneHot and
+Sum kernels, any float64 op, and int64 arithmetic (CPU fallback, or 32-bit with int64 on).
+The rewrite, in named passes (``onnx_training_ops/passes/``):
+
+1. the data inputs get static shapes (``input_shapes``, or the model's own);
+2. :func:`split_host_scalars`: the update count and what depends on it alone (bias
+   corrections in float64, ``T + 1``) leave the graph for a host program the trainer
+   evaluates on the CPU; the graph reads the resulting float32 scalars as inputs;
+3. :func:`lower_log_softmax`, :func:`lower_one_hot`, :func:`lower_sum`, :func:`lower_is_nan`,
+   :func:`maxpool_gradient_by_mask` (WebGPU's MaxPool has no Indices output);
+4. :func:`int32_inputs`: labels and ids are int32 inputs, their index arithmetic int32;
+5. :func:`fold_static_shapes` (Shape, Size) and onnxruntime's basic graph optimizations on the CPU fold what the static shapes make
+   constant (Shape, Size and the int64 arithmetic on them) and drop dead nodes.
+
+The result computes what the portable step computes, to float32 rounding
+(``tests/test_webgpu_step.py`` runs both in onnxruntime's CPU provider).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Mapping, Sequence
+
+import onnx
+from onnx import TensorProto
+
+from ..errors import TrainingOpError
+from ..passes.fold_static_shapes import fold_static_shapes
+from ..passes.int32_inputs import int32_inputs
+from ..passes.lower_is_nan import lower_is_nan
+from ..passes.lower_log_softmax import lower_log_softmax
+from ..passes.lower_one_hot import lower_one_hot
+from ..passes.lower_sum import lower_sum
+from ..passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
+from ..passes.split_host_scalars import split_host_scalars
+
+FILE = "step.webgpu.onnx"
+EVAL_FILE = "eval.webgpu.onnx"
+
+
+def _static_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str, Sequence[int]]) -> None:
+    for vi in model.graph.input:
+        if vi.name not in data:
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        given = shapes.get(vi.name)
+        if given is not None:
+            given = [int(d) for d in given]
+            if len(given) != len(dims) or any(d.HasField("dim_value") and d.dim_value != g for d, g in zip(dims, given)):
+                raise TrainingOpError(f"export (webgpu): input_shapes[{vi.name!r}] is {given}; the input's shape is "
+                                      f"{[d.dim_value if d.HasField('dim_value') else d.dim_param for d in dims]}")
+            for d, g in zip(dims, given):
+                d.Clear()
+                d.dim_value = g
+        elif not all(d.HasField("dim_value") for d in dims):
+            raise TrainingOpError(f"export (webgpu): input {vi.name!r} has shape "
+                                  f"{[d.dim_value if d.HasField('dim_value') else d.dim_param for d in dims]}; the "
+                                  "WebGPU step folds shapes statically: pass input_shapes={name: [dims]} "
+                                  "(--input-shape NAME=D,D,... in the CLI) for every data input")
+    unknown = set(shapes) - set(data)
+    if unknown:
+        raise TrainingOpError(f"export (webgpu): input_shapes names {sorted(unknown)}, not data inputs "
+                              f"of the step ({', '.join(data)})")
+
+
+def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime's basic (provider-independent) optimizations, on the CPU: constant folding
+    with the static shapes, dead-node removal."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.log_severity_level = 3  # the unused initializers it drops are expected
+    with tempfile.TemporaryDirectory() as tmp:
+        options.optimized_model_filepath = os.path.join(tmp, "folded.onnx")
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        folded = onnx.load(options.optimized_model_filepath)
+    kept = [o for o in folded.opset_import if o.domain in ("", "ai.onnx", "ai.onnx.ml")]
+    del folded.opset_import[:]
+    folded.opset_import.extend(kept)
+    return folded
+
+
+def webgpu_step(step: onnx.ModelProto, state: Sequence[str], counter: str | None, rates: Sequence[str],
+                input_shapes: Mapping[str, Sequence[int]] | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """The WebGPU step of a portable exported step model.
+
+    Args:
+        step: the portable step (:func:`~onnx_training_ops.export.graphs.step_graph`).
+        state: the state input names.
+        counter: the update count input (computed on the host), or None.
+        rates: the learning-rate inputs.
+        input_shapes: static shapes of the data inputs whose shapes are symbolic.
+
+    Returns:
+        ``(model, webgpu)``: the step model and its manifest section (``host``: the host
+        program; ``int32``: inputs now int32; ``inputs``: the graph's inputs in order).
+
+    Raises:
+        TrainingOpError: a data input without a static shape, or a graph the passes refuse.
+    """
+    model = onnx.ModelProto()
+    model.CopyFrom(step)
+    data = [vi.name for vi in model.graph.input if vi.name not in set(state) and vi.name not in set(rates)]
+    _static_shapes(model, data, dict(input_shapes or {}))
+    model, host = split_host_scalars(model, [n for n in (counter, *rates) if n])
+    for run in (fold_static_shapes, lower_log_softmax, lower_one_hot, lower_sum, lower_is_nan, maxpool_gradient_by_mask):
+        model = run(model)
+    model = fold_static_shapes(_fold(model))  # what onnxruntime's folding made constant (a NonZero's input)
+    narrowed = int32_inputs(model, skip=state)
+    model = _fold(model)
+    leftovers = sorted({vi.name for vi in model.graph.input if vi.type.tensor_type.elem_type == TensorProto.DOUBLE})
+    if leftovers:
+        raise TrainingOpError(f"export (webgpu): inputs {leftovers} are float64; WebGPU runs no float64")
+    return model, {"host": host, "int32": narrowed, "inputs": [vi.name for vi in model.graph.input]}

@@ -1,0 +1,44 @@
+"""Pass: ``Sum`` -> a chain of ``Add`` (one input: ``Identity``).
+
+onnxruntime-web's WebGPU execution provider has no Sum kernel (1.30), not even for two
+inputs; the expanded gradient accumulates with Sum. Add broadcasts as Sum does (numpy rules);
+the chain adds left to right, the order onnxruntime's CPU Sum kernel adds in.
+"""
+
+from __future__ import annotations
+
+from onnx import ModelProto, helper
+
+from ._rewrite import Names
+
+
+def lower_sum(model: ModelProto) -> ModelProto:
+    """Replace every Sum of the main graph by Adds (in place; returns ``model``).
+
+    Args:
+        model: the model to rewrite.
+
+    Returns:
+        ``model``.
+    """
+    graph = model.graph
+    if not any(n.op_type == "Sum" for n in graph.node):
+        return model
+    names = Names(graph, "sum")
+    nodes = []
+    for node in graph.node:
+        if node.op_type != "Sum" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        terms = list(node.input)
+        if len(terms) == 1:
+            nodes.append(helper.make_node("Identity", terms, [node.output[0]], name=node.name))
+            continue
+        total = terms[0]
+        for i, term in enumerate(terms[1:], start=2):
+            out = node.output[0] if i == len(terms) else names("partial")
+            nodes.append(helper.make_node("Add", [total, term], [out]))
+            total = out
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model

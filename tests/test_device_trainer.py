@@ -1,0 +1,177 @@
+"""DeviceTrainer: an export trained with its state resident on the execution device (OrtValues),
+checked on the CPU against TrainingSession (bit for bit: the same step graph in onnxruntime).
+tests/test_gpu.py runs the same trainer on CUDA where onnxruntime-gpu and a GPU are present."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import onnx_training_ops as ot
+from onnx_training_ops import schedules
+from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.errors import TrainingOpError
+from onnx_training_ops.export import DeviceTrainer, export_step, load_state, session_from_export
+
+
+def _model(optimizer=None, **kwargs):
+    return ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy", optimizer or ot.AdamW(lr=1e-2, weight_decay=0.1),
+                                   **kwargs)
+
+
+def _batches(n=6, seed=0, rows=12):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, rows, 8)).astype(np.float32)
+    return [{"input": x[i], "labels": np.argmax(x[i, :, :4], -1).astype(np.int64)} for i in range(n)]
+
+
+def test_steps_equal_training_session_bit_for_bit_and_state_stays_on_the_device(tmp_path):
+    model = _model(clip_grad_norm=0.5)
+    export_step(model, tmp_path)
+    reference = ot.TrainingSession(model)
+    trainer = DeviceTrainer(tmp_path)
+    assert trainer.providers == ["CPUExecutionProvider"]
+    for batch in _batches():
+        expected = reference.step(batch)
+        got = trainer.step(batch)
+        assert got["loss"] == expected["loss"] and got["grad_norm"] == expected["grad_norm"]
+    mine = trainer.state_dict()
+    for name, value in reference.state_dict().items():
+        np.testing.assert_array_equal(mine[name], value, err_msg=name)
+    counter = trainer.manifest["counter"]
+    assert int(mine[counter].reshape(-1)[0]) == 6 and trainer.schedule_step == 6
+
+
+def test_evaluate_reads_the_current_state_and_changes_nothing(tmp_path):
+    model = _model()
+    export_step(model, tmp_path)
+    reference = ot.TrainingSession(model)
+    trainer = DeviceTrainer(tmp_path)
+    batches = _batches(3)
+    for batch in batches[:2]:
+        reference.step(batch)
+        trainer.step(batch)
+    before = trainer.state_dict()
+    for rows in (12, 5, 12):  # any batch size, any order
+        batch = _batches(1, seed=rows, rows=rows)[0]
+        got = trainer.evaluate(batch)
+        fresh = ot.TrainingSession(model)  # the reference at this batch size, with the same state
+        fresh.load_state_dict(reference.state_dict())
+        expected = fresh.evaluate(batch)
+        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-6)
+    for name, value in trainer.state_dict().items():
+        np.testing.assert_array_equal(value, before[name])
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_nonfinite_loss_keeps_the_old_state(tmp_path, policy):
+    export_step(_model(), tmp_path)
+    trainer = DeviceTrainer(tmp_path, on_nonfinite=policy)
+    good, bad = _batches(2)
+    trainer.step(good)
+    before = trainer.state_dict()
+    bad = {**bad, "input": np.full_like(bad["input"], np.nan)}
+    if policy == "raise":
+        with pytest.raises(ot.NonFiniteLossError):
+            trainer.step(bad)
+    else:
+        assert np.isnan(trainer.step(bad)["loss"])
+        assert trainer.skipped_steps == 1
+    for name, value in trainer.state_dict().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    trainer.step(good)  # and training goes on from the kept state
+    reference = DeviceTrainer(tmp_path)
+    reference.step(good)
+    reference.step(good)
+    for name, value in reference.state_dict().items():
+        np.testing.assert_array_equal(trainer.state_dict()[name], value, err_msg=name)
+
+
+def test_saved_state_resumes_in_a_training_session_bit_exact(tmp_path):
+    export_step(_model(), tmp_path / "export")
+    trainer = DeviceTrainer(tmp_path / "export")
+    batches = _batches(4)
+    for batch in batches[:2]:
+        trainer.step(batch)
+    trainer.save_state(tmp_path / "mid.safetensors")
+    session = session_from_export(tmp_path / "export")
+    load_state(session, tmp_path / "mid.safetensors")
+    rate = {"learning_rate": np.array(1e-2, np.float32)}
+    for batch in batches[2:]:
+        assert session.step({**batch, **rate})["loss"] == trainer.step(batch)["loss"]
+
+
+def test_schedule_of_the_export_drives_the_rates_like_the_session(tmp_path):
+    model = _model()
+    session = ot.TrainingSession(model)
+    session.set_lr_schedule(schedules.StepLR(step_size=2, gamma=0.5))
+    session.save(tmp_path / "ckpt.onnx")
+    export_step(str(tmp_path / "ckpt.onnx"), tmp_path / "export")
+    trainer = DeviceTrainer(tmp_path / "export")
+    rates = []
+    for batch in _batches(5):
+        rates.append(trainer.learning_rates()["learning_rate"])
+        # the session's native cross-entropy kernel may round the loss 1 ulp apart from the standard ops
+        np.testing.assert_allclose(trainer.step(batch)["loss"], session.step(batch)["loss"], rtol=2e-6)
+    assert rates == pytest.approx([1e-2, 1e-2, 5e-3, 5e-3, 2.5e-3])
+
+
+def test_load_state_dict_is_checked_and_changes_nothing_on_error(tmp_path):
+    export_step(_model(), tmp_path)
+    trainer = DeviceTrainer(tmp_path)
+    state = trainer.state_dict()
+    with pytest.raises(TrainingOpError, match="missing"):
+        trainer.load_state_dict({k: v for k, v in state.items() if k != "W0"})
+    with pytest.raises(TrainingOpError, match="'W0' must be float32"):
+        trainer.load_state_dict({**state, "W0": state["W0"].astype(np.float64)})
+    trainer.step(_batches(1)[0])
+    after = trainer.state_dict()
+    trainer.load_state_dict(state)  # back to the start: the same first step again
+    trainer.step(_batches(1)[0])
+    for name, value in trainer.state_dict().items():
+        np.testing.assert_array_equal(value, after[name])
+
+
+def test_bad_feeds_and_rates_are_clear_errors(tmp_path):
+    export_step(_model(), tmp_path)
+    trainer = DeviceTrainer(tmp_path)
+    batch = _batches(1)[0]
+    with pytest.raises(TrainingOpError, match="'labels' is missing"):
+        trainer.step({"input": batch["input"]})
+    with pytest.raises(TrainingOpError, match="'input' must be a float32 array, found float64"):
+        trainer.step({**batch, "input": batch["input"].astype(np.float64)})
+    with pytest.raises(TrainingOpError, match=r"'input' must have shape \['N', 8\]"):
+        trainer.step({**batch, "input": batch["input"][:, :5]})
+    with pytest.raises(TrainingOpError, match="unknown input"):
+        trainer.step({**batch, "extra": batch["labels"]})
+    for lr in (float("nan"), -1.0, "abc"):
+        with pytest.raises(TrainingOpError, match="finite number >= 0"):
+            trainer.step(batch, lr=lr)
+    with pytest.raises(TrainingOpError, match="must be a mapping"):
+        trainer.step(None)
+
+
+def test_labels_are_checked_against_the_class_count_when_the_manifest_records_it(tmp_path):
+    export_step(_model(), tmp_path)
+    path = tmp_path / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.update(classes=4, ignore_index=None)
+    path.write_text(json.dumps(manifest))
+    trainer = DeviceTrainer(tmp_path, **({"verify": False} if "verify" in DeviceTrainer.__init__.__code__.co_varnames
+                                         else {}))
+    batch = _batches(1)[0]
+    for label in (4, -1, 99):
+        labels = batch["labels"].copy()
+        labels[3] = label
+        with pytest.raises(TrainingOpError, match=rf"holds {label}, outside the classes \[0, 4\)"):
+            trainer.step({**batch, "labels": labels})
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="onnxruntime-gpu is installed")
+def test_a_missing_provider_is_an_error_not_a_cpu_run(tmp_path):
+    export_step(_model(), tmp_path)
+    with pytest.raises(TrainingOpError, match="not available"):
+        DeviceTrainer(tmp_path, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])

@@ -1,0 +1,82 @@
+"""flatten_optimizers: a multi-tensor optimizer node run over its tensors laid end to end (the
+portable form for a GPU) computes what the per-tensor lowering computes, bit for bit, in
+onnxruntime; nodes it cannot flatten are left alone; an export with ``flat_optimizer=True``
+trains exactly like the default one."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import onnx_training_ops as ot
+from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.export import DeviceTrainer, export_step
+from onnx_training_ops.passes import flatten_optimizers
+from onnx_training_ops.runtime.pipeline import prepare
+
+from model_factory import optimizer_model, single_node_model
+
+ATTRS = {
+    "Adam": dict(alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient=0.01, norm_coefficient_post=0.02),
+    "Momentum": dict(alpha=0.9, beta=0.5, mode="nesterov", norm_coefficient=0.01),
+    "Adagrad": dict(decay_factor=0.1, epsilon=1e-6, norm_coefficient=0.01),
+}
+ROLES = {"Adam": 4, "Momentum": 3, "Adagrad": 3}
+SHAPES = [(), (5,), (3, 4), (2, 3, 2)]
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {k: v for k, v in feeds.items() if k in {i.name for i in session.get_inputs()}})
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("t", [0, 7])
+@pytest.mark.parametrize("op_type", ["Adam", "Momentum", "Adagrad"])
+def test_flat_node_equals_the_per_tensor_lowering_bit_for_bit(op_type, t, dtype):
+    rng = np.random.default_rng(t)
+    groups = [[rng.standard_normal(s).astype(dtype) if s else np.array(rng.standard_normal(), dtype)
+               for _ in range(ROLES[op_type])] for s in SHAPES]
+    if op_type in ("Adam", "Adagrad"):  # H (the squared sums) is >= 0
+        for g in groups:
+            g[-1] = np.abs(g[-1])
+    model, feeds, outputs = single_node_model(op_type, np.array(0.1, np.float32), np.array(t, np.int64),
+                                              groups, ATTRS[op_type])
+    per_tensor = prepare(model, portable=True)
+    flat = prepare(model, portable=True, flat=True)
+    assert sum(n.op_type == "Concat" for n in flat.graph.node) == ROLES[op_type]
+    assert sum(n.op_type == "Concat" for n in per_tensor.graph.node) == 0
+    for got, want, name in zip(_run(flat, feeds), _run(per_tensor, feeds), outputs):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_nodes_it_cannot_flatten_are_left_alone():
+    one = optimizer_model("Adam", n=1, shapes=[[3]])
+    dynamic = optimizer_model("Adam", n=2, shapes=[["N"], [3]])
+    broadcast = optimizer_model("Adam", n=2, shapes=[[3], [4]])
+    broadcast.graph.input[4].type.tensor_type.shape.dim[0].dim_value = 1  # G0 of shape [1] against X0 [3]
+    for model in (one, dynamic, broadcast):
+        before = [n.op_type for n in model.graph.node]
+        assert [n.op_type for n in flatten_optimizers(model).graph.node] == before
+
+
+def test_an_export_with_a_flat_optimizer_trains_like_the_default_one(tmp_path):
+    model = ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy", ot.AdamW(lr=1e-2, weight_decay=0.1),
+                                    clip_grad_norm=0.5)
+    export_step(model, tmp_path / "default")
+    export_step(model, tmp_path / "flat", flat_optimizer=True)
+    flat_ops = [n.op_type for n in onnx.load(tmp_path / "flat" / "step.onnx").graph.node]
+    default_ops = [n.op_type for n in onnx.load(tmp_path / "default" / "step.onnx").graph.node]
+    assert flat_ops.count("Sqrt") < default_ops.count("Sqrt")  # one Adam chain instead of one per tensor
+    a, b = DeviceTrainer(tmp_path / "default"), DeviceTrainer(tmp_path / "flat")
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        x = rng.standard_normal((12, 8)).astype(np.float32)
+        batch = {"input": x, "labels": np.argmax(x[:, :4], -1).astype(np.int64)}
+        assert a.step(batch)["loss"] == b.step(batch)["loss"]
+    want = a.state_dict()
+    for name, value in b.state_dict().items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)

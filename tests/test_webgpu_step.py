@@ -1,0 +1,312 @@
+"""The WebGPU step (export_step(target="webgpu"), onnx_training_ops/export/webgpu.py) and its
+passes, each against onnxruntime's CPU provider on the graph it rewrites: the rewritten step,
+with its host program evaluated in Python, computes the portable step's losses and state."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from onnx_training_ops.errors import TrainingOpError
+from onnx_training_ops.export import export_step, safetensors
+from onnx_training_ops.export.host_program import run as run_host
+from onnx_training_ops.passes.fold_static_shapes import fold_static_shapes
+from onnx_training_ops.passes.int32_inputs import int32_inputs
+from onnx_training_ops.passes.lower_log_softmax import lower_log_softmax
+from onnx_training_ops.passes.lower_one_hot import lower_one_hot
+from onnx_training_ops.passes.lower_sum import lower_sum
+from onnx_training_ops.passes.split_host_scalars import split_host_scalars
+
+sys.path.insert(0, str(Path(__file__).parent))
+import js_fixtures  # noqa: E402
+
+# what onnxruntime-web 1.30's WebGPU provider does not run (DESIGN.md)
+LACKING = {"LogSoftmax", "OneHot", "Sum"}
+
+
+def _model(nodes, inputs, outputs, opset=17, initializers=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def _run(model, feeds):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+def _vi(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_lower_log_softmax_equals_onnxruntime(axis):
+    model = _model([helper.make_node("LogSoftmax", ["x"], ["y"], axis=axis)], [_vi("x", TensorProto.FLOAT, [3, 5, 4])],
+                   [_vi("y", TensorProto.FLOAT, [3, 5, 4])])
+    x = (np.random.default_rng(0).standard_normal((3, 5, 4)) * 30).astype(np.float32)
+    expected = _run(model, {"x": x})["y"]
+    lowered = lower_log_softmax(model)
+    assert {n.op_type for n in lowered.graph.node} >= {"ReduceMax", "Exp", "Log"}
+    assert "LogSoftmax" not in {n.op_type for n in lowered.graph.node}
+    np.testing.assert_allclose(_run(lowered, {"x": x})["y"], expected, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_lower_one_hot_equals_onnxruntime(axis):
+    depth = helper.make_node("Constant", [], ["depth"], value=helper.make_tensor("d", TensorProto.INT64, [1], [5]))
+    values = helper.make_node("Constant", [], ["values"], value=helper.make_tensor("v", TensorProto.FLOAT, [2], [-0.5, 2.0]))
+    node = helper.make_node("OneHot", ["i", "depth", "values"], ["y"], axis=axis)
+    model = _model([depth, values, node], [_vi("i", TensorProto.INT64, [2, 4])], [_vi("y", TensorProto.FLOAT, None)])
+    indices = np.array([[0, 4, -1, -5], [7, -6, 2, 3]], np.int64)  # negative wrap, out of range on both sides
+    expected = _run(model, {"i": indices})["y"]
+    lowered = lower_one_hot(model)
+    assert "OneHot" not in {n.op_type for n in lowered.graph.node}
+    np.testing.assert_array_equal(_run(lowered, {"i": indices})["y"], expected)
+
+
+def test_lower_one_hot_refuses_a_computed_depth():
+    node = helper.make_node("OneHot", ["i", "depth", "values"], ["y"])
+    model = _model([node], [_vi("i", TensorProto.INT64, [2]), _vi("depth", TensorProto.INT64, [1]),
+                            _vi("values", TensorProto.FLOAT, [2])], [_vi("y", TensorProto.FLOAT, None)])
+    with pytest.raises(TrainingOpError, match="depth and values must be constants"):
+        lower_one_hot(model)
+
+
+def test_lower_sum_equals_onnxruntime():
+    model = _model([helper.make_node("Sum", ["a", "b", "c"], ["y"]), helper.make_node("Sum", ["a"], ["z"])],
+                   [_vi("a", TensorProto.FLOAT, [3, 1]), _vi("b", TensorProto.FLOAT, [4]), _vi("c", TensorProto.FLOAT, [1])],
+                   [_vi("y", TensorProto.FLOAT, [3, 4]), _vi("z", TensorProto.FLOAT, [3, 1])])
+    rng = np.random.default_rng(1)
+    feeds = {"a": rng.standard_normal((3, 1)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
+             "c": rng.standard_normal(1).astype(np.float32)}
+    expected = _run(model, feeds)
+    lowered = lower_sum(model)
+    assert "Sum" not in {n.op_type for n in lowered.graph.node}
+    got = _run(lowered, feeds)
+    np.testing.assert_array_equal(got["y"], expected["y"])
+    np.testing.assert_array_equal(got["z"], expected["z"])
+
+
+def test_fold_static_shapes():
+    nodes = [helper.make_node("Shape", ["x"], ["s"], start=1), helper.make_node("Size", ["x"], ["n"])]
+    model = _model(nodes, [_vi("x", TensorProto.FLOAT, [2, 3, 4])],
+                   [_vi("s", TensorProto.INT64, [2]), _vi("n", TensorProto.INT64, [])])
+    folded = fold_static_shapes(model)
+    assert [n.op_type for n in folded.graph.node] == ["Constant", "Constant"]
+    got = _run(folded, {"x": np.zeros((2, 3, 4), np.float32)})
+    assert got["s"].tolist() == [3, 4] and int(got["n"]) == 24
+
+
+def test_split_host_scalars_moves_the_counter_cone_and_the_program_computes_it():
+    """Adam's bias correction in float64 from T, and T + 1: the program computes what
+    onnxruntime computes; the graph keeps only the float32 update."""
+    c = lambda name, dtype, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, dtype, [], [v]))  # noqa: E731
+    nodes = [c("one", TensorProto.INT64, 1), c("b2", TensorProto.DOUBLE, 0.999), c("d1", TensorProto.DOUBLE, 1.0),
+             helper.make_node("Add", ["T", "one"], ["T.new"]),
+             helper.make_node("Cast", ["T.new"], ["Td"], to=TensorProto.DOUBLE),
+             helper.make_node("Cast", ["lr"], ["lrd"], to=TensorProto.DOUBLE),
+             helper.make_node("Pow", ["b2", "Td"], ["p"]), helper.make_node("Sub", ["d1", "p"], ["q"]),
+             helper.make_node("Sqrt", ["q"], ["r"]), helper.make_node("Mul", ["lrd", "r"], ["s"]),
+             helper.make_node("Cast", ["s"], ["step"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["x", "step"], ["y"])]
+    model = _model(nodes, [_vi("T", TensorProto.INT64, []), _vi("lr", TensorProto.FLOAT, []), _vi("x", TensorProto.FLOAT, [3])],
+                   [_vi("y", TensorProto.FLOAT, [3]), _vi("T.new", TensorProto.INT64, [])])
+    x = np.arange(3, dtype=np.float32)
+    for t in (0, 1, 7, 2 ** 33):
+        feeds = {"T": np.array(t, np.int64), "lr": np.array(0.01, np.float32), "x": x}
+        expected = _run(model, feeds)
+        rewritten = onnx.ModelProto()
+        rewritten.CopyFrom(model)
+        rewritten, program = split_host_scalars(rewritten, ["T", "lr"])
+        assert {n.op_type for n in rewritten.graph.node} == {"Mul", "Constant"}
+        assert [f["name"] for f in program["feeds"]] == ["step"] and program["outputs"] == ["T.new"]
+        host = run_host(json.loads(json.dumps(program)), {"T": feeds["T"], "lr": feeds["lr"]})
+        assert int(host["T.new"]) == t + 1
+        got = _run(rewritten, {"x": x, "step": host["step"]})
+        np.testing.assert_array_equal(got["y"], expected["y"])
+
+
+def test_split_host_scalars_refuses_an_op_the_host_does_not_run():
+    nodes = [helper.make_node("Cast", ["T"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Softmax", ["f"], ["g"]), helper.make_node("Mul", ["x", "g"], ["y"])]
+    model = _model(nodes, [_vi("T", TensorProto.INT64, [1]), _vi("x", TensorProto.FLOAT, [1])], [_vi("y", TensorProto.FLOAT, [1])])
+    with pytest.raises(TrainingOpError, match="Softmax"):
+        split_host_scalars(model, ["T"])
+
+
+def test_int32_inputs_narrows_only_indexing_inputs():
+    """labels: cast only; ids: index arithmetic with int64 constants (int32 copies), a Cast back
+    to int64 before ScatterND; other: added to an int64 state value, so it stays int64. The
+    rewritten model computes what the original does."""
+    c = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [v]))  # noqa: E731
+    nodes = [c("zero", 0), c("vocab", 5), c("axis", -1),
+             helper.make_node("Cast", ["labels"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["other", "counter"], ["o2"]), helper.make_node("Cast", ["o2"], ["g"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["f", "g"], ["y"]),
+             helper.make_node("Less", ["ids", "zero"], ["negative"]), helper.make_node("Add", ["ids", "vocab"], ["wrapped"]),
+             helper.make_node("Where", ["negative", "wrapped", "ids"], ["index"]),
+             helper.make_node("Unsqueeze", ["index", "axis"], ["nd"]),
+             helper.make_node("Gather", ["table", "ids"], ["rows"]),
+             helper.make_node("ScatterND", ["table", "nd", "rows"], ["scattered"], reduction="add")]
+    model = _model(nodes, [_vi("labels", TensorProto.INT64, [2]), _vi("other", TensorProto.INT64, [2]),
+                           _vi("counter", TensorProto.INT64, [2]), _vi("ids", TensorProto.INT64, [3]),
+                           _vi("table", TensorProto.FLOAT, [5, 2])],
+                   [_vi("y", TensorProto.FLOAT, [2]), _vi("scattered", TensorProto.FLOAT, [5, 2])])
+    rng = np.random.default_rng(2)
+    feeds = {"labels": np.array([1, 2]), "other": np.array([3, 4]), "counter": np.array([5, 6]),
+             "ids": np.array([-1, 0, 3]), "table": rng.standard_normal((5, 2)).astype(np.float32)}
+    expected = _run(model, feeds)
+    assert int32_inputs(model, skip=["counter"]) == ["labels", "ids"]
+    onnx.checker.check_model(model, full_check=True)
+    got = _run(model, {**feeds, "labels": feeds["labels"].astype(np.int32), "ids": feeds["ids"].astype(np.int32)})
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value)
+
+
+def _export(tmp_path, name):
+    training, batches, _ = js_fixtures.MODELS[name](np.random.default_rng(0))
+    shapes = {k: list(v.shape[1:]) for k, v in batches.items()}
+    manifest = export_step(training, tmp_path / name, target="webgpu", input_shapes=shapes)
+    return manifest, batches
+
+
+def _webgpu_steps(directory, manifest, batches, steps):
+    """What the JavaScript WebGPU trainer does, in Python's onnxruntime (CPU): the host
+    program each step, the graph on the rest; returns the losses and the final state."""
+    gpu = manifest["webgpu"]
+    session = ort.InferenceSession(str(directory / manifest["files"]["step_webgpu"]["path"]),
+                                   providers=["CPUExecutionProvider"])
+    state, _ = safetensors.read(directory / "state.safetensors")
+    rates = {e["name"]: np.array(e["base"], np.float32) for e in manifest["learning_rates"]}
+    losses = []
+    for i in range(steps):
+        host = run_host(gpu["host"], {**state, **rates})
+        feeds = {e["name"]: batches[e["name"]][i % len(batches[e["name"]])].astype(e["dtype"]) for e in gpu["inputs"]}
+        feeds.update({f["name"]: host[f["name"]].astype(f["dtype"]).reshape(f["shape"]) for f in gpu["host"]["feeds"]})
+        feeds.update({n: rates[n] for n in gpu["rates"]})
+        feeds.update({n: state[n] for n in gpu["feedback"]})
+        out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        losses.append(float(out[manifest["loss"]]))
+        for n, o in gpu["feedback"].items():
+            state[n] = out[o]
+        for n in gpu["host_state"]:
+            state[n] = host[manifest["feedback"][n]].reshape(state[n].shape)
+    return losses, state
+
+
+def _portable_steps(directory, manifest, batches, steps):
+    session = ort.InferenceSession(str(directory / "step.onnx"), providers=["CPUExecutionProvider"])
+    state, _ = safetensors.read(directory / "state.safetensors")
+    rates = {e["name"]: np.array(e["base"], np.float32) for e in manifest["learning_rates"]}
+    losses = []
+    for i in range(steps):
+        feeds = {e["name"]: batches[e["name"]][i % len(batches[e["name"]])] for e in manifest["inputs"]}
+        out = dict(zip([o.name for o in session.get_outputs()],
+                       session.run(None, {**feeds, **rates, **{n: state[n] for n in manifest["feedback"]}})))
+        losses.append(float(out[manifest["loss"]]))
+        state.update({n: out[o] for n, o in manifest["feedback"].items()})
+    return losses, state
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_the_webgpu_step_trains_like_the_portable_step(tmp_path, name):
+    """50 steps: the same losses (float32 rounding) and state; no node WebGPU lacks, no float64
+    anywhere, no node computing int64, the update count off the graph, labels int32."""
+    manifest, batches = _export(tmp_path, name)
+    directory = tmp_path / name
+    model = onnx.load(directory / "step.webgpu.onnx")
+    assert not LACKING & {n.op_type for n in model.graph.node}
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    elem = {vi.name: vi.type.tensor_type.elem_type for vi in (*inferred.input, *inferred.value_info, *inferred.output)}
+    assert TensorProto.DOUBLE not in elem.values()
+    computed_int64 = {n.op_type for n in model.graph.node if n.op_type != "Constant"
+                      and any(elem.get(o) == TensorProto.INT64 for o in n.output)}
+    assert not computed_int64, f"int64 arithmetic left for WebGPU: {computed_int64}"
+    assert manifest["counter"] not in {vi.name for vi in model.graph.input}
+    assert {e["name"]: e["dtype"] for e in manifest["webgpu"]["inputs"]}["labels"] == "int32"
+    ours, our_state = _webgpu_steps(directory, manifest, batches, 50)
+    theirs, their_state = _portable_steps(directory, manifest, batches, 50)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert int(our_state[manifest["counter"]].reshape(-1)[0]) == 50
+    for key, value in their_state.items():
+        np.testing.assert_allclose(our_state[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_the_webgpu_target_needs_static_shapes_and_changes_nothing_on_failure(tmp_path):
+    training, _, _ = js_fixtures.MODELS["mlp"](np.random.default_rng(0))
+    with pytest.raises(TrainingOpError, match="input_shapes"):
+        export_step(training, tmp_path / "out", target="webgpu")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(TrainingOpError, match="target 'cuda'"):
+        export_step(training, tmp_path / "out", target="cuda")
+
+
+def test_cli_export_step_target_webgpu(tmp_path):
+    from onnx_training_ops.cli import main
+
+    training, _, _ = js_fixtures.MODELS["mlp"](np.random.default_rng(0))
+    path = tmp_path / "mlp.onnx"
+    onnx.save(training, path)
+    assert main(["export-step", str(path), str(tmp_path / "out"), "--target", "webgpu",
+                 "--input-shape", "input=32,64", "--input-shape", "labels=32"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["files"]["step_webgpu"]["path"] == "step.webgpu.onnx"
+    assert [e["shape"] for e in manifest["webgpu"]["inputs"]] == [[32, 64], [32]]
+
+
+def _maxpool_scatter(kernel, strides, shape=(2, 3, 4, 6)):
+    """MaxPool with Indices and the derivative rule's scatter of a gradient g."""
+    size = int(np.prod(shape))
+    c = lambda name, values: helper.make_node("Constant", [], [name], value=helper.make_tensor(  # noqa: E731
+        name, TensorProto.INT64, [len(values)], values))
+    nodes = [helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=kernel, strides=strides),
+             c("flat", [-1]), c("size", [size]),
+             helper.make_node("ConstantOfShape", ["size"], ["zeros"], value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0])),
+             helper.make_node("Reshape", ["i", "flat"], ["fi"]), helper.make_node("Reshape", ["g", "flat"], ["fg"]),
+             helper.make_node("ScatterElements", ["zeros", "fi", "fg"], ["dx"], axis=0, reduction="add")]
+    out_shape = [shape[0], shape[1], shape[2] // strides[0], shape[3] // strides[1]]
+    return _model(nodes, [_vi("x", TensorProto.FLOAT, list(shape)), _vi("g", TensorProto.FLOAT, out_shape)],
+                  [_vi("y", TensorProto.FLOAT, out_shape), _vi("dx", TensorProto.FLOAT, [size])]), out_shape
+
+
+def test_maxpool_gradient_by_mask_equals_the_scatter_ties_included():
+    from onnx_training_ops.passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
+
+    model, out_shape = _maxpool_scatter([2, 3], [2, 3])
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 3, (2, 3, 4, 6)).astype(np.float32)  # many ties: the first maximum takes the gradient
+    g = rng.standard_normal(out_shape).astype(np.float32)
+    expected = _run(model, {"x": x, "g": g})
+    rewritten = maxpool_gradient_by_mask(model)
+    assert all(len(n.output) == 1 for n in rewritten.graph.node if n.op_type == "MaxPool")
+    assert "ScatterElements" not in {n.op_type for n in rewritten.graph.node}
+    got = _run(rewritten, {"x": x, "g": g})
+    np.testing.assert_array_equal(got["dx"], expected["dx"])
+    np.testing.assert_array_equal(got["y"], expected["y"])
+
+
+def test_maxpool_gradient_by_mask_refuses_overlapping_windows():
+    from onnx_training_ops.passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
+
+    model, _ = _maxpool_scatter([2, 2], [1, 1], shape=(1, 1, 4, 4))
+    with pytest.raises(TrainingOpError, match="tile"):
+        maxpool_gradient_by_mask(model)
+
+
+def test_lower_is_nan_equals_onnxruntime():
+    from onnx_training_ops.passes.lower_is_nan import lower_is_nan
+
+    model = _model([helper.make_node("IsNaN", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, [5])], [_vi("y", TensorProto.BOOL, [5])])
+    x = np.array([0, np.nan, np.inf, -np.inf, -0.0], np.float32)
+    expected = _run(model, {"x": x})["y"]
+    lowered = lower_is_nan(model)
+    assert "IsNaN" not in {n.op_type for n in lowered.graph.node}
+    np.testing.assert_array_equal(_run(lowered, {"x": x})["y"], expected)
