@@ -106,5 +106,27 @@ def test_cli_train_threads(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--threads", "-1"])
     assert "must be a whole number >= 0" in capsys.readouterr().err
-    assert main(["train", "--threads", "2", "--nproc", "2"]) != 0
-    assert "--threads is for one process" in capsys.readouterr().err
+    assert main(["train", "--threads", "2"]) != 0  # the digits demo: its own thread count
+    assert "--threads needs a training model" in capsys.readouterr().err
+
+
+def test_cli_train_passes_threads_to_the_session(tmp_path, monkeypatch):
+    """``train MODEL --threads N`` opens its TrainingSession with threads=N (not options that would
+    drop the package's memory defaults)."""
+    import onnx
+
+    from onnx_training_ops.cli import train as cli_train
+
+    path = tmp_path / "training.onnx"
+    onnx.save(_model(), path)
+    seen = {}
+    real = ot.TrainingSession.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ot.TrainingSession, "__init__", spy)
+    args = build_parser().parse_args(["train", str(path), "--threads", "2", "--out", str(tmp_path / "out")])
+    cli_train._open(args)
+    assert seen.get("threads") == 2 and seen.get("sess_options") is None
