@@ -81,6 +81,7 @@ export class WarmupCosineLR {
 }
 
 export class WarmupLinearLR {
+  // allow_warmup_past_total (Python's flag for warmup_steps > total_steps) changes no formula
   constructor({ warmup_steps, total_steps }) { Object.assign(this, { warmup_steps, total_steps }); }
   lr(base, k) {
     if (k < this.warmup_steps) return base * k / Math.max(1, this.warmup_steps);

@@ -23,7 +23,7 @@ const SCHEDULE_ARGS = {
   OneCycleLR: { max_lr: 'rates', total_steps: 'positive', pct_start: 'number', anneal_strategy: ['cos', 'linear'],
     div_factor: 'number', final_div_factor: 'number', three_phase: 'boolean' },
   WarmupCosineLR: { warmup_steps: 'nonneg', total_steps: 'positive', num_cycles: 'number' },
-  WarmupLinearLR: { warmup_steps: 'nonneg', total_steps: 'positive' },
+  WarmupLinearLR: { warmup_steps: 'nonneg', total_steps: 'positive', allow_warmup_past_total: 'boolean' },
 };
 const REQUIRED_ARGS = { StepLR: ['step_size'], MultiStepLR: ['milestones'], ExponentialLR: ['gamma'], CosineAnnealingLR: ['T_max'],
   OneCycleLR: ['max_lr', 'total_steps'], WarmupCosineLR: ['warmup_steps', 'total_steps'], WarmupLinearLR: ['warmup_steps', 'total_steps'] };
