@@ -419,3 +419,24 @@ def test_device_trainer_reads_through_the_same_checks(export, tmp_path):
     _edit(export, lambda m: m["schedule"].update(args={"bogus": 2}))
     with pytest.raises(TrainingOpError, match=r"field 'schedule.args' .* does not fit StepLR"):
         DeviceTrainer(export)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_swapped_feedback_entries_of_equal_shape_are_caught_by_the_step_models_record(tmp_path, packed):
+    """W0 <-> W0.V have one shape and each output is computed from both inputs: neither shapes nor
+    the data flow tell the swap; the feedback map the step model records does."""
+    from onnx_training_ops.export import DeviceTrainer, export_step, session_from_export
+
+    model = ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy", ot.Adam())
+    export_step(model, tmp_path, packed=packed)
+    path = tmp_path / "manifest.json"
+    manifest = json.loads(path.read_text())
+    feedback = manifest["feedback"]
+    feedback["W0"], feedback["W0.V"] = feedback["W0.V"], feedback["W0"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(TrainingOpError, match=r"field 'feedback' feeds 'W0' from 'W0.V.new', but the step model"):
+        session_from_export(tmp_path)
+    if packed:  # the packed step feeds back whole packs: the swap does not reach it
+        session_from_export(tmp_path, packed=True)
+    with pytest.raises(TrainingOpError, match="field 'feedback' feeds"):
+        DeviceTrainer(tmp_path)

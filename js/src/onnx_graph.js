@@ -61,3 +61,23 @@ export function dataFlow(modelBytes) {
   };
   return (output, input) => sources(output).has(input);
 }
+
+/**
+ * The value of the model's metadata_props entry `key` (ModelProto field 14: key = 1, value = 2),
+ * or null.
+ * @throws {Damaged} on bytes that are not a model
+ */
+export function metadataValue(modelBytes, key) {
+  for (const f of fields(modelBytes)) {
+    if (f.field !== 14 || f.wire !== 2) continue;
+    const entry = modelBytes.subarray(...f.body);
+    let k = null;
+    let v = null;
+    for (const e of fields(entry)) {
+      if (e.field === 1 && e.wire === 2) k = text(entry, e);
+      else if (e.field === 2 && e.wire === 2) v = text(entry, e);
+    }
+    if (k === key) return v ?? '';
+  }
+  return null;
+}

@@ -12,7 +12,7 @@ import { embedWeights } from './onnx_weights.js';
 import { TrainerError, NonFiniteLossError, show } from './errors.js';
 import { sha256 } from './sha256.js';
 import {
-  validateManifest, validateModels, checkFeedbackFlow, checkRates, checkLabels, checkBatch, checkPlainValue, checkTensor,
+  validateManifest, validateModels, checkFeedbackFlow, checkFeedbackRecord, checkRates, checkLabels, checkBatch, checkPlainValue, checkTensor,
 } from './validate.js';
 
 export { TrainerError, NonFiniteLossError };
@@ -138,6 +138,8 @@ export class Trainer {
         feedback: trainer.stepFeedback, shapes: trainer.stepShapes(), stepFile, evalFile: fileName(manifest, 'eval'),
       });
       if (files.step) checkFeedbackFlow(manifest, files.step, fileName(manifest, 'step'));
+      const stepBytes = packed ? files.stepPacked : files.step;
+      if (stepBytes) checkFeedbackRecord(trainer.stepFeedback, stepBytes, stepFile);
       trainer.inferenceBytes = files.inference ?? null;
       trainer.loadState(files.state, { verify, where: fileName(manifest, 'state') });
     } catch (error) {

@@ -5,7 +5,7 @@
 import { TrainerError, show } from './errors.js';
 import { DTYPES } from './safetensors.js';
 import { SCHEDULES } from './schedules.js';
-import { dataFlow } from './onnx_graph.js';
+import { dataFlow, metadataValue } from './onnx_graph.js';
 import { Damaged } from './protobuf.js';
 
 const DTYPE_NAMES = Object.values(DTYPES).map(([name]) => name);
@@ -361,5 +361,39 @@ export function checkFeedbackFlow(m, stepBytes, stepFile) {
       throw new TrainerError(`${stepFile}: manifest.json feedback feeds ${show(input)} from ${show(output)}, which the step model `
         + `does not compute from ${show(input)} (swapped or foreign feedback entries)`);
     }
+  }
+}
+
+/** The metadata key under which export_step records a step model's own feedback map. */
+export const FEEDBACK_KEY = 'onnx_training_ops.feedback';
+
+/**
+ * The feedback the trainer will use (state input -> step output) against the one the step model
+ * records (export_step writes it): a swap of equal-shaped entries that each depend on both inputs
+ * (a parameter and its V) passes every other check. A model without a record is not checked.
+ * @throws {TrainerError} naming the file and the first entry that differs
+ */
+export function checkFeedbackRecord(feedback, stepBytes, stepFile) {
+  let recorded;
+  try {
+    recorded = metadataValue(stepBytes, FEEDBACK_KEY);
+  } catch (error) {
+    if (error instanceof Damaged) throw new TrainerError(`${stepFile}: not a valid ONNX model (${error.message}): truncated or damaged`);
+    throw error;
+  }
+  if (recorded === null) return;
+  let expected;
+  try {
+    expected = JSON.parse(recorded);
+  } catch {
+    throw new TrainerError(`${stepFile}: its ${FEEDBACK_KEY} metadata is not JSON`);
+  }
+  if (!isObject(expected)) throw new TrainerError(`${stepFile}: its ${FEEDBACK_KEY} metadata is not an object`);
+  const names = [...new Set([...Object.keys(feedback), ...Object.keys(expected)])].sort();
+  const wrong = names.filter((n) => feedback[n] !== expected[n]);
+  if (wrong.length) {
+    const n = wrong[0];
+    throw new TrainerError(`${stepFile}: manifest.json feedback feeds ${show(n)} from ${show(feedback[n])}, but the step model `
+      + `feeds it from ${show(expected[n])} (${wrong.length} entr${wrong.length === 1 ? 'y' : 'ies'} differ: swapped, dropped or foreign feedback entries)`);
   }
 }

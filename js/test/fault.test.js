@@ -185,6 +185,9 @@ test('12: the manifest is checked against the models it loads', async () => {
     // same shapes, told apart by the data flow of step.onnx (checked with the packed step too)
     ['mlp', (m) => { [m.feedback['W0.V'], m.feedback['W0.H']] = [m.feedback['W0.H'], m.feedback['W0.V']]; },
       /step\.onnx: manifest\.json feedback feeds "W0\.V" from "W0\.H\.new", which the step model does not compute from "W0\.V" \(swapped or foreign feedback entries\)/],
+    // same shapes, each output computed from both inputs: told apart by the feedback step.onnx records
+    ['mlp', (m) => { [m.feedback.W0, m.feedback['W0.V']] = [m.feedback['W0.V'], m.feedback.W0]; },
+      /step\.onnx: manifest\.json feedback feeds "W0" from "W0\.V\.new", but the step model feeds it from "W0\.new"/, { packed: false }],
     ['cnn', (m) => { [m.feedback['bn.mean'], m.feedback['bn.var']] = [m.feedback['bn.var'], m.feedback['bn.mean']]; }, /feeds "bn\.mean" from "train\/n1\/Add_1", which the step model does not compute from "bn\.mean"/],
     ['mlp', (m) => { m.packs[0].members[1].offset += 1; }, /packs\[0\]\.members\[1\]\.offset must be 8192 \(the end of the member before: no gap, no overlap\), found 8193/],
     ['mlp', (m) => { m.packs[0].members[1].offset -= 1; }, /members\[1\]\.offset must be 8192 .*found 8191/],

@@ -20,6 +20,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ..errors import TrainingOpError
@@ -79,8 +80,10 @@ class DeviceTrainer:
         self.device_id = int(device_id)
         files = manifest["files"]
         # the bytes checked against the manifest's sha256, read from inside the directory
-        self._step = ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "step", verify),
-                                          sess_options, providers=providers)
+        step = manifest_.file_bytes(self.directory, manifest, "step", verify)
+        manifest_.check_feedback(onnx.load_model_from_string(step), manifest,
+                                 os.path.join(self.directory, files["step"]["path"]))
+        self._step = ort.InferenceSession(step, sess_options, providers=providers)
         self._eval = (ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "eval", verify),
                                            sess_options, providers=providers) if "eval" in files else None)
         self._feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 import numpy as np
+import onnx
 
 from ..build.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
@@ -182,6 +183,9 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
     except TrainingOpError as error:
         raise TrainingOpError(f"{os.path.join(directory, manifest_.MANIFEST)!r}: field 'feedback' does not fit "
                               f"{manifest['files'][kind]['path']!r}: {error}") from None
+    # outputs that exist but are fed to the wrong state (a swap of equal shapes): the model's own record
+    manifest_.check_feedback(onnx.load_model_from_string(step), manifest,
+                             os.path.join(directory, manifest["files"][kind]["path"]), packed)
     if manifest.get("labels") and manifest.get("classes") is not None:
         ignore = manifest.get("ignore_index")
         for key, value in (("labels", manifest["labels"]),

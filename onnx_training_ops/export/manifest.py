@@ -345,6 +345,54 @@ def file_path(directory: str | os.PathLike, manifest: Mapping[str, Any], kind: s
     return os.path.join(directory, entry["path"])
 
 
+FEEDBACK_KEY = "onnx_training_ops.feedback"  # a step model's own feedback map, in its metadata_props
+
+
+def record_feedback(step: onnx.ModelProto, feedback: Mapping[str, str]) -> None:
+    """Store ``feedback`` (state input -> the output holding its new value) in the step model
+    itself, so a reader can tell a manifest whose feedback was edited (swapped entries of equal
+    shape feed state into the wrong variable without any other sign)."""
+    for entry in list(step.metadata_props):
+        if entry.key == FEEDBACK_KEY:
+            step.metadata_props.remove(entry)
+    step.metadata_props.add(key=FEEDBACK_KEY, value=json.dumps(dict(feedback), sort_keys=True))
+
+
+def step_feedback(manifest: Mapping[str, Any], packed: bool = False) -> dict[str, str]:
+    """What the (packed) step model feeds back, by the manifest: state input -> step output."""
+    feedback = dict(manifest["feedback"])
+    if packed:
+        for p in manifest.get("packs") or []:
+            for m in p["members"]:
+                feedback.pop(m["name"], None)
+            feedback[p["input"]] = p["output"]
+    return feedback
+
+
+def check_feedback(step: onnx.ModelProto, manifest: Mapping[str, Any], where: str, packed: bool = False) -> None:
+    """The manifest's feedback against the one the step model records (:func:`record_feedback`);
+    a model without a record (an older export) is not checked.
+
+    Raises:
+        TrainingOpError: an entry differs, naming it.
+    """
+    recorded = next((e.value for e in step.metadata_props if e.key == FEEDBACK_KEY), None)
+    if recorded is None:
+        return
+    try:
+        expected = json.loads(recorded)
+    except ValueError:
+        raise TrainingOpError(f"{where}: its {FEEDBACK_KEY!r} metadata is not JSON") from None
+    given = step_feedback(manifest, packed)
+    if given != expected:
+        wrong = sorted(k for k in set(given) | set(expected) if given.get(k) != expected.get(k))
+        name = wrong[0]
+        raise TrainingOpError(
+            f"{where}: manifest.json field 'feedback' feeds {name!r} from {given.get(name)!r}, but the step "
+            f"model feeds it from {expected.get(name)!r} ({len(wrong)} entr{'y' if len(wrong) == 1 else 'ies'} "
+            "differ: swapped, dropped or foreign feedback entries)")
+
+
 def sha256(data: bytes | memoryview) -> str:
     """Lowercase hex SHA-256 of ``data``."""
     return hashlib.sha256(data).hexdigest()

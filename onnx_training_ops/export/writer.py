@@ -136,6 +136,7 @@ def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelP
         "host_state": [n for n in info["host"]["inputs"] if n in state],
         "returned": [o.name for o in step.graph.output if o.name not in set(binding.values()) and o.name in outputs],
     }
+    manifest_.record_feedback(gpu_model, section["feedback"])
     return gpu_model, section
 
 
@@ -218,6 +219,9 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     if os.path.exists(os.path.join(out_dir, manifest_.MANIFEST)):  # until the new one: incomplete
         os.remove(os.path.join(out_dir, manifest_.MANIFEST))
     checkpoint.atomic_write(os.path.join(out_dir, FILES["state"]), state_bytes)
+    binding = {e.key: e.value for e in model.training_info[0].update_binding}
+    feedback = {vi.name: binding[vi.name] for vi in step.model.graph.input if vi.name in state and vi.name in binding}
+    manifest_.record_feedback(step.model, feedback)
     files: dict[str, Any] = {"step": _write(out_dir, "step", step.model),
                              "state": {"path": FILES["state"], "sha256": manifest_.sha256(state_bytes)}}
     if evaluation is not None:
@@ -225,10 +229,10 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     if inference is not None:
         files["inference"] = {**_write(out_dir, "inference", inference), "external_data": FILES["state"]}
         graphs.check_file(os.path.join(out_dir, FILES["inference"]), "inference model")
-    binding = {e.key: e.value for e in model.training_info[0].update_binding}
     packs = None
     if packed:
         packed_model, packs = packing.packed_step(step.model, state, binding)
+        manifest_.record_feedback(packed_model, manifest_.step_feedback({"feedback": feedback, "packs": packs}, True))
         files["step_packed"] = _write(out_dir, "step_packed", packed_model)
     if ort:
         from .ort_format import convert
@@ -261,7 +265,7 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         "defaults": manifest_.default_entries({**{n: v for n, v in step.defaults.items() if n not in rates},
                                                **(evaluation.defaults if evaluation is not None else {})}),
         "learning_rates": manifest_.learning_rate_entries(rates, meta),
-        "feedback": {name: binding[name] for name in state_order if name in binding},
+        "feedback": feedback,
         "packs": packs,
         "returned": [o.name for o in step.model.graph.output if o.name not in set(binding.values())],
         "eval_outputs": [o.name for o in eval_graph.output],
