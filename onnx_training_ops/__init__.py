@@ -22,7 +22,7 @@ The layers, bottom to top, and what each may import: ``docs/architecture.md``.
 """
 
 from . import _moved, kernels
-from .build import (Adagrad, Adam, AdamW, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss,
+from .builder import (Adagrad, Adam, AdamW, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss,
                     Momentum, MSELoss, RMSProp, SmoothL1Loss, build_training_model)
 from .errors import TrainingOpError
 from .passes import PASSES

@@ -24,8 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .build import build_training_model
-from .build.optimizers import Adagrad, Adam, Momentum
+from .builder import build_training_model
+from .builder.optimizers import Adagrad, Adam, Momentum
 
 DEFAULT_LR = {"adam": 2e-3, "momentum": 0.05, "adagrad": 0.05}
 

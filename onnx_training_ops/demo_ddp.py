@@ -60,7 +60,7 @@ def _session_options(world: int):
 def refusal(path: str, epochs: int, optimizer: str) -> str:
     """Why the checkpoint at ``path`` cannot go on to ``epochs`` epochs with ``optimizer``, or ''
     (``train --nproc`` asks before it starts the ranks)."""
-    from .build.model_metadata import metadata
+    from .builder.model_metadata import metadata
     from .storage.model_files import load_model
 
     from .errors import TrainingOpError
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as error:
         print(error, file=sys.stderr)
         return EXIT_USAGE
-    from .build import build_training_model
+    from .builder import build_training_model
     from .training import TrainingSession
     from .demo import load_digits_split, make_mlp, make_optimizer, plot_losses, write_summary
     from .training.schedules import CosineAnnealingLR

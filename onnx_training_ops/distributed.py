@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from .build.model_metadata import metadata
+from .builder.model_metadata import metadata
 from .errors import TrainingOpError
 from .storage.model_files import load_model
 from .storage.save import save_model

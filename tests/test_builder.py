@@ -12,7 +12,7 @@ from onnx import numpy_helper as nh
 from onnx import TensorProto, helper
 
 from onnx_training_ops import Adagrad, Adam, Momentum, TrainingOpError, TrainingSession, build_training_model
-from onnx_training_ops.build.model_metadata import metadata
+from onnx_training_ops.builder.model_metadata import metadata
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.passes.fit_runtime import runtime_limits
 

@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import onnx_training_ops as ot  # noqa: E402
-from onnx_training_ops.build.dynamo_params import restore_parameters  # noqa: E402
-from onnx_training_ops.build.model_metadata import metadata  # noqa: E402
+from onnx_training_ops.builder.dynamo_params import restore_parameters  # noqa: E402
+from onnx_training_ops.builder.model_metadata import metadata  # noqa: E402
 
 VOCAB = 40
 

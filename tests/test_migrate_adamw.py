@@ -25,7 +25,7 @@ from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.migrate import OrtAdamW, read_checkpoint
 from onnx_training_ops.migrate.adamw import emit_update
 from onnx_training_ops.migrate.artifacts import read_optimizer
-from onnx_training_ops.build.ops import Ops
+from onnx_training_ops.builder.ops import Ops
 
 
 def _update_session(opt: OrtAdamW, shapes: dict[str, tuple[int, ...]]) -> ort.InferenceSession:

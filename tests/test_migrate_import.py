@@ -51,7 +51,7 @@ def test_the_imported_model_holds_their_checkpoint_moments_step_and_properties()
     assert session.properties == {"epoch": 1, "best_loss": 0.5, "note": "ten steps"}
     assert session.learning_rates == {"learning_rate": pytest.approx(0.01)}
     assert json.loads(session.metadata["imported_from"])["step"] == 10
-    meta = ot.build.metadata(model)
+    meta = ot.builder.metadata(model)
     assert json.loads(meta["optimizer"])["type"] == "OrtAdamW"
     assert set(session.state_names) >= {"0.weight.V", "0.weight.H", "2.bias.V", "2.bias.H"}
 

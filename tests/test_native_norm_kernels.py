@@ -22,7 +22,7 @@ EPS = 1e-3
 
 
 def _bn_nodes(rank: int):
-    """The builder's form (``build/train_mode.py``): batch mean and biased variance, then
+    """The builder's form (``builder/train_mode.py``): batch mean and biased variance, then
     the marked BatchNormalization; ``loss = sum(y * r)`` (r: a fixed random weight)."""
     axes = helper.make_tensor("axes", 7, [rank - 1], [0] + list(range(2, rank)))
     flat = helper.make_tensor("flat", 7, [1], [-1])

@@ -38,11 +38,11 @@ def test_each_domain_op_has_a_lowering_and_a_reference():
 
 _FRESH = """
 import json, sys
-from onnx_training_ops.build.optimizers import OPTIMIZER_CLASSES, from_json
-from onnx_training_ops.build.emit_update import STANDARD_OP_UPDATES
+from onnx_training_ops.builder.optimizers import OPTIMIZER_CLASSES, from_json
+from onnx_training_ops.builder.emit_update import STANDARD_OP_UPDATES
 before = (sorted(OPTIMIZER_CLASSES), sorted(c.__name__ for c in STANDARD_OP_UPDATES))
 out = [type(from_json(t)).__name__ for t in json.loads(sys.argv[1])]
-import onnx_training_ops.migrate.adamw, onnx_training_ops.build.rmsprop  # noqa: E401
+import onnx_training_ops.migrate.adamw, onnx_training_ops.builder.rmsprop  # noqa: E401
 after = (sorted(OPTIMIZER_CLASSES), sorted(c.__name__ for c in STANDARD_OP_UPDATES))
 print(json.dumps([out, before == after, "onnx_training_ops.migrate.adamw" in sys.modules]))
 """
@@ -61,8 +61,8 @@ def test_from_json_reads_every_optimizer_whatever_was_imported():
 def test_old_import_paths_give_the_same_objects():
     from importlib import import_module
 
-    build_optimizers = import_module("onnx_training_ops.build.optimizers")
-    build_rmsprop = import_module("onnx_training_ops.build.rmsprop")
+    build_optimizers = import_module("onnx_training_ops.builder.optimizers")
+    build_rmsprop = import_module("onnx_training_ops.builder.rmsprop")
     k_adagrad = import_module("onnx_training_ops.kernels.adagrad")  # the package's name is the function
     k_adam = import_module("onnx_training_ops.kernels.adam")
     k_momentum = import_module("onnx_training_ops.kernels.momentum")

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_training_ops import (Adagrad, Adam, Momentum, RMSProp, TrainingSession,
                                build_training_model)
-from onnx_training_ops.build.model_metadata import metadata
+from onnx_training_ops.builder.model_metadata import metadata
 from onnx_training_ops.errors import TrainingOpError
 
 N, D, B, K = 40, 4, 6, 3  # rows, width, batch, lookups per example

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import onnx_training_ops as ot  # noqa: E402
-from onnx_training_ops.build.model_metadata import metadata  # noqa: E402
+from onnx_training_ops.builder.model_metadata import metadata  # noqa: E402
 
 CONFIGS = {
     "bert": ("BertForSequenceClassification", "BertConfig",

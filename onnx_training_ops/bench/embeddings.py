@@ -72,7 +72,7 @@ def _time(step, data, warmup: int = 2) -> float:
 def onnx_contender(model, mode: str, threads: int):
     import onnxruntime as ort
 
-    from ..build import Adam, build_training_model
+    from ..builder import Adam, build_training_model
     from ..training import TrainingSession
 
     training = build_training_model(model, "mse", Adam(lr=1e-3), trainable=["E"],

@@ -111,7 +111,7 @@ def trainable(path: str) -> list[str]:
 
 
 def loss(s: zoo.Spec):
-    from ..build.losses import CrossEntropyLoss
+    from ..builder.losses import CrossEntropyLoss
 
     return CrossEntropyLoss(class_axis=-1, shift_labels=True)
 

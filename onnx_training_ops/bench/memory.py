@@ -96,7 +96,7 @@ def state_digest(session) -> str:
 
 
 def ours_worker(s: zoo.Spec, path: str, steps: int, checkpoint: str | None) -> dict:
-    from ..build import AdamW, build_training_model
+    from ..builder import AdamW, build_training_model
     from ..training import TrainingSession
 
     meter = Phases()

@@ -46,9 +46,9 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
     sizes, batch = shape
     batches = mlp_batches(sizes, batch)
     if name.startswith("training_session"):
-        from ..build import build_training_model
+        from ..builder import build_training_model
         from ..demo import make_mlp
-        from ..build.optimizers import Adam
+        from ..builder.optimizers import Adam
         from ..training import TrainingSession
 
         from .contenders import DEFAULT_OPTIONS, session_options

@@ -37,7 +37,7 @@ def training_model(spec: zoo.Spec, cache: str | None = None):
     """Our training model of ``spec``'s export (AdamW as above)."""
     import onnx
 
-    from ..build import AdamW, build_training_model
+    from ..builder import AdamW, build_training_model
 
     model = onnx.load(zoo.export(spec, cache))
     return build_training_model(model, zoo.loss(spec), AdamW(lr=LR, betas=BETAS, eps=EPS,
@@ -83,7 +83,7 @@ def _trainable_arrays(training):
 
 def trainable_names(training) -> list[str]:
     """The tensors one of our training models trains (the other contenders train the same)."""
-    from ..build import metadata
+    from ..builder import metadata
 
     return [n for n in metadata(training).get("trainable", "").split(",") if n]
 

@@ -228,7 +228,7 @@ def torch_loss(s: Spec, logits, labels):
 
 def loss(s: Spec):
     """The builder's loss for ``s`` (same math as :func:`torch_loss`)."""
-    from ..build.losses import CrossEntropyLoss
+    from ..builder.losses import CrossEntropyLoss
 
     if s.family == "gpt2":
         return CrossEntropyLoss(class_axis=-1, shift_labels=True)

@@ -64,13 +64,13 @@ def make_optimizer(args: argparse.Namespace):
         args: the parsed ``build`` arguments.
 
     Returns:
-        An optimizer of :mod:`onnx_training_ops.build.optimizers` (or RMSProp).
+        An optimizer of :mod:`onnx_training_ops.builder.optimizers` (or RMSProp).
 
     Raises:
         TrainingOpError: an option the optimizer does not take, or a value it refuses.
     """
-    from ..build.optimizers import Adagrad, Adam, AdamW, Momentum
-    from ..build.rmsprop import RMSProp
+    from ..builder.optimizers import Adagrad, Adam, AdamW, Momentum
+    from ..builder.rmsprop import RMSProp
 
     kind = args.optimizer
     takes = {"adam": {"betas", "eps"}, "adamw": {"betas", "eps"}, "momentum": {"momentum"}, "sgd": {"momentum"},
@@ -111,8 +111,8 @@ def build(args: argparse.Namespace) -> int:
     Raises:
         TrainingOpError: a bad model or option (exit status 2).
     """
-    from ..build import CrossEntropyLoss, build_training_model
-    from ..build.untie import describe, untie_merged_initializers
+    from ..builder import CrossEntropyLoss, build_training_model
+    from ..builder.untie import describe, untie_merged_initializers
     from ..storage.model_files import load_model
     from ..storage.save import save_model
     from ..storage.tensors import proto_of

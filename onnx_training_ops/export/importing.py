@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..build.model_metadata import META_PREFIX
+from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..training.schedules import SCHEDULES
 from . import manifest as manifest_

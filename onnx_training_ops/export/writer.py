@@ -18,7 +18,7 @@ import onnx
 from onnx import numpy_helper
 from onnx.model_container import ModelContainer
 
-from ..build.model_metadata import metadata
+from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
 from ..storage import checkpoint

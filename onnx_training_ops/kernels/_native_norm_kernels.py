@@ -13,7 +13,7 @@ One pass over dy and x for the sums (float64 accumulators), one writing dx (floa
 
 ``TrainingBatchStats(x) -> (mean, var)`` [C]: the batch mean and biased variance over every
 axis but 1, two passes (float64 accumulators), as the builder's standard nodes compute them
-(``build/train_mode.py``; rewritten by ``passes.batch_statistics_native``). Work
+(``builder/train_mode.py``; rewritten by ``passes.batch_statistics_native``). Work
 is split over channels by onnxruntime's thread pool (``KernelContext_ParallelFor``), as the
 native im2col/col2im; the kernel state, its creation and ``kernel_destroy`` are theirs
 (:mod:`._native_grad_kernels`, :mod:`onnx_training_ops.runtime.native_grads`).

@@ -4,7 +4,7 @@ This is the single entry point the onnxruntime plugin and TrainingSession use, s
 run the same math. ``attributes`` are the node's attributes (defaults filled in).
 
 ``rows`` (int64 indices, no repeats): the step on those rows of 2-D tables X, V, H in place,
-G holding one row per index (the lazy updates of :mod:`onnx_training_ops.build.sparse_updates`):
+G holding one row per index (the lazy updates of :mod:`onnx_training_ops.builder.sparse_updates`):
 the fused row drivers, else gather -> reference -> scatter. Same values either way as the
 step on the gathered rows.
 """

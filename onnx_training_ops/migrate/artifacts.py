@@ -21,8 +21,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..build.losses import CrossEntropyLoss
-from ..build.optimizers import Momentum
+from ..builder.losses import CrossEntropyLoss
+from ..builder.optimizers import Momentum
 from .adamw import OrtAdamW
 
 MS_DOMAIN = "com.microsoft"

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..build import META_PREFIX, build_training_model
-from ..build.optimizers import Momentum
+from ..builder import META_PREFIX, build_training_model
+from ..builder.optimizers import Momentum
 from ..errors import TrainingOpError
 from ..storage.snapshot import write_state
 from ..training.nominal import nominal_model

@@ -1,7 +1,7 @@
 """Pass (native path, after the Gradient expansion): the batch statistics of a train-mode
 BatchNormalization as one native ``TrainingBatchStats(x) -> (mean, var)``.
 
-``build/train_mode.py`` writes them as standard nodes (ReduceMean, Sub, Mul, ReduceMean and
+``builder/train_mode.py`` writes them as standard nodes (ReduceMean, Sub, Mul, ReduceMean and
 two Reshapes to [C]); this pass finds that chain in front of the builder's node
 (``BATCH_STATISTICS_DOC``) whose gradient is the native ``TrainingBatchNormGrad`` (so x is
 float32) and computes both Reshape outputs in one node, two passes over x

@@ -15,7 +15,7 @@
   optimizers, lazy table rows, fused RMSProp, ZeRO-1's per-rank model;
 * :mod:`.feeds`, :mod:`.state`, :mod:`.inference`, :mod:`.from_graph` — the rest.
 
-May import: errors, schema, interrupts, walk, storage, kernels, passes, runtime, build.
+May import: errors, schema, interrupts, walk, storage, kernels, passes, runtime, builder.
 """
 
 from . import schedules

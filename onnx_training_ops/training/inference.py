@@ -12,7 +12,7 @@ from onnx import helper
 from ..storage import checkpoint
 from ..storage.large_model import LargeModel
 from ..storage.tensors import MIN_DETACHED_BYTES, add_array, proto_of, tensor_nbytes
-from ..build.model_metadata import META_PREFIX
+from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..walk import all_graphs
 from ..passes.fit_runtime import fit_runtime

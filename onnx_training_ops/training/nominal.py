@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..build import META_PREFIX
+from ..builder import META_PREFIX
 from ..storage.checkpoint import add_checksums
 
 KEY = "nominal"  # metadata key (under META_PREFIX): JSON list of the emptied tensors

@@ -1,7 +1,7 @@
 """The fast path of RMSProp: its standard-op update cut out and run by one numba loop in place.
 
 RMSProp has no op in the training domain: the builder writes it as standard ops
-(:func:`onnx_training_ops.build.rmsprop.emit_rmsprop`). For each trainable the session re-emits that
+(:func:`onnx_training_ops.builder.rmsprop.emit_rmsprop`). For each trainable the session re-emits that
 update for the model's recorded optimizer into a template and matches it node for node
 against the graph, from the values bound to X and its states back to X, G, the states and R
 (same op types, attributes and constants). A match whose inner values nothing else reads is
@@ -9,7 +9,7 @@ cut; onnxruntime outputs G and R into preallocated buffers, and
 :func:`onnx_training_ops.kernels.fused.rmsprop_` applies the same arithmetic in place (tests
 compare it bit for bit with the graph path).
 
-A lazy table (:mod:`onnx_training_ops.build.sparse_updates`) matches the same template between
+A lazy table (:mod:`onnx_training_ops.builder.sparse_updates`) matches the same template between
 ``Gather(S, u)`` of its rows and ``ScatterND(S, Unsqueeze(u, 1), ·)`` bound back to S; those
 and the builder's deduplication are cut too, and the loop runs on the touched rows in place
 (:func:`.row_updates.dedup_nodes`, :func:`.row_updates._dedup`).
@@ -26,9 +26,9 @@ from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
 from ..kernels.apply import fused_available, rmsprop_step
-from ..build.optimizers import from_json
-from ..build.rmsprop import RMSProp, emit_rmsprop
-from ..build.ops import Ops
+from ..builder.optimizers import from_json
+from ..builder.rmsprop import RMSProp, emit_rmsprop
+from ..builder.ops import Ops
 from .row_updates import _dedup, dedup_nodes
 
 

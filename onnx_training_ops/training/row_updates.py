@@ -1,4 +1,4 @@
-"""The fast path of row updates (:mod:`onnx_training_ops.build.sparse_updates`, mode ``"lazy"``).
+"""The fast path of row updates (:mod:`onnx_training_ops.builder.sparse_updates`, mode ``"lazy"``).
 
 A lazy update is, in the graph, ``Gather(S, u)`` of the touched rows of every state S of one
 table (X, V, H) -> a one-tensor optimizer node of the training domain -> ``ScatterND(S,

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ..build.model_metadata import metadata
+from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError, node_label
 from ..kernels.compile_notice import announce_compiles
 from ..runtime.options import default_intra_op_threads

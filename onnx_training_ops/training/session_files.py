@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import onnx
 
-from ..build.model_metadata import META_PREFIX
+from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..storage import checkpoint
 from ..storage.large_model import LargeModel

@@ -25,7 +25,7 @@ import onnx
 from onnx import helper
 
 from ..storage import checkpoint
-from ..build.model_metadata import META_PREFIX, metadata
+from ..builder.model_metadata import META_PREFIX, metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
 from .program import _reads, prune_dead_nodes

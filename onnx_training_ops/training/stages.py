@@ -13,7 +13,7 @@ convention is the ``Gradient`` node's outputs, where a step splits:
 * **apply**: what the optimizer does with the gradients, reading the accumulators instead:
   clipping, weight decay, the optimizer nodes and ``T <- T + 1``.
 
-A sparse table (:mod:`onnx_training_ops.build.sparse_updates`) is differentiated at its lookups
+A sparse table (:mod:`onnx_training_ops.builder.sparse_updates`) is differentiated at its lookups
 (the ``Gather`` outputs, batch-shaped), so its accumulators are table-sized: *backward*
 scatter-adds ``grad_scale`` times each lookup's gradient rows into ``E.grad.accumulated`` and 1
 into the per-row counter ``E.grad.touched`` (same dtype); *apply* takes the rows whose counter is
@@ -41,8 +41,8 @@ from ..errors import TrainingOpError
 from ..storage.tensors import constant_array, set_location
 from ..passes._graph import value_types
 from ..schema import DOMAIN, OPTIMIZERS
-from ..build.sparse_updates import Table, find_gradient_rows, lookup_rows
-from ..build.ops import Ops
+from ..builder.sparse_updates import Table, find_gradient_rows, lookup_rows
+from ..builder.ops import Ops
 from .program import _reads
 
 GRAD_SCALE = "onnx_training_ops.grad_scale"

@@ -20,7 +20,7 @@ from onnx import helper
 
 from ..autodiff.graph import active_values, gradient_path
 from ..autodiff.registry import has_rule
-from ..build.model_metadata import metadata
+from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError
 from ..passes._graph import value_types
 from ..storage.large_model import LargeModel

@@ -156,7 +156,7 @@ def build_training_model(
         model: an inference model (ModelProto, LargeModel, path or bytes), e.g. from
             ``onnx.helper`` or ``torch.onnx.export`` (past 2 GB: with external data). Opsets
             below 13 are converted.
-        loss: a loss of :mod:`onnx_training_ops.build.losses` (``CrossEntropyLoss(...)``,
+        loss: a loss of :mod:`onnx_training_ops.builder.losses` (``CrossEntropyLoss(...)``,
             ``MSELoss()``, ``L1Loss()``, ``HuberLoss()``, ``SmoothL1Loss()``,
             ``BCEWithLogitsLoss()``), one of their names (``"mse"``, ``"cross_entropy"``,
             ``"l1"``, ``"huber"``, ``"smooth_l1"``, ``"bce_with_logits"``; defaults as in torch)
@@ -178,21 +178,21 @@ def build_training_model(
             the algorithm graph runs a training-mode copy of the forward pass, like torch's
             ``model.train()``: BatchNormalization on batch statistics with its running
             statistics updated as state, Dropout with a fresh mask each step (see
-            :mod:`onnx_training_ops.build.train_mode`); the main graph stays the eval-mode graph.
+            :mod:`onnx_training_ops.builder.train_mode`); the main graph stays the eval-mode graph.
         seed: the dropout masks' seed (``mode="train"``): same seed, same masks.
         param_groups: torch-style parameter groups chosen by glob or regex patterns, with
             per-group optimizer values and ``frozen`` groups
-            (:mod:`onnx_training_ops.build.param_groups`): one optimizer node and one
+            (:mod:`onnx_training_ops.builder.param_groups`): one optimizer node and one
             learning-rate input per group.
         clip_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_``
-            (:mod:`onnx_training_ops.build.grad_clip`); the norm before clipping is the output
+            (:mod:`onnx_training_ops.builder.grad_clip`); the norm before clipping is the output
             ``grad_norm`` that ``step`` returns.
         clip_grad_value: clip each gradient element as ``torch.nn.utils.clip_grad_value_``.
         sparse_updates: ``{trainable name or glob pattern: "dense" | "lazy" | "sparse"}`` for
             embedding tables (trainables read only by axis-0 ``Gather``): gradients kept as
             (unique indices, summed rows) and, with ``"lazy"``, only the looked-up rows updated
             (torch ``SparseAdam``); ``"sparse"`` is TensorFlow's sparse apply. See
-            :mod:`onnx_training_ops.build.sparse_updates`.
+            :mod:`onnx_training_ops.builder.sparse_updates`.
 
     Returns:
         The training model: a ModelProto, or a ``LargeModel`` as said above. It passes
