@@ -39,7 +39,6 @@ import numpy as np
 from onnx_training_ops import bench
 from onnx_training_ops.runtime import native
 
-
 CONTENDERS = {
     "native": lambda n: bench.graph_session("adam", n, bench.NATIVE_OPTIONS, kernels="native")[1],
     "native in-place": lambda n: bench.graph_native("adam", n),

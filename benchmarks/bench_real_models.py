@@ -22,8 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch  # noqa: E402
 from gradient_utils import runnable, session  # noqa: E402
 from real_models import EXPORTERS, ZOO, build, export, parameter_map  # noqa: E402
-from test_real_models import (  # noqa: E402
-    _feeds, _ours_per_torch_param, _targets, _torch_grads, _torch_loss, _with_loss_and_gradient)
+from test_real_models import _feeds, _ours_per_torch_param, _targets, _torch_grads, _torch_loss, _with_loss_and_gradient  # noqa: E402
 
 from onnx_training_ops import Adam, TrainingSession, build_training_model  # noqa: E402
 from onnx_training_ops.passes.split_sequences import split_sequences  # noqa: E402

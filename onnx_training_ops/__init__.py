@@ -22,14 +22,26 @@ The layers, bottom to top, and what each may import: ``docs/architecture.md``.
 """
 
 from . import _moved, kernels
-from .builder import (Adagrad, Adam, AdamW, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss,
-                    Momentum, MSELoss, RMSProp, SmoothL1Loss, build_training_model)
+from .builder import (
+                    Adagrad,
+                    Adam,
+                    AdamW,
+                    BCEWithLogitsLoss,
+                    CrossEntropyLoss,
+                    HuberLoss,
+                    L1Loss,
+                    Momentum,
+                    MSELoss,
+                    RMSProp,
+                    SmoothL1Loss,
+                    build_training_model,
+)
 from .errors import TrainingOpError
+from .migrate import OrtAdamW, import_onnxruntime_training
 from .passes import PASSES
 from .runtime import InferenceSession, prepare, session_options
 from .schema import DOMAIN
 from .training import NonFiniteLossError, TrainingSession, schedules
-from .migrate import OrtAdamW, import_onnxruntime_training
 
 _moved.install()  # the module paths of 0.1 (onnx_training_ops.plugin, .builder, ...) keep working
 

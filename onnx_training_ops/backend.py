@@ -14,7 +14,8 @@ standard ONNX ops only) in a plain onnxruntime session, with nothing registered.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import onnx

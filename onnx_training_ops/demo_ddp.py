@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -61,9 +61,8 @@ def refusal(path: str, epochs: int, optimizer: str) -> str:
     """Why the checkpoint at ``path`` cannot go on to ``epochs`` epochs with ``optimizer``, or ''
     (``train --nproc`` asks before it starts the ranks)."""
     from .builder.model_metadata import metadata
-    from .storage.model_files import load_model
-
     from .errors import TrainingOpError
+    from .storage.model_files import load_model
     from .training.checks import stored_properties
 
     meta = metadata(load_model(path))
@@ -101,8 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(error, file=sys.stderr)
         return EXIT_USAGE
     from .builder import build_training_model
-    from .training import TrainingSession
     from .demo import load_digits_split, make_mlp, make_optimizer, plot_losses, write_summary
+    from .training import TrainingSession
     from .training.schedules import CosineAnnealingLR
 
     x_train, y_train, x_val, y_val = load_digits_split(args.seed)

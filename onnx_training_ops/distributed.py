@@ -28,7 +28,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -106,7 +107,7 @@ class DistributedTrainingSession:
     never). ``bucket_bytes``: the size of one all-reduce.
     """
 
-    def __init__(self, session: "TrainingSession | ModelLike", *, shard_optimizer_state: bool = False, group=None,
+    def __init__(self, session: TrainingSession | ModelLike, *, shard_optimizer_state: bool = False, group=None,
                  check_every: int = 0, bucket_bytes: int = BUCKET_BYTES, broadcast: bool = True,
                  **session_kwargs: Any) -> None:
         self._dist = _dist()
@@ -140,7 +141,7 @@ class DistributedTrainingSession:
         if broadcast:
             self.broadcast_state()
 
-    def _open_shard(self, source, session_kwargs) -> "TrainingSession":
+    def _open_shard(self, source, session_kwargs) -> TrainingSession:
         """This rank's session on its shard of the model (rank 0 keeps the model's skeleton,
         without state values, to write whole checkpoints)."""
         model = source.training_model() if isinstance(source, TrainingSession) else load_model(source)

@@ -7,8 +7,8 @@ spelled out.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import onnx
 from onnx import AttributeProto

@@ -5,7 +5,7 @@ Foundation code (imports only onnx): storage, passes, build and training all wal
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto

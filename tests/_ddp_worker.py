@@ -22,12 +22,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from onnx_training_ops import TrainingSession  # noqa: E402
-from onnx_training_ops.distributed import (DistributedTrainingSession, destroy_process_group,  # noqa: E402
-                                           init_process_group)
+from onnx_training_ops.distributed import DistributedTrainingSession, destroy_process_group, init_process_group  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_case import (batch, batchnorm_training_model, embedding_batch, embedding_training_model,  # noqa: E402
-                      training_model)
+from ddp_case import batch, batchnorm_training_model, embedding_batch, embedding_training_model, training_model  # noqa: E402
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ import math
 import torch
 from torch import nn
 
-
 # ---------------------------------------------------------------- DenseNet-121
 
 class _DenseLayer(nn.Module):

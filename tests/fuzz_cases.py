@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -37,8 +37,9 @@ from onnx.reference import ReferenceEvaluator
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # this checkout's package, as pytest sees it
 
-import onnx_training_ops as ot  # noqa: E402
 from model_factory import optimizer_model  # noqa: E402
+
+import onnx_training_ops as ot  # noqa: E402
 from onnx_training_ops.demo import make_mlp  # noqa: E402
 
 CLEAN = (ot.TrainingOpError, ValueError, TypeError)

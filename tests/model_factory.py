@@ -7,12 +7,11 @@ fed, at onnx's default IR version and opset, as a user would write it.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto
-from onnx import helper
+from onnx import TensorProto, helper
 
 DOMAIN = "ai.onnx.preview.training"
 GROUPS = {"Adam": ("X", "G", "V", "H"), "Momentum": ("X", "G", "V"), "Adagrad": ("X", "G", "H")}

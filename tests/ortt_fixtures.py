@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +11,7 @@ ORTT = Path(__file__).parent / "fixtures" / "ortt"
 CASES = ("mlp", "bert", "mlp_wd", "mlp_torch")
 
 
-@lru_cache(maxsize=None)
+@cache
 def trajectory(case: str) -> dict[str, np.ndarray]:
     with np.load(ORTT / case / "trajectory.npz") as data:
         return {k: data[k] for k in data.files}

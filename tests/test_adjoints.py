@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
-
 from gradient_utils import gradient_model
+from onnx import helper
 from test_gradient_rules import check, rand
 from test_gradient_rules_activation_norm import _torch_parity
 

@@ -20,10 +20,10 @@ import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
+from cnn_models import densenet121, regnet_y_400mf  # noqa: E402
 from torch import nn  # noqa: E402
 
 import onnx_training_ops as ot  # noqa: E402
-from cnn_models import densenet121, regnet_y_400mf  # noqa: E402
 
 DEPTH, WIDTH = 10, 12
 

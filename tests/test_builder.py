@@ -6,10 +6,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 from onnx import TensorProto as TP
 from onnx import helper as h
 from onnx import numpy_helper as nh
-from onnx import TensorProto, helper
 
 from onnx_training_ops import Adagrad, Adam, Momentum, TrainingOpError, TrainingSession, build_training_model
 from onnx_training_ops.builder.model_metadata import metadata

@@ -14,8 +14,8 @@ import onnx
 import pytest
 
 from onnx_training_ops import Adam, Momentum, TrainingSession, build_training_model
-from onnx_training_ops.storage import checkpoint
 from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.storage import checkpoint
 
 STEPS = 40
 

@@ -7,12 +7,19 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from model_factory import optimizer_model
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from model_factory import optimizer_model
-from onnx_training_ops import (Adam, InferenceSession, Momentum, TrainingOpError, TrainingSession,
-                               build_training_model, prepare)
+from onnx_training_ops import (
+    Adam,
+    InferenceSession,
+    Momentum,
+    TrainingOpError,
+    TrainingSession,
+    build_training_model,
+    prepare,
+)
 from onnx_training_ops.demo import make_mlp
 
 TRAINING = "ai.onnx.preview.training"

@@ -3,9 +3,8 @@
 import subprocess
 import sys
 
-import pytest
-
 import onnx
+import pytest
 from model_factory import optimizer_model
 
 import onnx_training_ops as ot

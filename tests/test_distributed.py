@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 from ddp_case import TABLE_ROWS, batch, embedding_batch, embedding_training_model, training_model  # noqa: E402
+
 from onnx_training_ops import TrainingSession  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

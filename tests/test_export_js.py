@@ -16,11 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import js_fixtures
 import numpy as np
 import onnxruntime as ort
 import pytest
 
-import js_fixtures
 from onnx_training_ops.export import load_state, safetensors, session_from_export
 
 REPO = Path(__file__).resolve().parents[1]

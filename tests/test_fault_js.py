@@ -19,9 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import js_fixtures
 import pytest
 
-import js_fixtures
 from onnx_training_ops.export import safetensors
 
 REPO = Path(__file__).resolve().parents[1]

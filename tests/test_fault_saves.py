@@ -10,11 +10,11 @@ import threading
 
 import numpy as np
 import pytest
+from test_interrupts import ctrl_c, default_sigint_handler  # noqa: F401 - the fixture
 
 import onnx_training_ops as ot
-from onnx_training_ops.storage import checkpoint
 from onnx_training_ops.demo import make_mlp
-from test_interrupts import ctrl_c, default_sigint_handler  # noqa: F401 - the fixture
+from onnx_training_ops.storage import checkpoint
 
 NAMES = ["ck.onnx", "ck.onnx.bak", "ck.onnx.1", "ck.onnx.tmp"]
 

@@ -9,14 +9,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from model_factory import optimizer_model, single_node_model
 
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.export import DeviceTrainer, export_step
 from onnx_training_ops.passes import flatten_optimizers
 from onnx_training_ops.runtime.pipeline import prepare
-
-from model_factory import optimizer_model, single_node_model
 
 ATTRS = {
     "Adam": dict(alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient=0.01, norm_coefficient_post=0.02),

@@ -9,9 +9,8 @@ import io
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
-
 from gradient_utils import gradient_model
+from onnx import helper
 
 import onnx_training_ops as ot
 from onnx_training_ops.passes.fuse_gelu import fuse_gelu

@@ -8,9 +8,9 @@ import os
 import numpy as np
 import onnx
 import pytest
+from gradient_utils import DOMAIN, gradient_model, run_expanded, runnable, session
 from onnx import TensorProto, helper, numpy_helper
 
-from gradient_utils import DOMAIN, gradient_model, run_expanded, runnable, session
 from onnx_training_ops.bench.overhead import deep_mlp_gradient_model
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.passes.expand_gradient import expand_gradient, expand_gradients_in_graph

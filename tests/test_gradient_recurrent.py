@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
-
 from gradient_utils import check_gradient
+from onnx import helper
 from test_gradient_rules import check, rand
 
 H, I, B, T = 3, 2, 2, 4

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradient_utils import check_gradient, forward_fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
-
-from gradient_utils import check_gradient, forward_fn
 
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
 

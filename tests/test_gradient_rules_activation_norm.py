@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
-
 from gradient_utils import gradient_model, run_expanded
+from onnx import helper
 from test_gradient_rules import check, rand
 
 # onnxruntime has no float64 kernel (or onnx no float64 schema) for these: the gradient runs

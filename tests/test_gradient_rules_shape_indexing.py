@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import helper
-
 from test_gradient_rules import check, rand
 from test_gradient_rules_activation_norm import FLOAT32_ONLY, _torch_parity
 

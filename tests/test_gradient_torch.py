@@ -14,9 +14,8 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
-
 from gradient_utils import DOMAIN, runnable, session
+from onnx import helper
 
 torch = pytest.importorskip("torch")
 nn, F = torch.nn, torch.nn.functional

@@ -14,12 +14,12 @@ import time
 import numpy as np
 import onnx
 import pytest
-
 from model_factory import optimizer_model
+
 from onnx_training_ops import Adam, InferenceSession, TrainingOpError, TrainingSession, build_training_model
-from onnx_training_ops.storage import checkpoint
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.runtime.plugin import MAX_RECORDS, take_kernel_errors
+from onnx_training_ops.storage import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -44,13 +44,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from model_factory import DOMAIN, INPUT_GROUPS, OUTPUT_GROUPS, layout, single_node_model
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import onnx_training_ops
 from onnx_training_ops import kernels
-
-from model_factory import DOMAIN, INPUT_GROUPS, OUTPUT_GROUPS, layout, single_node_model
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 RTOL = {F32: 1e-6, F64: 1e-12}

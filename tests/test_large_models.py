@@ -20,8 +20,7 @@ import pytest
 from onnx_training_ops import Adam, AdamW, TrainingOpError, TrainingSession, build_training_model, prepare
 from onnx_training_ops.autodiff.native_ops import ALL as NATIVE_GRAD_OPS
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.storage import checkpoint
-from onnx_training_ops.storage import LargeModel, data_files, load_model, save_model
+from onnx_training_ops.storage import LargeModel, checkpoint, data_files, load_model, save_model
 from onnx_training_ops.storage.tensors import is_constant_fill, location
 
 SIZES = (64, 256, 4)  # W0 64 KB, W1 4 KB: big next to a 32 KB threshold

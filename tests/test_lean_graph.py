@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from gradient_utils import check_gradient
 from onnx import helper
 
-from gradient_utils import check_gradient
 from onnx_training_ops import Adam, TrainingSession, build_training_model
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.runtime.options import KERNELS_ENV

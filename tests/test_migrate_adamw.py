@@ -21,11 +21,11 @@ from onnx import TensorProto, helper
 from ortt_fixtures import ORTT, trajectory
 
 from onnx_training_ops import Momentum
+from onnx_training_ops.builder.ops import Ops
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.migrate import OrtAdamW, read_checkpoint
 from onnx_training_ops.migrate.adamw import emit_update
 from onnx_training_ops.migrate.artifacts import read_optimizer
-from onnx_training_ops.builder.ops import Ops
 
 
 def _update_session(opt: OrtAdamW, shapes: dict[str, tuple[int, ...]]) -> ort.InferenceSession:

@@ -18,15 +18,14 @@ import onnxruntime as ort
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-import onnx_training_ops as ot
-from onnx_training_ops.passes.target_native import NATIVE_OP_TYPES
-from onnx_training_ops.runtime import custom_op, native, options
-from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.schema import DOMAIN
-
 from model_factory import optimizer_model, single_node_model
 from test_kernels_property import SESSION, VARIANT_IDS, VARIANTS, cases
+
+import onnx_training_ops as ot
+from onnx_training_ops.errors import TrainingOpError
+from onnx_training_ops.passes.target_native import NATIVE_OP_TYPES
+from onnx_training_ops.runtime import custom_op, native, options
+from onnx_training_ops.schema import DOMAIN
 
 PATHS = ("native", "pyop")
 pytestmark = pytest.mark.skipif(not native.availability()[0], reason=f"native kernels: {native.availability()[1]}")

@@ -9,9 +9,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper
-
 from gradient_utils import check_gradient, gradient_model
+from onnx import helper
 
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
-
 from gradient_utils import finite_difference, forward_fn, gradient_model
+from onnx import helper
 
 import onnx_training_ops as ot
 from onnx_training_ops.autodiff.rules_norm import BATCH_STATISTICS_DOC

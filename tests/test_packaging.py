@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 from model_factory import DOMAIN, optimizer_model, single_node_model
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
-from test_kernels_property import (SESSION, VARIANT_IDS, VARIANTS, assert_within,
-                                   cases, check_own_outputs, spec_outputs)
+from test_kernels_property import SESSION, VARIANT_IDS, VARIANTS, assert_within, cases, check_own_outputs, spec_outputs
 
 import onnx_training_ops as ot
 from onnx_training_ops.errors import TrainingOpError

@@ -3,13 +3,13 @@
 import numpy as np
 import onnx
 import pytest
+from model_factory import DOMAIN, optimizer_model
 from onnx import TensorProto
 from onnx import helper as h
-from model_factory import DOMAIN, optimizer_model
 
 import onnx_training_ops as ot
-from onnx_training_ops.passes.fit_runtime import runtime_limits
 from onnx_training_ops.passes.encode_exact_attributes import EXACT_ATTRIBUTE, decode_attributes
+from onnx_training_ops.passes.fit_runtime import runtime_limits
 
 
 def domain_nodes(model):

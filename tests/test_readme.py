@@ -8,10 +8,10 @@ as skipped with that reason, and a test keeps such blocks few.
 
 import re
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_training_ops import (Adagrad, Adam, AdamW, Momentum, RMSProp, TrainingSession,
-                               build_training_model)
+from onnx_training_ops import Adagrad, Adam, AdamW, Momentum, RMSProp, TrainingSession, build_training_model
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.training.shard import optimizer_state, partition, shard_model

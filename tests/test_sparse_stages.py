@@ -8,12 +8,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import numpy_helper
+from test_sparse_updates import (
+    B1,
+    B2,
+    EPS,
+    N,
+    batches,
+    emb_model,
+    lazy_adam,
+    lazy_rmsprop,
+    sparse_adagrad,
+    sparse_momentum,
+    table_grad,
+    tf_sparse_adam,
+    two_lookup_model,
+)
 
 from onnx_training_ops import Adagrad, Adam, AdamW, Momentum, RMSProp, TrainingSession, build_training_model
 from onnx_training_ops.errors import TrainingOpError
-from test_sparse_updates import (B1, B2, EPS, N, batches, emb_model, lazy_adam, lazy_rmsprop,
-                                 sparse_adagrad, sparse_momentum, table_grad, tf_sparse_adam,
-                                 two_lookup_model)
 
 # mode, optimizer, float64 reference of one update (test_sparse_updates), its state names
 CASES = [

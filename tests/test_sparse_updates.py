@@ -11,8 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_training_ops import (Adagrad, Adam, Momentum, RMSProp, TrainingSession,
-                               build_training_model)
+from onnx_training_ops import Adagrad, Adam, Momentum, RMSProp, TrainingSession, build_training_model
 from onnx_training_ops.builder.model_metadata import metadata
 from onnx_training_ops.errors import TrainingOpError
 

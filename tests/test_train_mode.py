@@ -15,10 +15,10 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import onnx_training_ops as ot
-from onnx_training_ops.builder.model_metadata import metadata
-from onnx_training_ops.passes._graph import unique_name
 from onnx_training_ops.builder.eval_mode import to_inference
+from onnx_training_ops.builder.model_metadata import metadata
 from onnx_training_ops.builder.train_mode import GAMMA, _Emit, dropout_keep, splitmix64, stream_key, training_forward
+from onnx_training_ops.passes._graph import unique_name
 
 torch = pytest.importorskip("torch")
 nn = torch.nn

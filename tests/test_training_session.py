@@ -17,7 +17,13 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 from onnx_training_ops import (
-    Adagrad, Adam, Momentum, NonFiniteLossError, TrainingOpError, TrainingSession, build_training_model,
+    Adagrad,
+    Adam,
+    Momentum,
+    NonFiniteLossError,
+    TrainingOpError,
+    TrainingSession,
+    build_training_model,
 )
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.kernels import momentum as reference_momentum

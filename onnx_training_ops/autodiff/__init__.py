@@ -8,8 +8,18 @@ each op (registered in ``rules_*.py``) for the gradients of its inputs. Used by
 from __future__ import annotations
 
 from . import (  # noqa: F401
-    rules_activation, rules_conv, rules_elementwise, rules_indexing, rules_linalg, rules_loss,
-    rules_nn, rules_norm, rules_reduce, rules_resize, rules_shape, rules_slicing,
+    rules_activation,
+    rules_conv,
+    rules_elementwise,
+    rules_indexing,
+    rules_linalg,
+    rules_loss,
+    rules_nn,
+    rules_norm,
+    rules_reduce,
+    rules_resize,
+    rules_shape,
+    rules_slicing,
 )
 from .emitter import Emitter, ValueMeta
 from .graph import backprop, topological_sort

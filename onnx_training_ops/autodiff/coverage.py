@@ -10,7 +10,7 @@ mode ops are refused by their rules.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx

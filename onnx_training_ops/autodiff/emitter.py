@@ -9,8 +9,9 @@ subgraphs otherwise, so the emitted graph also runs when dimensions are dynamic.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import numpy as np
 import onnx
@@ -34,7 +35,7 @@ class ValueMeta:
     shape: Shape = None
 
     @staticmethod
-    def from_type(tp: onnx.TypeProto) -> "ValueMeta":
+    def from_type(tp: onnx.TypeProto) -> ValueMeta:
         if not tp.HasField("tensor_type"):
             return ValueMeta()
         tt = tp.tensor_type

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx

@@ -15,9 +15,9 @@ naming the Gradient node.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable, Iterable, Mapping
+from functools import cache
 
 import numpy as np
 import onnx
@@ -72,7 +72,7 @@ HINTS = {
 RECENT_OPSET = 17  # ops added from here on are decomposed by exporters at lower opsets
 
 
-@lru_cache(maxsize=None)
+@cache
 def _introduced(op_type: str) -> int | None:
     """The ai.onnx opset that added ``op_type`` (None: not a standard op)."""
     versions = [s.since_version for s in onnx.defs.get_all_schemas_with_history()

@@ -10,7 +10,6 @@ Both losses are ``sum_i w_i * l_i`` over the sample positions ``i`` (``[N, d1, .
 from __future__ import annotations
 
 import numpy as np
-
 from onnx import TensorProto, helper
 
 from .emitter import Emitter

@@ -3,7 +3,7 @@ BatchNormalization (inference). Pooling reuses the window helpers of :mod:`.rule
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from onnx import helper, numpy_helper

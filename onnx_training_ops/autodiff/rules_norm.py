@@ -13,7 +13,7 @@ named by the rule if the export left them out (onnxruntime computes them anyway)
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from onnx import TensorProto, helper

@@ -57,14 +57,28 @@ import shutil
 
 from . import threads
 from .breakdown import format_breakdown, graph_breakdown
-from .contenders import (CONTENDERS, DEFAULT_CONTENDERS, GRAPH_OPTIONS, NATIVE_OPTIONS, ORTT, PORTABLE_OPTIONS,
-                         contender, graph, graph_native, graph_session, portable, portable_session,
-                         torch_foreach, torch_fused, training_session)  # fmt: skip
+from .contenders import (
+    CONTENDERS,
+    DEFAULT_CONTENDERS,
+    GRAPH_OPTIONS,
+    NATIVE_OPTIONS,
+    ORTT,
+    PORTABLE_OPTIONS,
+    contender,
+    graph,
+    graph_native,
+    graph_session,
+    portable,
+    portable_session,
+    torch_foreach,  # fmt: skip
+    torch_fused,
+    training_session,
+)
 from .measure import copy_bandwidth, floor_seconds, loadavg, measure, measure_isolated, measure_ortt, run, run_worker
 from .mlp import DEFAULT_SHAPES, MLP_CONTENDERS, format_mlp, measure_mlp, mlp_worker, parse_shape
-from .problem import ATTRS, ONNX_OP, OPS, R, SIZES, STATE_NAMES, T, NotAvailable, make_state, step_model
-from .timing import time_step
+from .problem import ATTRS, ONNX_OP, OPS, SIZES, STATE_NAMES, NotAvailable, R, T, make_state, step_model
 from .report import flags, format_table, plot, write_json
+from .timing import time_step
 
 __all__ = [
     "ATTRS", "CONTENDERS", "DEFAULT_CONTENDERS", "GRAPH_OPTIONS", "NATIVE_OPTIONS", "ONNX_OP", "OPS", "ORTT",

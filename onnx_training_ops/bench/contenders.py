@@ -8,12 +8,12 @@ Python (see :mod:`._ortt_worker`) and :func:`.measure.run` dispatches it there.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from . import threads
-from .problem import ATTRS, ONNX_OP, R, STATE_NAMES, T, NotAvailable, make_state, step_model
+from .problem import ATTRS, ONNX_OP, STATE_NAMES, NotAvailable, R, T, make_state, step_model
 
 Step = Callable[[], None]
 CONTENDERS: dict[str, Callable[[str, int], Step]] = {}

@@ -14,12 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from .contenders import CONTENDERS, GRAPH_OPTIONS, NATIVE_OPTIONS, ORTT, PORTABLE_OPTIONS
-from .problem import TRAFFIC, T, NotAvailable
+from .problem import TRAFFIC, NotAvailable, T
 from .timing import time_step
 
 ORTT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ortt_worker.py")

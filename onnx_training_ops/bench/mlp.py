@@ -12,7 +12,7 @@ onnxruntime-training, the median of the per-round ratios.
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 from . import threads
 from .contenders import ORTT
@@ -47,10 +47,9 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
     batches = mlp_batches(sizes, batch)
     if name.startswith("training_session"):
         from ..builder import build_training_model
-        from ..demo import make_mlp
         from ..builder.optimizers import Adam
+        from ..demo import make_mlp
         from ..training import TrainingSession
-
         from .contenders import DEFAULT_OPTIONS, session_options
 
         session = TrainingSession(build_training_model(make_mlp(sizes), "cross_entropy", Adam(lr=1e-3)),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 from . import zoo
 from .ort_profile import summarize

@@ -9,7 +9,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def time_step(step: Callable[[], None], min_time: float, max_reps: int, min_reps: int = 5, warmup: int = 2) -> dict:

@@ -17,8 +17,8 @@ model is built without onnxruntime).
 """
 
 from .losses import BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss, SmoothL1Loss
-from .model_metadata import META_PREFIX, metadata
 from .model import build_training_model
+from .model_metadata import META_PREFIX, metadata
 from .optimizers import Adagrad, Adam, AdamW, Momentum
 from .rmsprop import RMSProp
 

@@ -9,13 +9,13 @@ the row updates of :mod:`.sparse_updates` both go through it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from onnx import helper
 
-from ..schema import DOMAIN
 from ..optim.registry import STANDARD_OP_UPDATES
+from ..schema import DOMAIN
 from .ops import Ops
 
 

@@ -14,7 +14,8 @@ from onnx import numpy_helper
 from ..errors import TrainingOpError
 from ..passes._graph import all_names, unique_name
 from ..walk import all_graphs
-from ._nodes import is_standard as _is, label as _label
+from ._nodes import is_standard as _is
+from ._nodes import label as _label
 
 
 def to_inference(graph: onnx.GraphProto) -> None:

@@ -12,7 +12,7 @@ accumulated gradient, as torch's do when called after the last ``backward()``.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx

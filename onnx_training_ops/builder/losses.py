@@ -27,8 +27,9 @@ stated: guessing it would train silently on the wrong loss when T happens to equ
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import ClassVar
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import onnx
 from onnx import helper
@@ -41,23 +41,24 @@ from ..passes._graph import all_names, value_types
 from ..passes.fit_runtime import fit_runtime, runtime_limits
 from ..schema import DOMAIN, OPSET_VERSION
 from ..storage.large_model import LargeModel
-from ..storage.tensors import all_tensors, large_model_bytes, proto_of, tensor_nbytes
 from ..storage.model_files import ModelLike, load_model
+from ..storage.tensors import all_tensors, large_model_bytes, proto_of, tensor_nbytes
 from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, training_info
+from .dynamo_params import restore_parameters
+from .eval_mode import to_inference
 from .grad_clip import checked_limit
 from .initialization import initialization_graph
 from .loss_graph import add_loss, label_range, label_shape
 from .losses import Loss
 from .model_metadata import set_metadata
 from .optimizers import OPTIMIZER_CLASSES, Optimizer, to_json
-from .rmsprop import RMSProp
 from .param_groups import groups_to_json, resolve_groups
-from .dynamo_params import restore_parameters
-from .eval_mode import to_inference
+from .rmsprop import RMSProp
 from .train_mode import fit_opset, training_forward
 from .trainables import check_differentiable, choose_trainables
-from .untie import describe as describe_untied, untie_merged_initializers
+from .untie import describe as describe_untied
+from .untie import untie_merged_initializers
 from .update import add_learning_rates, add_update
 
 MIN_OPSET = 13

@@ -33,7 +33,9 @@ Adam's epsilon and AdamW's decay: :mod:`onnx_training_ops.optim.adam`.
 
 from __future__ import annotations
 
-from ..optim._checks import _real, check_finite as _check_finite, check_nonnegative as _check_nonnegative
+from ..optim._checks import _real
+from ..optim._checks import check_finite as _check_finite
+from ..optim._checks import check_nonnegative as _check_nonnegative
 from ..optim.adagrad import Adagrad
 from ..optim.adam import Adam, AdamW
 from ..optim.base import Optimizer

@@ -24,8 +24,9 @@ import dataclasses
 import fnmatch
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..errors import TrainingOpError
 from .optimizers import Optimizer, to_json

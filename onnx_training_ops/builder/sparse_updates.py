@@ -39,8 +39,8 @@ is global too.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -48,8 +48,8 @@ from onnx import helper
 
 from ..errors import TrainingOpError
 from ..walk import all_graphs, subgraphs
-from .ops import Ops
 from .emit_update import emit_update
+from .ops import Ops
 
 MODES = ("dense", "lazy", "sparse")
 

@@ -23,7 +23,7 @@ differentiates the training-mode pass like any other graph.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -33,9 +33,10 @@ from ..autodiff.rules_norm import BATCH_STATISTICS_DOC
 from ..errors import TrainingOpError
 from ..storage.tensors import constant_values
 from ..walk import all_graphs
-from ._nodes import PREFIX, STANDARD_DOMAINS, is_standard as _is, label as _label
+from ._nodes import PREFIX, STANDARD_DOMAINS
+from ._nodes import is_standard as _is
+from ._nodes import label as _label
 from .eval_mode import eval_mode_nodes
-
 
 # SplitMix64 (Steele, Lea, Flood 2014; Vigna's splitmix64.c): output n of the generator
 # seeded with s is mix(s + (n + 1) * GAMMA); mix = xorshift-multiply, xorshift-multiply, xorshift

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-
-from .extras import MissingExtra, require as _require
+from .extras import MissingExtra
+from .extras import require as _require
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -31,9 +31,9 @@ def _positive_int(text: str) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     import os
 
-    from ..storage.save import save_model
     from ..errors import TrainingOpError
     from ..runtime.pipeline import prepare
+    from ..storage.save import save_model
 
     if os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
@@ -47,8 +47,8 @@ def _import_ortt(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from ..storage.save import save_model
     from ..errors import TrainingOpError
+    from ..storage.save import save_model
 
     _require("flatbuffers", "migrate")
     from ..migrate import import_onnxruntime_training
@@ -107,10 +107,9 @@ def _conformance(args: argparse.Namespace) -> int:
 def _train_data_parallel(args: argparse.Namespace) -> int:
     """``train --nproc N``: torchrun (static rendezvous on a free local port) runs N ranks of
     :mod:`onnx_training_ops.demo_ddp`; its exit status is ours."""
+    import os
     import socket
     import subprocess
-
-    import os
 
     from ..demo_ddp import refusal
     from ..errors import TrainingOpError

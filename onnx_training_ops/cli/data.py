@@ -17,7 +17,7 @@ from __future__ import annotations
 import csv
 import os
 import re
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -28,8 +29,8 @@ from ..storage.checkpoint import atomic_write
 from ..training.providers import provider_name, require_available
 from ..training.schedules import checked_rate
 from ..training.step import NONFINITE_POLICIES, NonFiniteLossError
-from . import safetensors
 from . import manifest as manifest_
+from . import safetensors
 from .importing import manifest_schedule, read_state
 
 # execution provider -> the OrtValue device type its inputs live on

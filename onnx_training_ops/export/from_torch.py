@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import onnx
 

@@ -12,8 +12,8 @@ version the opsets allow, for older runtimes; ``onnx.checker`` with ``full_check
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 import onnx

@@ -5,7 +5,8 @@ doubles, float32 rounding where the graph casts to float, int64 exact).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from onnx import helper

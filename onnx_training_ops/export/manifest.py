@@ -27,7 +27,8 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx

@@ -12,7 +12,8 @@ one tensor per variable). Bit for bit the same step: Split, Reshape and Concat m
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx

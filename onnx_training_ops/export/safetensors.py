@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import struct
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import onnx
 from onnx import TensorProto

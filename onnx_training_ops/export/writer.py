@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -26,7 +27,8 @@ from ..storage.model_files import ModelLike, load_model
 from ..storage.tensors import attach
 from ..training.nominal import nominal_names
 from ..training.state import collect_state_protos
-from . import graphs, manifest as manifest_, packing, safetensors, webgpu
+from . import graphs, packing, safetensors, webgpu
+from . import manifest as manifest_
 
 FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
          "state": "state.safetensors", "step_webgpu": webgpu.FILE,

@@ -38,11 +38,24 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from ._ort_api import (API_KERNEL_CONTEXT_GET_OUTPUT, API_KERNEL_CONTEXT_PARALLEL_FOR,
-                              API_GET_TENSOR_MUTABLE_DATA, API_CREATE_STATUS, API_TABLE_LENGTH, ELEM_FLOAT,
-                              ELEM_INT64, ORT_INVALID_ARGUMENT, _addr, _call2, _call5, _call_void1, _count, _input,
-                              _keep,
-                              _ptr)
+from ._ort_api import (
+    API_CREATE_STATUS,
+    API_GET_TENSOR_MUTABLE_DATA,
+    API_KERNEL_CONTEXT_GET_OUTPUT,
+    API_KERNEL_CONTEXT_PARALLEL_FOR,
+    API_TABLE_LENGTH,
+    ELEM_FLOAT,
+    ELEM_INT64,
+    ORT_INVALID_ARGUMENT,
+    _addr,
+    _call2,
+    _call5,
+    _call_void1,
+    _count,
+    _input,
+    _keep,
+    _ptr,
+)
 
 # geometry words
 GEO_N, GEO_C, GEO_H, GEO_W, GEO_OH, GEO_OW, GEO_KH, GEO_KW = range(8)

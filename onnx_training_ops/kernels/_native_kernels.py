@@ -29,24 +29,57 @@ from ..optim import adagrad as _adagrad
 from ..optim import adam as _adam
 from ..optim import momentum as _momentum
 from . import _numba_kernels as _k
-from ._ort_api import (API_CREATE_STATUS, API_GET_TENSOR_MUTABLE_DATA, API_KERNEL_CONTEXT_GET_INPUT_COUNT,
-                       API_KERNEL_CONTEXT_GET_OUTPUT, API_KERNEL_CONTEXT_GET_OUTPUT_COUNT,
-                       API_KERNEL_CONTEXT_PARALLEL_FOR, API_TABLE_LENGTH, ELEM_DOUBLE,
-                       ELEM_FLOAT, ELEM_INT64, ORT_INVALID_ARGUMENT, _I64, _OPTIONS, _addr,
-                       _broadcasts_to, _call2, _call5, _call_void1, _count, _expand, _input,
-                       _keep, _ptr)
+from ._ort_api import (
+    _I64,
+    _OPTIONS,
+    API_CREATE_STATUS,
+    API_GET_TENSOR_MUTABLE_DATA,
+    API_KERNEL_CONTEXT_GET_INPUT_COUNT,
+    API_KERNEL_CONTEXT_GET_OUTPUT,
+    API_KERNEL_CONTEXT_GET_OUTPUT_COUNT,
+    API_KERNEL_CONTEXT_PARALLEL_FOR,
+    API_TABLE_LENGTH,
+    ELEM_DOUBLE,
+    ELEM_FLOAT,
+    ELEM_INT64,
+    ORT_INVALID_ARGUMENT,
+    _addr,
+    _broadcasts_to,
+    _call2,
+    _call5,
+    _call_void1,
+    _count,
+    _expand,
+    _input,
+    _keep,
+    _ptr,
+)
+
 # read by runtime/native.py and runtime/custom_op.py as nk.<name>
 from ._ort_api import (
     API_GET_ERROR_CODE as API_GET_ERROR_CODE,
+)
+from ._ort_api import (
     API_GET_ERROR_MESSAGE as API_GET_ERROR_MESSAGE,
+)
+from ._ort_api import (
     API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE as API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE,
+)
+from ._ort_api import (
     API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT as API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
+)
+from ._ort_api import (
     API_KERNEL_INFO_GET_ATTRIBUTE_STRING as API_KERNEL_INFO_GET_ATTRIBUTE_STRING,
+)
+from ._ort_api import (
     API_KERNEL_INFO_GET_NODE_NAME as API_KERNEL_INFO_GET_NODE_NAME,
+)
+from ._ort_api import (
     API_RELEASE_STATUS as API_RELEASE_STATUS,
+)
+from ._ort_api import (
     SHAPE_REFERENCE_API as SHAPE_REFERENCE_API,
 )
-
 
 KIND_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD = 0, 1, 2, 3
 GROUPS_IN = (4, 3, 3, 3)  # X, G and the states per optimized tensor

@@ -27,8 +27,17 @@ import numpy as np
 from numba import carray, cfunc, njit, types
 
 from ._native_grad_kernels import ST_API, ST_SHAPE_REFERENCE, ST_WORDS, ST_WORKER, _invalid, _output
-from ._ort_api import (API_KERNEL_CONTEXT_PARALLEL_FOR, API_TABLE_LENGTH, ELEM_FLOAT, _addr, _call5, _count,
-                              _input, _keep, _ptr)
+from ._ort_api import (
+    API_KERNEL_CONTEXT_PARALLEL_FOR,
+    API_TABLE_LENGTH,
+    ELEM_FLOAT,
+    _addr,
+    _call5,
+    _count,
+    _input,
+    _keep,
+    _ptr,
+)
 
 # job words: N, C, spatial size, then the addresses of the inputs and outputs
 JOB_N, JOB_C, JOB_S = 0, 1, 2

@@ -8,8 +8,7 @@ repeat a row (the sparse gradient's indices are unique).
 
 from __future__ import annotations
 
-from ._numba_kernels import (_jit, adagrad_serial, adam_serial, momentum_serial,
-                             nesterov_serial)
+from ._numba_kernels import _jit, adagrad_serial, adam_serial, momentum_serial, nesterov_serial
 
 
 @_jit(parallel=False)

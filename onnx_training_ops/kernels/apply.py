@@ -11,7 +11,7 @@ step on the gathered rows.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 MESSAGE = "onnx-training-ops: compiling optimizer kernels (first run only, cached)..."
 _announced = False

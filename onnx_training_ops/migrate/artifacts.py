@@ -20,9 +20,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import TrainingOpError
 from ..builder.losses import CrossEntropyLoss
 from ..builder.optimizers import Momentum
+from ..errors import TrainingOpError
 from .adamw import OrtAdamW
 
 MS_DOMAIN = "com.microsoft"

@@ -23,7 +23,8 @@ is interpreted by hand. The field order, types and defaults, as the schema decla
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -170,7 +171,7 @@ class PropertyBag(_Table):
 
 class Checkpoint(_Table):
     @classmethod
-    def root(cls, buf: bytes) -> "Checkpoint":
+    def root(cls, buf: bytes) -> Checkpoint:
         """The root table of a checkpoint buffer (its uoffset at byte 0)."""
         return cls(buf, flatbuffers.encode.Get(_n.UOffsetTFlags.packer_type, buf, 0))
 

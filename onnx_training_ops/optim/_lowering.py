@@ -13,8 +13,9 @@ as numpy does with a Python float times a float32 array.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx

@@ -81,7 +81,7 @@ class _InlinedSourcesLocator:
 def _locator_classes() -> list:
     from numba.core import caching
 
-    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")  # numba >= 0.68 / older
+    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # numba >= 0.68 / older
     return impl._locator_classes
 
 

@@ -11,17 +11,18 @@ at ``initial_accumulator_value`` and the op receiving T = step-1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
 from ..schema import OPTIMIZERS
 from ._checks import check_nonnegative
-from .base import Defaults
 from ._common import interleave, scalar_count, scalar_rate, split_groups
 from ._lowering import LoweredTensor, NodeScalars
 from ._numba import element, scalar
+from .base import Defaults
 
 DEFAULTS = OPTIMIZERS["Adagrad"].defaults  # float32-exact, as a model holds them
 NAMES = ("X", "G", "H")

@@ -13,17 +13,18 @@ ONNX's ``beta_adjusted = 1`` at T = 0).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
 from ..errors import TrainingOpError
 from ._checks import check_bool, check_finite, check_nonnegative
-from .base import Defaults
 from ._common import interleave, scalar_count, scalar_rate, split_groups
 from ._lowering import LoweredTensor, NodeScalars
 from ._numba import element, scalar
+from .base import Defaults
 
 NAMES = ("X", "G", "V")
 MODES = ("standard", "nesterov")

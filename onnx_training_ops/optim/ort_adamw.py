@@ -26,8 +26,9 @@ The bias corrections are computed once per call from the step T + 1 (``t_offset 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from onnx import TensorProto
@@ -87,7 +88,7 @@ def _f32(value: float) -> np.ndarray:
     return np.array(value, np.float32)
 
 
-def _corrections(ops: "Ops", opt: OrtAdamW, t: str) -> tuple[str, str]:
+def _corrections(ops: Ops, opt: OrtAdamW, t: str) -> tuple[str, str]:
     """(alpha_correction, beta_correction): ``1 - float(pow(double(b), step))`` each."""
     step = ops.op("Cast", [t], to=TensorProto.DOUBLE)
     out = []
@@ -97,7 +98,7 @@ def _corrections(ops: "Ops", opt: OrtAdamW, t: str) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def emit_update(ops: "Ops", opt: OrtAdamW, r: str, t: str, xs: Sequence[str], gs: Sequence[str],
+def emit_update(ops: Ops, opt: OrtAdamW, r: str, t: str, xs: Sequence[str], gs: Sequence[str],
                 states: dict[str, list[str]], new_xs: Sequence[str],
                 new_states: dict[str, list[str]], dtypes: Sequence[np.dtype]) -> None:
     """One AdamW step of tensors ``xs`` (see the module docstring); ``r`` float, ``t`` = step."""

@@ -9,8 +9,8 @@ else was imported.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Callable
 
 from . import adagrad, adam, momentum, ort_adamw, rmsprop
 from ._lowering import Lowering

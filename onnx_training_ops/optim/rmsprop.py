@@ -23,8 +23,9 @@ fast path recognises these ops and runs them as one fused loop
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from onnx import helper
@@ -80,7 +81,7 @@ class RMSProp(Defaults):
 # ---- the update as standard ops ----
 
 
-def emit_rmsprop(ops: "Ops", opt: RMSProp, r: str, x: str, g: str, states: dict[str, str],
+def emit_rmsprop(ops: Ops, opt: RMSProp, r: str, x: str, g: str, states: dict[str, str],
                  x_out: str, state_outs: dict[str, str], dtype: np.dtype) -> None:
     """One tensor's RMSProp step as standard ops: reads ``x``, ``g``, ``states`` (state name ->
     value), writes ``x_out`` and ``state_outs``. ``r`` is the learning rate in ``dtype``."""
@@ -108,7 +109,7 @@ def emit_rmsprop(ops: "Ops", opt: RMSProp, r: str, x: str, g: str, states: dict[
     ops.op("Sub", [x, ops.op("Mul", [r, step])], out=x_out)
 
 
-def emit_update(ops: "Ops", optimizer: RMSProp, r: str, t: str, xs: Sequence[str], gs: Sequence[str],
+def emit_update(ops: Ops, optimizer: RMSProp, r: str, t: str, xs: Sequence[str], gs: Sequence[str],
                 states: dict[str, list[str]], new_xs: Sequence[str],
                 new_states: dict[str, list[str]], dtypes: Sequence[np.dtype]) -> None:
     """RMSProp on tensors ``xs`` (the builder's standard-op update, :data:`.registry.STANDARD_OP_UPDATES`):

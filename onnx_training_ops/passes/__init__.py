@@ -11,7 +11,7 @@ May import: errors, schema, walk, storage, optim (the optimizers' lowerings), ke
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from onnx import ModelProto
 
@@ -20,9 +20,9 @@ from .conv_forward_gemm import conv_forward_gemm
 from .encode_exact_attributes import encode_exact_attributes
 from .expand_gradient import expand_gradient, expand_gradient_native
 from .fill_defaults import fill_default_attributes
+from .fit_runtime import fit_runtime
 from .flatten_optimizers import flatten_optimizers
 from .fuse_gelu import fuse_gelu
-from .fit_runtime import fit_runtime
 from .lower_cross_entropy import lower_cross_entropy
 from .lower_cross_entropy_native import lower_cross_entropy_native
 from .lower_optimizers import lower_optimizers

@@ -7,8 +7,8 @@ node's inputs), run the reverse-mode walk, and name the results (:func:`_name_ou
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import onnx
 from onnx import NodeProto, helper

@@ -18,15 +18,15 @@ with ``<gradient node name>/grad/``. See ``docs/gradient.md``.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
+from ..autodiff import ValueMeta, topological_sort
 from ..autodiff.native_ops import ALL as NATIVE_GRAD_OPS
 from ..autodiff.native_ops import DOMAIN as NATIVE_DOMAIN
-from ..autodiff import ValueMeta, topological_sort
 from ..errors import TrainingOpError
 from ..storage.tensors import location
 from ..walk import all_graphs

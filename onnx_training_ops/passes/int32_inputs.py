@@ -14,7 +14,7 @@ whose arithmetic meets a non-constant int64 operand or a constant outside int32 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 from onnx import ModelProto, TensorProto, helper, numpy_helper

@@ -40,8 +40,8 @@ from ..errors import TrainingOpError, node_label
 from ..optim._lowering import FLOAT_TYPES, Emitter, LoweredTensor, NodeScalars
 from ..optim.registry import LOWERINGS
 from ..schema import DOMAIN, OPTIMIZERS
-from ._graph import ValueType, all_names, concatenated, unique_name, value_types
 from ..walk import all_graphs, model_graphs
+from ._graph import ValueType, all_names, concatenated, unique_name, value_types
 from .encode_exact_attributes import node_attributes
 
 MIN_OPSET = 9  # Where (and Greater on double)

@@ -19,7 +19,8 @@ The program (JSON-ready)::
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import onnx

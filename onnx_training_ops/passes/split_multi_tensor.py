@@ -12,8 +12,8 @@ import onnx
 from onnx import GraphProto, ModelProto
 
 from ..schema import DOMAIN, OPTIMIZERS
-from ._graph import all_names, unique_name
 from ..walk import model_graphs
+from ._graph import all_names, unique_name
 
 
 def _split_graph(graph: GraphProto, taken: set[str]) -> None:

@@ -13,8 +13,8 @@ from onnx import ModelProto
 
 from ..autodiff import native_ops
 from ..schema import DOMAIN, OPTIMIZERS
-from ._graph import all_names, unique_name
 from ..walk import model_graphs
+from ._graph import all_names, unique_name
 from .encode_exact_attributes import EXACT_ATTRIBUTE
 
 NATIVE_DOMAIN = native_ops.DOMAIN  # where onnxruntime-extensions registers external ops

@@ -11,9 +11,9 @@ import onnx
 from onnx import AttributeProto, ModelProto
 
 from ..errors import TrainingOpError, node_label
-from .encode_exact_attributes import EXACT_ATTRIBUTE
 from ..schema import DOMAIN, MOMENTUM_MODES, OPTIMIZERS, TRAINING_OPS
 from ._graph import ValueType, concatenated, training_nodes, value_types
+from .encode_exact_attributes import EXACT_ATTRIBUTE
 
 FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
 

@@ -35,18 +35,34 @@ import os
 import struct
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
 
 from ..passes.target_native import NATIVE_DOMAIN, NATIVE_OP_TYPES
 from ..schema import OPTIMIZERS
-from .custom_op import (_INT64, _REQUIRED, _UNDEFINED, _VARIADIC, OP_VERSION, OrtCustomOp, _Api, _checked_apis,
-                        _CreateKernelV2, _free_address, _GetAt, _GetCount, _GetInt, _GetName, _keepalive, _libc,
-                        _string)
+from .custom_op import (
+    _INT64,
+    _REQUIRED,
+    _UNDEFINED,
+    _VARIADIC,
+    OP_VERSION,
+    OrtCustomOp,
+    _Api,
+    _checked_apis,
+    _CreateKernelV2,
+    _free_address,
+    _GetAt,
+    _GetCount,
+    _GetInt,
+    _GetName,
+    _keepalive,
+    _libc,
+    _string,
+    shape_reference,
+)
 from .custom_op import api_version as _api_version
-from .custom_op import shape_reference
 from .extensions import extensions_library_path
 
 _log = logging.getLogger(__name__)

@@ -13,10 +13,32 @@ from __future__ import annotations
 import ctypes
 import struct
 
-from ..autodiff.native_ops import (BATCH_NORM_GRAD, BATCH_STATS, COL2IM, CROSS_ENTROPY_GRAD, CROSS_ENTROPY_LOSS,
-                                   IM2COL, RELU_GRAD)
-from .custom_op import (_REQUIRED, OP_VERSION, OrtCustomOp, _Api, _CreateKernelV2, _GetAt, _GetCount, _GetInt,
-                     _GetName, _checked_apis, _free_address, _keepalive, _libc, _string, shape_reference)
+from ..autodiff.native_ops import (
+    BATCH_NORM_GRAD,
+    BATCH_STATS,
+    COL2IM,
+    CROSS_ENTROPY_GRAD,
+    CROSS_ENTROPY_LOSS,
+    IM2COL,
+    RELU_GRAD,
+)
+from .custom_op import (
+    _REQUIRED,
+    OP_VERSION,
+    OrtCustomOp,
+    _Api,
+    _checked_apis,
+    _CreateKernelV2,
+    _free_address,
+    _GetAt,
+    _GetCount,
+    _GetInt,
+    _GetName,
+    _keepalive,
+    _libc,
+    _string,
+    shape_reference,
+)
 
 _FLOAT, _INT64 = 1, 7
 # TrainingReluGrad: one thread below RELU_PARALLEL_MIN elements, else RELU_CHUNK per ParallelFor task

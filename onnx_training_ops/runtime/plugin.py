@@ -27,7 +27,6 @@ from ..passes.encode_exact_attributes import EXACT_ATTRIBUTE, decode_attributes
 from ..schema import DOMAIN, OPTIMIZERS
 from .extensions import extensions_pyop_module
 
-
 _registered_ids: set[int] = set()
 _opdefs: dict = {}  # id -> onnxruntime_extensions' Opdef of our kernels
 _previous_hook = None

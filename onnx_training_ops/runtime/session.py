@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from ..storage.large_model import LargeModel
-from ..storage.tensors import location, proto_of
-from ..storage.model_files import ModelLike
-from .pipeline import prepare
 from ..errors import TrainingOpError
 from ..interrupts import held_interrupts
+from ..storage.large_model import LargeModel
+from ..storage.model_files import ModelLike
+from ..storage.tensors import location, proto_of
 from .native import native_error_message
-from .plugin import Interrupted, take_kernel_errors
 from .options import session_options
+from .pipeline import prepare
+from .plugin import Interrupted, take_kernel_errors
 
 
 def _collect_before_fork() -> None:

@@ -26,7 +26,8 @@ import os
 import re
 import tempfile
 import threading
-from typing import BinaryIO, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import BinaryIO
 
 import numpy as np
 import onnx

@@ -22,7 +22,8 @@ import hashlib
 import mmap
 import os
 import sys
-from typing import Any, BinaryIO, Iterable
+from collections.abc import Iterable
+from typing import Any, BinaryIO
 
 import numpy as np
 import onnx

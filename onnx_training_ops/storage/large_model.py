@@ -15,7 +15,7 @@ optimizer state a builder creates: :func:`.tensors.constant_array` takes no memo
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -23,8 +23,17 @@ from onnx import TensorProto, numpy_helper
 from onnx.model_container import ModelContainer
 
 from .save import save_model
-from .tensors import (MIN_DETACHED_BYTES, add_array, all_tensors, constant_array, graphs_with_tensors,
-                      large_model_bytes, location, tensor_nbytes, tensor_value)
+from .tensors import (
+    MIN_DETACHED_BYTES,
+    add_array,
+    all_tensors,
+    constant_array,
+    graphs_with_tensors,
+    large_model_bytes,
+    location,
+    tensor_nbytes,
+    tensor_value,
+)
 
 
 class LargeModel(ModelContainer):
@@ -42,13 +51,13 @@ class LargeModel(ModelContainer):
         the message."""
         return tensor_value(tensor, self.large_initializers)
 
-    def copy(self) -> "LargeModel":
+    def copy(self) -> LargeModel:
         """Another LargeModel over a copy of the message and the same (immutable) arrays."""
         proto = onnx.ModelProto()
         proto.CopyFrom(self.model_proto)
         return LargeModel(proto, self.large_initializers)
 
-    def with_proto(self, model_proto: onnx.ModelProto) -> "LargeModel":
+    def with_proto(self, model_proto: onnx.ModelProto) -> LargeModel:
         """``model_proto`` (derived from this model's, e.g. by a pass) with this model's arrays,
         keeping only those it still refers to."""
         used = {location(t) for t in all_tensors(model_proto)}

@@ -23,6 +23,7 @@ from ..errors import TrainingOpError
 from .external_data import map_external, map_inline, span
 from .large_model import LargeModel, detach
 from .tensors import all_tensors, attach, large_model_bytes, location, tensor_nbytes
+
 ModelLike = Union[ModelProto, ModelContainer, str, os.PathLike, bytes]
 
 

@@ -36,8 +36,17 @@ from onnx.model_container import ModelContainer
 
 from .checkpoint import add_checksums, atomic_write, stored_checksums
 from .external_data import write_tensors
-from .tensors import (MIN_DETACHED_BYTES, array_of, attach, graphs_with_tensors, large_model_bytes, location,
-                      proto_of, set_location, tensor_nbytes)
+from .tensors import (
+    MIN_DETACHED_BYTES,
+    array_of,
+    attach,
+    graphs_with_tensors,
+    large_model_bytes,
+    location,
+    proto_of,
+    set_location,
+    tensor_nbytes,
+)
 
 _DATA_NAME = re.compile(r"\.[0-9a-f]{16}\.data$")
 

@@ -15,7 +15,7 @@ models of a few KB).
 from __future__ import annotations
 
 import os
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import onnx
