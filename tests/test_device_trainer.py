@@ -175,3 +175,40 @@ def test_a_missing_provider_is_an_error_not_a_cpu_run(tmp_path):
     export_step(_model(), tmp_path)
     with pytest.raises(TrainingOpError, match="not available"):
         DeviceTrainer(tmp_path, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_in_place_state_equals_two_sets_bit_for_bit_and_keeps_the_state_on_a_nan_loss(tmp_path, flat):
+    export_step(_model(clip_grad_norm=0.5), tmp_path, flat_optimizer=flat)
+    in_place = DeviceTrainer(tmp_path, on_nonfinite="skip")
+    two_sets = DeviceTrainer(tmp_path, on_nonfinite="skip", in_place=False)
+    assert in_place.in_place and not two_sets.in_place and len(in_place._sets) == 1
+    batches = _batches(5)
+    batches[2] = {**batches[2], "input": np.full_like(batches[2]["input"], np.inf)}
+    for batch in batches:
+        got, want = in_place.step(batch), two_sets.step(batch)
+        np.testing.assert_array_equal(got["loss"], want["loss"])
+    assert in_place.skipped_steps == two_sets.skipped_steps == 1
+    want = two_sets.state_dict()
+    for name, value in in_place.state_dict().items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+    with pytest.raises(ot.NonFiniteLossError):  # raise: the guarded in-place write kept the state too
+        DeviceTrainer(tmp_path).step(batches[2])
+
+
+def test_in_place_refuses_a_state_read_after_its_new_value_is_written():
+    from onnx import TensorProto, helper
+
+    from onnx_training_ops.passes.guard_feedback import in_place_unsafe
+
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, [3])
+    nodes = [helper.make_node("Reshape", ["X", "shape"], ["X_view"]),  # may alias X
+             helper.make_node("Neg", ["X"], ["X_new"]),
+             helper.make_node("Abs", ["X_view"], ["late"])]  # reads X through the view, not before X_new
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3])
+                                                for n in ("X_new", "late")],
+                              [helper.make_tensor("shape", TensorProto.INT64, [1], [3])])
+    model = helper.make_model(graph)
+    assert in_place_unsafe(model, {"X": "X_new"}) == ["X"]
+    model.graph.node[1].input[0] = "late"  # now every read of X comes before X_new is written
+    assert in_place_unsafe(model, {"X": "X_new"}) == []

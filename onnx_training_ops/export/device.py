@@ -25,6 +25,7 @@ import onnx
 import onnxruntime as ort
 
 from ..errors import TrainingOpError
+from ..passes.guard_feedback import guard_feedback, in_place_unsafe
 from ..storage.checkpoint import atomic_write
 from ..training.providers import provider_name, require_available
 from ..training.schedules import checked_rate
@@ -58,14 +59,21 @@ class DeviceTrainer:
             NaN or infinite loss does; the first two keep the state as it was.
         sess_options: onnxruntime SessionOptions for the step and eval sessions.
         verify: check the files against the manifest's SHA-256 digests (False skips it, for speed).
+        in_place: write the new state over the old one (one copy of the state on the device
+            instead of two). The step is guarded so that a non-finite loss keeps the old state
+            (:mod:`~onnx_training_ops.passes.guard_feedback`); a state variable some node could read
+            after its new value is written makes it unsafe. ``None`` (default): in place when safe;
+            ``True``: an error when unsafe; ``False``: two sets.
 
     Raises:
-        TrainingOpError: the directory is not a valid export, or a provider is not available.
+        TrainingOpError: the directory is not a valid export, a provider is not available, or
+            ``in_place=True`` is unsafe for this step model.
     """
 
     def __init__(self, directory: str | os.PathLike, providers: Sequence[str | tuple[str, dict]] | None = None,
                  *, device_id: int = 0, on_nonfinite: str = "raise",
-                 sess_options: ort.SessionOptions | None = None, verify: bool = True) -> None:
+                 sess_options: ort.SessionOptions | None = None, verify: bool = True,
+                 in_place: bool | None = None) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
         providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
@@ -82,12 +90,15 @@ class DeviceTrainer:
         files = manifest["files"]
         # the bytes checked against the manifest's sha256, read from inside the directory
         step = manifest_.file_bytes(self.directory, manifest, "step", verify)
-        manifest_.check_feedback(onnx.load_model_from_string(step), manifest,
-                                 os.path.join(self.directory, files["step"]["path"]))
+        step_model = onnx.load_model_from_string(step)
+        manifest_.check_feedback(step_model, manifest, os.path.join(self.directory, files["step"]["path"]))
+        self._feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
+        self.in_place = self._plan_in_place(step_model, manifest.get("loss"), on_nonfinite, in_place)
+        if self.in_place:
+            step = step_model.SerializeToString()
         self._step = ort.InferenceSession(step, sess_options, providers=providers)
         self._eval = (ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "eval", verify),
                                            sess_options, providers=providers) if "eval" in files else None)
-        self._feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
         self._inputs = {e["name"]: e for e in manifest["inputs"]}
         self._eval_inputs = {e["name"]: e for e in manifest.get("eval_inputs", [])}
         self._defaults = {n: np.array(e["values"], e["dtype"]).reshape(e["shape"])
@@ -112,22 +123,50 @@ class DeviceTrainer:
                                   "does not take as inputs")
         self._upload(state)
 
+    def _plan_in_place(self, step: onnx.ModelProto, loss: str | None, policy: str, wanted: bool | None) -> bool:
+        """Whether the step writes its new state over the old (``step`` guarded and the feedback
+        renamed to the guarded outputs when so)."""
+        if wanted is False:
+            return False
+        guard = policy != "ignore"
+        if guard and not loss:
+            if wanted:
+                raise TrainingOpError(f"{self.directory!r}: in_place=True with on_nonfinite={policy!r} needs the "
+                                      "export's loss (the manifest names none)")
+            return False
+        candidate = onnx.ModelProto()
+        candidate.CopyFrom(step)
+        written = guard_feedback(candidate, self._feedback, loss) if guard else dict(self._feedback)
+        unsafe = in_place_unsafe(candidate, written)
+        if unsafe:
+            if wanted:
+                raise TrainingOpError(f"{self.directory!r}: in_place=True, but the step model may read "
+                                      f"{unsafe[:3]}{' ...' if len(unsafe) > 3 else ''} after writing its new "
+                                      "value; use in_place=False")
+            return False
+        step.CopyFrom(candidate)
+        self._feedback = written
+        return True
+
     # ------------------------------------------------------------------ state on the device
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
 
     def _upload(self, state: Mapping[str, np.ndarray]) -> None:
-        """Put ``state`` on the device as set A, allocate set B, bind both step directions."""
-        sets: list[dict[str, ort.OrtValue]] = [{}, {}]
+        """Put ``state`` on the device as set A and bind the step: in place, reading and writing
+        A; else with a set B, both directions (A -> B, B -> A)."""
+        sets: list[dict[str, ort.OrtValue]] = [{}] if self.in_place else [{}, {}]
         for name in self._feedback:
             array = np.array(state[name], order="C")  # a copy, 0-d kept 0-d (ascontiguousarray makes it 1-d)
             sets[0][name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
-            sets[1][name] = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype,
-                                                                      self.device, self.device_id)
+            if not self.in_place:
+                sets[1][name] = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype,
+                                                                          self.device, self.device_id)
         self._sets = sets
         self._current = 0  # the set holding the state
-        self._bindings = [self._bind(sets[i], sets[1 - i]) for i in (0, 1)]
+        self._bindings = ([self._bind(sets[0], sets[0])] if self.in_place
+                          else [self._bind(sets[i], sets[1 - i]) for i in (0, 1)])
         self._count = int(np.asarray(state[self._counter]).reshape(-1)[0]) if self._counter in state else 0
 
     def _bind(self, read: dict[str, ort.OrtValue], write: dict[str, ort.OrtValue]) -> ort.IOBinding:
@@ -282,7 +321,8 @@ class DeviceTrainer:
                                              "not applied, the state is unchanged")
                 self.skipped_steps += 1
                 return result
-        self._current = 1 - self._current  # the written set holds the state now
+        if not self.in_place:
+            self._current = 1 - self._current  # the written set holds the state now
         self._count += 1
         return result
 
