@@ -29,9 +29,9 @@ def lower_sum(model: ModelProto) -> ModelProto:
     """Replace every Sum of the main graph by Adds (in place; returns ``model``).
 
     Args:
-        model: the model to rewrite.
+        model: the model to rewrite; a Sum of one input becomes an Identity.
 
     Returns:
-        ``model``.
+        ``model``, whose Sums are now chains of Add.
     """
     return replace_nodes(model, "Sum", "sum", _lower)
