@@ -81,44 +81,48 @@ class Loss:
 
 
 @dataclass(frozen=True)
-class MSELoss(Loss):
+class _Pointwise(Loss):
+    """MSELoss and L1Loss: the mean or sum of the squared (``_square``) or absolute difference of prediction
+    and target; a subclass declares its ``reduction`` field."""
+
+    _square: ClassVar[bool]
+
+    def __post_init__(self):
+        _check_reduction(type(self).__name__, self.reduction)
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        diff = em.op("Sub", [pred, label])
+        return em.reduce(em.op("Mul", [diff, diff]) if self._square else em.op("Abs", [diff]), self.reduction)
+
+
+@dataclass(frozen=True)
+class MSELoss(_Pointwise):
     """``torch.nn.MSELoss``: the squared difference of prediction and target (string ``"mse"``).
 
     Args:
         reduction: ``"mean"`` or ``"sum"`` over every element.
 
     Raises:
-        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+        TrainingOpError: a reduction other than mean/sum.
     """
 
     reduction: str = "mean"
-
-    def __post_init__(self):
-        _check_reduction("MSELoss", self.reduction)
-
-    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
-        diff = em.op("Sub", [pred, label])
-        return em.reduce(em.op("Mul", [diff, diff]), self.reduction)
+    _square = True
 
 
 @dataclass(frozen=True)
-class L1Loss(Loss):
+class L1Loss(_Pointwise):
     """``torch.nn.L1Loss``: the absolute difference of prediction and target (string ``"l1"``).
 
     Args:
-        reduction: ``"mean"`` or ``"sum"`` over every element.
+        reduction: ``"mean"`` (torch's default) or ``"sum"`` over every element.
 
     Raises:
-        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+        TrainingOpError: a reduction other than mean/sum.
     """
 
     reduction: str = "mean"
-
-    def __post_init__(self):
-        _check_reduction("L1Loss", self.reduction)
-
-    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
-        return em.reduce(em.op("Abs", [em.op("Sub", [pred, label])]), self.reduction)
+    _square = False
 
 
 @dataclass(frozen=True)
