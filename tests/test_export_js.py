@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import js_fixtures
 import numpy as np
 import onnxruntime as ort
 import pytest
+from node_runner import node_test
 
 from onnx_training_ops.export import load_state, safetensors, session_from_export
 
-REPO = Path(__file__).resolve().parents[1]
 browser = pytest.mark.skipif(os.environ.get("OTO_SKIP_BROWSER", "") not in ("", "0"),
                              reason="OTO_SKIP_BROWSER is set (make test SKIP_BROWSER=1): no headless Chromium")
 
@@ -31,19 +28,6 @@ browser = pytest.mark.skipif(os.environ.get("OTO_SKIP_BROWSER", "") not in ("", 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
     return js_fixtures.write_all(tmp_path_factory.mktemp("js"))
-
-
-def _node_test(files: list[str], fixtures: Path) -> str:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("node is not installed (make test installs it with apt-get)")
-    if not (REPO / "js" / "node_modules" / "onnxruntime-node").is_dir():
-        pytest.fail("js/node_modules is missing: cd js && npm ci --ignore-scripts (make test does it)")
-    env = {**os.environ, "OTO_FIXTURES": str(fixtures), "PYTHON": sys.executable}
-    run = subprocess.run([node, "--test", *files], cwd=REPO / "js", env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    return run.stdout
 
 
 def _continue_one_step(fixtures: Path, name: str, state_file: str) -> dict:
@@ -62,7 +46,7 @@ def test_node_trains_the_models_like_python_and_python_continues(fixtures):
     Node reached is what the export's step model reaches in Python's onnxruntime, and close to
     the TrainingSession's own (whose graph may use onnxruntime's contrib ops and our kernels,
     so it rounds differently); it loads into a TrainingSession and continues like Python's."""
-    _node_test(["test/train.test.js", "test/unit.test.js", "test/readme.test.js"], fixtures)
+    node_test(["test/train.test.js", "test/unit.test.js", "test/readme.test.js"], fixtures)
     for name in js_fixtures.MODELS:
         expected, _ = safetensors.read(fixtures / name / "expected_state.safetensors")
         exported, _ = safetensors.read(fixtures / name / "export_state.safetensors")
@@ -98,7 +82,7 @@ def test_node_writes_a_self_contained_trained_inference_model(fixtures):
     for name in js_fixtures.MODELS:
         path = fixtures / name / "node_inference.onnx"
         if not path.exists():
-            _node_test(["test/train.test.js"], fixtures)
+            node_test(["test/train.test.js"], fixtures)
         model = ort.InferenceSession(path.read_bytes())
         state, _ = safetensors.read(fixtures / name / "node_state.safetensors")
         batches, _ = safetensors.read(fixtures / name / "batches.safetensors")
@@ -114,7 +98,7 @@ def test_node_writes_a_self_contained_trained_inference_model(fixtures):
 def test_chromium_trains_the_models_and_the_browser_example(fixtures):
     """onnxruntime-web (wasm) in headless Chromium: each step's loss within 1e-5 of Python's, the
     final state close to Python's; the example page's downloaded model scores what the page said."""
-    _node_test(["test/browser.test.js"], fixtures)
+    node_test(["test/browser.test.js"], fixtures)
     for name in js_fixtures.MODELS:
         report = json.loads((fixtures / name / "browser_report.json").read_text())
         assert report["worstLoss"] <= 1e-5 and report["steps"] == js_fixtures.STEPS
@@ -138,7 +122,7 @@ def test_chromium_trains_on_webgpu(fixtures):
     with the reason, when the browser offers no adapter); js/test/webgpu.unit.test.js checks the
     host program against Python's bit for bit and the fallback in Node. Here: the report is
     complete."""
-    out = _node_test(["test/webgpu.unit.test.js", "test/webgpu.test.js"], fixtures)
+    out = node_test(["test/webgpu.unit.test.js", "test/webgpu.test.js"], fixtures)
     if "# skipped" in out and "# skipped 0" not in out:
         pytest.skip("Chromium offers no WebGPU adapter here (see js/test/webgpu.test.js)")
     report = json.loads((fixtures / "webgpu_report.json").read_text())

@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import js_fixtures
 import pytest
+from node_runner import node_test
 
 from onnx_training_ops.export import safetensors
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +33,8 @@ def fixtures(tmp_path_factory):
 
 
 def _node_test(file: str, fixtures: Path) -> None:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("node is not installed (make test installs it with apt-get)")
-    if not (REPO / "js" / "node_modules" / "onnxruntime-node").is_dir():
-        pytest.fail("js/node_modules is missing: cd js && npm ci --ignore-scripts (make test does it)")
-    env = {**os.environ, "OTO_FIXTURES": str(fixtures), "PYTHON": sys.executable}
-    run = subprocess.run([node, "--test", file], cwd=REPO / "js", env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert "# fail 0" in run.stdout and "# pass 0" not in run.stdout
+    out = node_test([file], fixtures, timeout=300)
+    assert "# fail 0" in out and "# pass 0" not in out
 
 
 def test_the_js_fault_suite(fixtures):

@@ -43,12 +43,12 @@ def test_custom_op_struct_layout_matches_the_c_api():
     assert native.OrtCustomOp.KernelComputeV2.offset == 8 + 17 * 8
     assert native.OrtCustomOp.ReleaseAliasMap.offset == 8 + 24 * 8
     assert ctypes.sizeof(native.OrtCustomOp) == 8 + 25 * 8
-    assert native.OP_VERSION <= native._api_version()
+    assert custom_op.OP_VERSION <= native._api_version()
 
 
 def test_api_table_checked_on_the_live_pointer():
     ot.InferenceSession(optimizer_model("Adam"), kernels="native")
-    assert native._checked_apis  # the CreateStatus/GetErrorCode/GetErrorMessage round trip passed
+    assert custom_op._checked_apis  # the CreateStatus/GetErrorCode/GetErrorMessage round trip passed
 
 
 def test_native_ops_land_in_the_contrib_domain():

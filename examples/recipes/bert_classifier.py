@@ -16,15 +16,13 @@ Run: ``python examples/recipes/bert_classifier.py [--exporter dynamo|torchscript
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
-import warnings
 
 import numpy as np
+from _common import export_and_build, parser, perturbed, wrap
 
-from onnx_training_ops import AdamW, TrainingSession, build_training_model
-from onnx_training_ops.export.from_torch import export_for_training
+from onnx_training_ops import AdamW, TrainingSession
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -38,27 +36,7 @@ def make_model(tiny: bool = True):
     config = BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                         vocab_size=100, max_position_embeddings=64, num_labels=3) if tiny else \
         BertConfig(num_labels=3)
-    model = BertForSequenceClassification(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model.eval()
-
-
-def wrap(model):
-    """``forward(input_ids, attention_mask, token_type_ids) -> logits``."""
-    import torch
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.model = inner
-
-        def forward(self, input_ids, attention_mask, token_type_ids):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              token_type_ids=token_type_ids).logits
-
-    return Wrapped(model)
+    return perturbed(BertForSequenceClassification(config))
 
 
 def main(exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None, tiny: bool = True) -> dict:
@@ -78,14 +56,8 @@ def main(exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None, t
     with torch.no_grad():  # the reference, before the export
         torch_loss = float(model(**{k: torch.from_numpy(v) for k, v in feeds.items()},
                                  labels=torch.from_numpy(labels)).loss)
-    wrapped = wrap(model)
     path = os.path.join(out_dir, "model.onnx")
-    export_for_training(wrapped, tuple(torch.from_numpy(feeds[k]) for k in INPUTS), path, input_names=INPUTS,
-                        output_names=["logits"], dynamo=exporter == "dynamo",
-                        dynamic_axes={k: {0: "batch", 1: "seq"} for k in INPUTS})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the pooler's parameters etc. untied after TorchScript
-        training = build_training_model(path, "cross_entropy", AdamW(lr=1e-3))
+    training = export_and_build(wrap(model), feeds, path, exporter, "cross_entropy", AdamW(lr=1e-3))
     session = TrainingSession(training)
     losses = [float(session.step({**feeds, "labels": labels})["loss"]) for _ in range(steps)]
     print(f"bert ({exporter}): {session.summary().trainable_count:,} parameters trained; torch's loss "
@@ -94,8 +66,5 @@ def main(exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None, t
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
-    ap.add_argument("--steps", type=int, default=3)
-    a = ap.parse_args()
+    a = parser(__doc__).parse_args()
     main(a.exporter, a.steps)

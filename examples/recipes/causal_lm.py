@@ -21,15 +21,13 @@ Run: ``python examples/recipes/causal_lm.py [--family gpt2|llama] [--exporter dy
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
-import warnings
 
 import numpy as np
+from _common import export_and_build, parser, perturbed, wrap
 
-from onnx_training_ops import AdamW, CrossEntropyLoss, TrainingSession, build_training_model
-from onnx_training_ops.export.from_torch import export_for_training
+from onnx_training_ops import AdamW, CrossEntropyLoss, TrainingSession
 
 
 def make_model(family: str, tiny: bool = True):
@@ -46,25 +44,7 @@ def make_model(family: str, tiny: bool = True):
                              num_key_value_heads=2, vocab_size=100, max_position_embeddings=64) if tiny else LlamaConfig()
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
-    with torch.no_grad():  # fresh LayerNorm weights of 1 and zero biases: make every parameter distinct
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model.eval()
-
-
-def wrap(model):
-    """A module with ``forward(input_ids, attention_mask) -> logits``: what both exporters take."""
-    import torch
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.model = inner
-
-        def forward(self, input_ids, attention_mask):
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-    return Wrapped(model)
+    return perturbed(model)  # fresh LayerNorm weights of 1 and zero biases: make every parameter distinct
 
 
 def main(family: str = "gpt2", exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None,
@@ -84,13 +64,8 @@ def main(family: str = "gpt2", exporter: str = "dynamo", steps: int = 3, out_dir
                                  labels=torch.from_numpy(labels)).loss)
     wrapped = wrap(model)
     path = os.path.join(out_dir, "model.onnx")
-    export_for_training(wrapped, (torch.from_numpy(ids), torch.from_numpy(mask)), path,
-                        input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                        dynamo=exporter == "dynamo",
-                        dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TorchScript: "untied N parameters the exporter merged"
-        training = build_training_model(path, CrossEntropyLoss(shift_labels=True), AdamW(lr=1e-3))
+    training = export_and_build(wrapped, {"input_ids": ids, "attention_mask": mask}, path, exporter,
+                                CrossEntropyLoss(shift_labels=True), AdamW(lr=1e-3))
     session = TrainingSession(training)
     feeds = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     losses = [float(session.step(feeds)["loss"]) for _ in range(steps)]
@@ -101,10 +76,8 @@ def main(family: str = "gpt2", exporter: str = "dynamo", steps: int = 3, out_dir
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
-    ap.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
-    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--full-size", action="store_true", help="the default configs (124M GPT-2): minutes")
     a = ap.parse_args()
     main(a.family, a.exporter, a.steps, tiny=not a.full_size)

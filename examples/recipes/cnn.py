@@ -17,15 +17,13 @@ Run: ``python examples/recipes/cnn.py [--exporter dynamo|torchscript]``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
-import warnings
 
 import numpy as np
+from _common import export_and_build, parser, perturbed
 
-from onnx_training_ops import Momentum, TrainingSession, build_training_model
-from onnx_training_ops.export.from_torch import export_for_training
+from onnx_training_ops import Momentum, TrainingSession
 
 
 def make_model(classes: int = 10, width: int = 8):
@@ -54,12 +52,7 @@ def make_model(classes: int = 10, width: int = 8):
             return self.head(x.mean(dim=(2, 3)))
 
     torch.manual_seed(0)
-    model = SmallResNet()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "bn" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    return perturbed(SmallResNet(), 0.1, where=lambda name: "bn" in name)
 
 
 def main(exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None) -> dict:
@@ -71,14 +64,11 @@ def main(exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None) -
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 3, 16, 16)).astype(np.float32)
     y = rng.integers(0, 10, 8).astype(np.int64)
-    path = os.path.join(out_dir, "model.onnx")
-    export_for_training(model, (torch.from_numpy(x),), path, input_names=["images"], output_names=["logits"],
-                        dynamo=exporter == "dynamo")
     reference = make_model().train()  # the same weights: torch's training-mode step of the same batch
     torch_loss = torch.nn.functional.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(y))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TorchScript: equal BatchNorm running statistics untied
-        training = build_training_model(path, "cross_entropy", Momentum(lr=0.05, momentum=0.9), mode="train")
+    path = os.path.join(out_dir, "model.onnx")
+    training = export_and_build(model, {"images": x}, path, exporter, "cross_entropy",
+                                Momentum(lr=0.05, momentum=0.9), sequence=False, mode="train")
     session = TrainingSession(training)
     losses = [float(session.step({"images": x, "labels": y})["loss"])]
     statistics = session.to_torch_state_dict(tensors=False)  # running statistics after one step
@@ -91,8 +81,5 @@ def main(exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None) -
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
-    ap.add_argument("--steps", type=int, default=3)
-    a = ap.parse_args()
+    a = parser(__doc__).parse_args()
     main(a.exporter, a.steps)

@@ -19,20 +19,14 @@ Run: ``python examples/recipes/lora.py [--exporter dynamo|torchscript]``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
-import warnings
 
 import numpy as np
+from _common import export_and_build, parser, wrap
+from causal_lm import make_model
 
-from onnx_training_ops import AdamW, CrossEntropyLoss, TrainingSession, build_training_model
-from onnx_training_ops.export.from_torch import export_for_training
-
-try:
-    from causal_lm import make_model, wrap  # run from examples/recipes/
-except ImportError:  # imported as examples.recipes.lora
-    from .causal_lm import make_model, wrap
+from onnx_training_ops import AdamW, CrossEntropyLoss, TrainingSession
 
 
 def make_lora_model(rank: int = 4):
@@ -61,14 +55,8 @@ def main(exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None) -
     wrapped = wrap(model)
     trainable = [name for name, p in wrapped.named_parameters() if p.requires_grad]  # torch's names
     path = os.path.join(out_dir, "model.onnx")
-    export_for_training(wrapped, (torch.from_numpy(ids), torch.from_numpy(mask)), path,
-                        input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                        dynamo=exporter == "dynamo",
-                        dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TorchScript: "untied N parameters" (the zero lora_B)
-        training = build_training_model(path, CrossEntropyLoss(shift_labels=True), AdamW(lr=1e-2),
-                                        trainable=trainable)
+    training = export_and_build(wrapped, {"input_ids": ids, "attention_mask": mask}, path, exporter,
+                                CrossEntropyLoss(shift_labels=True), AdamW(lr=1e-2), trainable=trainable)
     session = TrainingSession(training)
     feeds = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     losses = [float(session.step(feeds)["loss"]) for _ in range(steps)]
@@ -80,8 +68,5 @@ def main(exporter: str = "dynamo", steps: int = 3, out_dir: str | None = None) -
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--exporter", choices=("dynamo", "torchscript"), default="dynamo")
-    ap.add_argument("--steps", type=int, default=3)
-    a = ap.parse_args()
+    a = parser(__doc__).parse_args()
     main(a.exporter, a.steps)

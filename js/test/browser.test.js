@@ -4,64 +4,25 @@
 // repository's js/ and examples/ and the fixtures.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
-import { existsSync } from 'node:fs';
-import { mkdir, mkdtemp, readFile, rm, symlink, writeFile, readdir } from 'node:fs/promises';
-import { tmpdir } from 'node:os';
-import { dirname, join, resolve } from 'node:path';
-import { fileURLToPath } from 'node:url';
-import puppeteer from 'puppeteer-core';
-import { FIXTURES } from './helpers.js';
+import { mkdir, readFile, writeFile, readdir } from 'node:fs/promises';
+import { join } from 'node:path';
+import { FIXTURES, REPO, servedChromium } from './helpers.js';
 import { MODELS, TOLERANCE } from './parity.js';
 
-const REPO = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..');
-const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 const SCREENSHOTS = process.env.OTO_SCREENSHOTS ?? join(REPO, 'out', 'screenshots');
-// the flags this machine needs (closed network, root, no GPU); a fresh profile each run
-const FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-  '--disable-background-networking', '--disable-component-update', '--disable-sync'];
 
-let server;
 let browser;
 let root;
-let profile;
 let origin;
-
-async function serve(directory) {
-  const python = process.env.PYTHON ?? 'python3';
-  const child = spawn(python, ['-u', '-m', 'http.server', '0', '--bind', '127.0.0.1', '--directory', directory],
-    { stdio: ['ignore', 'pipe', 'pipe'] });
-  const port = await new Promise((resolvePort, reject) => {
-    let text = '';
-    child.stdout.on('data', (chunk) => {
-      text += chunk;
-      const match = /port (\d+)/.exec(text);
-      if (match) resolvePort(Number(match[1]));
-    });
-    child.on('exit', (code) => reject(new Error(`${python} -m http.server exited with ${code}`)));
-    setTimeout(() => reject(new Error('http.server did not start in 20 s')), 20000);
-  });
-  child.stderr.resume();
-  return { child, origin: `http://127.0.0.1:${port}` };
-}
+let close;
 
 before(async () => {
-  assert.ok(existsSync(CHROMIUM), `no Chromium at ${CHROMIUM}: apt-get install -y chromium (make test does it)`);
-  root = await mkdtemp(join(tmpdir(), 'oto-serve-'));
-  profile = await mkdtemp(join(tmpdir(), 'oto-chromium-'));
-  await symlink(join(REPO, 'js'), join(root, 'js'));
-  await symlink(join(REPO, 'examples'), join(root, 'examples'));
-  await symlink(resolve(FIXTURES), join(root, 'fixtures'));
-  ({ child: server, origin } = await serve(root));
-  browser = await puppeteer.launch({ executablePath: CHROMIUM, headless: true, args: [...FLAGS, `--user-data-dir=${profile}`] });
+  ({ browser, root, origin, close } = await servedChromium('oto', ['--disable-gpu']));
   await mkdir(SCREENSHOTS, { recursive: true });
 });
 
 after(async () => {
-  await browser?.close();
-  server?.kill();
-  await rm(root, { recursive: true, force: true });
-  await rm(profile, { recursive: true, force: true });
+  await close?.();
 });
 
 async function open(path) {

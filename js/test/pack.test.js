@@ -5,7 +5,7 @@
 // writes it) trains it in headless Chromium with onnxruntime-web.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { execFile, spawn } from 'node:child_process';
+import { execFile } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { mkdir, mkdtemp, readFile, readdir, rm, symlink, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
@@ -13,8 +13,7 @@ import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import * as ort from 'onnxruntime-node';
-import puppeteer from 'puppeteer-core';
-import { FIXTURES } from './helpers.js';
+import { FIXTURES, launchChromium, serve } from './helpers.js';
 
 const run = promisify(execFile);
 const JS = resolve(dirname(fileURLToPath(import.meta.url)), '..');
@@ -104,32 +103,18 @@ window.result.done = true;
 const skipBrowser = !['', '0', undefined].includes(process.env.OTO_SKIP_BROWSER) && 'OTO_SKIP_BROWSER is set: no headless Chromium';
 
 test('installed from the tarball, a page that imports it trains the digits MLP in Chromium (onnxruntime-web)', { skip: skipBrowser }, async () => {
-  const chromium = process.env.CHROMIUM ?? '/usr/bin/chromium';
-  assert.ok(existsSync(chromium), `no Chromium at ${chromium}: apt-get install -y chromium (make test does it)`);
   await symlink(join(JS, 'node_modules', 'onnxruntime-web'), join(app, 'node_modules', 'onnxruntime-web'));
   await symlink(join(FIXTURES, 'example'), join(app, 'model'));
   await writeFile(join(app, 'index.html'), PAGE);
-  const python = process.env.PYTHON ?? 'python3';
-  const server = spawn(python, ['-u', '-m', 'http.server', '0', '--bind', '127.0.0.1', '--directory', app], { stdio: ['ignore', 'pipe', 'ignore'] });
-  const profile = await mkdtemp(join(tmpdir(), 'oto-pack-chromium-'));
-  let browser;
+  const server = await serve(app);
+  let chromium;
   try {
-    const port = await new Promise((found, reject) => {
-      let text = '';
-      server.stdout.on('data', (chunk) => {
-        text += chunk;
-        const match = /port (\d+)/.exec(text);
-        if (match) found(Number(match[1]));
-      });
-      server.on('exit', (code) => reject(new Error(`http.server exited with ${code}`)));
-      setTimeout(() => reject(new Error('http.server did not start in 20 s')), 20000);
-    });
-    browser = await puppeteer.launch({ executablePath: chromium, headless: true, args: ['--headless', '--no-sandbox', '--disable-gpu',
-      '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync', `--user-data-dir=${profile}`] });
+    chromium = await launchChromium('oto-pack', ['--disable-gpu']);
+    const { browser } = chromium;
     const page = await browser.newPage();
     const errors = [];
     page.on('pageerror', (e) => errors.push(String(e)));
-    await page.goto(`http://127.0.0.1:${port}/index.html`, { waitUntil: 'load' });
+    await page.goto(`${server.origin}/index.html`, { waitUntil: 'load' });
     await page.waitForFunction('window.result && window.result.done', { timeout: 120000, polling: 200 });
     const result = await page.evaluate('window.result');
     assert.equal(result.error, null, result.error);
@@ -139,8 +124,7 @@ test('installed from the tarball, a page that imports it trains the digits MLP i
     assert.ok(mean(result.losses.slice(-10)) < mean(result.losses.slice(0, 10)), `the loss fell: ${result.losses}`);
     assert.ok(Number.isFinite(result.heldOut) && result.model > 0);
   } finally {
-    await browser?.close();
-    server.kill();
-    await rm(profile, { recursive: true, force: true });
+    await chromium?.close();
+    server.child.kill();
   }
 });

@@ -6,66 +6,26 @@
 // adapter. Writes webgpu_report.json (placement, parity, steps/s) beside the fixtures.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
-import { existsSync } from 'node:fs';
-import { mkdtemp, rm, symlink, writeFile, mkdir } from 'node:fs/promises';
-import { tmpdir } from 'node:os';
-import { dirname, join, resolve } from 'node:path';
-import { fileURLToPath } from 'node:url';
-import puppeteer from 'puppeteer-core';
-import { FIXTURES } from './helpers.js';
+import { writeFile, mkdir } from 'node:fs/promises';
+import { join } from 'node:path';
+import { FIXTURES, REPO, servedChromium } from './helpers.js';
 import { MODELS } from './parity.js';
 
-const REPO = resolve(dirname(fileURLToPath(import.meta.url)), '..', '..');
-const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 const SCREENSHOTS = process.env.OTO_SCREENSHOTS ?? join(REPO, 'out', 'screenshots');
 const STEPS = 50;
 const TOLERANCE = 1e-4; // relative, per step
-// WebGPU needs the GPU process: no --disable-gpu; the page must be served over http(s)
-const FLAGS = ['--headless', '--no-sandbox', '--enable-unsafe-webgpu', '--disable-quic', '--no-first-run',
-  '--disable-background-networking', '--disable-component-update', '--disable-sync'];
 
-let server;
 let browser;
-let root;
-let profile;
 let origin;
-
-async function serve(directory) {
-  const python = process.env.PYTHON ?? 'python3';
-  const child = spawn(python, ['-u', '-m', 'http.server', '0', '--bind', '127.0.0.1', '--directory', directory],
-    { stdio: ['ignore', 'pipe', 'pipe'] });
-  const port = await new Promise((resolvePort, reject) => {
-    let text = '';
-    child.stdout.on('data', (chunk) => {
-      text += chunk;
-      const match = /port (\d+)/.exec(text);
-      if (match) resolvePort(Number(match[1]));
-    });
-    child.on('exit', (code) => reject(new Error(`${python} -m http.server exited with ${code}`)));
-    setTimeout(() => reject(new Error('http.server did not start in 20 s')), 20000);
-  });
-  child.stderr.resume();
-  return { child, origin: `http://127.0.0.1:${port}` };
-}
+let close;
 
 before(async () => {
-  assert.ok(existsSync(CHROMIUM), `no Chromium at ${CHROMIUM}: apt-get install -y chromium (make test does it)`);
-  root = await mkdtemp(join(tmpdir(), 'oto-webgpu-serve-'));
-  profile = await mkdtemp(join(tmpdir(), 'oto-webgpu-chromium-'));
-  await symlink(join(REPO, 'js'), join(root, 'js'));
-  await symlink(join(REPO, 'examples'), join(root, 'examples'));
-  await symlink(resolve(FIXTURES), join(root, 'fixtures'));
-  ({ child: server, origin } = await serve(root));
-  browser = await puppeteer.launch({ executablePath: CHROMIUM, headless: true, args: [...FLAGS, `--user-data-dir=${profile}`] });
+  ({ browser, origin, close } = await servedChromium('oto-webgpu', ['--enable-unsafe-webgpu']));
   await mkdir(SCREENSHOTS, { recursive: true });
 });
 
 after(async () => {
-  await browser?.close();
-  server?.kill();
-  await rm(root, { recursive: true, force: true });
-  await rm(profile, { recursive: true, force: true });
+  await close?.();
 });
 
 /** Each model's node placement, from onnxruntime's verbose log between the harness's markers. */

@@ -81,59 +81,81 @@ class Loss:
 
 
 @dataclass(frozen=True)
-class MSELoss(Loss):
+class _Pointwise(Loss):
+    """MSELoss and L1Loss: the mean or sum of the squared (``_square``) or absolute difference of prediction
+    and target; a subclass declares its ``reduction`` field."""
+
+    _square: ClassVar[bool]
+
+    def __post_init__(self):
+        _check_reduction(type(self).__name__, self.reduction)
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        diff = em.op("Sub", [pred, label])
+        return em.reduce(em.op("Mul", [diff, diff]) if self._square else em.op("Abs", [diff]), self.reduction)
+
+
+@dataclass(frozen=True)
+class MSELoss(_Pointwise):
     """``torch.nn.MSELoss``: the squared difference of prediction and target (string ``"mse"``).
 
     Args:
         reduction: ``"mean"`` or ``"sum"`` over every element.
 
     Raises:
-        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+        TrainingOpError: a reduction other than mean/sum.
     """
 
     reduction: str = "mean"
-
-    def __post_init__(self):
-        _check_reduction("MSELoss", self.reduction)
-
-    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
-        diff = em.op("Sub", [pred, label])
-        return em.reduce(em.op("Mul", [diff, diff]), self.reduction)
+    _square = True
 
 
 @dataclass(frozen=True)
-class L1Loss(Loss):
+class L1Loss(_Pointwise):
     """``torch.nn.L1Loss``: the absolute difference of prediction and target (string ``"l1"``).
 
     Args:
-        reduction: ``"mean"`` or ``"sum"`` over every element.
+        reduction: ``"mean"`` (torch's default) or ``"sum"`` over every element.
 
     Raises:
-        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+        TrainingOpError: a reduction other than mean/sum.
     """
 
     reduction: str = "mean"
-
-    def __post_init__(self):
-        _check_reduction("L1Loss", self.reduction)
-
-    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
-        return em.reduce(em.op("Abs", [em.op("Sub", [pred, label])]), self.reduction)
-
-
-def _quadratic_then_linear(em: Emit, pred: str, label: str, width: float, scale_linear: bool):
-    """0.5 d^2 / (1 or width) inside |d| < width, else a line meeting it (Huber / SmoothL1)."""
-    d = em.op("Abs", [em.op("Sub", [pred, label])])
-    inside = em.op("Less", [d, em.const(width)])
-    square = em.op("Mul", [em.op("Mul", [d, d]), em.const(0.5 if scale_linear else 0.5 / width)])
-    line = em.op("Sub", [d, em.const(0.5 * width)])
-    if scale_linear:
-        line = em.op("Mul", [line, em.const(width)])
-    return em.op("Where", [inside, square, line])
+    _square = False
 
 
 @dataclass(frozen=True)
-class HuberLoss(Loss):
+class _QuadraticThenLinear(Loss):
+    """HuberLoss and SmoothL1Loss: ``0.5 d^2 / (1 or width)`` inside ``|d| < width``, else a line meeting it.
+
+    A subclass declares its width field (named as torch names it) and a ``reduction`` field, and says in
+    ``_width`` which field is the width and in ``_scale_linear`` whether the line is scaled by the width
+    (Huber) or the square divided by it (SmoothL1).
+    """
+
+    _width: ClassVar[str]
+    _scale_linear: ClassVar[bool]
+
+    def __post_init__(self):
+        loss, width = type(self).__name__, getattr(self, self._width)
+        _check_reduction(loss, self.reduction)
+        if not width > 0:
+            raise TrainingOpError(f"{loss}: {self._width} must be > 0, found {width}")
+
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        width = getattr(self, self._width)
+        d = em.op("Abs", [em.op("Sub", [pred, label])])
+        inside = em.op("Less", [d, em.const(width)])
+        square = em.op("Mul", [em.op("Mul", [d, d]), em.const(0.5 if self._scale_linear else 0.5 / width)])
+        line = em.op("Sub", [d, em.const(0.5 * width)])
+        if self._scale_linear:
+            line = em.op("Mul", [line, em.const(width)])
+        return em.reduce(em.op("Where", [inside, square, line]), self.reduction)
+
+
+@dataclass(frozen=True)
+class HuberLoss(_QuadraticThenLinear):
     """``torch.nn.HuberLoss``: ``0.5 d^2`` inside ``|d| < delta``, else ``delta (|d| - 0.5 delta)`` (string ``"huber"``).
 
     Args:
@@ -141,45 +163,32 @@ class HuberLoss(Loss):
         reduction: ``"mean"`` or ``"sum"`` over every element.
 
     Raises:
-        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+        TrainingOpError: a reduction other than mean/sum, or ``delta <= 0``.
     """
 
     delta: float = 1.0
     reduction: str = "mean"
-
-    def __post_init__(self):
-        _check_reduction("HuberLoss", self.reduction)
-        if not self.delta > 0:
-            raise TrainingOpError(f"HuberLoss: delta must be > 0, found {self.delta}")
-
-    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
-        return em.reduce(_quadratic_then_linear(em, pred, label, self.delta, True),
-                         self.reduction)
+    _width = "delta"
+    _scale_linear = True
 
 
 @dataclass(frozen=True)
-class SmoothL1Loss(Loss):
+class SmoothL1Loss(_QuadraticThenLinear):
     """``torch.nn.SmoothL1Loss``: ``0.5 d^2 / beta`` inside ``|d| < beta``, else ``|d| - 0.5 beta`` (string ``"smooth_l1"``).
 
     Args:
-        beta: where the quadratic part meets the linear one (> 0).
+        beta: the half-width of the quadratic part, which is divided by it (> 0); at ``beta -> 0`` the loss
+            tends to L1.
         reduction: ``"mean"`` or ``"sum"`` over every element.
 
     Raises:
-        TrainingOpError: a reduction other than mean/sum, or a value out of range.
+        TrainingOpError: a reduction other than mean/sum, or ``beta <= 0``.
     """
 
     beta: float = 1.0
     reduction: str = "mean"
-
-    def __post_init__(self):
-        _check_reduction("SmoothL1Loss", self.reduction)
-        if not self.beta > 0:
-            raise TrainingOpError(f"SmoothL1Loss: beta must be > 0, found {self.beta}")
-
-    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
-        return em.reduce(_quadratic_then_linear(em, pred, label, self.beta, False),
-                         self.reduction)
+    _width = "beta"
+    _scale_linear = False
 
 
 @dataclass(frozen=True)

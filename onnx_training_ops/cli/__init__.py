@@ -15,6 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ._command import add_command
 from .extras import MissingExtra
 from .extras import require as _require
 
@@ -211,38 +212,36 @@ def build_parser() -> argparse.ArgumentParser:
     from . import build, summary
 
     build.add_parser(commands)
-    p = commands.add_parser(
-        "prepare", help="rewrite a model so that onnxruntime runs it",
+    p = add_command(
+        commands, "prepare", _prepare, help="rewrite a model so that onnxruntime runs it",
         description="Validate a model of the ai.onnx.preview.training domain and write the "
                     "onnxruntime-ready form: Gradient expanded, recurrent ops unrolled where "
                     "differentiated, multi-tensor optimizer nodes split, exact attributes "
-                    "encoded, IR/opset fitted (training_info graphs included).")
-    p.add_argument("input", help="the model to prepare: an .onnx file (a training model or any "
-                                 "graph using the training domain)")
-    p.add_argument("output", help="where to write the prepared .onnx file (written atomically)")
+                    "encoded, IR/opset fitted (training_info graphs included).",
+        input="the model to prepare: an .onnx file (a training model or any graph using the training domain)",
+        output="where to write the prepared .onnx file (written atomically)")
     p.add_argument("--portable", action="store_true",
                    help="lower the optimizer nodes to standard ONNX ops instead: the result runs in any "
                         "onnxruntime (any language binding) or onnx.reference with nothing registered")
-    p.set_defaults(func=_prepare)
-    m = commands.add_parser(
-        "import-ortt", help="turn onnxruntime-training artifacts + checkpoint into one training model",
+    m = add_command(
+        commands, "import-ortt", _import_ortt,
+        help="turn onnxruntime-training artifacts + checkpoint into one training model",
         description="Read an onnxruntime-training artifact folder (eval_model.onnx, optimizer_model.onnx, "
                     "a checkpoint) and write one ONNX training model holding the checkpoint's parameters, "
-                    "AdamW moments, step and properties (needs the migrate extra).")
-    m.add_argument("artifacts", help="the folder generate_artifacts wrote")
-    m.add_argument("output", help="the training model to write (atomically)")
+                    "AdamW moments, step and properties (needs the migrate extra).",
+        artifacts="the folder generate_artifacts wrote", output="the training model to write (atomically)")
     m.add_argument("--checkpoint", default="checkpoint",
                    help="the checkpoint's file name in the folder, or a path (default: checkpoint)")
     m.add_argument("--lr", type=float, default=None,
                    help="learning rate of the imported model (default: the checkpoint's initial learning rate)")
-    m.set_defaults(func=_import_ortt)
-    e = commands.add_parser(
-        "export-step", help="write a training step any onnxruntime runs (JavaScript, Java, mobile)",
+    e = add_command(
+        commands, "export-step", _export_step,
+        help="write a training step any onnxruntime runs (JavaScript, Java, mobile)",
         description="Write the training step, eval and inference models in standard ONNX ops (state "
                     "and learning rates as plain inputs), the state as .safetensors and manifest.json, "
-                    "for the JavaScript trainer (js/) or any onnxruntime binding; see docs/export.md.")
-    e.add_argument("input", help="a training model or a checkpoint (.onnx with training_info)")
-    e.add_argument("output", help="the directory to write (created; files written atomically)")
+                    "for the JavaScript trainer (js/) or any onnxruntime binding; see docs/export.md.",
+        input="a training model or a checkpoint (.onnx with training_info)",
+        output="the directory to write (created; files written atomically)")
     e.add_argument("--eval-output", dest="eval_outputs", action="append", default=None, metavar="NAME",
                    help="a value the eval model returns beside the loss (repeatable; default: the "
                         "main graph's outputs)")
@@ -263,12 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--flat-optimizer", action="store_true",
                    help="for a GPU: each optimizer runs over all its tensors laid end to end (a few kernels "
                         "instead of ~16 per tensor; the same values; slower on a CPU)")
-    e.set_defaults(func=_export_step)
     summary.add_parser(commands)
-    c = commands.add_parser("conformance", help="run the domain's ONNX conformance cases")
+    c = add_command(commands, "conformance", _conformance, help="run the domain's ONNX conformance cases")
     c.add_argument("--portable", action="store_true",
                    help="run them on the portable form (prepare --portable) in plain onnxruntime")
-    c.set_defaults(func=_conformance)
     for name in ("train", "demo"):  # `make demo` runs `python -m onnx_training_ops demo --out out/demo`
         t = commands.add_parser(
             name, help="train a training model on a data file (train TRAINING.onnx --data FILE); without a "

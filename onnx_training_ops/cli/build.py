@@ -8,23 +8,20 @@ import os
 import sys
 
 from ..errors import TrainingOpError
+from ._command import add_command
 
 LOSSES = ("cross_entropy", "mse", "l1", "huber", "smooth_l1", "bce_with_logits")
 OPTIMIZERS = ("adam", "adamw", "momentum", "sgd", "adagrad", "rmsprop")
 
 
 def add_parser(commands) -> None:
-    """The ``build`` subcommand's arguments.
-
-    Args:
-        commands: the subparsers of the main parser.
-    """
-    b = commands.add_parser(
-        "build", help="inference model + loss + optimizer -> a training model (build_training_model)",
+    """Add the ``build`` subcommand to ``commands``, the subparsers of the main parser."""
+    b = add_command(
+        commands, "build", build,
+        help="inference model + loss + optimizer -> a training model (build_training_model)",
         description="Turn an inference model (e.g. from torch.onnx.export) into an ONNX training model: the "
-                    "loss on an output, one Gradient, the optimizer and its state (see docs/cli.md).")
-    b.add_argument("input", help="the inference model (.onnx)")
-    b.add_argument("output", help="the training model to write (atomically)")
+                    "loss on an output, one Gradient, the optimizer and its state (see docs/cli.md).",
+        input="the inference model (.onnx)", output="the training model to write (atomically)")
     b.add_argument("--loss", required=True,
                    help=f"one of {', '.join(LOSSES)} (torch's defaults), or the name of a scalar float output "
                         "already in the model")
@@ -54,7 +51,6 @@ def add_parser(commands) -> None:
                         "model.train() (default eval)")
     b.add_argument("--seed", type=int, default=0, help="--mode train: the dropout masks' seed")
     b.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradients' global norm")
-    b.set_defaults(func=build)
 
 
 def make_optimizer(args: argparse.Namespace):

@@ -5,21 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 
+from ._command import add_command
+
 
 def add_parser(commands) -> None:
-    """The ``summary`` subcommand's arguments.
-
-    Args:
-        commands: the subparsers of the main parser.
-    """
-    s = commands.add_parser(
-        "summary", help="list a model's trainable and frozen tensors, optimizer, state size, loss, gradient ops",
+    """Add the ``summary`` subcommand to ``commands``, the subparsers of the main parser."""
+    s = add_command(
+        commands, "summary", run,
+        help="list a model's trainable and frozen tensors, optimizer, state size, loss, gradient ops",
         description="Print what a training model trains (trainable and frozen tensors with shapes, parameter "
                     "counts, the optimizer and its state size, the loss, the ops the gradient flows through); "
-                    "for an inference model, its initializers and the ops without a derivative rule.")
-    s.add_argument("input", help="a training model, checkpoint or inference model (.onnx)")
+                    "for an inference model, its initializers and the ops without a derivative rule.",
+        input="a training model, checkpoint or inference model (.onnx)")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
-    s.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -130,7 +130,7 @@ class Adagrad(Defaults):
         initial_accumulator_value: the initial value of the state H.
 
     Raises:
-        TrainingOpError: a value out of range.
+        TrainingOpError: a field that is not a finite number >= 0.
     """
 
     lr: float = 1e-2

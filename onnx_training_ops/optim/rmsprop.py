@@ -52,7 +52,8 @@ class RMSProp(Defaults):
         centered: subtract the squared mean gradient (state ``grad_avg``).
 
     Raises:
-        TrainingOpError: a value out of range.
+        TrainingOpError: lr, eps, weight_decay or momentum not a finite number >= 0, alpha outside [0, 1],
+            or centered not a bool.
     """
 
     lr: float = 1e-2

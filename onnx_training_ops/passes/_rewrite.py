@@ -1,13 +1,15 @@
-"""Small helpers for the node-for-node lowerings (lower_log_softmax, lower_one_hot, lower_sum):
-the default-domain opset, fresh names, constant values and shape-inferred types of one graph."""
+"""Small helpers for the node-for-node lowerings (lower_is_nan, lower_log_softmax, lower_one_hot, lower_sum):
+the default-domain opset, fresh names, constant values and shape-inferred types of one graph, and the loop
+that replaces every node of one op type by the nodes a lowering writes."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import onnx
-from onnx import GraphProto, ModelProto, helper, numpy_helper
+from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 
 def opset(model: ModelProto) -> int:
@@ -55,3 +57,38 @@ def constant(names: Names, hint: str, value: np.ndarray) -> tuple[onnx.NodeProto
     """A Constant node holding ``value`` and its output name."""
     out = names(hint)
     return helper.make_node("Constant", [], [out], value=numpy_helper.from_array(np.asarray(value), out)), out
+
+
+def has_op(graph: GraphProto, op_type: str) -> bool:
+    """Whether the graph holds a default-domain node of ``op_type``."""
+    return any(n.op_type == op_type and n.domain in ("", "ai.onnx") for n in graph.node)
+
+
+def replace_nodes(model: ModelProto, op_type: str, prefix: str,
+                  lower: Callable[[NodeProto, Names], list[NodeProto]]) -> ModelProto:
+    """Replace every default-domain ``op_type`` node of the main graph by the nodes ``lower`` writes.
+
+    The graph changes only once every node is lowered: an error raised by ``lower`` leaves it as it was.
+
+    Args:
+        model: the model to rewrite (in place).
+        op_type: the op to replace.
+        prefix: the prefix of the fresh value names (see :class:`Names`).
+        lower: given one node and the fresh-name source, the nodes that compute its outputs.
+
+    Returns:
+        ``model``.
+    """
+    graph = model.graph
+    if not has_op(graph, op_type):
+        return model
+    names = Names(graph, prefix)
+    nodes: list[NodeProto] = []
+    for node in graph.node:
+        if node.op_type == op_type and node.domain in ("", "ai.onnx"):
+            nodes += lower(node, names)
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model

@@ -8,9 +8,15 @@ js/test/webgpu.test.js on a NaN input).
 
 from __future__ import annotations
 
-from onnx import ModelProto, helper
+from onnx import ModelProto, NodeProto, helper
 
-from ._rewrite import Names
+from ._rewrite import Names, replace_nodes
+
+
+def _lower(node: NodeProto, names: Names) -> list[NodeProto]:
+    same = names("equal")
+    return [helper.make_node("Equal", [node.input[0], node.input[0]], [same]),
+            helper.make_node("Not", [same], [node.output[0]], name=node.name)]
 
 
 def lower_is_nan(model: ModelProto) -> ModelProto:
@@ -22,18 +28,4 @@ def lower_is_nan(model: ModelProto) -> ModelProto:
     Returns:
         ``model``.
     """
-    graph = model.graph
-    if not any(n.op_type == "IsNaN" for n in graph.node):
-        return model
-    names = Names(graph, "is_nan")
-    nodes = []
-    for node in graph.node:
-        if node.op_type != "IsNaN" or node.domain not in ("", "ai.onnx"):
-            nodes.append(node)
-            continue
-        same = names("equal")
-        nodes += [helper.make_node("Equal", [node.input[0], node.input[0]], [same]),
-                  helper.make_node("Not", [same], [node.output[0]], name=node.name)]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return model
+    return replace_nodes(model, "IsNaN", "is_nan", _lower)

@@ -11,10 +11,10 @@ the last one.
 from __future__ import annotations
 
 import numpy as np
-from onnx import ModelProto, helper
+from onnx import ModelProto, NodeProto, helper
 
 from ..errors import TrainingOpError, node_label
-from ._rewrite import Names, constant, opset, ranks
+from ._rewrite import Names, constant, has_op, opset, ranks, replace_nodes
 
 
 def _reduce(op: str, x: str, axis: int, out: str, version: int, names: Names) -> list:
@@ -37,16 +37,11 @@ def lower_log_softmax(model: ModelProto) -> ModelProto:
         TrainingOpError: an opset-12-or-earlier LogSoftmax over an axis other than the last.
     """
     version = opset(model)
-    graph = model.graph
-    if not any(n.op_type == "LogSoftmax" for n in graph.node):
+    if not has_op(model.graph, "LogSoftmax"):
         return model
     known = ranks(model) if version < 13 else {}
-    names = Names(graph, "log_softmax")
-    nodes = []
-    for node in graph.node:
-        if node.op_type != "LogSoftmax" or node.domain not in ("", "ai.onnx"):
-            nodes.append(node)
-            continue
+
+    def lower(node: NodeProto, names: Names) -> list[NodeProto]:
         axis = next((a.i for a in node.attribute if a.name == "axis"), -1 if version >= 13 else 1)
         if version < 13:
             rank = known.get(node.input[0])
@@ -55,12 +50,11 @@ def lower_log_softmax(model: ModelProto) -> ModelProto:
                                       f"axis {axis}; only the last axis is lowered (input rank {rank})")
         x = node.input[0]
         top, shifted, exp, total, log = (names(h) for h in ("max", "shifted", "exp", "sum", "log"))
-        nodes += _reduce("ReduceMax", x, axis, top, version, names)
-        nodes.append(helper.make_node("Sub", [x, top], [shifted]))
-        nodes.append(helper.make_node("Exp", [shifted], [exp]))
-        nodes += _reduce("ReduceSum", exp, axis, total, version, names)
-        nodes.append(helper.make_node("Log", [total], [log]))
-        nodes.append(helper.make_node("Sub", [shifted, log], [node.output[0]], name=node.name))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return model
+        return [*_reduce("ReduceMax", x, axis, top, version, names),
+                helper.make_node("Sub", [x, top], [shifted]),
+                helper.make_node("Exp", [shifted], [exp]),
+                *_reduce("ReduceSum", exp, axis, total, version, names),
+                helper.make_node("Log", [total], [log]),
+                helper.make_node("Sub", [shifted, log], [node.output[0]], name=node.name)]
+
+    return replace_nodes(model, "LogSoftmax", "log_softmax", lower)

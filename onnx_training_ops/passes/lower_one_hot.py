@@ -11,10 +11,10 @@ constants (what the cross-entropy lowering writes).
 from __future__ import annotations
 
 import numpy as np
-from onnx import ModelProto, TensorProto, helper
+from onnx import ModelProto, NodeProto, TensorProto, helper
 
 from ..errors import TrainingOpError, node_label
-from ._rewrite import Names, constant, constants, opset, ranks
+from ._rewrite import Names, constant, constants, has_op, opset, ranks, replace_nodes
 
 _EXACT = 2 ** 24
 
@@ -32,18 +32,13 @@ def lower_one_hot(model: ModelProto) -> ModelProto:
         TrainingOpError: a OneHot whose depth or values are not constants, a depth over 2^24,
             or a positive axis on indices of unknown rank.
     """
-    graph = model.graph
-    if not any(n.op_type == "OneHot" for n in graph.node):
+    if not has_op(model.graph, "OneHot"):
         return model
-    values_of = constants(graph)
+    values_of = constants(model.graph)
     known = ranks(model)
     version = opset(model)
-    names = Names(graph, "one_hot")
-    nodes = []
-    for node in graph.node:
-        if node.op_type != "OneHot" or node.domain not in ("", "ai.onnx"):
-            nodes.append(node)
-            continue
+
+    def lower(node: NodeProto, names: Names) -> list[NodeProto]:
         indices, depth_name, values_name = node.input
         if depth_name not in values_of or values_name not in values_of:
             raise TrainingOpError(f"lower_one_hot: {node_label(node)}: depth and values must be constants "
@@ -82,7 +77,6 @@ def lower_one_hot(model: ModelProto) -> ModelProto:
         off_node, off_name = constant(names, "off", np.array(off))
         out += [grid, on_node, off_node, helper.make_node("Equal", [expanded, grid_name], [hit]),
                 helper.make_node("Where", [hit, on_name, off_name], [node.output[0]], name=node.name)]
-        nodes += out
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return model
+        return out
+
+    return replace_nodes(model, "OneHot", "one_hot", lower)

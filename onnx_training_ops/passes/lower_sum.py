@@ -7,38 +7,31 @@ the chain adds left to right, the order onnxruntime's CPU Sum kernel adds in.
 
 from __future__ import annotations
 
-from onnx import ModelProto, helper
+from onnx import ModelProto, NodeProto, helper
 
-from ._rewrite import Names
+from ._rewrite import Names, replace_nodes
+
+
+def _lower(node: NodeProto, names: Names) -> list[NodeProto]:
+    terms = list(node.input)
+    if len(terms) == 1:
+        return [helper.make_node("Identity", terms, [node.output[0]], name=node.name)]
+    nodes = []
+    total = terms[0]
+    for i, term in enumerate(terms[1:], start=2):
+        out = node.output[0] if i == len(terms) else names("partial")
+        nodes.append(helper.make_node("Add", [total, term], [out]))
+        total = out
+    return nodes
 
 
 def lower_sum(model: ModelProto) -> ModelProto:
     """Replace every Sum of the main graph by Adds (in place; returns ``model``).
 
     Args:
-        model: the model to rewrite.
+        model: the model to rewrite; a Sum of one input becomes an Identity.
 
     Returns:
-        ``model``.
+        ``model``, whose Sums are now chains of Add.
     """
-    graph = model.graph
-    if not any(n.op_type == "Sum" for n in graph.node):
-        return model
-    names = Names(graph, "sum")
-    nodes = []
-    for node in graph.node:
-        if node.op_type != "Sum" or node.domain not in ("", "ai.onnx"):
-            nodes.append(node)
-            continue
-        terms = list(node.input)
-        if len(terms) == 1:
-            nodes.append(helper.make_node("Identity", terms, [node.output[0]], name=node.name))
-            continue
-        total = terms[0]
-        for i, term in enumerate(terms[1:], start=2):
-            out = node.output[0] if i == len(terms) else names("partial")
-            nodes.append(helper.make_node("Add", [total, term], [out]))
-            total = out
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return model
+    return replace_nodes(model, "Sum", "sum", _lower)

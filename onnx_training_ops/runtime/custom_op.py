@@ -1,14 +1,19 @@
 """The ctypes side of onnxruntime's custom-op C API, shared by the native optimizers
 (:mod:`.native`) and the native backward kernels (:mod:`.native_grads`): the
 ``OrtCustomOp`` struct, the callback types, the few ``OrtApi`` functions kernel creation
-calls from Python, and what must outlive every session (structs, callbacks, strings).
+calls from Python, and what must outlive every session (structs, callbacks, strings);
+:func:`cpu_custom_op` fills the struct both modules register.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+from collections.abc import Callable
 
 import onnxruntime as ort
+
+_log = logging.getLogger(__name__)
 
 OP_VERSION = 16  # OrtCustomOp fields read up to KernelComputeV2 (CreateKernelV2/KernelComputeV2 need 16)
 # ONNXTensorElementDataType, OrtCustomOpInputOutputCharacteristic
@@ -162,3 +167,75 @@ def _string(text: str) -> int:
     buffer = ctypes.create_string_buffer(text.encode())
     _keepalive.append(buffer)
     return ctypes.addressof(buffer)
+
+
+def _kernel_creator(state: Callable[[int, int, _Api], int]) -> Callable:
+    """A ``CreateKernelV2`` body: checks each ``OrtApi`` table once, stores ``state(api, info, calls)``
+    (the address of the kernel's state) and returns any exception to onnxruntime as a status."""
+
+    def create(op, api, info, kernel):
+        try:
+            calls = _Api(api)
+        except Exception:  # noqa: BLE001 - cannot even build a status: report nothing, fail creation
+            _log.error("onnx_training_ops: cannot read onnxruntime's OrtApi table")
+            return None
+        try:
+            if api not in _checked_apis:
+                calls.check()
+                _checked_apis.add(api)
+            kernel[0] = state(api, info, calls)
+            return None
+        except Exception as error:  # noqa: BLE001 - never let an exception reach onnxruntime
+            return calls.status(str(error))
+
+    return create
+
+
+def cpu_custom_op(name: str, input_types: Callable[[int], int], input_count: int,
+                  output_types: Callable[[int], int], output_count: int,
+                  characteristics: tuple[Callable[[int], int], Callable[[int], int]],
+                  min_arities: tuple[int, int], state: Callable[[int, int, _Api], int],
+                  compute: int, destroy: int) -> OrtCustomOp:
+    """An ``OrtCustomOp`` of the CPU execution provider, kept alive for the process.
+
+    Args:
+        name: the op type.
+        input_types: the element type of input ``i`` (``_UNDEFINED``: any).
+        input_count: how many formal inputs.
+        output_types: the element type of output ``i``.
+        output_count: how many formal outputs.
+        characteristics: of input ``i`` and of output ``i`` (``_REQUIRED`` or ``_VARIADIC``).
+        min_arities: the least number of values of a variadic input and of a variadic output.
+        state: given the ``OrtApi`` address, the kernel info and the ``OrtApi`` calls, the address of a
+            new kernel's state (its errors become onnxruntime statuses).
+        compute: the address of ``KernelComputeV2``.
+        destroy: the address of ``KernelDestroy``.
+
+    Returns:
+        The filled struct.
+    """
+    name_c, provider = _string(name), _string("CPUExecutionProvider")
+    callbacks = {
+        "GetName": _GetName(lambda op: name_c),
+        "GetExecutionProviderType": _GetName(lambda op: provider),
+        "GetInputType": _GetAt(lambda op, i: input_types(i)),
+        "GetInputTypeCount": _GetCount(lambda op: input_count),
+        "GetOutputType": _GetAt(lambda op, i: output_types(i)),
+        "GetOutputTypeCount": _GetCount(lambda op: output_count),
+        "GetInputCharacteristic": _GetAt(lambda op, i: characteristics[0](i)),
+        "GetOutputCharacteristic": _GetAt(lambda op, i: characteristics[1](i)),
+        "GetInputMemoryType": _GetAt(lambda op, i: 0),  # OrtMemTypeDefault
+        "GetVariadicInputMinArity": _GetInt(lambda op: min_arities[0]),
+        "GetVariadicInputHomogeneity": _GetInt(lambda op: 1),
+        "GetVariadicOutputMinArity": _GetInt(lambda op: min_arities[1]),
+        "GetVariadicOutputHomogeneity": _GetInt(lambda op: 1),
+        "CreateKernelV2": _CreateKernelV2(_kernel_creator(state)),
+    }
+    op = OrtCustomOp()
+    op.version = OP_VERSION
+    for field, callback in callbacks.items():
+        setattr(op, field, ctypes.cast(callback, ctypes.c_void_p).value)
+    op.KernelComputeV2 = compute
+    op.KernelDestroy = destroy
+    _keepalive.extend([op, callbacks])
+    return op

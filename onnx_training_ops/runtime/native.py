@@ -30,12 +30,12 @@ process ends: onnxruntime keeps pointers to them in every session and every
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import struct
 import sys
 import threading
-from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -47,19 +47,12 @@ from .custom_op import (
     _REQUIRED,
     _UNDEFINED,
     _VARIADIC,
-    OP_VERSION,
     OrtCustomOp,
     _Api,
-    _checked_apis,
-    _CreateKernelV2,
     _free_address,
-    _GetAt,
-    _GetCount,
-    _GetInt,
-    _GetName,
     _keepalive,
     _libc,
-    _string,
+    cpu_custom_op,
     shape_reference,
 )
 from .custom_op import api_version as _api_version
@@ -154,25 +147,6 @@ def _state_block(op_type: str, api: int, info: int, calls: _Api) -> int:
     return memory
 
 
-def _create_kernel(op_type: str) -> Callable:
-    def create(op, api, info, kernel):
-        try:
-            calls = _Api(api)
-        except Exception:  # noqa: BLE001 - cannot even build a status: report nothing, fail creation
-            _log.error("onnx_training_ops: cannot read onnxruntime's OrtApi table")
-            return None
-        try:
-            if api not in _checked_apis:
-                calls.check()
-                _checked_apis.add(api)
-            kernel[0] = _state_block(op_type, api, info, calls)
-            return None
-        except Exception as error:  # noqa: BLE001 - never let an exception reach onnxruntime
-            return calls.status(str(error))
-
-    return create
-
-
 # ---------------------------------------------------------------- the OrtCustomOp structs
 
 
@@ -182,33 +156,15 @@ def _custom_op(op_type: str) -> OrtCustomOp:
     from ..kernels import _native_kernels as nk
 
     spec = OPTIMIZERS[op_type]
-    name = _string(NATIVE_OP_TYPES[op_type])
-    provider = _string("CPUExecutionProvider")
     input_types = (_UNDEFINED, _INT64, _UNDEFINED)
-    callbacks = {
-        "GetName": _GetName(lambda op: name),
-        "GetExecutionProviderType": _GetName(lambda op: provider),
-        "GetInputType": _GetAt(lambda op, i: input_types[i] if i < 3 else _UNDEFINED),
-        "GetInputTypeCount": _GetCount(lambda op: 3),
-        "GetOutputType": _GetAt(lambda op, i: _UNDEFINED),
-        "GetOutputTypeCount": _GetCount(lambda op: 1),
-        "GetInputCharacteristic": _GetAt(lambda op, i: _VARIADIC if i == 2 else _REQUIRED),
-        "GetOutputCharacteristic": _GetAt(lambda op, i: _VARIADIC),
-        "GetInputMemoryType": _GetAt(lambda op, i: 0),  # OrtMemTypeDefault
-        "GetVariadicInputMinArity": _GetInt(lambda op: spec.n_groups_in),
-        "GetVariadicInputHomogeneity": _GetInt(lambda op: 1),
-        "GetVariadicOutputMinArity": _GetInt(lambda op: spec.n_groups_out),
-        "GetVariadicOutputHomogeneity": _GetInt(lambda op: 1),
-        "CreateKernelV2": _CreateKernelV2(_create_kernel(op_type)),
-    }
-    op = OrtCustomOp()
-    op.version = OP_VERSION
-    for field, callback in callbacks.items():
-        setattr(op, field, ctypes.cast(callback, ctypes.c_void_p).value)
-    op.KernelComputeV2 = nk.kernel_compute.address
-    op.KernelDestroy = nk.kernel_destroy.address
-    _keepalive.extend([op, callbacks])
-    return op
+    return cpu_custom_op(
+        NATIVE_OP_TYPES[op_type],
+        input_types=lambda i: input_types[i] if i < 3 else _UNDEFINED, input_count=3,
+        output_types=lambda i: _UNDEFINED, output_count=1,
+        characteristics=(lambda i: _VARIADIC if i == 2 else _REQUIRED, lambda i: _VARIADIC),
+        min_arities=(spec.n_groups_in, spec.n_groups_out),
+        state=functools.partial(_state_block, op_type),
+        compute=nk.kernel_compute.address, destroy=nk.kernel_destroy.address)
 
 
 # ---------------------------------------------------------------- availability and registration

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Callable
 
 from ..autodiff.native_ops import (
     BATCH_NORM_GRAD,
@@ -24,19 +25,11 @@ from ..autodiff.native_ops import (
 )
 from .custom_op import (
     _REQUIRED,
-    OP_VERSION,
     OrtCustomOp,
     _Api,
-    _checked_apis,
-    _CreateKernelV2,
     _free_address,
-    _GetAt,
-    _GetCount,
-    _GetInt,
-    _GetName,
-    _keepalive,
     _libc,
-    _string,
+    cpu_custom_op,
     shape_reference,
 )
 
@@ -70,66 +63,37 @@ def _ops() -> dict[str, tuple]:
     }
 
 
-def _create_kernel(name: str, worker: int, expects: str):
-    def create(op, api, info, kernel):
+def _state(name: str, worker: int, expects: str) -> Callable[[int, int, _Api], int]:
+    def state(api: int, info: int, calls: _Api) -> int:
+        """A ``malloc``-ed kernel state for one node (see ``ST_*`` in ``_native_grad_kernels``)."""
         from ..kernels import _native_grad_kernels as k
 
-        try:
-            calls = _Api(api)
-        except Exception:  # noqa: BLE001 - cannot even build a status: fail creation
-            return None
-        try:
-            if api not in _checked_apis:
-                calls.check()
-                _checked_apis.add(api)
-            message = f"{name} node {calls.node_name(info)!r}: expected {expects}".encode() + b"\0"
-            header = 8 * k.ST_WORDS
-            memory = _libc().malloc(header + len(message))
-            if not memory:
-                raise MemoryError(f"{name}: cannot allocate the kernel state")
-            words = [0] * k.ST_WORDS
-            words[k.ST_API], words[k.ST_MESSAGE] = api, memory + header
-            words[k.ST_FREE], words[k.ST_WORKER] = _free_address(), worker
-            words[k.ST_SHAPE_REFERENCE] = shape_reference(api)
-            words[k.ST_PARALLEL_MIN], words[k.ST_CHUNK] = RELU_PARALLEL_MIN, RELU_CHUNK
-            ctypes.memmove(memory, struct.pack(f"<{k.ST_WORDS}q", *words) + message, header + len(message))
-            kernel[0] = memory
-            return None
-        except Exception as error:  # noqa: BLE001 - never let an exception reach onnxruntime
-            return calls.status(str(error))
+        message = f"{name} node {calls.node_name(info)!r}: expected {expects}".encode() + b"\0"
+        header = 8 * k.ST_WORDS
+        memory = _libc().malloc(header + len(message))
+        if not memory:
+            raise MemoryError(f"{name}: cannot allocate the kernel state")
+        words = [0] * k.ST_WORDS
+        words[k.ST_API], words[k.ST_MESSAGE] = api, memory + header
+        words[k.ST_FREE], words[k.ST_WORKER] = _free_address(), worker
+        words[k.ST_SHAPE_REFERENCE] = shape_reference(api)
+        words[k.ST_PARALLEL_MIN], words[k.ST_CHUNK] = RELU_PARALLEL_MIN, RELU_CHUNK
+        ctypes.memmove(memory, struct.pack(f"<{k.ST_WORDS}q", *words) + message, header + len(message))
+        return memory
 
-    return create
+    return state
 
 
 def custom_ops() -> list[OrtCustomOp]:
     """One ``OrtCustomOp`` per op of :data:`OPS` (kept alive for the process)."""
     from ..kernels import _native_grad_kernels as k
 
-    out = []
-    for name, (compute, worker, inputs, outputs, expects) in _ops().items():
-        name_c, provider = _string(name), _string("CPUExecutionProvider")
-        callbacks = {
-            "GetName": _GetName(lambda op, n=name_c: n),
-            "GetExecutionProviderType": _GetName(lambda op, p=provider: p),
-            "GetInputType": _GetAt(lambda op, i, t=inputs: t[i]),
-            "GetInputTypeCount": _GetCount(lambda op, t=inputs: len(t)),
-            "GetOutputType": _GetAt(lambda op, i, t=outputs: t[i]),
-            "GetOutputTypeCount": _GetCount(lambda op, t=outputs: len(t)),
-            "GetInputCharacteristic": _GetAt(lambda op, i: _REQUIRED),
-            "GetOutputCharacteristic": _GetAt(lambda op, i: _REQUIRED),
-            "GetInputMemoryType": _GetAt(lambda op, i: 0),
-            "GetVariadicInputMinArity": _GetInt(lambda op: 1),
-            "GetVariadicInputHomogeneity": _GetInt(lambda op: 1),
-            "GetVariadicOutputMinArity": _GetInt(lambda op: 1),
-            "GetVariadicOutputHomogeneity": _GetInt(lambda op: 1),
-            "CreateKernelV2": _CreateKernelV2(_create_kernel(name, worker.address if worker else 0, expects)),
-        }
-        op = OrtCustomOp()
-        op.version = OP_VERSION
-        for field, callback in callbacks.items():
-            setattr(op, field, ctypes.cast(callback, ctypes.c_void_p).value)
-        op.KernelComputeV2 = compute.address
-        op.KernelDestroy = k.kernel_destroy.address
-        _keepalive.extend([op, callbacks])
-        out.append(op)
-    return out
+    def required(i: int) -> int:
+        return _REQUIRED
+
+    return [cpu_custom_op(name, input_types=inputs.__getitem__, input_count=len(inputs),
+                          output_types=outputs.__getitem__, output_count=len(outputs),
+                          characteristics=(required, required), min_arities=(1, 1),
+                          state=_state(name, worker.address if worker else 0, expects),
+                          compute=compute.address, destroy=k.kernel_destroy.address)
+            for name, (compute, worker, inputs, outputs, expects) in _ops().items()]
