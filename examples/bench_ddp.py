@@ -48,7 +48,7 @@ def measure() -> dict:
     result: dict = {"ranks": world, "all_reduce": [], "models": []}
     for nbytes in SIZES["bytes"]:
         tensor = torch.from_numpy(np.ones(nbytes // 4, np.float32))
-        seconds = _timed(lambda: dist.all_reduce(tensor), 50 if nbytes < 2**24 else 5)
+        seconds = _timed(lambda t=tensor: dist.all_reduce(t), 50 if nbytes < 2**24 else 5)
         bus = 2 * (world - 1) / world * nbytes / seconds if world > 1 else float("nan")
         result["all_reduce"].append({"bytes": nbytes, "ms": seconds * 1e3, "bus_GBps": bus / 1e9})
     for (name, (sizes, batch)), shard in ((m, z) for m in MLPS.items() for z in (False, True)):

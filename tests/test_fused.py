@@ -35,7 +35,7 @@ def tensors(seed, shape, dtype, k):
     Adagrad) non-negative as an accumulator of squares is."""
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(k):
+    for _ in range(k):
         a = np.asarray(rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 2), dtype=dtype)
         a[rng.random(shape) < 0.05] = 0
         out.append(a)

@@ -51,10 +51,10 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, reps: int = 7) -> dict:
     out = {}
     for name, kernel in (("copy", copy), ("inplace", inplace)):
 
-        def one_thread():
+        def one_thread(kernel=kernel):
             kernel(dst, src)
 
-        def two_threads():  # numpy releases the GIL in both
+        def two_threads(kernel=kernel):  # numpy releases the GIL in both
             th = threading.Thread(target=kernel, args=(dst[:half], src[:half]))
             th.start()
             kernel(dst[half:], src[half:])
