@@ -3,8 +3,8 @@
 ``torchrun --nproc-per-node P examples/bench_ddp.py`` prints (rank 0, one JSON line):
 gloo all-reduce time and bandwidth for a few buffer sizes, and steps/s of two MLPs with
 their time split into backward / gradient reduction / optimizer step / parameter all-gather,
-unsharded and with the optimizer state sharded (ZeRO-1), and the optimizer state each rank holds. The global batch is fixed, so
-more ranks means a smaller shard each (strong scaling).
+unsharded and with the optimizer state sharded (ZeRO-1), and the optimizer state each rank
+holds. The global batch is fixed, so more ranks means a smaller shard each (strong scaling).
 
 ``python examples/bench_ddp.py --table`` prints the modelled step time for 8-256 ranks on
 10/25/100 Gb/s (ring all-reduce: ``2 (p-1)/p * bytes / bandwidth + 2 (p-1) * latency``).

@@ -175,8 +175,8 @@ def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat:
                     row["times"][name] = cell
             results.append(row)
     return {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": sys.version.split()[0],
-                    "cpus": os.cpu_count()},  # fmt: skip
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "python": sys.version.split()[0], "cpus": os.cpu_count()},  # fmt: skip
         "versions": _versions(),
         "loadavg_before_after": [load_before, loadavg()],  # other processes distort timings on 2 cores
         "isolated_processes": isolate,

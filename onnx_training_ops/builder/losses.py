@@ -134,7 +134,8 @@ def _quadratic_then_linear(em: Emit, pred: str, label: str, width: float, scale_
 
 @dataclass(frozen=True)
 class HuberLoss(Loss):
-    """``torch.nn.HuberLoss``: ``0.5 d^2`` inside ``|d| < delta``, else ``delta (|d| - 0.5 delta)`` (string ``"huber"``).
+    """``torch.nn.HuberLoss``: ``0.5 d^2`` inside ``|d| < delta``, else ``delta (|d| - 0.5 delta)``
+    (string ``"huber"``).
 
     Args:
         delta: where the quadratic part meets the linear one (> 0).
@@ -159,7 +160,8 @@ class HuberLoss(Loss):
 
 @dataclass(frozen=True)
 class SmoothL1Loss(Loss):
-    """``torch.nn.SmoothL1Loss``: ``0.5 d^2 / beta`` inside ``|d| < beta``, else ``|d| - 0.5 beta`` (string ``"smooth_l1"``).
+    """``torch.nn.SmoothL1Loss``: ``0.5 d^2 / beta`` inside ``|d| < beta``, else ``|d| - 0.5 beta``
+    (string ``"smooth_l1"``).
 
     Args:
         beta: where the quadratic part meets the linear one (> 0).
