@@ -36,7 +36,8 @@ def _launch(world: int, out: Path, *args: str, env_extra: dict | None = None) ->
     return _launch_script(WORKER.name, world, str(out), *args, env_extra=env_extra)
 
 
-def _launch_script(script: str, world: int, *args: str, env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
+def _launch_script(script: str, world: int, *args: str,
+                   env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Run ``world`` copies of ``tests/<script>`` as the ranks of one job; wait for all."""
     port = _free_port()
     procs = []
