@@ -2,10 +2,11 @@
 #   make demo   create .venv, install the package with its demo extra, train on digits
 #   make test   create .venv, install the package with its test extra, the JavaScript trainer's
 #               npm packages (js/, from its lockfile) and, when missing, nodejs, npm and Debian's
-#               chromium system-wide with apt-get (it says so first), then run the whole suite
+#               chromium system-wide with apt-get (it says so first), then ruff (`make lint`) and the whole suite
 #               (the Node and headless-Chromium tests run inside it: tests/test_export_js.py;
 #               the documentation site is built with `mkdocs build --strict`: tests/test_docs_site.py)
 #   make test SKIP_BROWSER=1   the same without chromium: the browser tests are skipped, with the reason
+#   make lint   ruff over the whole tree (pyproject.toml [tool.ruff]; the test extra installs it)
 #   make docs   build the documentation site into site/ (mkdocs, Material, mkdocstrings)
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ DEMO_OUT ?= out/demo
 # SKIP_BROWSER=1: no chromium install, the browser tests skip (OTO_SKIP_BROWSER=1 for pytest alone)
 SKIP_BROWSER ?=
 
-.PHONY: demo test test-js js-deps browser-deps docs test-min conformance bench clean
+.PHONY: demo lint test test-js js-deps browser-deps docs test-min conformance bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,7 +56,11 @@ endif
 
 js-deps: $(JS_INSTALLED) browser-deps
 
-test: $(VENV)/.test-installed js-deps
+# ruff over the whole tree (rules: pyproject.toml [tool.ruff]); `make test` runs it before pytest
+lint: $(VENV)/.test-installed
+	$(PY) -m ruff check .
+
+test: $(VENV)/.test-installed js-deps lint
 	$(if $(SKIP_BROWSER),OTO_SKIP_BROWSER=1 )$(PY) -m pytest
 
 # the documentation site (also built, strictly, by the test suite: tests/test_docs_site.py)

@@ -119,7 +119,8 @@ def main(argv=None) -> int:
                          statistics.median(ratios), statistics.median(bare["js"]), statistics.median(bare["python"]),
                          rss["js"], rss["python"]))
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
-    print("| model | step | threads | JS trainer, onnxruntime-node (us/step) | Python TrainingSession(fast=False) (us/step) "
+    print("| model | step | threads | JS trainer, onnxruntime-node (us/step) "
+          "| Python TrainingSession(fast=False) (us/step) "
           "| js/python (median of rounds) | bare run: node / Python (us) | peak RSS js / python (MB) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, layout, threads, js, py, ratio, bare_js, bare_py, rss_js, rss_py in rows:

@@ -3,8 +3,8 @@
 ``torchrun --nproc-per-node P examples/bench_ddp.py`` prints (rank 0, one JSON line):
 gloo all-reduce time and bandwidth for a few buffer sizes, and steps/s of two MLPs with
 their time split into backward / gradient reduction / optimizer step / parameter all-gather,
-unsharded and with the optimizer state sharded (ZeRO-1), and the optimizer state each rank holds. The global batch is fixed, so
-more ranks means a smaller shard each (strong scaling).
+unsharded and with the optimizer state sharded (ZeRO-1), and the optimizer state each rank
+holds. The global batch is fixed, so more ranks means a smaller shard each (strong scaling).
 
 ``python examples/bench_ddp.py --table`` prints the modelled step time for 8-256 ranks on
 10/25/100 Gb/s (ring all-reduce: ``2 (p-1)/p * bytes / bandwidth + 2 (p-1) * latency``).
@@ -48,7 +48,7 @@ def measure() -> dict:
     result: dict = {"ranks": world, "all_reduce": [], "models": []}
     for nbytes in SIZES["bytes"]:
         tensor = torch.from_numpy(np.ones(nbytes // 4, np.float32))
-        seconds = _timed(lambda: dist.all_reduce(tensor), 50 if nbytes < 2**24 else 5)
+        seconds = _timed(lambda t=tensor: dist.all_reduce(t), 50 if nbytes < 2**24 else 5)
         bus = 2 * (world - 1) / world * nbytes / seconds if world > 1 else float("nan")
         result["all_reduce"].append({"bytes": nbytes, "ms": seconds * 1e3, "bus_GBps": bus / 1e9})
     for (name, (sizes, batch)), shard in ((m, z) for m in MLPS.items() for z in (False, True)):

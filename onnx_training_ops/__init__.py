@@ -22,6 +22,7 @@ The layers, bottom to top, and what each may import: ``docs/architecture.md``.
 """
 
 from . import _moved, kernels
+from ._version import __version__  # noqa: F401 - onnx_training_ops.__version__
 from .builder import (
                     Adagrad,
                     Adam,
@@ -44,8 +45,6 @@ from .schema import DOMAIN
 from .training import NonFiniteLossError, TrainingSession, schedules
 
 _moved.install()  # the module paths of 0.1 (onnx_training_ops.plugin, .builder, ...) keep working
-
-from ._version import __version__  # noqa: F401 - onnx_training_ops.__version__
 
 __all__ = [
     "DOMAIN",

@@ -88,7 +88,8 @@ class TrainingBackend(Backend):
         model = onnx.helper.make_model(
             onnx.helper.make_graph([node], f"run_node_{node.op_type}", graph_inputs, graph_outputs),
             opset_imports=[
-                onnx.helper.make_opsetid(d, opset if (d == "" and opset) else (1 if d else onnx.defs.onnx_opset_version()))
+                onnx.helper.make_opsetid(
+                    d, opset if (d == "" and opset) else (1 if d else onnx.defs.onnx_opset_version()))
                 for d in sorted(domains)
             ],
         )

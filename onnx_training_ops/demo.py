@@ -66,7 +66,8 @@ def make_mlp(
         [helper.make_tensor_value_info(output_name, elem, ["N", sizes[-1]])],
         inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="onnx_training_ops.demo")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                              producer_name="onnx_training_ops.demo")
     model.ir_version = 10
     return model
 
@@ -189,7 +190,8 @@ def train(
     session.export_inference_model(inference_path)
     summary = write_summary(out_dir, optimizer=type(opt).__name__, lr=opt.lr, epochs=epochs, batch_size=batch_size,
                             steps=len(losses), seconds=seconds, accuracy=accuracy, train_losses_per_epoch=[
-                                float(np.mean(losses[i:i + steps_per_epoch])) for i in range(0, len(losses), steps_per_epoch)],
+                                float(np.mean(losses[i:i + steps_per_epoch]))
+                                for i in range(0, len(losses), steps_per_epoch)],
                             held_out_losses_per_epoch=held_out_losses)
     result = DemoResult(accuracy, losses, seconds, len(losses), os.path.abspath(out_dir), curve,
                         os.path.abspath(training_path), os.path.abspath(inference_path), held_out_losses, summary)

@@ -171,7 +171,8 @@ def _write_outputs(session, args, history, accuracy, steps, seconds, world, plot
     train_losses, held_out = [h[0] for h in history], [h[1] for h in history]
     plot_losses(train_losses, curve, title=f"digits MLP, {world} ranks, accuracy {accuracy:.3f}",
                 held_out=held_out, per_epoch=True)
-    summary = write_summary(args.out, optimizer=args.optimizer, learning_rates=session.learning_rates, epochs=args.epochs,
+    summary = write_summary(args.out, optimizer=args.optimizer, learning_rates=session.learning_rates,
+                            epochs=args.epochs,
                             batch_size=args.batch_size, ranks=world, steps=steps, seconds=seconds,
                             accuracy=accuracy, train_losses_per_epoch=train_losses,
                             held_out_losses_per_epoch=held_out)

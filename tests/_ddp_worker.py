@@ -29,7 +29,8 @@ from ddp_case import batch, batchnorm_training_model, embedding_batch, embedding
 
 
 def main() -> None:
-    out, dtype, micro, first, last = sys.argv[1], np.dtype(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    out, dtype = sys.argv[1], np.dtype(sys.argv[2])
+    micro, first, last = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     source = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] != "-" else None
     save_at = int(sys.argv[7]) if len(sys.argv) > 7 else -1
     init_process_group(timeout_s=60)
@@ -47,7 +48,8 @@ def main() -> None:
         session = TrainingSession(training_model(dtype, clip=os.environ.get("DDP_TEST_CLIP", "1") == "1"))
     if auto:
         first = int(session.properties.get("step", first))
-    ddp = DistributedTrainingSession(session, check_every=5, shard_optimizer_state=os.environ.get("DDP_TEST_ZERO") == "1")
+    ddp = DistributedTrainingSession(session, check_every=5,
+                                     shard_optimizer_state=os.environ.get("DDP_TEST_ZERO") == "1")
     session = ddp.session  # sharded: this rank's session on its shard of the model
     rank, world = ddp.rank, ddp.world_size
     losses = []

@@ -47,12 +47,14 @@ def optimizer_model(
         helper.make_tensor_value_info("R", r_type, list(r_shape) if r_shape is not None else None),
         helper.make_tensor_value_info("T", t_type, list(t_shape)),
     ] + [
-        helper.make_tensor_value_info(nm, types.get(nm, elem_type), list(shapes[i % n]) if shapes[i % n] is not None else None)
+        helper.make_tensor_value_info(nm, types.get(nm, elem_type),
+                                      list(shapes[i % n]) if shapes[i % n] is not None else None)
         for i, nm in enumerate(names)
     ]
     outputs = [f"{g}{i}_new" for g in OUT_GROUPS[op_type] for i in range(n)]
     if n_outputs is not None:
-        outputs = outputs[:n_outputs] if n_outputs <= len(outputs) else outputs + [f"extra{k}" for k in range(n_outputs - len(outputs))]
+        extra = [f"extra{k}" for k in range(n_outputs - len(outputs))]
+        outputs = outputs[:n_outputs] if n_outputs <= len(outputs) else outputs + extra
     node = helper.make_node(op_type, ["R", "T", *names], outputs, name=name, domain=DOMAIN, **attributes)
     graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info(o, elem_type, None) for o in outputs])
     opsets = opsets or [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]

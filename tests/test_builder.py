@@ -17,7 +17,8 @@ from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.passes.fit_runtime import runtime_limits
 
 DOMAIN = "ai.onnx.preview.training"
-OPTIMIZERS = [Adam(lr=3e-3, weight_decay=0.01), Momentum(lr=0.1, nesterov=True), Adagrad(lr=0.1, initial_accumulator_value=0.5)]
+OPTIMIZERS = [Adam(lr=3e-3, weight_decay=0.01), Momentum(lr=0.1, nesterov=True),
+              Adagrad(lr=0.1, initial_accumulator_value=0.5)]
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
@@ -129,7 +130,8 @@ def test_errors():
     ints.graph.initializer.append(nh.from_array(np.array([1], np.int64), "shape_const"))
     with pytest.raises(TrainingOpError, match="only float and double train"):
         build_training_model(ints, "mse", Adam(), trainable=["shape_const"])
-    assert "shape_const" not in {e.key for e in build_training_model(ints, "mse", Adam()).training_info[0].update_binding}
+    bindings = build_training_model(ints, "mse", Adam()).training_info[0].update_binding
+    assert "shape_const" not in {e.key for e in bindings}
     with pytest.raises(TrainingOpError, match="already used"):
         build_training_model(model, "mse", Adam(), labels="input")
 

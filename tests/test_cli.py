@@ -11,7 +11,8 @@ import onnx_training_ops as ot
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "onnx_training_ops", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "onnx_training_ops", *args], capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_prepare_writes_a_prepared_model(tmp_path):

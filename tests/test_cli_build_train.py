@@ -92,7 +92,8 @@ def test_an_interrupted_run_resumes_to_the_result_of_one_run(digits, tmp_path, m
     assert "nothing to train" in err[0] and "--batch-size 64, this run asks 32" in err[1]
     assert "sized for --epochs 3, this run asks 4" in err[2]
     # without a schedule a larger --epochs trains further
-    assert _train(root, tmp_path / "plain", "--epochs", "1") == 0 and _train(root, tmp_path / "plain", "--epochs", "2") == 0
+    assert _train(root, tmp_path / "plain", "--epochs", "1") == 0
+    assert _train(root, tmp_path / "plain", "--epochs", "2") == 0
     assert [r["epoch"] for r in _rows(tmp_path / "plain")] == [1, 2]
 
 
@@ -137,9 +138,11 @@ def test_build_options_and_summary(digits, tmp_path, capsys):
     (["train", "{root}/mlp.onnx", "--data", "{root}/train.npz"], "no training_info"),
     (["train", "{root}/train.onnx", "--data", "{root}/bad.npz"], "'pixels' is not an input"),
     (["train", "{root}/train.onnx", "--data", "{root}/train.npz", "--schedule", "cosin"], "expected one of"),
-    (["train", "{root}/train.onnx", "--data", "{root}/train.npz", "--optimizer", "adam"], "--optimizer: options of the demo"),
+    (["train", "{root}/train.onnx", "--data", "{root}/train.npz", "--optimizer", "adam"],
+     "--optimizer: options of the demo"),
     (["train", "--data", "{root}/train.npz"], "needs a training model"),
-    (["build", "{root}/mlp.onnx", "{out}", "--loss", "cross_entropy", "--trainable", "nope*"], "matches no initializer"),
+    (["build", "{root}/mlp.onnx", "{out}", "--loss", "cross_entropy", "--trainable", "nope*"],
+     "matches no initializer"),
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "mse", "--class-axis", "1"], "--class-axis: options of"),
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "cross_entropy", "--optimizer", "adagrad", "--momentum", "0.9"],
      "--momentum is not an option of --optimizer adagrad"),

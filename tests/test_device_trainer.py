@@ -18,8 +18,8 @@ from onnx_training_ops.export import DeviceTrainer, export_step, load_state, ses
 
 
 def _model(optimizer=None, **kwargs):
-    return ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy", optimizer or ot.AdamW(lr=1e-2, weight_decay=0.1),
-                                   **kwargs)
+    return ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy",
+                                   optimizer or ot.AdamW(lr=1e-2, weight_decay=0.1), **kwargs)
 
 
 def _batches(n=6, seed=0, rows=12):

@@ -36,7 +36,8 @@ def _launch(world: int, out: Path, *args: str, env_extra: dict | None = None) ->
     return _launch_script(WORKER.name, world, str(out), *args, env_extra=env_extra)
 
 
-def _launch_script(script: str, world: int, *args: str, env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
+def _launch_script(script: str, world: int, *args: str,
+                   env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Run ``world`` copies of ``tests/<script>`` as the ranks of one job; wait for all."""
     port = _free_port()
     procs = []
@@ -279,8 +280,9 @@ def test_lazy_embedding_table_two_ranks_equal_one_process(tmp_path, zero):
 
 def test_without_torch_a_one_line_hint(tmp_path):
     """No torch: the example says how to install it, in one line and without a traceback."""
-    code = ("import sys, runpy; sys.modules['torch'] = None; sys.argv = ['train_ddp.py', '--out', %r]; "
-            "runpy.run_path(%r, run_name='__main__')" % (str(tmp_path), str(ROOT / "examples" / "train_ddp.py")))
+    script = str(ROOT / "examples" / "train_ddp.py")
+    code = (f"import sys, runpy; sys.modules['torch'] = None; sys.argv = ['train_ddp.py', '--out', {str(tmp_path)!r}]; "
+            f"runpy.run_path({script!r}, run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip() == "distributed training needs torch: pip install 'onnx-training-ops[distributed]'"

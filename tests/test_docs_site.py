@@ -71,6 +71,7 @@ def test_every_schedule_and_reference_kernel_has_a_reference_entry():
 def test_the_documents_state_the_number_of_ops_with_rules():
     stated = set()
     for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
-        stated.update(int(n) for n in re.findall(r"\b(\d+) ops (?:have|with) (?:rules|derivative rules)", path.read_text()))
+        stated.update(int(n) for n in re.findall(r"\b(\d+) ops (?:have|with) (?:rules|derivative rules)",
+                                                 path.read_text()))
         stated.update(int(n) for n in re.findall(r"beyond the (\d+) ops", path.read_text()))
     assert stated == {len(supported_ops())}

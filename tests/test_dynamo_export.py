@@ -131,8 +131,8 @@ def test_every_torch_parameter_trains_and_matches_torch(exported):
     module.zero_grad()
     _torch_loss(name, module(torch.from_numpy(ids)), torch.from_numpy(labels)).backward()
     for n, p in module.named_parameters():
-        np.testing.assert_allclose(ours[names[n]], p.grad.numpy(), rtol=1e-3, atol=1e-6 + 1e-3 * float(p.grad.abs().max()),
-                                   err_msg=n)
+        np.testing.assert_allclose(ours[names[n]], p.grad.numpy(), rtol=1e-3,
+                                   atol=1e-6 + 1e-3 * float(p.grad.abs().max()), err_msg=n)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, eps=1e-12)
     for step in range(3):
         ids, labels = batch(2 + step)

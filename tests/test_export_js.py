@@ -88,7 +88,8 @@ def test_node_writes_a_self_contained_trained_inference_model(fixtures):
         batches, _ = safetensors.read(fixtures / name / "batches.safetensors")
         feeds = {i.name: batches[i.name][0] for i in model.get_inputs()}
         evaluation = ort.InferenceSession(str(fixtures / name / "export" / "eval.onnx"))
-        eval_feeds = {i.name: (state[i.name] if i.name in state else batches[i.name][0]) for i in evaluation.get_inputs()}
+        eval_feeds = {i.name: (state[i.name] if i.name in state else batches[i.name][0])
+                      for i in evaluation.get_inputs()}
         output = model.get_outputs()[0].name
         np.testing.assert_allclose(model.run([output], feeds)[0], evaluation.run([output], eval_feeds)[0],
                                    rtol=1e-6, atol=1e-6)

@@ -103,7 +103,8 @@ MANIFEST_FAULTS = {
                                r"field 'feedback' names 'nope', which is not a state variable"),
     "feedback output a number": (lambda m: m["feedback"].update({"W0": 3}), r"field \"feedback\['W0'\]\" must be"),
     "schedule without counter": (lambda m: m["schedule"].pop("counter"), r"field 'schedule' lacks 'counter'"),
-    "step_offset a string": (_set(["schedule", "step_offset"], "0"), r"field 'schedule.step_offset' must be an integer"),
+    "step_offset a string": (_set(["schedule", "step_offset"], "0"),
+                             r"field 'schedule.step_offset' must be an integer"),
     "step_offset a float": (_set(["schedule", "step_offset"], 1.5), r"field 'schedule.step_offset' must be an integer"),
     "schedule unknown type": (_set(["schedule", "type"], "Fast"), r"field 'schedule.type' must be one of"),
     "schedule args a list": (_set(["schedule", "args"], [2]), r"field 'schedule.args' must be an object"),
@@ -142,7 +143,8 @@ def test_bad_manifest_fields_are_named_and_change_nothing(export, case):
 @pytest.mark.parametrize("args, step_offset, message", [
     ({"bogus": 2}, 0, r"field 'schedule.args' .* does not fit StepLR"),
     ({"step_size": 2, "gamma": "half"}, 0, r"field 'schedule.args': StepLR: gamma must be a finite number"),
-    ({"step_size": 2, "gamma": 0.5}, -1000, r"field 'schedule.step_offset' is -1000, so the schedule's position .* is -997"),
+    ({"step_size": 2, "gamma": 0.5}, -1000,
+     r"field 'schedule.step_offset' is -1000, so the schedule's position .* is -997"),
 ])
 def test_load_state_with_a_bad_schedule_keeps_the_session(export, args, step_offset, message):
     _edit(export, lambda m: m["schedule"].update(args=args, step_offset=step_offset))
@@ -205,9 +207,11 @@ def test_feedback_naming_an_output_the_step_lacks_is_named(export):
 
 @pytest.mark.parametrize("change, message", [
     (lambda p: p.update(members=[]), r"field 'packs\[0\]\.members' must be a non-empty list"),
-    (lambda p: p["members"][1].update(offset=p["members"][1]["offset"] + 1), r"field 'packs\[0\]\.members\[1\]\.offset' must be"),
+    (lambda p: p["members"][1].update(offset=p["members"][1]["offset"] + 1),
+     r"field 'packs\[0\]\.members\[1\]\.offset' must be"),
     (lambda p: p.update(size=p["size"] - 1), r"field 'packs\[0\]\.size' must be"),
-    (lambda p: p["members"][0].update(shape=[1]), r"field 'packs\[0\]\.members\[0\]': float32 \[1\], the state variable"),
+    (lambda p: p["members"][0].update(shape=[1]),
+     r"field 'packs\[0\]\.members\[0\]': float32 \[1\], the state variable"),
     (lambda p: p["members"].append(dict(p["members"][0])), r"is not a fed-back state variable, or is packed twice"),
 ])
 def test_packs_that_do_not_lay_out_the_state_are_refused(tmp_path, change, message):

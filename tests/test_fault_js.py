@@ -46,7 +46,8 @@ def test_the_js_fault_suite(fixtures):
     metadata = json.loads(data[8:8 + length])["__metadata__"]
     assert metadata == {"format": "onnx-training-ops/export", "sha256": hashlib.sha256(data[8 + length:]).hexdigest()}
     tensors, _ = safetensors.decode(data)
-    assert set(tensors) == {e["name"] for e in json.loads((fixtures / "mlp" / "export" / "manifest.json").read_text())["state"]}
+    manifest = json.loads((fixtures / "mlp" / "export" / "manifest.json").read_text())
+    assert set(tensors) == {e["name"] for e in manifest["state"]}
 
 
 def test_the_npm_tarball_installs_and_trains(fixtures):

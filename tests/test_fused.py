@@ -19,7 +19,8 @@ SETTINGS = settings(max_examples=30, deadline=None)
 dtypes = st.sampled_from([np.float32, np.float64])
 shapes = st.lists(st.integers(1, 5), min_size=0, max_size=4).map(tuple)  # () .. rank 4
 # Sizes straddling the serial/parallel switch.
-big_shapes = st.integers(min(fused.PARALLEL_THRESHOLDS.values()) - 2, 2 * max(fused.PARALLEL_THRESHOLDS.values())).flatmap(
+big_shapes = st.integers(min(fused.PARALLEL_THRESHOLDS.values()) - 2,
+                         2 * max(fused.PARALLEL_THRESHOLDS.values())).flatmap(
     lambda n: st.sampled_from([(n,), (1, n), (n, 1, 1)])
 )
 counts = st.one_of(st.just(0), st.integers(1, 1000))  # T == 0 (no bias correction / first momentum step) and T > 0
@@ -35,7 +36,7 @@ def tensors(seed, shape, dtype, k):
     Adagrad) non-negative as an accumulator of squares is."""
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(k):
+    for _ in range(k):
         a = np.asarray(rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 2), dtype=dtype)
         a[rng.random(shape) < 0.05] = 0
         out.append(a)
@@ -276,7 +277,8 @@ def test_cache_falls_back_to_user_dir_and_is_reused(tmp_path):
 
     cold = probe()
     assert all(misses == 2 and hits == 0 for hits, misses in cold.values()), cold  # float32 + float64 each
-    assert len(list(tmp_path.glob("numba/**/*.nbi"))) == len(cold) == 18  # 10 element loops, 4 row drivers, dedup, 3 RMSProp
+    # 10 element loops, 4 row drivers, dedup, 3 RMSProp
+    assert len(list(tmp_path.glob("numba/**/*.nbi"))) == len(cold) == 18
     warm = probe()
     assert all(hits == 2 and misses == 0 for hits, misses in warm.values()), warm
 
@@ -293,7 +295,8 @@ def test_adaptive_dispatch_keeps_results(adaptive, monkeypatch):
     rx, rh = x.copy(), h.copy()
     for t in range(40):
         g = rng.standard_normal(n)
-        rx, rh = adagrad(np.float64(0.1), np.int64(t), rx, g, rh, decay_factor=0.01, epsilon=1e-6, norm_coefficient=0.001)
+        rx, rh = adagrad(np.float64(0.1), np.int64(t), rx, g, rh, decay_factor=0.01, epsilon=1e-6,
+                         norm_coefficient=0.001)
         fused.adagrad_(x, g, h, adagrad_rate(0.1, t, 0.01), 1e-6, 0.001)
     close((x, h), (rx, rh))
     if adaptive:

@@ -10,16 +10,16 @@ from gradient_utils import check_gradient
 from onnx import helper
 from test_gradient_rules import check, rand
 
-H, I, B, T = 3, 2, 2, 4
+H, IN, B, T = 3, 2, 2, 4  # hidden, input, batch, time
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
 def _case(op, direction, with_state, with_lens, layout, rng, **attrs):
     dirs = 2 if direction == "bidirectional" else 1
     g = GATES[op]
-    x_shape = (B, T, I) if layout else (T, B, I)
+    x_shape = (B, T, IN) if layout else (T, B, IN)
     state_shape = (B, dirs, H) if layout else (dirs, B, H)
-    feeds = {"x": rand(rng, x_shape), "w": rand(rng, (dirs, g * H, I)),
+    feeds = {"x": rand(rng, x_shape), "w": rand(rng, (dirs, g * H, IN)),
              "r": rand(rng, (dirs, g * H, H)), "b": rand(rng, (dirs, 2 * g * H))}
     inputs = ["x", "w", "r", "b", "lens" if with_lens else ""]
     inits = {"lens": np.array([T, T - 2], np.int32)} if with_lens else {}

@@ -392,7 +392,7 @@ def test_the_class_check_loop_agrees_with_numpy(dtype, ignore):
     from onnx_training_ops.training import checks
 
     rng = np.random.default_rng(0)
-    for trial in range(200):
+    for _ in range(200):
         labels = rng.integers(-3 if np.dtype(dtype).kind == "i" else 0, 7, rng.integers(1, 9)).astype(dtype)
         expected = bool(np.all(((labels >= 0) & (labels < 5)) | (labels == ignore if ignore is not None else False)))
         views = [labels, labels.reshape(1, -1), np.repeat(labels, 2)[::2]]

@@ -322,7 +322,7 @@ def test_sessions_share_one_arena_unless_the_model_is_large_or_options_are_given
     assert fresh_options(None, {}).get_session_config_entry(key) == value
     large = fresh_options(None, {}, large=True)
     assert not large.enable_cpu_mem_arena
-    with pytest.raises(Exception):  # not set
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # not set
         large.get_session_config_entry(key)
     # the caller's options left at onnxruntime's defaults get the shared arena too (issue 29); what
     # they set rules: the entry itself, or no arena at all
@@ -332,7 +332,7 @@ def test_sessions_share_one_arena_unless_the_model_is_large_or_options_are_given
     assert fresh_options(mine, {}).get_session_config_entry(key) == "0"
     no_arena = ort.SessionOptions()
     no_arena.enable_cpu_mem_arena = False
-    with pytest.raises(Exception):  # not set
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # not set
         fresh_options(no_arena, {}).get_session_config_entry(key)
     # sessions on the shared arena train as one on its own arena does
     model = build_training_model(make_mlp(SIZES), "cross_entropy", AdamW(lr=1e-2, weight_decay=0.01))

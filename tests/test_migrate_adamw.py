@@ -4,10 +4,10 @@ The fixtures hold, for each of 20 steps, the gradients onnxruntime-training's op
 received and the parameters it produced. Replaying those gradients through the standard ops
 that :func:`onnx_training_ops.migrate.adamw.emit_update` writes (run by onnxruntime) gives its
 moments bit for bit (they equal the checkpoint's ``momentum0``/``momentum1`` after 10 steps)
-and its parameters to an ulp of X plus 2^-20 of the update: its CPU kernel takes the square root of the second moment with
-Eigen's fast-math ``psqrt`` (the CPU's ``rsqrtps`` approximation and one Newton step) on each
-whole group of 4 elements, exact ``sqrt`` on the rest; that approximation differs between CPU
-makers, so no portable graph reproduces it (with it, replayed outside, every bit matched on this
+and its parameters to an ulp of X plus 2^-20 of the update: its CPU kernel takes the square
+root of the second moment with Eigen's fast-math ``psqrt`` (the CPU's ``rsqrtps`` approximation
+and one Newton step) on each whole group of 4 elements, exact ``sqrt`` on the rest; that approximation
+differs between CPU makers, so no portable graph reproduces it (with it, replayed outside, every bit matched on this
 machine: see docs/migrating.md). Adam mode 1 without and with weight decay, and adam_mode 0.
 """
 

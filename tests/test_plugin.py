@@ -13,7 +13,8 @@ from onnx_training_ops.passes.encode_exact_attributes import EXACT_ATTRIBUTE, en
 from onnx_training_ops.runtime import plugin
 
 
-@onnx_op(op_type="test.onnx_training_ops::ShoutStrings", inputs=[PyCustomOpDef.dt_string], outputs=[PyCustomOpDef.dt_string])
+@onnx_op(op_type="test.onnx_training_ops::ShoutStrings", inputs=[PyCustomOpDef.dt_string],
+         outputs=[PyCustomOpDef.dt_string])
 def shout_strings(texts):
     return np.array([t.upper() + "!" for t in texts.reshape(-1)], dtype=object).reshape(texts.shape)
 
@@ -21,7 +22,8 @@ def shout_strings(texts):
 def test_a_string_output_pyop_of_someone_else_still_works():
     node = h.make_node("ShoutStrings", ["s"], ["t"], domain="test.onnx_training_ops")
     graph = h.make_graph(
-        [node], "g", [h.make_tensor_value_info("s", TensorProto.STRING, [2])], [h.make_tensor_value_info("t", TensorProto.STRING, [2])]
+        [node], "g", [h.make_tensor_value_info("s", TensorProto.STRING, [2])],
+        [h.make_tensor_value_info("t", TensorProto.STRING, [2])]
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("test.onnx_training_ops", 1)])
     model.ir_version = 10

@@ -52,7 +52,8 @@ def feeds_for(model, dtype, t, r_dtype=np.float32, seed=0):
     feeds = {}
     for value in model.graph.input[2:]:
         shape = [d.dim_value for d in value.type.tensor_type.shape.dim]
-        feeds[value.name] = np.asarray(np.abs(rng.standard_normal(shape)) + (0.1 if value.name[0] == "H" else 0.0), dtype)
+        feeds[value.name] = np.asarray(np.abs(rng.standard_normal(shape)) + (0.1 if value.name[0] == "H" else 0.0),
+                                       dtype)
     feeds["R"] = np.array(0.05, r_dtype)
     feeds["T"] = np.array(t, np.int64)
     return feeds
@@ -314,7 +315,8 @@ def test_x_of_unknown_dtype_gets_castlike_constants():
         np.testing.assert_allclose(g, w, rtol=1e-12)
 
 
-@pytest.mark.parametrize("attributes", [dict(alpha=0.5, beta=6.2e-10), dict(alpha=1e-9, beta=0.5, norm_coefficient_post=1e-9)])
+@pytest.mark.parametrize("attributes", [dict(alpha=0.5, beta=6.2e-10),
+                                        dict(alpha=1e-9, beta=0.5, norm_coefficient_post=1e-9)])
 def test_float64_constants_that_round_to_one_in_float32_survive_onnxruntimes_optimizer(attributes):
     """onnxruntime's NoopElimination drops Mul(x, c) when float(c) == 1, also for double c:
     (1 - 6.2e-10) * G² became G² (found by the property test)."""

@@ -44,7 +44,8 @@ def test_exact_attributes_hold_the_float32_values():
 
 
 def test_ir_version_and_opset_fit_onnxruntime():
-    model = optimizer_model("Adam", opsets=[h.make_opsetid("", onnx.defs.onnx_opset_version()), h.make_opsetid(DOMAIN, 1)])
+    model = optimizer_model("Adam", opsets=[h.make_opsetid("", onnx.defs.onnx_opset_version()),
+                                            h.make_opsetid(DOMAIN, 1)])
     assert model.ir_version == onnx.IR_VERSION
     prepared = ot.prepare(model)
     max_ir, max_opset = runtime_limits()
@@ -98,18 +99,22 @@ def test_empty_output_names_get_fresh_names(kernels):
     outputs = [o for n in domain_nodes(prepared) for o in n.output]
     assert all(outputs) and len(set(outputs)) == 6
     session = ot.InferenceSession(model, kernels=kernels)
-    feeds = {i.name: np.ones([d.dim_value for d in i.type.tensor_type.shape.dim], np.float32) for i in model.graph.input}
+    feeds = {i.name: np.ones([d.dim_value for d in i.type.tensor_type.shape.dim], np.float32)
+             for i in model.graph.input}
     feeds["T"] = np.array(0, np.int64)
     assert len(session.run(None, feeds)) == 5
 
 
 def test_nodes_inside_if_branches_are_prepared_and_run():
     inner = optimizer_model("Momentum", attributes=dict(alpha=0.5, beta=1.0, mode="nesterov", norm_coefficient=0.0))
-    then_graph = h.make_graph(list(inner.graph.node), "then", [], [h.make_tensor_value_info("X0_new", TensorProto.FLOAT, None)])
-    else_graph = h.make_graph([h.make_node("Identity", ["X0"], ["X_same"])], "else", [], [h.make_tensor_value_info("X_same", TensorProto.FLOAT, None)])
+    then_graph = h.make_graph(list(inner.graph.node), "then", [],
+                              [h.make_tensor_value_info("X0_new", TensorProto.FLOAT, None)])
+    else_graph = h.make_graph([h.make_node("Identity", ["X0"], ["X_same"])], "else", [],
+                              [h.make_tensor_value_info("X_same", TensorProto.FLOAT, None)])
     cond = h.make_tensor_value_info("cond", TensorProto.BOOL, [])
     node = h.make_node("If", ["cond"], ["Y"], then_branch=then_graph, else_branch=else_graph)
-    graph = h.make_graph([node], "g", [cond, *inner.graph.input], [h.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    graph = h.make_graph([node], "g", [cond, *inner.graph.input],
+                         [h.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid(DOMAIN, 1)])
     session = ot.InferenceSession(model)
     feeds = {"R": np.array(0.1, np.float32), "T": np.array(3, np.int64), "X0": np.ones(3, np.float32),
@@ -170,7 +175,8 @@ def test_r_and_t_of_shape_one_are_accepted():
 
 def test_dtypes_within_a_tensor_group_must_agree():
     model = optimizer_model("Adam", n=2, types={"V1": TensorProto.DOUBLE})
-    with pytest.raises(ot.TrainingOpError, match=r"Adam node 'opt'.*tensor 1 must share one dtype.*V1 \('V1'\) is double"):
+    with pytest.raises(ot.TrainingOpError,
+                       match=r"Adam node 'opt'.*tensor 1 must share one dtype.*V1 \('V1'\) is double"):
         ot.prepare(model)
 
 
@@ -183,7 +189,8 @@ def test_integer_parameters_are_rejected():
 def test_shapes_that_do_not_broadcast():
     model = optimizer_model("Adam", n=1, shapes=[[3, 4]])
     model.graph.input[3].type.tensor_type.shape.dim[1].dim_value = 5  # G0: [3, 5]
-    with pytest.raises(ot.TrainingOpError, match=r"Adam node 'opt'.*broadcast to the shape of X0 \[3, 4\].*G0 \[3, 5\]"):
+    with pytest.raises(ot.TrainingOpError,
+                       match=r"Adam node 'opt'.*broadcast to the shape of X0 \[3, 4\].*G0 \[3, 5\]"):
         ot.prepare(model)
 
 

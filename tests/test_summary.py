@@ -26,7 +26,8 @@ def test_summary_of_a_training_model_lists_tensors_state_loss_and_gradient_ops()
     assert s.optimizer["type"] == "AdamW" and s.optimizer["lr"] == 1e-3
     # V and H per trainable (float32) and the int64 step count
     assert s.optimizer_state_bytes == 2 * 4 * (32 + 8 + 24) + 8
-    assert {t.name for t in s.optimizer_state} == {f"{p}.{v}" for p in ("W0", "b0", "W1") for v in "VH"} | {"optimizer.T"}
+    assert {t.name for t in s.optimizer_state} == ({f"{p}.{v}" for p in ("W0", "b0", "W1") for v in "VH"}
+                                                   | {"optimizer.T"})
     assert s.gradient_ops["Gemm"] == 2 and s.gradient_ops["Relu"] == 1 and "SoftmaxCrossEntropyLoss" in s.gradient_ops
     assert s.learning_rates == {"learning_rate": pytest.approx(1e-3)}
     text = str(s)

@@ -175,7 +175,8 @@ EXACT_CASES = {
                  lambda p: torch.optim.SGD(p, lr=1 / 16, momentum=0.875, dampening=0.25, weight_decay=1 / 64)),
     "nesterov": (Momentum(lr=1 / 16, momentum=0.875, nesterov=True, weight_decay=1 / 64),
                  lambda p: torch.optim.SGD(p, lr=1 / 16, momentum=0.875, nesterov=True, weight_decay=1 / 64)),
-    "adagrad": (Adagrad(lr=1 / 16, lr_decay=1 / 64, eps=2.0 ** -20, weight_decay=1 / 64, initial_accumulator_value=0.125),
+    "adagrad": (Adagrad(lr=1 / 16, lr_decay=1 / 64, eps=2.0 ** -20, weight_decay=1 / 64,
+                        initial_accumulator_value=0.125),
                 lambda p: torch.optim.Adagrad(p, lr=1 / 16, lr_decay=1 / 64, eps=2.0 ** -20, weight_decay=1 / 64,
                                               initial_accumulator_value=0.125)),
 }

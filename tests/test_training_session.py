@@ -105,7 +105,8 @@ def test_fast_path_is_bit_exact_with_full_graph(optimizer):
 
 
 def test_fast_path_is_bit_exact_on_hand_written_model():
-    fast, full = TrainingSession(linear_regression_adam(), fast=True), TrainingSession(linear_regression_adam(), fast=False)
+    fast = TrainingSession(linear_regression_adam(), fast=True)
+    full = TrainingSession(linear_regression_adam(), fast=False)
     x, y = _regression_data()
     for _ in range(20):
         fast.step({"x": x, "target": y})
@@ -544,7 +545,8 @@ def test_from_graph_whose_only_node_is_the_optimizer():
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, [5]) for o in node.output],
         [numpy_helper.from_array(v, k) for k, v in {**state, **consts}.items()],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.preview.training", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("ai.onnx.preview.training", 1)])
     session = TrainingSession.from_graph(model, feedback={"X_new": "X", "V_new": "V", "H_new": "H"})
     assert session.fast_path_nodes
     x, v, h = state["X"], state["V"], state["H"]

@@ -62,7 +62,8 @@ def test_lower_log_softmax_equals_onnxruntime(axis):
 @pytest.mark.parametrize("axis", [-1, 0, 1])
 def test_lower_one_hot_equals_onnxruntime(axis):
     depth = helper.make_node("Constant", [], ["depth"], value=helper.make_tensor("d", TensorProto.INT64, [1], [5]))
-    values = helper.make_node("Constant", [], ["values"], value=helper.make_tensor("v", TensorProto.FLOAT, [2], [-0.5, 2.0]))
+    values = helper.make_node("Constant", [], ["values"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [2], [-0.5, 2.0]))
     node = helper.make_node("OneHot", ["i", "depth", "values"], ["y"], axis=axis)
     model = _model([depth, values, node], [_vi("i", TensorProto.INT64, [2, 4])], [_vi("y", TensorProto.FLOAT, None)])
     indices = np.array([[0, 4, -1, -5], [7, -6, 2, 3]], np.int64)  # negative wrap, out of range on both sides
@@ -82,7 +83,8 @@ def test_lower_one_hot_refuses_a_computed_depth():
 
 def test_lower_sum_equals_onnxruntime():
     model = _model([helper.make_node("Sum", ["a", "b", "c"], ["y"]), helper.make_node("Sum", ["a"], ["z"])],
-                   [_vi("a", TensorProto.FLOAT, [3, 1]), _vi("b", TensorProto.FLOAT, [4]), _vi("c", TensorProto.FLOAT, [1])],
+                   [_vi("a", TensorProto.FLOAT, [3, 1]), _vi("b", TensorProto.FLOAT, [4]),
+                    _vi("c", TensorProto.FLOAT, [1])],
                    [_vi("y", TensorProto.FLOAT, [3, 4]), _vi("z", TensorProto.FLOAT, [3, 1])])
     rng = np.random.default_rng(1)
     feeds = {"a": rng.standard_normal((3, 1)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
@@ -117,7 +119,8 @@ def test_split_host_scalars_moves_the_counter_cone_and_the_program_computes_it()
              helper.make_node("Sqrt", ["q"], ["r"]), helper.make_node("Mul", ["lrd", "r"], ["s"]),
              helper.make_node("Cast", ["s"], ["step"], to=TensorProto.FLOAT),
              helper.make_node("Mul", ["x", "step"], ["y"])]
-    model = _model(nodes, [_vi("T", TensorProto.INT64, []), _vi("lr", TensorProto.FLOAT, []), _vi("x", TensorProto.FLOAT, [3])],
+    model = _model(nodes, [_vi("T", TensorProto.INT64, []), _vi("lr", TensorProto.FLOAT, []),
+                           _vi("x", TensorProto.FLOAT, [3])],
                    [_vi("y", TensorProto.FLOAT, [3]), _vi("T.new", TensorProto.INT64, [])])
     x = np.arange(3, dtype=np.float32)
     for t in (0, 1, 7, 2 ** 33):
@@ -137,7 +140,8 @@ def test_split_host_scalars_moves_the_counter_cone_and_the_program_computes_it()
 def test_split_host_scalars_refuses_an_op_the_host_does_not_run():
     nodes = [helper.make_node("Cast", ["T"], ["f"], to=TensorProto.FLOAT),
              helper.make_node("Softmax", ["f"], ["g"]), helper.make_node("Mul", ["x", "g"], ["y"])]
-    model = _model(nodes, [_vi("T", TensorProto.INT64, [1]), _vi("x", TensorProto.FLOAT, [1])], [_vi("y", TensorProto.FLOAT, [1])])
+    model = _model(nodes, [_vi("T", TensorProto.INT64, [1]), _vi("x", TensorProto.FLOAT, [1])],
+                   [_vi("y", TensorProto.FLOAT, [1])])
     with pytest.raises(TrainingOpError, match="Softmax"):
         split_host_scalars(model, ["T"])
 
@@ -146,12 +150,15 @@ def test_int32_inputs_narrows_only_indexing_inputs():
     """labels: cast only; ids: index arithmetic with int64 constants (int32 copies), a Cast back
     to int64 before ScatterND; other: added to an int64 state value, so it stays int64. The
     rewritten model computes what the original does."""
-    c = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [v]))  # noqa: E731
+    c = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(  # noqa: E731
+        name, TensorProto.INT64, [], [v]))
     nodes = [c("zero", 0), c("vocab", 5), c("axis", -1),
              helper.make_node("Cast", ["labels"], ["f"], to=TensorProto.FLOAT),
-             helper.make_node("Add", ["other", "counter"], ["o2"]), helper.make_node("Cast", ["o2"], ["g"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["other", "counter"], ["o2"]),
+             helper.make_node("Cast", ["o2"], ["g"], to=TensorProto.FLOAT),
              helper.make_node("Add", ["f", "g"], ["y"]),
-             helper.make_node("Less", ["ids", "zero"], ["negative"]), helper.make_node("Add", ["ids", "vocab"], ["wrapped"]),
+             helper.make_node("Less", ["ids", "zero"], ["negative"]),
+             helper.make_node("Add", ["ids", "vocab"], ["wrapped"]),
              helper.make_node("Where", ["negative", "wrapped", "ids"], ["index"]),
              helper.make_node("Unsqueeze", ["index", "axis"], ["nd"]),
              helper.make_node("Gather", ["table", "ids"], ["rows"]),
@@ -269,7 +276,8 @@ def _maxpool_scatter(kernel, strides, shape=(2, 3, 4, 6)):
         name, TensorProto.INT64, [len(values)], values))
     nodes = [helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=kernel, strides=strides),
              c("flat", [-1]), c("size", [size]),
-             helper.make_node("ConstantOfShape", ["size"], ["zeros"], value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0])),
+             helper.make_node("ConstantOfShape", ["size"], ["zeros"],
+                              value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0])),
              helper.make_node("Reshape", ["i", "flat"], ["fi"]), helper.make_node("Reshape", ["g", "flat"], ["fg"]),
              helper.make_node("ScatterElements", ["zeros", "fi", "fg"], ["dx"], axis=0, reduction="add")]
     out_shape = [shape[0], shape[1], shape[2] // strides[0], shape[3] // strides[1]]
@@ -304,7 +312,8 @@ def test_maxpool_gradient_by_mask_refuses_overlapping_windows():
 def test_lower_is_nan_equals_onnxruntime():
     from onnx_training_ops.passes.lower_is_nan import lower_is_nan
 
-    model = _model([helper.make_node("IsNaN", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, [5])], [_vi("y", TensorProto.BOOL, [5])])
+    model = _model([helper.make_node("IsNaN", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, [5])],
+                   [_vi("y", TensorProto.BOOL, [5])])
     x = np.array([0, np.nan, np.inf, -np.inf, -0.0], np.float32)
     expected = _run(model, {"x": x})["y"]
     lowered = lower_is_nan(model)

@@ -41,7 +41,8 @@ def make_model(family: str, tiny: bool = True):
         model = GPT2LMHeadModel(config)
     else:
         config = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=100, max_position_embeddings=64) if tiny else LlamaConfig()
+                             num_key_value_heads=2, vocab_size=100,
+                             max_position_embeddings=64) if tiny else LlamaConfig()
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
     return perturbed(model)  # fresh LayerNorm weights of 1 and zero biases: make every parameter distinct

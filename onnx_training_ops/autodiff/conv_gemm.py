@@ -125,7 +125,7 @@ def _spread(em: Emitter, part: str, out, strides, c: int, n_: int) -> tuple[str,
     if all(s == 1 for s in strides):
         return part, list(out)
     dims = [c, n_]
-    for size, s in zip(out, strides):
+    for size in out:
         dims += [size, 1]
     spaced = em.op("Reshape", [part, em.ints(dims)], "spread")
     pads = [0] * (2 * len(dims))

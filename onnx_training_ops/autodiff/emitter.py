@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 import onnx
@@ -19,8 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .native_ops import DOMAIN as NATIVE_DOMAIN
 
-Dim = Union[int, str, None]
-Shape = Union[tuple, None]  # tuple[Dim, ...] or None when the rank is unknown
+Dim = int | str | None
+Shape = tuple | None  # tuple[Dim, ...] or None when the rank is unknown
 
 FLOAT_TYPES = frozenset(
     {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}

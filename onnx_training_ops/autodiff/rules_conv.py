@@ -18,13 +18,11 @@ computed at run time from ``Shape``.
 
 from __future__ import annotations
 
-from typing import Union
-
 from . import conv_gemm
 from .emitter import Emitter, static_dims
 from .registry import RuleContext, RuleError, register
 
-Ints = Union[list, str]  # a static list of ints or the name of a 1-D int64 tensor
+Ints = list | str  # a static list of ints or the name of a 1-D int64 tensor
 
 
 def _const_or_tensor(em: Emitter, v: Ints) -> str:

@@ -109,7 +109,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="threads of every pool in every contender: torch, numba, onnxruntime intra-op "
                          "(default: the machine's cores; --quick: 1)")
     ap.add_argument("--contenders", default=None,
-                    help=f"comma list of: {', '.join(CONTENDERS)} (default: {','.join(DEFAULT_CONTENDERS)})")  # fmt: skip
+                    help=f"comma list of: {', '.join(CONTENDERS)} "
+                         f"(default: {','.join(DEFAULT_CONTENDERS)})")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="sizes 1e4,1e5, few repetitions, short MLP (a smoke test)")
     ap.add_argument("--min-time", type=float, default=None, help="seconds of timed steps per cell (default 0.5)")
     ap.add_argument("--max-reps", type=int, default=None, help="default 500")
@@ -190,7 +191,8 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
         breakdown, reason = run_worker(["--breakdown-worker", target] + (["--quick"] if args.quick else []),
                                         worker_script)  # fmt: skip
         if breakdown is not None:
-            breakdown["copies_at_bandwidth_s"] = 2 * breakdown["bytes_copied"] / report["copy_bandwidth_bytes_per_s"]["copy_1_thread"]
+            bandwidth = report["copy_bandwidth_bytes_per_s"]["copy_1_thread"]
+            breakdown["copies_at_bandwidth_s"] = 2 * breakdown["bytes_copied"] / bandwidth
         report["graph_breakdown"] = breakdown if breakdown is not None else {"n/a": reason}
         print(format_breakdown(breakdown) if breakdown is not None else f"graph breakdown n/a: {reason}")
     if mlp_names:

@@ -44,8 +44,8 @@ def causal_lm_loss():
         def build(self, logits: str, labels: str = "labels"):
             graph = self.base.graph
             out = next(o for o in graph.output if o.name == logits)
-            label_info = helper.make_tensor_value_info(labels, onnx.TensorProto.INT64,
-                                                       [d.dim_value or d.dim_param for d in out.type.tensor_type.shape.dim[:-1]])
+            label_dims = [d.dim_value or d.dim_param for d in out.type.tensor_type.shape.dim[:-1]]
+            label_info = helper.make_tensor_value_info(labels, onnx.TensorProto.INT64, label_dims)
             graph.input.append(label_info)
 
             def const(value):

@@ -46,7 +46,8 @@ def build(sizes, batch, out_dir):
         if out != "logits":
             nodes.append(helper.make_node("Relu", [f"z{i}"], [out]))
         prev = out
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", sizes[0]])],
+    graph = helper.make_graph(nodes, "mlp",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", sizes[0]])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", sizes[-1]])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8

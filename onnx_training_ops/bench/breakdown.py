@@ -105,5 +105,7 @@ def format_breakdown(b: dict) -> str:
         f"  bridge copies + onnxruntime   {ms('bridge_and_ort_s')}   "
         f"({b['inputs_copied']} inputs in, {b['outputs_copied']} outputs out: {b['bytes_copied'] / 1e6:.0f} MB)",
         f"  same copies in numpy          {b['copies_estimate_s'] * 1e3:7.2f} ms (estimate, for scale)",
-    ] + ([f"  copies at the measured 1-thread copy bandwidth: {b['copies_at_bandwidth_s'] * 1e3:.2f} ms "
-          f"(2 x {b['bytes_copied'] / 1e6:.0f} MB read + written)"] if "copies_at_bandwidth_s" in b else []))  # fmt: skip
+    ] + ([f"  copies at the measured 1-thread copy bandwidth: "
+          f"{b['copies_at_bandwidth_s'] * 1e3:.2f} ms "
+          f"(2 x {b['bytes_copied'] / 1e6:.0f} MB read + written)"]
+         if "copies_at_bandwidth_s" in b else []))  # fmt: skip

@@ -51,10 +51,10 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, reps: int = 7) -> dict:
     out = {}
     for name, kernel in (("copy", copy), ("inplace", inplace)):
 
-        def one_thread():
+        def one_thread(kernel=kernel):
             kernel(dst, src)
 
-        def two_threads():  # numpy releases the GIL in both
+        def two_threads(kernel=kernel):  # numpy releases the GIL in both
             th = threading.Thread(target=kernel, args=(dst[:half], src[:half]))
             th.start()
             kernel(dst[half:], src[half:])
@@ -175,8 +175,8 @@ def run(sizes, ops, contenders, min_time: float, max_reps: int, log=print, stat:
                     row["times"][name] = cell
             results.append(row)
     return {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": sys.version.split()[0],
-                    "cpus": os.cpu_count()},  # fmt: skip
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "python": sys.version.split()[0], "cpus": os.cpu_count()},  # fmt: skip
         "versions": _versions(),
         "loadavg_before_after": [load_before, loadavg()],  # other processes distort timings on 2 cores
         "isolated_processes": isolate,

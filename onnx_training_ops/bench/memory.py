@@ -192,7 +192,8 @@ def _worker(args: list[str], python: str | None = None, script: str | None = Non
 def export_in_subprocess(name: str, cache: str | None) -> str:
     """The export of ``name`` (made in a process of its own, which frees its memory)."""
     if lora.is_lora(name):
-        code = "import sys; from onnx_training_ops.bench import lora; print(lora.export(lora.SPEC, sys.argv[1] or None))"
+        code = ("import sys; from onnx_training_ops.bench import lora; "
+                "print(lora.export(lora.SPEC, sys.argv[1] or None))")
         cmd = [sys.executable, "-c", code, cache or ""]
     else:
         cmd = [sys.executable, "-m", "onnx_training_ops.bench.zoo", name] + (["--cache", cache] if cache else [])

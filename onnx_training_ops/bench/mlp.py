@@ -128,7 +128,8 @@ def format_mlp(mlp: dict, shape: str = DEFAULT_SHAPES[0]) -> str:
              "(best round; interleaved, own processes)"]
     for name, r in mlp.items():
         if "n/a" in r:
-            lines.append(f"  {(ORTT_LABEL if name == ORTT else MLP_CONTENDERS.get(name, name)):55s}      n/a  {r['n/a']}")
+            label = ORTT_LABEL if name == ORTT else MLP_CONTENDERS.get(name, name)
+            lines.append(f"  {label:55s}      n/a  {r['n/a']}")
             continue
         ratio = f"{r['steps_per_s'] / ref:5.2f}x torch eager" if ref else ""
         if "vs_ortt" in r:

@@ -26,7 +26,8 @@ ATTRS = {
     "nesterov": dict(alpha=F32(0.9), beta=1.0, mode="nesterov", norm_coefficient=0.0),
     "adagrad": dict(decay_factor=0.0, epsilon=F32(1e-10), norm_coefficient=0.0),
 }
-STATE_NAMES = {"adam": ("X", "G", "V", "H"), "momentum": ("X", "G", "V"), "nesterov": ("X", "G", "V"), "adagrad": ("X", "G", "H")}
+STATE_NAMES = {"adam": ("X", "G", "V", "H"), "momentum": ("X", "G", "V"), "nesterov": ("X", "G", "V"),
+               "adagrad": ("X", "G", "H")}
 
 
 class NotAvailable(Exception):
@@ -67,7 +68,8 @@ def step_model(op: str, n: int | None, initializers: dict[str, np.ndarray] | Non
     graph = helper.make_graph(
         nodes,
         "step",
-        [helper.make_tensor_value_info("R", TensorProto.FLOAT, []), helper.make_tensor_value_info("T", TensorProto.INT64, []),
+        [helper.make_tensor_value_info("R", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("T", TensorProto.INT64, []),
          *(f32(k) for k in names)],  # fmt: skip
         outputs,
         initializer=[numpy_helper.from_array(v, k) for k, v in (initializers or {}).items()],

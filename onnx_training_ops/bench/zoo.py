@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m onnx_training_ops.bench.zoo", description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["bert", "gpt2", "resnet18", "mlp"], help=f"of {', '.join(SPECS)}")
-    ap.add_argument("--cache", default=None, help="cache directory (default: %s)" % cache_dir())
+    ap.add_argument("--cache", default=None, help=f"cache directory (default: {cache_dir()})")
     args = ap.parse_args(argv)
     for name in args.names:
         if name not in SPECS:

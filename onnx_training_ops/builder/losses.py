@@ -156,7 +156,8 @@ class _QuadraticThenLinear(Loss):
 
 @dataclass(frozen=True)
 class HuberLoss(_QuadraticThenLinear):
-    """``torch.nn.HuberLoss``: ``0.5 d^2`` inside ``|d| < delta``, else ``delta (|d| - 0.5 delta)`` (string ``"huber"``).
+    """``torch.nn.HuberLoss``: ``0.5 d^2`` inside ``|d| < delta``, else ``delta (|d| - 0.5 delta)``
+    (string ``"huber"``).
 
     Args:
         delta: where the quadratic part meets the linear one (> 0).
@@ -174,7 +175,8 @@ class HuberLoss(_QuadraticThenLinear):
 
 @dataclass(frozen=True)
 class SmoothL1Loss(_QuadraticThenLinear):
-    """``torch.nn.SmoothL1Loss``: ``0.5 d^2 / beta`` inside ``|d| < beta``, else ``|d| - 0.5 beta`` (string ``"smooth_l1"``).
+    """``torch.nn.SmoothL1Loss``: ``0.5 d^2 / beta`` inside ``|d| < beta``, else ``|d| - 0.5 beta``
+    (string ``"smooth_l1"``).
 
     Args:
         beta: the half-width of the quadratic part, which is divided by it (> 0); at ``beta -> 0`` the loss

@@ -14,12 +14,12 @@ trainable (keys are names or :mod:`fnmatch` patterns, the first matching key win
 ``"sparse"``
     TensorFlow's ``Adam._apply_sparse_shared`` (``tensorflow/python/training/adam.py``):
     ``m = beta1 * m`` and ``v = beta2 * v`` on *every* row, then ``scatter_add`` of
-    ``(1-beta1) * g`` and ``(1-beta2) * g*g`` on the looked-up rows, then ``var -= lr_t * m / (sqrt(v) + eps)`` on every row. That is Adam on
-    the whole table with the gradient scattered into zeros — dense work. Weight decay
-    (``norm_coefficient``) joins only the looked-up rows' gradients, as TF's sparse apply
-    sees only ``grad.values``. TensorFlow's ``sparse_apply_adagrad``, ``sparse_apply_momentum``
-    and ``sparse_apply_rms_prop`` touch only the looked-up rows, so for Adagrad, Momentum and
-    RMSProp ``"sparse"`` is ``"lazy"``.
+    ``(1-beta1) * g`` and ``(1-beta2) * g*g`` on the looked-up rows, then
+    ``var -= lr_t * m / (sqrt(v) + eps)`` on every row. That is Adam on the whole table with
+    the gradient scattered into zeros — dense work. Weight decay (``norm_coefficient``) joins
+    only the looked-up rows' gradients, as TF's sparse apply sees only ``grad.values``.
+    TensorFlow's ``sparse_apply_adagrad``, ``sparse_apply_momentum`` and ``sparse_apply_rms_prop``
+    touch only the looked-up rows, so for Adagrad, Momentum and RMSProp ``"sparse"`` is ``"lazy"``.
 
 A table qualifies when every node reading it is a ``Gather`` on axis 0 taking it as data.
 The Gradient node then differentiates with respect to the ``Gather`` outputs instead of the

@@ -1,7 +1,8 @@
-"""Command line: ``python -m onnx_training_ops {build,train,summary,prepare,export-step,conformance,bench,import-ortt} ...``
-(also ``onnx-training-ops``); docs/cli.md walks through it. ``build`` (:mod:`.build`), ``train
-TRAINING.onnx`` (:mod:`.train`, data files: :mod:`.data`) and ``summary`` (:mod:`.summary`) have
-modules of their own; ``train`` without a model trains the demo.
+"""Command line: ``python -m onnx_training_ops COMMAND ...`` (also ``onnx-training-ops``), COMMAND
+one of ``{build,train,summary,prepare,export-step,conformance,bench,import-ortt}``; docs/cli.md
+walks through it. ``build`` (:mod:`.build`), ``train TRAINING.onnx`` (:mod:`.train`, data
+files: :mod:`.data`) and ``summary`` (:mod:`.summary`) have modules of their own; ``train``
+without a model trains the demo.
 
 Exit status: 0 success; 1 the command ran and reports a failure (a conformance case
 failed, the demo's accuracy is below ``--min-accuracy``); 2 bad usage or input (argparse's

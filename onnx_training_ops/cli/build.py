@@ -1,4 +1,5 @@
-"""``onnx-training-ops build MODEL.onnx OUT.onnx --loss ... --optimizer ...``: :func:`build_training_model` from the shell."""
+"""``onnx-training-ops build MODEL.onnx OUT.onnx --loss ... --optimizer ...``: :func:`build_training_model`
+from the shell."""
 
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def _read_csv(path: str, label: str | None) -> dict[str, np.ndarray]:
             continue
         indices = sorted(i for i, _ in parts)
         if indices != list(range(len(parts))):
-            raise TrainingOpError(f"data file {path!r}: columns of {name!r} must be {name}[0]..{name}[{len(parts) - 1}] "
+            raise TrainingOpError(f"data file {path!r}: columns of {name!r} must be "
+                                  f"{name}[0]..{name}[{len(parts) - 1}] "
                                   f"once each, found indices {indices}")
         out[name] = values[:, [c for _, c in sorted(parts)]]
     return out

@@ -162,8 +162,10 @@ def train_model(args: argparse.Namespace) -> int:
                  "--max-restarts": args.max_restarts != 0, "--min-accuracy": args.min_accuracy != 0.0,
                  "--optimizer": args.optimizer is not None}
     if any(demo_only.values()):
-        raise TrainingOpError(f"{', '.join(k for k, v in demo_only.items() if v)}: options of the demo (train without "
-                              "a model); a training model holds its optimizer (choose it with `onnx-training-ops build`)")
+        raise TrainingOpError(f"{', '.join(k for k, v in demo_only.items() if v)}: "
+                              "options of the demo (train without "
+                              "a model); a training model holds its optimizer "
+                              "(choose it with `onnx-training-ops build`)")
     if not args.data:
         raise TrainingOpError("train TRAINING.onnx needs --data FILE (.npz, .safetensors or .csv)")
     if args.lr is not None and args.schedule:
@@ -185,7 +187,8 @@ def train_model(args: argparse.Namespace) -> int:
         eval_data = match_feeds(read_columns(args.eval_data, labels), session.eval_feeds(), args.eval_data)
     n = len(next(iter(data.values())))
     if resumed and session.properties.get("cli.samples", n) != n:
-        raise TrainingOpError(f"{os.path.join(args.out, CHECKPOINT)} was trained on {session.properties['cli.samples']} "
+        raise TrainingOpError(f"{os.path.join(args.out, CHECKPOINT)} was trained on "
+                              f"{session.properties['cli.samples']} "
                               f"samples, --data {args.data} holds {n}: use another --out to start afresh")
     steps_per_epoch = -(-n // args.batch_size)
     done = int(session.properties.get("epoch", 0)) if resumed else 0

@@ -4,8 +4,8 @@
 state as ``.safetensors`` and a versioned ``manifest.json`` (:mod:`.writer`);
 :func:`load_state` brings a state trained elsewhere back into a TrainingSession
 (:mod:`.importing`); :class:`DeviceTrainer` trains an export on any execution provider, the
-state resident on its device (:mod:`.device`: a GPU with onnxruntime-gpu). The JavaScript trainer that runs an export lives in ``js/``; the format
-is described in ``docs/export.md``.
+state resident on its device (:mod:`.device`: a GPU with onnxruntime-gpu). The JavaScript
+trainer that runs an export lives in ``js/``; the format is described in ``docs/export.md``.
 """
 
 from __future__ import annotations

@@ -245,7 +245,8 @@ class DeviceTrainer:
 
     def _check_feeds(self, feeds: Mapping[str, Any], specs: Mapping[str, dict], what: str) -> dict[str, np.ndarray]:
         if not isinstance(feeds, Mapping):
-            raise TrainingOpError(f"{what}: feeds must be a mapping of input name to array, found {type(feeds).__name__}")
+            raise TrainingOpError(f"{what}: feeds must be a mapping of input name to array, "
+                                  f"found {type(feeds).__name__}")
         unknown = set(feeds) - set(specs)
         if unknown:
             raise TrainingOpError(f"{what}: unknown input(s) {sorted(unknown)}; the model takes {sorted(specs)}")

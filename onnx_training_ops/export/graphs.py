@@ -86,18 +86,18 @@ def short_names(model: onnx.ModelProto) -> onnx.ModelProto:
             return name
         return mapping.setdefault(name, f"t{len(mapping)}")
 
-    for graph in all_graphs(graph):
-        for node in graph.node:
+    for sub in all_graphs(graph):
+        for node in sub.node:
             node.name = ""
             node.doc_string = ""
             node.input[:] = [short(n) for n in node.input]
             node.output[:] = [short(n) for n in node.output]
-        for collection in (graph.input, graph.output, graph.value_info):
+        for collection in (sub.input, sub.output, sub.value_info):
             for vi in collection:
                 vi.name = short(vi.name)
-        for tensor in graph.initializer:
+        for tensor in sub.initializer:
             tensor.name = short(tensor.name)
-        for sparse in graph.sparse_initializer:
+        for sparse in sub.sparse_initializer:
             sparse.values.name = short(sparse.values.name)
     return model
 

@@ -12,8 +12,9 @@ The rewrite, in named passes (``onnx_training_ops/passes/``):
 3. :func:`lower_log_softmax`, :func:`lower_one_hot`, :func:`lower_sum`, :func:`lower_is_nan`,
    :func:`maxpool_gradient_by_mask` (WebGPU's MaxPool has no Indices output);
 4. :func:`int32_inputs`: labels and ids are int32 inputs, their index arithmetic int32;
-5. :func:`fold_static_shapes` (Shape, Size) and onnxruntime's basic graph optimizations on the CPU fold what the static shapes make
-   constant (Shape, Size and the int64 arithmetic on them) and drop dead nodes.
+5. :func:`fold_static_shapes` (Shape, Size) and onnxruntime's basic graph optimizations on the CPU
+   fold what the static shapes make constant (Shape, Size and the int64 arithmetic on them) and
+   drop dead nodes.
 
 The result computes what the portable step computes, to float32 rounding
 (``tests/test_webgpu_step.py`` runs both in onnxruntime's CPU provider).
@@ -51,7 +52,8 @@ def _static_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mapping[
         given = shapes.get(vi.name)
         if given is not None:
             given = [int(d) for d in given]
-            if len(given) != len(dims) or any(d.HasField("dim_value") and d.dim_value != g for d, g in zip(dims, given)):
+            if len(given) != len(dims) or any(d.HasField("dim_value") and d.dim_value != g
+                                              for d, g in zip(dims, given)):
                 raise TrainingOpError(f"export (webgpu): input_shapes[{vi.name!r}] is {given}; the input's shape is "
                                       f"{[d.dim_value if d.HasField('dim_value') else d.dim_param for d in dims]}")
             for d, g in zip(dims, given):
@@ -109,7 +111,8 @@ def webgpu_step(step: onnx.ModelProto, state: Sequence[str], counter: str | None
     data = [vi.name for vi in model.graph.input if vi.name not in set(state) and vi.name not in set(rates)]
     _static_shapes(model, data, dict(input_shapes or {}))
     model, host = split_host_scalars(model, [n for n in (counter, *rates) if n])
-    for run in (fold_static_shapes, lower_log_softmax, lower_one_hot, lower_sum, lower_is_nan, maxpool_gradient_by_mask):
+    for run in (fold_static_shapes, lower_log_softmax, lower_one_hot, lower_sum, lower_is_nan,
+                maxpool_gradient_by_mask):
         model = run(model)
     model = fold_static_shapes(_fold(model))  # what onnxruntime's folding made constant (a NonZero's input)
     narrowed = int32_inputs(model, skip=state)

@@ -65,7 +65,7 @@ def _jit(parallel: bool):
                 _WARNED = True
                 warnings.warn(f"numba cannot cache the fused kernels ({exc}); compiling them once "
                               "per process (about 5 s). Set NUMBA_CACHE_DIR to a writable "
-                              "directory to keep them between runs")
+                              "directory to keep them between runs", stacklevel=2)
             return njit(parallel=parallel, cache=False, **_OPTIONS)(func)
 
     return decorate

@@ -64,7 +64,8 @@ def adam_step(r, t, x, g, v, h, attributes, inplace: bool = False, rows=None):
                      a["norm_coefficient_post"], rows=rows)
         return x, v, h
     if inplace and _fusable(x, g, v, h):
-        _fused.adam_(x, g, v, h, rate, a["alpha"], a["beta"], a["epsilon"], a["norm_coefficient"], a["norm_coefficient_post"])
+        _fused.adam_(x, g, v, h, rate, a["alpha"], a["beta"], a["epsilon"], a["norm_coefficient"],
+                     a["norm_coefficient_post"])
         return x, v, h
     return adam_update(
         x, g, v, h, rate, a["alpha"], a["beta"], a["epsilon"], a["norm_coefficient"], a["norm_coefficient_post"]

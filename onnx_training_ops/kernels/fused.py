@@ -55,8 +55,8 @@ PARALLEL_THRESHOLD = min(PARALLEL_THRESHOLDS.values())  # the smallest switch po
 # other's last measured cost. Every 16 calls it probes the other variant with a burst of
 # 3 calls (the first may wake a sleeping thread pool, so the burst's best counts) and
 # switches if that beats the running cost, backing off to every 1024 calls (at most
-# _PROBE_SECONDS of kernel time) while probes keep losing. Both variants compute every element identically: the choice changes
-# time, never results.
+# _PROBE_SECONDS of kernel time) while probes keep losing. Both variants compute every element
+# identically: the choice changes time, never results.
 ADAPTIVE = True
 _PROBE_MIN, _PROBE_MAX, _PROBE_LEN, _EWMA, _SLACK = 16, 1024, 3, 0.25, 1.5
 # a probe that lost backs off at most to this much kernel time between probes: a pick made
@@ -273,8 +273,8 @@ def adam_(x, g, v, h, rate, alpha, beta, epsilon, norm_coefficient, norm_coeffic
 def momentum_(x, g, v, rate, alpha, beta_adjusted, norm_coefficient, nesterov: bool, rows=None) -> None:
     """Momentum step (standard or Nesterov) in place: ``x``, ``v`` become X_new, V_new.
 
-    ``beta_adjusted`` comes from :func:`onnx_training_ops.optim.momentum.momentum_beta`. Arrays must pass :func:`supports`
-    (with ``rows``: :func:`supports_rows`).
+    ``beta_adjusted`` comes from :func:`onnx_training_ops.optim.momentum.momentum_beta`. Arrays must
+    pass :func:`supports` (with ``rows``: :func:`supports_rows`).
     """
     s = np.array(_momentum.MomentumScalars(rate, alpha, beta_adjusted, norm_coefficient), dtype=x.dtype)
     if rows is not None:

@@ -54,7 +54,8 @@ def fold_static_shapes(model: ModelProto) -> ModelProto:
             attrs = {a.name: a.i for a in node.attribute}
             rank = len(shape)
             start, end = attrs.get("start", 0), attrs.get("end", rank)
-            value = np.array(shape[slice(start + rank if start < 0 else start, end + rank if end < 0 else end)], np.int64)
+            window = slice(start + rank if start < 0 else start, end + rank if end < 0 else end)
+            value = np.array(shape[window], np.int64)
         nodes.append(helper.make_node("Constant", [], [node.output[0]], name=node.name,
                                       value=numpy_helper.from_array(value, node.output[0])))
     del model.graph.node[:]

@@ -71,7 +71,8 @@ def lower_one_hot(model: ModelProto) -> ModelProto:
             out += [axes, helper.make_node("Unsqueeze", [index, axes_name], [expanded])]
         else:
             out.append(helper.make_node("Unsqueeze", [index], [expanded], axes=[axis]))
-        grid, grid_name = constant(names, "range", np.arange(depth, dtype=np.float32).reshape((depth,) + (1,) * trailing))
+        grid, grid_name = constant(names, "range",
+                                   np.arange(depth, dtype=np.float32).reshape((depth,) + (1,) * trailing))
         hit = names("equal")
         on_node, on_name = constant(names, "on", np.array(on))
         off_node, off_name = constant(names, "off", np.array(off))

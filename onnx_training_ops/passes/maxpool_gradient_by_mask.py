@@ -32,7 +32,8 @@ def _tiles(node: onnx.NodeProto, shape: list[int] | None) -> tuple[int, int] | N
     kernel = list(a.get("kernel_shape", []))
     if shape is None or len(shape) != 4 or len(kernel) != 2:
         return None
-    if list(a.get("strides", kernel)) != kernel or any(a.get("pads", [0] * 4)) or any(d != 1 for d in a.get("dilations", [1, 1])):
+    if (list(a.get("strides", kernel)) != kernel or any(a.get("pads", [0] * 4))
+            or any(d != 1 for d in a.get("dilations", [1, 1]))):
         return None
     if a.get("ceil_mode", 0) or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID", "VALID") \
             or a.get("storage_order", 0):
@@ -102,7 +103,8 @@ def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
         flats = readers.get(pool.output[1], [])
         scatters = [s for f in flats if f.op_type == "Reshape" for s in readers.get(f.output[0], [])]
         if tiles is None or not flats or any(f.op_type != "Reshape" for f in flats) or \
-                any(s.op_type != "ScatterElements" or s.input[1] != f.output[0] for f in flats for s in readers.get(f.output[0], [])):
+                any(s.op_type != "ScatterElements" or s.input[1] != f.output[0]
+                    for f in flats for s in readers.get(f.output[0], [])):
             raise TrainingOpError(f"maxpool_gradient_by_mask: {node_label(pool)}: its Indices output is read, which "
                                   "WebGPU's MaxPool does not give; only the gradient of a MaxPool whose windows tile "
                                   f"its input (kernel == strides, no pads, static shape {shape}) is rewritten")
@@ -112,7 +114,8 @@ def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
         for scatter in scatters:
             flat_g = producer.get(scatter.input[2])
             if flat_g is None or flat_g.op_type != "Reshape":
-                raise TrainingOpError(f"maxpool_gradient_by_mask: {node_label(scatter)} does not scatter a reshaped gradient")
+                raise TrainingOpError(f"maxpool_gradient_by_mask: {node_label(scatter)} "
+                                      "does not scatter a reshaped gradient")
             g = flat_g.input[0]
             out: list[onnx.NodeProto] = []
             const, op = _emitters(out, names)
@@ -122,7 +125,8 @@ def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
             top = names("max")
             out += _reduce("ReduceMax", windows, top, version, names)
             positions = const("range", np.arange(kh * kw, dtype=np.float32))
-            candidates = op("Where", [op("Equal", [windows, top]), positions, const("past", np.array(kh * kw, np.float32))])
+            candidates = op("Where", [op("Equal", [windows, top]), positions,
+                                      const("past", np.array(kh * kw, np.float32))])
             first = names("first")
             out += _reduce("ReduceMin", candidates, first, version, names)
             hit = op("Equal", [positions, first])

@@ -28,7 +28,8 @@ def _split_graph(graph: GraphProto, taken: set[str]) -> None:
         for i in range(n):
             inputs = list(node.input[:2]) + [node.input[2 + j * n + i] for j in range(spec.n_groups_in)]
             outputs = [node.output[j * n + i] for j in range(spec.n_groups_out)]
-            outputs = [o or unique_name(taken, f"{base}/{role}{i}_unused") for o, role in zip(outputs, spec.tensor_outputs)]
+            outputs = [o or unique_name(taken, f"{base}/{role}{i}_unused")
+                       for o, role in zip(outputs, spec.tensor_outputs)]
             if n == 1 and list(node.output) == outputs:
                 new_nodes.append(node)
                 continue

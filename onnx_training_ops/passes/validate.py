@@ -101,7 +101,8 @@ def _check_group_types(node, label: str, n: int, types: dict[str, ValueType]) ->
         typed = [(role, name, vt) for role, name, vt in known if vt is not None]
         if len({vt.elem_type for _, _, vt in typed}) > 1:
             found = ", ".join(f"{role}{i} ({name!r}) is {vt.dtype_name}" for role, name, vt in typed)
-            raise TrainingOpError(f"{label}: {', '.join(spec.tensor_inputs)} of tensor {i} must share one dtype; {found}")
+            raise TrainingOpError(f"{label}: {', '.join(spec.tensor_inputs)} of tensor {i} "
+                                  f"must share one dtype; {found}")
         x_type = known[0][2]
         shapes = [vt.static_shape for _, _, vt in known if vt is not None]
         if x_type is None or x_type.static_shape is None or len(shapes) != len(known) or None in shapes:

@@ -208,7 +208,8 @@ def register() -> bool:
         library.AddExternalCustomOp.argtypes = [ctypes.c_void_p]
         from .native_grads import custom_ops
 
-        for label, op in [(t, _custom_op(t)) for t in NATIVE_OP_TYPES] + [("backward kernels", o) for o in custom_ops()]:
+        ops = [(t, _custom_op(t)) for t in NATIVE_OP_TYPES] + [("backward kernels", o) for o in custom_ops()]
+        for label, op in ops:
             if not library.AddExternalCustomOp(ctypes.addressof(op)):
                 _log.warning("onnx_training_ops: AddExternalCustomOp refused %s", label)
                 return False

@@ -94,7 +94,7 @@ def fold_constant_transposes(model: LargeModel) -> None:
         add_array(model, tensor, transposed(array, perm))
         graph.initializer.append(tensor)
         folded.append((node, source))
-    for node, source in folded:
+    for _, source in folded:
         graph.initializer.remove(source)
     remove_nodes(graph, [node for node, _ in folded])
     if folded:  # the originals' arrays go with them

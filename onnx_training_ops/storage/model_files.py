@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Union
 
 import onnx
 from onnx import ModelProto
@@ -24,7 +23,7 @@ from .external_data import map_external, map_inline, span
 from .large_model import LargeModel, detach
 from .tensors import all_tensors, attach, large_model_bytes, location, tensor_nbytes
 
-ModelLike = Union[ModelProto, ModelContainer, str, os.PathLike, bytes]
+ModelLike = ModelProto | ModelContainer | str | os.PathLike | bytes
 
 
 def load_model(model: ModelLike, large: bool = False) -> ModelProto | LargeModel:
