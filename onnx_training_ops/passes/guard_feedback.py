@@ -15,7 +15,7 @@ an order of their data dependencies only). Reads through ops that may alias thei
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import onnx
 from onnx import helper
