@@ -107,9 +107,7 @@ class TrainingSession:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
         check_threads(threads, sess_options)
         providers = checked_providers(providers)  # before anything is loaded: a clear error, never a CPU run
-        self.fast = bool(fast)
-        self.on_nonfinite = on_nonfinite
-        self._config = RuntimeConfig(providers, self.fast, on_nonfinite, sess_options,
+        self._config = RuntimeConfig(providers, bool(fast), on_nonfinite, sess_options,
                                      {str(k): str(v) for k, v in (session_config or {}).items()}, threads)
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
@@ -237,6 +235,16 @@ class TrainingSession:
         """
         self._store.check_filled("run")
         return self._programs.run(output_names, feeds)
+
+    @property
+    def fast(self) -> bool:
+        """Whether the fused kernels apply the optimizer nodes in place (``fast=`` when opened)."""
+        return self._config.fast
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a NaN or infinite loss does (``on_nonfinite=`` when opened)."""
+        return self._config.on_nonfinite
 
     @property
     def skipped_steps(self) -> int:
