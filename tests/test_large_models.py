@@ -257,7 +257,7 @@ def test_gradients_are_written_into_the_kernels_buffers_from_the_first_step():
     assert sorted(buffers) == ["W0.grad", "W1.grad", "b0.grad", "b1.grad"]
     session.step({"input": np.ones((4, 8), np.float32), "labels": np.arange(4)})
     outputs = program.io._iobinding.get_outputs()
-    names = program.returned + program.fixed_outputs
+    names = program.analysis.returned + program.analysis.fixed_outputs
     for name, address in buffers.items():
         assert outputs[names.index(name)].data_ptr() == address
 

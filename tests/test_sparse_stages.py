@@ -45,7 +45,8 @@ def assert_rows_in_place(s: TrainingSession, mode: str, optimizer, fast: bool) -
     """The apply stage's table update runs in the fast path's row kernels (in place), not in
     onnxruntime: rows from the touched counter, so nothing left to deduplicate."""
     _, apply, _, _ = s._loop.accumulation.programs()
-    groups = apply.row_groups + [g for g in apply.rms_groups if g.rows]
+    _, rows, rms = apply.analysis.updates  # cut nodes, row updates, RMSProp
+    groups = rows.groups + [g for g in rms.groups if g.rows]
     if mode == "lazy" or not isinstance(optimizer, Adam):  # TF's sparse Adam is dense work
         assert len(groups) == int(fast) and not any(g.dedup for g in groups)
 

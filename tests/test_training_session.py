@@ -515,7 +515,7 @@ def test_flat_parallel_kernel_is_bit_exact_with_per_tensor_serial():
     for _ in range(5):
         fast.step({"input": x, "labels": y})
         full.step({"input": x, "labels": y})
-    flat = fast._programs.steps[0].plan[0].tensors[0]
+    flat = fast._programs.steps[0].analysis.cut.plan[0].tensors[0]
     threshold = getattr(fused, "PARALLEL_THRESHOLDS", {}).get("adam", fused.PARALLEL_THRESHOLD)
     assert flat.size >= threshold > max(v.size for v in full.state_dict().values())
     for name, value in fast.state_dict().items():

@@ -49,8 +49,8 @@ def _pairs(node: onnx.NodeProto) -> list[tuple[str, str, str]]:
     if not n or len(node.output) != n * spec.n_groups_out:
         return []
     pairs = []
-    for j, role in enumerate(spec.tensor_outputs):
-        group = spec.tensor_inputs.index(role.removesuffix("_new"))
+    for j, role in enumerate(spec.updated_inputs):
+        group = spec.tensor_inputs.index(role)
         pairs += [(node.input[2 + group * n + i], node.output[j * n + i], node.input[2 + i])
                   for i in range(n)]
     return pairs

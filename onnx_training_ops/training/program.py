@@ -24,61 +24,80 @@ from ..passes._graph import value_types
 from ..passes.validate import validate
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
-from .fast_path import CutStep, cut_sources, cuttable_nodes
+from .fast_path import cut_sources, cuttable_nodes
+from .in_place_updates import CutNodes, InPlaceUpdate, RMSPropUpdates, RowUpdates
 from .rmsprop_fast_path import rmsprop_groups
 from .row_updates import row_groups
 from .feeds import FeedSpec, checked_learning_rate
 
 
-@dataclass
-class Program:
-    """One TrainingInfoProto's algorithm, ready to run."""
+@dataclass(frozen=True)
+class Analysis:
+    """What :func:`build_program` finds in one TrainingInfoProto: everything a session does
+    around the graph onnxruntime runs (which :func:`build_program` returns beside it).
+
+    The learning-rate buffers are allocated here (their defaults fill them); the in-place
+    updates plan themselves once the program has run (:mod:`.in_place_updates`).
+    """
 
     index: int
-    session: Any
-    io: Any
-    feeds: list[FeedSpec]
-    rate_inputs: dict[str, np.ndarray]  # learning-rate input -> its preallocated buffer
-    rate_defaults: dict[str, np.ndarray | None]
-    returned: list[str]  # outputs returned by step()
-    loss_names: list[str]
-    fixed_outputs: list[str]  # outputs written into preallocated buffers (bindings, cut inputs)
+    where: str  # the method whose run this is, as messages name it
+    state_inputs: tuple[str, ...]  # graph inputs bound to state arrays
+    binding: Mapping[str, str]  # state variable -> the output holding its new value
+    rate_inputs: Mapping[str, np.ndarray]  # learning-rate input -> its preallocated buffer
+    rate_defaults: Mapping[str, np.ndarray | None]
+    input_defaults: Mapping[str, onnx.TensorProto]  # inputs with a default value (optional feeds)
+    returned: tuple[str, ...]  # outputs returned by step()
+    loss_names: tuple[str, ...]  # outputs the non-finite check watches
+    fixed_outputs: tuple[str, ...]  # outputs written into preallocated buffers (bindings, cut inputs)
+    dynamic_outputs: tuple[str, ...]  # outputs of varying shape the in-place updates read
+    cut_outputs: frozenset[str]  # outputs of cut nodes (written in place, never by onnxruntime)
+    cut: CutNodes  # the fast path's optimizer nodes
+    updates: tuple[InPlaceUpdate, ...]  # every in-place update, in the order a step applies them
+
+
+@dataclass
+class Program:
+    """An analysed program opened on one state: its onnxruntime session, IOBinding and buffers
+    (:func:`.binding.open_program`; the buffers after the first run, :func:`.binding.finish_binding`)."""
+
+    analysis: Analysis
+    session: Any  # the runtime's InferenceSession
+    io: Any  # its IOBinding
+    feeds: list[FeedSpec] = field(default_factory=list)
+    optional_feeds: list[tuple[FeedSpec, np.ndarray]] = field(default_factory=list)  # with their defaults
+    in_place: dict[str, str] = field(default_factory=dict)  # optimizer output -> the state it is written into
+    guarded: bool = False  # a non-finite loss stops the run before the optimizers (.in_place)
+    uses_plugin: bool = False  # a plugin node is left in the graph (else every optimizer was cut)
+    run: Any = None  # session.run_with_iobinding when a plugin node is left, else None (direct call)
+    needs_feeds: bool = False  # an in-place update reads a feed
+    keep_alive: list = field(default_factory=list)  # OrtValues bound to our buffers
+    prebound: dict[str, np.ndarray] = field(default_factory=dict)  # gradient -> its view in a flat G buffer
+    bound_feeds: dict[str, Any] = field(default_factory=dict)  # feed name -> (array, shape, dtype) bound last step
+    fallback: Any = None  # () -> the same program without in-place writes, for a guarded step redone
+    # after the first run
     fixed_buffers: dict[str, np.ndarray] = field(default_factory=dict)
     binding_copies: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (state, output)
-    cut_nodes: list[onnx.NodeProto] = field(default_factory=list)
-    cut_sources: dict[str, Any] = field(default_factory=dict)
-    plan: list[CutStep] | None = None
-    copy_plan: list[tuple[np.ndarray, np.ndarray]] | None = None
-    keep_alive: list = field(default_factory=list)  # OrtValues bound to our buffers
-    where: str = "step"  # the method whose run this is, as messages name it
-    # set while analysing (before the session exists)
-    combined: Any = None
-    state_inputs: list = field(default_factory=list)
-    init_values: dict = field(default_factory=dict)
-    binding: dict = field(default_factory=dict)
-    cut_outputs: set = field(default_factory=set)
-    flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
-    prescale: dict = field(default_factory=dict)  # state X -> its folded decay factor (AdamW)
-    bound_feeds: dict = field(default_factory=dict)  # feed name -> (array, shape, dtype) bound last step
-    prebound: dict = field(default_factory=dict)  # gradient -> its view in a flat G buffer, bound before run 1
-    # set when the session opens / after the first run
-    uses_plugin: bool = False
-    run: Any = None
-    needs_feeds: bool = False
-    returned_buffers: list = field(default_factory=list)  # (name, preallocated buffer)
-    returned_from_ort: list = field(default_factory=list)  # (name, output index)
-    optional_feeds: list = field(default_factory=list)  # (FeedSpec, default) of inputs with a default
-    input_defaults: dict = field(default_factory=dict)  # input name -> its default (TensorProto)
-    row_groups: list = field(default_factory=list)  # lazy row updates applied in place (.row_updates)
-    row_sources: dict = field(default_factory=dict)  # what they read: name -> source, as cut_sources
-    dynamic_outputs: list = field(default_factory=list)  # outputs of varying shape they read
-    row_plan: list = field(default_factory=list)
-    rms_groups: list = field(default_factory=list)  # RMSProp updates applied in place (.rmsprop_fast_path)
-    rms_sources: dict = field(default_factory=dict)
-    rms_plan: list = field(default_factory=list)
-    in_place: dict = field(default_factory=dict)  # optimizer output -> the state it is written into (.in_place)
-    guarded: bool = False  # a non-finite loss stops the run before the optimizers (.in_place)
-    fallback: Any = None  # () -> the same program without in-place writes, for a guarded step redone
+    copy_plan: list[tuple[np.ndarray, np.ndarray]] | None = None  # None until the first run
+    returned_buffers: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    returned_from_ort: list[tuple[str, int]] = field(default_factory=list)  # (name, output index)
+
+    @property
+    def index(self) -> int:
+        return self.analysis.index
+
+    @property
+    def where(self) -> str:
+        return self.analysis.where
+
+    @property
+    def rate_inputs(self) -> Mapping[str, np.ndarray]:
+        return self.analysis.rate_inputs
+
+    @property
+    def cut_nodes(self) -> list[onnx.NodeProto]:
+        """The optimizer nodes the fast path applies in place."""
+        return self.analysis.cut.nodes
 
 
 def used_names(graph: onnx.GraphProto) -> set[str]:
@@ -333,10 +352,28 @@ def build_program(
     meta: Mapping[str, str],
     fast: bool,
     prune_inputs: bool = False,
-) -> Program:
-    """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs
-    (``prune_inputs``: inputs nothing reads are dropped, for the stage programs). A
-    LargeModel's detached constants stay arrays: ``program.combined`` is a LargeModel then."""
+    where: str = "step",
+) -> tuple[onnx.ModelProto | LargeModel, Analysis]:
+    """Analyse training_info[index]: its combined graph, learning rates, in-place updates and
+    outputs.
+
+    Args:
+        model: the training model.
+        index: which TrainingInfoProto.
+        state: the state arrays (dtypes and shapes are checked against the bindings).
+        state_protos: the state variables' initializers.
+        meta: the builder's metadata.
+        fast: cut the updates the session applies in place (:mod:`.in_place_updates`).
+        prune_inputs: drop the inputs nothing reads (the stage programs).
+        where: the method the program runs for, as its messages name it.
+
+    Returns:
+        The graph onnxruntime runs (a LargeModel when ``model`` is: detached constants stay
+        arrays) and the :class:`Analysis`.
+
+    Raises:
+        TrainingOpError: an invalid combined graph or a binding of another dtype or shape.
+    """
     arrays = model.large_initializers if isinstance(model, LargeModel) else None
     model = proto_of(model)
     info = model.training_info[index]
@@ -410,24 +447,19 @@ def build_program(
     if groups or rms:  # what only fed the cut updates (their constants, shapes) is dead now
         prune_dead_nodes(graph)
 
-    program = Program(
-        index=index, session=None, io=None, feeds=[], rate_inputs=rate_inputs,
-        rate_defaults=rate_defaults, returned=returned, loss_names=loss_names(graph, returned, meta),
-        fixed_outputs=fixed_outputs, cut_nodes=cut_nodes, cut_sources=sources,
+    graph_model = LargeModel(combined, arrays).with_proto(combined) if arrays is not None else combined
+    cut = CutNodes(cut_nodes, sources, prescale)
+    analysis = Analysis(
+        index=index, where=where, state_inputs=tuple(state_inputs), binding=binding, rate_inputs=rate_inputs,
+        rate_defaults=rate_defaults, input_defaults=program_defaults, returned=tuple(returned),
+        loss_names=tuple(loss_names(graph, returned, meta)), fixed_outputs=tuple(fixed_outputs),
+        dynamic_outputs=tuple(dynamic), cut_outputs=frozenset(cut_outputs), cut=cut,
+        updates=(cut, RowUpdates(groups, row_sources), RMSPropUpdates(rms, rms_sources)),
     )
-    program.combined = LargeModel(combined, arrays).with_proto(combined) if arrays is not None else combined
-    program.state_inputs = state_inputs
-    program.init_values = init_values
-    program.input_defaults = program_defaults
-    program.binding = binding
-    program.cut_outputs = cut_outputs
-    program.prescale = prescale
-    program.row_groups, program.row_sources, program.dynamic_outputs = groups, row_sources, dynamic
-    program.rms_groups, program.rms_sources = rms, rms_sources
-    return program
+    return graph_model, analysis
 
 
 def program_feeds(program: Program) -> tuple[list[FeedSpec], list[FeedSpec]]:
     """(required, optional) inputs of a program: learning rates and inputs with a default are optional."""
-    rates = [FeedSpec(name, buf.dtype, buf.shape) for name, buf in program.rate_inputs.items()]
+    rates = [FeedSpec(name, buf.dtype, buf.shape) for name, buf in program.analysis.rate_inputs.items()]
     return list(program.feeds), [*rates, *(spec for spec, _ in program.optional_feeds)]

@@ -128,7 +128,7 @@ class TrainingLoop:
     def buffer_names(self) -> list[str]:
         """State the backward stage updates from the batch (BatchNorm running statistics)."""
         backward = self.accumulation.programs()[0]
-        return [k for k in backward.binding if k in self.store.arrays]
+        return [k for k in backward.analysis.binding if k in self.store.arrays]
 
     def sessions(self) -> list[Any]:
         """The onnxruntime sessions of the backward and apply stages, once opened."""

@@ -21,7 +21,6 @@ from ..storage.large_model import LargeModel
 from ..storage.tensors import proto_of
 from .binding import open_program
 from .checks import batch_checker, label_mismatch
-from .fast_path import flatten_cut_state
 from .feeds import Feed, FeedSpec, check_feed_names, feed_array, feed_list, feed_spec
 from .flat_parameters import lay_out_flat
 from .inference import inference_session
@@ -91,28 +90,26 @@ class SessionPrograms:
         lay the state out (each cut node's flat, then the trainables as one buffer if still
         apart: ``get_flat_parameters`` without a copy); later ones find it laid out."""
         state, fast = self.store.arrays, self.config.fast
-        analyses = [build_program(model, i, state, self.store.protos, self.meta, fast)
-                    for i in range(len(model.model_proto.training_info))]
-        for program in analyses:  # before anything binds a state array: lay the cut state out flat
-            program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
-                                                   rehome=rehome, prescale=program.prescale,
-                                                   zeros=self.store.zero_filled)
+        built = [build_program(model, i, state, self.store.protos, self.meta, fast)
+                 for i in range(len(model.model_proto.training_info))]
+        for _, analysis in built:  # before anything binds a state array: lay the cut state out flat
+            analysis.cut.lay_out(state, rehome, self.store.zero_filled)
         if rehome:
             lay_out_flat(state, [n for n in self.store.trainable_names() if n in state])
-        programs = [open_program(p, state, self.options(), self.config.providers, in_place=not fast,
+        programs = [open_program(graph, analysis, state, self.options(), self.config.providers, in_place=not fast,
                                  guard=self.config.on_nonfinite != "ignore", constants_as_inputs=self.large)
-                    for p in analyses]
+                    for graph, analysis in built]
         for program in programs:
             if program.guarded:
                 program.fallback = functools.partial(self._copying_program, program.index, model)
-        if any(p.cut_nodes for p in analyses):
+        if any(analysis.cut.nodes for _, analysis in built):
             _warm_up_fused_kernels()  # compile/load now, so no step pays for it
         return programs
 
     def _copying_program(self, index: int, model: LargeModel) -> Program:
         """Program ``index`` of ``model`` without in-place writes: it redoes a step the guard stopped."""
-        program = build_program(model, index, self.store.arrays, self.store.protos, self.meta, False)
-        return open_program(program, self.store.arrays, self.options(), self.config.providers)
+        graph, analysis = build_program(model, index, self.store.arrays, self.store.protos, self.meta, False)
+        return open_program(graph, analysis, self.store.arrays, self.options(), self.config.providers)
 
     def for_step(self, outputs: tuple[str, ...]) -> list[Program]:
         """The step programs, returning ``outputs`` too (opened on first use, bound to the state)."""
@@ -132,10 +129,9 @@ class SessionPrograms:
             proto = self.model.model_proto
             derived = evaluation_model(proto, loss, list(outputs)) if loss else \
                 evaluation_model(proto, outputs[0], list(outputs[1:]))
-            program = build_program(self.model.with_proto(derived), 0, self.store.arrays, self.store.protos,
-                                    self.meta, False, prune_inputs=True)
-            program.where = "evaluate"
-            self.evaluations[outputs] = open_program(program, self.store.arrays, self.options(),
+            graph, analysis = build_program(self.model.with_proto(derived), 0, self.store.arrays,
+                                            self.store.protos, self.meta, False, prune_inputs=True, where="evaluate")
+            self.evaluations[outputs] = open_program(graph, analysis, self.store.arrays, self.options(),
                                                      self.config.providers)
         return self.evaluations[outputs]
 
