@@ -24,7 +24,8 @@ from ..runtime.session import InferenceSession
 from .arrays import dtype_name, owned
 from .feeds import feed_spec
 from .in_place import add_finite_guard, in_place_outputs
-from .program import Analysis, Program, prune_unused_initializers
+from .program import Analysis, Program
+from .pruning import prune_unused_initializers
 
 
 def open_program(

@@ -10,20 +10,23 @@ must output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
 from ..storage.large_model import LargeModel
 from ..storage.tensors import proto_of
-from ..walk import all_graphs, drop_named, remove_nodes, subgraphs
+from ..walk import remove_nodes
 from ..passes._graph import value_types
 from ..passes.validate import validate
+from ..runtime.session import InferenceSession
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
+from .pruning import prune_dead_nodes, prune_unused_inputs, used_names
 from .fast_path import cut_sources, cuttable_nodes
 from .in_place_updates import CutNodes, InPlaceUpdate, RMSPropUpdates, RowUpdates
 from .rmsprop_fast_path import rmsprop_groups
@@ -62,19 +65,19 @@ class Program:
     (:func:`.binding.open_program`; the buffers after the first run, :func:`.binding.finish_binding`)."""
 
     analysis: Analysis
-    session: Any  # the runtime's InferenceSession
-    io: Any  # its IOBinding
+    session: InferenceSession
+    io: ort.IOBinding
     feeds: list[FeedSpec] = field(default_factory=list)
     optional_feeds: list[tuple[FeedSpec, np.ndarray]] = field(default_factory=list)  # with their defaults
     in_place: dict[str, str] = field(default_factory=dict)  # optimizer output -> the state it is written into
     guarded: bool = False  # a non-finite loss stops the run before the optimizers (.in_place)
     uses_plugin: bool = False  # a plugin node is left in the graph (else every optimizer was cut)
-    run: Any = None  # session.run_with_iobinding when a plugin node is left, else None (direct call)
+    run: Callable[[ort.IOBinding], None] | None = None  # session.run_with_iobinding with a plugin node left
     needs_feeds: bool = False  # an in-place update reads a feed
-    keep_alive: list = field(default_factory=list)  # OrtValues bound to our buffers
+    keep_alive: list[Any] = field(default_factory=list)  # OrtValues (and arrays) bound to the session
     prebound: dict[str, np.ndarray] = field(default_factory=dict)  # gradient -> its view in a flat G buffer
     bound_feeds: dict[str, Any] = field(default_factory=dict)  # feed name -> (array, shape, dtype) bound last step
-    fallback: Any = None  # () -> the same program without in-place writes, for a guarded step redone
+    fallback: Program | Callable[[], Program] | None = None  # the same program without in-place writes
     # after the first run
     fixed_buffers: dict[str, np.ndarray] = field(default_factory=dict)
     binding_copies: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (state, output)
@@ -98,69 +101,6 @@ class Program:
     def cut_nodes(self) -> list[onnx.NodeProto]:
         """The optimizer nodes the fast path applies in place."""
         return self.analysis.cut.nodes
-
-
-def used_names(graph: onnx.GraphProto) -> set[str]:
-    """Every name read by a node of ``graph`` (subgraphs included) or listed as its output."""
-    used: set[str] = set()
-    for g in all_graphs(graph):
-        for node in g.node:
-            used.update(node.input)
-    used.update(o.name for o in graph.output)
-    used.discard("")
-    return used
-
-
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """What ``node`` reads: its inputs, the outer values its subgraphs read, and a Gradient's
-    ``y`` and ``zs`` (attributes, not inputs)."""
-    names = list(node.input)
-    for sub in subgraphs(node):
-        names += used_names(sub)
-    if node.domain == DOMAIN and node.op_type == "Gradient":
-        for a in node.attribute:
-            if a.name == "y":
-                names.append(helper.get_attribute_value(a).decode())
-            elif a.name == "zs":
-                names += [z.decode() for z in helper.get_attribute_value(a)]
-    return names
-
-
-def prune_dead_nodes(graph: onnx.GraphProto) -> None:
-    """Keep only the nodes some output of ``graph`` depends on. onnxruntime runs every node
-    of a graph, even one nothing reads: in a ``mode="train"`` model the main graph's
-    eval-mode forward pass would run in every step for nothing."""
-    producer = {o: i for i, node in enumerate(graph.node) for o in node.output if o}
-    live: set[int] = set()
-    pending = [o.name for o in graph.output]
-    while pending:
-        i = producer.get(pending.pop())
-        if i is not None and i not in live:
-            live.add(i)
-            pending += _reads(graph.node[i])
-    if len(live) < len(graph.node):
-        remove_nodes(graph, [node for i, node in enumerate(graph.node) if i not in live])
-
-
-def prune_unused_inputs(graph: onnx.GraphProto) -> None:
-    """Drop the graph inputs no node reads (a stage program takes only the feeds it needs)."""
-    used = used_names(graph)
-    kept = [vi for vi in graph.input if vi.name in used]
-    del graph.input[:]
-    graph.input.extend(kept)
-
-
-def prune_unused_initializers(graph: onnx.GraphProto, droppable_inputs=()) -> None:
-    """Drop the initializers no node reads (a cut optimizer node leaves its constants and
-    learning rate behind); onnxruntime would drop them too, with a warning per tensor at
-    every session. An initializer that is also a graph input goes only if named in
-    ``droppable_inputs`` (the learning rates, which the fast path reads from its own buffers)."""
-    used = used_names(graph)
-    inputs = {vi.name for vi in graph.input}
-    drop = {t.name for t in graph.initializer
-            if t.name not in used and (t.name not in inputs or t.name in droppable_inputs)}
-    drop_named(graph.initializer, drop)
-    drop_named(graph.input, drop)
 
 
 def combined_graph(
