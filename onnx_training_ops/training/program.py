@@ -34,7 +34,7 @@ from .row_updates import row_groups
 from .feeds import FeedSpec, checked_learning_rate
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Analysis:
     """What :func:`build_program` finds in one TrainingInfoProto: everything a session does
     around the graph onnxruntime runs (which :func:`build_program` returns beside it).
@@ -59,7 +59,7 @@ class Analysis:
     updates: tuple[InPlaceUpdate, ...]  # every in-place update, in the order a step applies them
 
 
-@dataclass
+@dataclass(slots=True)
 class Program:
     """An analysed program opened on one state: its onnxruntime session, IOBinding and buffers
     (:func:`.binding.open_program`; the buffers after the first run, :func:`.binding.finish_binding`)."""

@@ -27,7 +27,9 @@ class Checkpointer:
     schedule's position) and inference models."""
 
     def __init__(self, store: StateStore, rates: LearningRates, meta: Mapping[str, str], large: bool) -> None:
-        """Args:
+        """The checkpointer of ``store``, with the properties the model recorded.
+
+        Args:
             store: the state written.
             rates: the learning rates (the schedule and its position go into checkpoints).
             meta: the builder's metadata (``properties``: the values a checkpoint restores).

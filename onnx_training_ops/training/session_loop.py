@@ -28,7 +28,9 @@ class TrainingLoop:
     """What changes the state step by step, over one store and its programs."""
 
     def __init__(self, programs: SessionPrograms) -> None:
-        """Args:
+        """The loop over ``programs``: learning rates from their inputs, no gradients accumulated.
+
+        Args:
             programs: the session's programs (and through them its state store and metadata).
         """
         self.programs = programs

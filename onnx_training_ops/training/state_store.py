@@ -41,7 +41,9 @@ class StateStore:
 
     def __init__(self, model: LargeModel, arrays: dict[str, np.ndarray], protos: Mapping[str, onnx.TensorProto],
                  meta: Mapping[str, str]) -> None:
-        """Args:
+        """The store over ``arrays``, nothing bound yet.
+
+        Args:
             model: the session's training model (message and big arrays).
             arrays: state variable name -> its array (the store keeps these very arrays).
             protos: the state variables' initializers (their initial values).
