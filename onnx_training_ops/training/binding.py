@@ -203,6 +203,7 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
         copies.append((array, buf))
     for update in analysis.updates:
         update.prepare(program.fixed_buffers, state)
+    program.updates = tuple(update for update in analysis.updates if update.planned)
     program.copy_plan = copies
 
 

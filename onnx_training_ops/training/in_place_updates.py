@@ -12,6 +12,7 @@ state arrays; every step then calls :meth:`InPlaceUpdate.apply` inside the state
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import cached_property
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -40,10 +41,15 @@ class InPlaceUpdate(ABC):
     nodes: list[onnx.NodeProto]
     sources: dict[str, Source]
 
-    @property
+    @cached_property
     def reads_feeds(self) -> bool:
         """Whether a value it reads is a feed of the step (resolved per step)."""
         return any(isinstance(src, FromFeed) for src in self.sources.values())
+
+    @property
+    @abstractmethod
+    def planned(self) -> bool:
+        """Whether :meth:`prepare` planned any update (else :meth:`apply` has nothing to do)."""
 
     @abstractmethod
     def prepare(self, fixed_buffers: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> None:
@@ -77,6 +83,10 @@ class CutNodes(InPlaceUpdate):
         for entry in self.flat.values():
             entry.buffers.pop("G", None)
 
+    @property
+    def planned(self) -> bool:
+        return bool(self.plan)
+
     def prepare(self, fixed_buffers: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> None:
         self.plan = cut_plan(self.nodes, self.flat, self.sources, fixed_buffers, state, self.prescale)
         if not self.reads_feeds:
@@ -98,12 +108,15 @@ class RowUpdates(InPlaceUpdate):
         self.nodes = [n for g in groups for n in g.nodes]
         self.plans: list[RowPlan] = []
 
+    @property
+    def planned(self) -> bool:
+        return bool(self.plans)
+
     def prepare(self, fixed_buffers: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> None:
         self.plans = row_plan(self.groups, state)
 
     def apply(self, values: Values, feeds: Mapping[str, Any]) -> None:
-        if self.plans:
-            apply_row_groups(self.plans, values(self.sources))
+        apply_row_groups(self.plans, values(self.sources))
 
 
 class RMSPropUpdates(InPlaceUpdate):
@@ -114,9 +127,12 @@ class RMSPropUpdates(InPlaceUpdate):
         self.nodes = [n for g in groups for n in g.nodes]
         self.plans: list[RMSPropPlan] = []
 
+    @property
+    def planned(self) -> bool:
+        return bool(self.plans)
+
     def prepare(self, fixed_buffers: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> None:
         self.plans = rmsprop_plan(self.groups, state)
 
     def apply(self, values: Values, feeds: Mapping[str, Any]) -> None:
-        if self.plans:
-            apply_rmsprop(self.plans, values(self.sources))
+        apply_rmsprop(self.plans, values(self.sources))

@@ -82,6 +82,7 @@ class Program:
     fixed_buffers: dict[str, np.ndarray] = field(default_factory=dict)
     binding_copies: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (state, output)
     copy_plan: list[tuple[np.ndarray, np.ndarray]] | None = None  # None until the first run
+    updates: tuple[InPlaceUpdate, ...] = ()  # the analysis's in-place updates with work to do, once planned
     returned_buffers: list[tuple[str, np.ndarray]] = field(default_factory=list)
     returned_from_ort: list[tuple[str, int]] = field(default_factory=list)  # (name, output index)
 

@@ -52,7 +52,7 @@ class TrainingLoop:
             result = self.backward(feeds)
             result.update(self.optimizer_step(lr))
             return result
-        self.programs.check_feeds(feeds, set(self.programs.required), self.programs.optional)
+        self.programs.check_feeds(feeds, self.programs.required_names, self.programs.optional)
         rates = self.rates.for_step(lr)
         programs = self.programs.for_step(tuple(outputs))
         applied = [True]  # no program of this step skipped so far

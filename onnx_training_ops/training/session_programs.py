@@ -64,6 +64,7 @@ class SessionPrograms:
         for program in self.steps:
             for spec in program.feeds:
                 self.required.setdefault(spec.name, spec)
+        self.required_names: frozenset[str] = frozenset(self.required)
         self.optional: set[str] = {spec.name for p in self.steps for spec, _ in p.optional_feeds}
         self.optional.update(name for p in self.steps for name in p.rate_inputs)
         proto = self.model.model_proto

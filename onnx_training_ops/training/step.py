@@ -133,11 +133,12 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
         defaults = {spec.name: default for spec, default in program.optional_feeds}
         feeds = {**defaults, **feeds}
 
-    def values(sources):
-        return _cut_values(program, sources, raw, feeds, state)
+    if program.updates:
+        def values(sources):
+            return _cut_values(program, sources, raw, feeds, state)
 
-    for update in program.analysis.updates:
-        update.apply(values, feeds)
+        for update in program.updates:
+            update.apply(values, feeds)
     for array, buf in program.copy_plan:
         np.copyto(array, buf)
     return result, False
