@@ -131,7 +131,7 @@ class DistributedTrainingSession:
         else:
             if not isinstance(session, TrainingSession):
                 session = TrainingSession(session, **session_kwargs)
-            self._fingerprint = fingerprint(proto_of(session._model))
+            self._fingerprint = fingerprint(proto_of(session._store.model))
         self.session = session
         self._check_same_model()
         self._rate_names = sorted({name for names in self._gather(session.learning_rate_names) for name in names})

@@ -38,6 +38,11 @@ class OptimizerSpec:
     def n_groups_out(self) -> int:
         return len(self.tensor_outputs)
 
+    @property
+    def updated_inputs(self) -> tuple[str, ...]:
+        """The input role each output group holds the new value of, in output order (X, V[, H])."""
+        return tuple(role for role in self.tensor_inputs if role != "G")
+
     def n_tensors(self, n_inputs: int) -> int | None:
         """Number of optimized tensors for a node with ``n_inputs`` inputs, or None if invalid."""
         rest = n_inputs - 2
@@ -67,6 +72,7 @@ def _spec(op_type: str, tensor_inputs, tensor_outputs) -> OptimizerSpec:
         elif attr.default_value.type != AttributeProto.UNDEFINED:
             value = _attribute_value(attr.default_value)
             defaults[name] = value.decode() if isinstance(value, bytes) else value
+    assert tuple(tensor_outputs) == tuple(f"{r}_new" for r in tensor_inputs if r != "G"), op_type
     return OptimizerSpec(
         op_type, tuple(tensor_inputs), tuple(tensor_outputs), defaults,
         tuple(required), tuple(floats), tuple(strings),

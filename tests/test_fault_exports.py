@@ -350,7 +350,7 @@ def test_a_large_model_session_exports(tmp_path, monkeypatch):
     monkeypatch.setenv("ONNX_TRAINING_OPS_LARGE_MODEL_BYTES", str(2 * 1024))
     session = ot.TrainingSession(ot.build_training_model(make_mlp((8, 64, CLASSES)), "cross_entropy",
                                                          ot.Adam(lr=1e-2)))
-    assert session._large
+    assert session._programs.large
     session.step(_batch(0))
     export_step(session, tmp_path / "out")
     session.save(tmp_path / "ck.onnx")

@@ -13,8 +13,9 @@ from test_interrupts import ctrl_c, default_sigint_handler  # noqa: F401 - the f
 
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.training import step as step_module
 from onnx_training_ops.training.schedules import StepLR
+from onnx_training_ops.training import in_place_updates, step as step_module
+from test_interrupts import ctrl_c, default_sigint_handler  # noqa: F401 - the fixture
 
 BATCH = {"input": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32),
          "labels": np.array([0, 1, 2, 1], np.int64)}
@@ -34,9 +35,10 @@ def _session(fast: bool) -> ot.TrainingSession:
 def _inject(monkeypatch, point: str) -> None:
     """Send Ctrl-C at ``point`` of the next state write."""
     if point == "in_state_update":
-        for name in ("apply_plan", "apply_step_with_feeds", "finish_binding"):
-            real = getattr(step_module, name)
-            monkeypatch.setattr(step_module, name, lambda *a, _real=real: (ctrl_c(), _real(*a))[1])
+        for module, name in ((in_place_updates, "apply_plan"), (in_place_updates, "apply_step_with_feeds"),
+                             (step_module, "finish_binding")):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _real=real: (ctrl_c(), _real(*a))[1])
         return
     if point == "in_bookkeeping":
         real_committed = step_module._committed

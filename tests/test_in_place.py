@@ -39,17 +39,17 @@ def test_in_place_graph_is_bit_identical_to_the_fast_path(optimizer, on_nonfinit
     model = build_training_model(make_mlp((8, 6, 3)), "cross_entropy", optimizer)
     fast = TrainingSession(model, on_nonfinite=on_nonfinite)
     full = TrainingSession(model, fast=False, on_nonfinite=on_nonfinite)
-    program = full._programs[0]
+    program = full._programs.steps[0]
     # every parameter and optimizer state is written by the kernel into the state array itself
     assert sorted(program.in_place.values()) == sorted(n for n in full.state_names if n != "optimizer.T")
     assert program.guarded == (on_nonfinite != "ignore")
-    arrays = {name: full._state[name] for name in full.state_names}
+    arrays = {name: full._store.arrays[name] for name in full.state_names}
     for step in range(4):
         fast.step(_batch(step))
         full.step(_batch(step))
     _assert_same_state(fast, full)
-    assert all(full._state[name] is arrays[name] for name in arrays)  # no array was replaced
-    assert [array is full._state["optimizer.T"] for array, _ in program.copy_plan] == [True]  # T only
+    assert all(full._store.arrays[name] is arrays[name] for name in arrays)  # no array was replaced
+    assert [array is full._store.arrays["optimizer.T"] for array, _ in program.copy_plan] == [True]  # T only
 
 
 def test_guard_keeps_a_nan_loss_from_the_state_and_training_goes_on():
@@ -91,7 +91,7 @@ def test_accumulated_steps_apply_in_place_bit_identical():
         for k in range(3):
             session.backward(_batch(k), scale=1 / 3)
         session.optimizer_step()
-    assert full._accumulation.programs()[1].in_place
+    assert full._loop.accumulation.programs()[1].in_place
     _assert_same_state(fast, full)
 
 

@@ -11,7 +11,7 @@ import pytest
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.interrupts import held_interrupts
-from onnx_training_ops.training import step as step_module
+from onnx_training_ops.training import in_place_updates
 
 
 @pytest.fixture(autouse=True)
@@ -98,13 +98,13 @@ def test_ctrl_c_while_a_step_writes_the_state_lets_the_whole_step_land(monkeypat
     reference.step(batch)
     session.step(batch)
     reference.step(batch)
-    real_apply = step_module.apply_plan
+    real_apply = in_place_updates.apply_plan
 
     def interrupted_apply(plan):
         ctrl_c()
         real_apply(plan)
 
-    monkeypatch.setattr(step_module, "apply_plan", interrupted_apply)
+    monkeypatch.setattr(in_place_updates, "apply_plan", interrupted_apply)
     with pytest.raises(KeyboardInterrupt):
         session.step(batch)
     got, want = session.state_dict(), reference.state_dict()

@@ -56,7 +56,7 @@ def test_fast_path_graph_holds_no_optimizer_node(optimizer):
     allocating X, V and H anew every step for nothing)."""
     session = TrainingSession(build_training_model(make_mlp((8, 16, 4)), "cross_entropy", optimizer))
     session.step({"input": np.ones((4, 8), np.float32), "labels": np.arange(4)})
-    for program in session._programs:
+    for program in session._programs.steps:
         ran = program.session.prepared_model.graph
         optimizers = [n.op_type for n in ran.node if n.domain and n.op_type not in NATIVE_GRAD_OPS]
         assert not optimizers, "an optimizer node is still in the graph"
@@ -231,11 +231,11 @@ def test_frozen_weights_get_no_optimizer_state_and_stay_mapped(tmp_path, large):
     session = TrainingSession(training)
     session.step(_batch())
     assert sorted(session.state_names) == sorted(["W1", "b1", "W1.V", "b1.V", "W1.H", "b1.H", "optimizer.T"])
-    outputs = {o.name for p in session._programs for o in p.session.prepared_model.graph.output}
+    outputs = {o.name for p in session._programs.steps for o in p.session.prepared_model.graph.output}
     assert not [o for o in outputs if o.startswith("W0")]
-    assert isinstance(session._model.array(next(t for t in session._model.model_proto.graph.initializer
+    assert isinstance(session._store.model.array(next(t for t in session._store.model.model_proto.graph.initializer
                                                   if t.name == "W0")), np.memmap)
-    ran = session._programs[0].session.prepared_model.graph  # bound as an input: onnxruntime copies initializers
+    ran = session._programs.steps[0].session.prepared_model.graph  # bound as an input: onnxruntime copies initializers
     assert "W0" in {i.name for i in ran.input} and "W0" not in {t.name for t in ran.initializer}
 
 
@@ -251,12 +251,12 @@ def test_gradients_are_written_into_the_kernels_buffers_from_the_first_step():
     """No step allocates gradients: onnxruntime writes them into the flat G buffer of the
     fused kernel from the first run on."""
     session = TrainingSession(build_training_model(make_mlp((8, 16, 4)), "cross_entropy", Adam(lr=1e-2)))
-    program = session._programs[0]
+    program = session._programs.steps[0]
     buffers = {name: view.__array_interface__["data"][0] for name, view in program.prebound.items()}
     assert sorted(buffers) == ["W0.grad", "W1.grad", "b0.grad", "b1.grad"]
     session.step({"input": np.ones((4, 8), np.float32), "labels": np.arange(4)})
     outputs = program.io._iobinding.get_outputs()
-    names = program.returned + program.fixed_outputs
+    names = program.analysis.returned + program.analysis.fixed_outputs
     for name, address in buffers.items():
         assert outputs[names.index(name)].data_ptr() == address
 
@@ -285,7 +285,7 @@ def test_a_gradient_that_only_broadcasts_to_its_parameter_still_trains():
     for _ in range(2):
         fast.step(feed)
         full.step(feed)
-    assert fast.fast_path_nodes and not fast._programs[0].prebound
+    assert fast.fast_path_nodes and not fast._programs.steps[0].prebound
     for name in init:
         assert np.array_equal(fast.state_dict()[name], full.state_dict()[name]), name
 

@@ -147,7 +147,7 @@ def test_train_mode_steps_match_torch_and_the_step_runs_the_native_op(optimizer)
         ours, theirs = ot.Momentum(lr=0.1, momentum=0.9), torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     training = ot.build_training_model(onnx.load_from_string(f.getvalue()), "cross_entropy", ours, mode="train")
     session = ot.TrainingSession(training)
-    ran = [n.op_type for n in session._programs[0].session.prepared_model.graph.node]
+    ran = [n.op_type for n in session._programs.steps[0].session.prepared_model.graph.node]
     assert ran.count(OP) == 2
     for kwargs, count in ((dict(kernels="native"), 2), (dict(kernels="pyop"), 0), (dict(portable=True), 0)):
         step = [n.op_type for n in ot.prepare(training, **kwargs).training_info[0].algorithm.node]

@@ -60,7 +60,7 @@ def test_rmsprop_matches_torch(weight_decay, momentum, centered, dtype):
     for fast in (True, False):
         session = TrainingSession(training, fast=fast)
         # the fast path cuts every tensor's standard-op update and runs the fused kernel
-        assert len(session._programs[0].rms_groups) == (4 if fast else 0)
+        assert len(session._programs.steps[0].analysis.updates[2].groups) == (4 if fast else 0)
         for x, y in batches:
             session.step({"input": x, "labels": y})
         states.append(session.state_dict())

@@ -56,8 +56,9 @@ def session(optimizer, mode, fast, trainable=("E",), dtype=np.float64) -> Traini
 def assert_rows_in_place(s: TrainingSession, mode: str, optimizer, fast: bool) -> None:
     """The apply stage's table update runs in the fast path's row kernels (in place), not in
     onnxruntime: rows from the touched counter, so nothing left to deduplicate."""
-    _, apply, _, _ = s._stage_programs()
-    groups = apply.row_groups + [g for g in apply.rms_groups if g.rows]
+    _, apply, _, _ = s._loop.accumulation.programs()
+    _, rows, rms = apply.analysis.updates  # cut nodes, row updates, RMSProp
+    groups = rows.groups + [g for g in rms.groups if g.rows]
     if mode == "lazy" or not isinstance(optimizer, Adam):  # TF's sparse Adam is dense work
         assert len(groups) == int(fast) and not any(g.dedup for g in groups)
 
@@ -145,7 +146,7 @@ def test_gradient_buffers_average_across_processes():
         single.backward({"ids": data[r][0], "target": data[r][1]}, scale=0.5)
     (buffer,) = ranks[0].gradient_buffers()  # one dtype: W's gradient, E's, E's counter
     assert buffer.size == 4 + N * 4 + N
-    assert np.shares_memory(buffer, ranks[0]._accumulation.accumulators["E.grad.accumulated"])
+    assert np.shares_memory(buffer, ranks[0]._loop.accumulation.accumulators["E.grad.accumulated"])
     mean = (ranks[0].gradient_buffers()[0] + ranks[1].gradient_buffers()[0]) * 0.5
     for s in ranks:
         s.gradient_buffers()[0][...] = mean

@@ -70,8 +70,9 @@ def run_onnx(optimizer, mode, data, fast=True, dtype=np.float64):
                                  sparse_updates={"E": mode})
     session = TrainingSession(model, fast=fast)
     if mode == "lazy" or not isinstance(optimizer, Adam):  # the fast path updates the rows in place
-        program = session._programs[0]
-        groups = program.row_groups + [g for g in program.rms_groups if g.rows]
+        program = session._programs.steps[0]
+        _, rows, rms = program.analysis.updates  # cut nodes, row updates, RMSProp
+        groups = rows.groups + [g for g in rms.groups if g.rows]
         assert len(groups) == int(fast) and all(g.dedup for g in groups)
     for ids, target in data:
         session.step({"ids": ids, "target": target.astype(dtype)})

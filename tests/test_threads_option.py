@@ -24,8 +24,7 @@ def _options(session: ot.TrainingSession) -> list[ort.SessionOptions]:
     session.step(feeds)
     session.evaluate(feeds)
     session.run(["logits"], {"input": feeds["input"]})
-    sessions = [p.session for p in session._programs] + [p.session for p in session._eval_programs.values()] + \
-        [session._inference[0]]
+    sessions = session._programs.sessions()
     return [s.get_session_options() for s in sessions]
 
 

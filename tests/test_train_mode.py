@@ -202,7 +202,7 @@ def test_the_step_does_not_run_the_eval_forward_pass():
     model = _export(module.eval(), torch.randn(4, 2, 6, 6))
     session = ot.TrainingSession(ot.build_training_model(model, "cross_entropy", ot.Adam(),
                                                          mode="train"))
-    ran = session._programs[0].session.prepared_model.graph.node
+    ran = session._programs.steps[0].session.prepared_model.graph.node
     written = {o for n in ran for o in n.output}
     assert not written & {o for n in model.graph.node for o in n.output}
     assert {"train/y", "train//conv1/Conv_output_0"} <= written  # the training-mode copy runs

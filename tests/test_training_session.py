@@ -117,12 +117,12 @@ def test_fast_path_is_bit_exact_on_hand_written_model():
 
 def test_state_is_shared_with_onnxruntime_not_copied():
     session = TrainingSession(build_training_model(make_mlp((8, 4, 3)), "cross_entropy", Adam()))
-    arrays = {name: session._state[name] for name in session.state_names}
+    arrays = {name: session._store.arrays[name] for name in session.state_names}
     x, y = _digits_like(0, 5, 8, 3)
     for _ in range(3):
         session.step({"input": x, "labels": y})
     for name, array in arrays.items():
-        assert session._state[name] is array  # updated in place, never replaced
+        assert session._store.arrays[name] is array  # updated in place, never replaced
 
 
 # ------------------------------------------------------------------ learning rate
@@ -522,7 +522,7 @@ def test_flat_parallel_kernel_is_bit_exact_with_per_tensor_serial():
     for _ in range(5):
         fast.step({"input": x, "labels": y})
         full.step({"input": x, "labels": y})
-    flat = fast._programs[0].plan[0].tensors[0]
+    flat = fast._programs.steps[0].analysis.cut.plan[0].tensors[0]
     threshold = getattr(fused, "PARALLEL_THRESHOLDS", {}).get("adam", fused.PARALLEL_THRESHOLD)
     assert flat.size >= threshold > max(v.size for v in full.state_dict().values())
     for name, value in fast.state_dict().items():
@@ -572,7 +572,7 @@ def test_session_options_reach_every_onnxruntime_session_and_profiling_works(tmp
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = TrainingSession(build_training_model(make_mlp((8, 16, 4)), "cross_entropy", Adam()),
                               sess_options=so, session_config={"session.set_denormal_as_zero": "1"})
-    made = session._session_options()
+    made = session._programs.options()
     assert made is not so and made.intra_op_num_threads == 1 and made.use_deterministic_compute
     assert made.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert made.get_session_config_entry("session.set_denormal_as_zero") == "1"
@@ -615,8 +615,8 @@ def test_a_small_model_gets_one_intra_op_thread_unless_options_are_given(sizes, 
 
     model = build_training_model(make_mlp(sizes), "cross_entropy", Adam())
     session = TrainingSession(model)
-    assert {p.session.get_session_options().intra_op_num_threads for p in session._programs} == {threads}
+    assert {p.session.get_session_options().intra_op_num_threads for p in session._programs.steps} == {threads}
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     given = TrainingSession(model, sess_options=so)
-    assert {p.session.get_session_options().intra_op_num_threads for p in given._programs} == {2}
+    assert {p.session.get_session_options().intra_op_num_threads for p in given._programs.steps} == {2}

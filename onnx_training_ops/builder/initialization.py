@@ -12,7 +12,7 @@ from .algorithm import tensor_vi
 from .param_groups import Group
 
 
-def initialization_graph(params, groups: list[Group], state_names: dict[str, str], t_name: str,
+def initialization_graph(params, groups: list[Group], state_names: dict[str, dict[str, str]], t_name: str,
                          taken: set[str], algo_inits: list, arrays: dict | None = None,
                          ) -> tuple[onnx.GraphProto, list[tuple[str, str]]]:
     """The initialization graph (V/H at their group's initial value, T = 0) and its binding;
@@ -37,7 +37,7 @@ def initialization_graph(params, groups: list[Group], state_names: dict[str, str
                              name=unique_name(taken, f"init/{p.name}.shape"))
         )
         for s in optimizer.states:
-            state = state_names[f"{p.name}\0{s}"]
+            state = state_names[p.name][s]
             value = optimizer.initial_value(s)
             algo_inits.append(_filled(state, p.data_type, p.dims, value, arrays))
             out = unique_name(taken, f"{state}.init")

@@ -256,8 +256,7 @@ def build_training_model(
         "learning_rate": learning_rate,
         "trainable": ",".join(p.name for p in params),
         # each trainable's optimizer state variables (what sharding the state must keep together)
-        "optimizer_state": json.dumps({p.name: [v for k, v in state_names.items() if k.split("\0")[0] == p.name]
-                                       for p in params}),
+        "optimizer_state": json.dumps({p.name: list(state_names[p.name].values()) for p in params}),
         "mode": mode,
         "seed": str(seed),
     }

@@ -73,12 +73,13 @@ def _decoupled_decay(group: Group, params, r_type: int, algo: Algorithm) -> list
 
 def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_grad_norm,
             clip_grad_value, algo: Algorithm,
-            tables: Sequence[sparse_updates_.Table] = ()) -> tuple[dict[str, str], str]:
+            tables: Sequence[sparse_updates_.Table] = ()) -> tuple[dict[str, dict[str, str]], str]:
     """T <- T + 1, one Gradient node for all ``params``, clipping, and one optimizer update
     per group (:func:`.update_graph.emit_update`: one multi-tensor node of the domain, or
     standard ops for RMSProp); every new value bound to its state. ``tables``
     (:mod:`.sparse_updates`) are differentiated at their lookups and updated by rows.
-    Returns each optimizer state variable's name by ``"<param>\\0<state>"`` and the name of
+    Returns each parameter's optimizer state variables (``{param: {state: name}}``, in the
+    optimizer's state order) and the name of
     the norm before clipping ("" without clip_grad_norm)."""
     t_new, one = algo.name("optimizer.T.new"), algo.name("optimizer.one")
     algo.inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
@@ -102,7 +103,7 @@ def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_gr
     r_type = next(vi for vi in algo.inputs if vi.name == groups[0].learning_rate).type.tensor_type.elem_type
     t_input = {True: t_new, False: t_name}
 
-    state_names: dict[str, str] = {}
+    state_names: dict[str, dict[str, str]] = {p: {} for p in p_names}
     for group in groups:
         optimizer, names = group.optimizer, group.params
         states = {s: [algo.name(f"{p}.{s}") for p in names] for s in optimizer.states}
@@ -138,6 +139,6 @@ def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_gr
         for s in optimizer.states:
             for p, state, new in zip(names, states[s], new_states[s]):
                 algo.bind(state, new, by_name[p].data_type, by_name[p].dims)
-                state_names[f"{p}\0{s}"] = state
+                state_names[p][s] = state
     algo.bind(t_name, t_new, TensorProto.INT64, [])
     return state_names, norm_name

@@ -22,7 +22,8 @@ from onnx import helper, numpy_helper
 from ..errors import TrainingOpError, node_label
 from ..runtime.pipeline import prepare
 from ..training.inference import inference_model
-from ..training.program import combined_graph, used_names
+from ..training.program import combined_graph
+from ..training.pruning import used_names
 from ..training.stages import evaluation_model
 from ..walk import all_graphs
 

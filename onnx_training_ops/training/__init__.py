@@ -1,12 +1,16 @@
 """Training sessions: run ONNX training models (``training_info``) in stock onnxruntime.
 
-* :mod:`.session` — :class:`TrainingSession`, the public API, in parts: :mod:`.session_state`
-  (state variables), :mod:`.session_loop` (evaluate, backward/optimizer_step, schedules),
-  :mod:`.session_files` (checkpoints, exports); with :mod:`.accumulation` (the gradient
-  accumulators), :mod:`.rates` (learning rates and the schedule), :mod:`.options`,
+* :mod:`.session` — :class:`TrainingSession`, the public API: a thin class over the parts it
+  owns, opened by :mod:`.session_open`: :mod:`.state_store` (the state variables),
+  :mod:`.session_programs` (the onnxruntime programs over them), :mod:`.session_loop` (step,
+  evaluate, backward/optimizer_step with :mod:`.accumulation`, learning rates with
+  :mod:`.rates`), :mod:`.session_files` (checkpoints, exports); with :mod:`.options`,
   :mod:`.checks` (labels, properties);
 * :mod:`.schedules` — learning-rate schedules with torch's names;
-* :mod:`.program` — one TrainingInfoProto's algorithm as the graph onnxruntime runs;
+* :mod:`.program` — one TrainingInfoProto's algorithm as the graph onnxruntime runs, its
+  frozen :class:`~.program.Analysis` and the open :class:`~.program.Program`;
+* :mod:`.in_place_updates` — what a step applies to the state itself (cut optimizer nodes,
+  lazy table rows, RMSProp), reading values whose origins :mod:`.sources` names;
 * :mod:`.fast_path` — optimizer nodes applied in place by the fused kernels;
 * :mod:`.binding` — the zero-copy IOBinding of state and buffers;
 * :mod:`.step` — one step: feeds, run, non-finite check, state update;

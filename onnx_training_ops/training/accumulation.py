@@ -19,7 +19,6 @@ from ..storage.large_model import LargeModel
 from ..storage.tensors import tensor_value
 
 from .binding import open_program
-from .fast_path import flatten_cut_state
 from .program import Program, build_program
 from .stages import GRAD_SCALE, Stages, split_stages
 from .step import run_program
@@ -58,12 +57,11 @@ class GradientAccumulation:
             for stage in (stages.backward, stages.apply):
                 backward = stage is stages.backward
                 derived = LargeModel(stage, arrays).with_proto(stage)
-                program = build_program(derived, 0, state, protos, self._meta if backward else apply_meta,
-                                        self._fast, prune_inputs=True)
-                program.where = "backward" if backward else "optimizer_step"
-                program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, state,
-                                                       rehome=False, prescale=program.prescale)
-                programs.append(open_program(program, state, self._options(), self._providers,
+                graph, analysis = build_program(derived, 0, state, protos, self._meta if backward else apply_meta,
+                                                self._fast, prune_inputs=True,
+                                                where="backward" if backward else "optimizer_step")
+                analysis.cut.lay_out(state, rehome=False)
+                programs.append(open_program(graph, analysis, state, self._options(), self._providers,
                                              in_place=not self._fast and not backward))
             self._built = (programs[0], programs[1], stages, state)
         return self._built

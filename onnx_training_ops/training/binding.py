@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
@@ -21,16 +22,15 @@ from ..schema import DOMAIN
 from ..runtime.pipeline import prepare
 from ..runtime.session import InferenceSession
 from .arrays import dtype_name, owned
-from .fast_path import cut_plan, flat_gradient_views, prepare_plan
 from .feeds import feed_spec
 from .in_place import add_finite_guard, in_place_outputs
-from .program import Program, prune_unused_initializers
-from .rmsprop_fast_path import plan as rms_plan
-from .row_updates import plan as row_plan
+from .program import Analysis, Program
+from .pruning import prune_unused_initializers
 
 
 def open_program(
-    program: Program,
+    model: onnx.ModelProto | LargeModel,
+    analysis: Analysis,
     state: dict[str, np.ndarray],
     sess_options: ort.SessionOptions | None,
     providers: Sequence[str | tuple[str, dict]],
@@ -40,36 +40,48 @@ def open_program(
 ) -> Program:
     """Create the onnxruntime session and the IOBinding of an analysed program.
 
-    ``in_place``: bind the native optimizers' outputs onto their state arrays where that is
-    safe (:mod:`.in_place`), so the run updates the state without copies. ``guard``: the
-    step may still be undone by the loss check, so the optimizers get a guard that stops
-    the run before them on a non-finite loss (without a guard, no in-place writes).
-    ``constants_as_inputs``: a large model's detached constants become inputs bound to
-    their arrays (onnxruntime copies initializers, reads bound inputs in place)."""
-    combined = program.combined
+    Args:
+        model: the graph :func:`~.program.build_program` returned with ``analysis``.
+        analysis: what the session does around it.
+        state: the state arrays to bind (zero-copy).
+        sess_options: the onnxruntime options of this session.
+        providers: the execution providers.
+        in_place: bind the native optimizers' outputs onto their state arrays where that is
+            safe (:mod:`.in_place`), so the run updates the state without copies.
+        guard: the step may still be undone by the loss check, so the optimizers get a guard
+            that stops the run before them on a non-finite loss (without a guard, no in-place
+            writes).
+        constants_as_inputs: a large model's detached constants become inputs bound to their
+            arrays (onnxruntime copies initializers, reads bound inputs in place).
+
+    Returns:
+        The open :class:`~.program.Program`.
+    """
+    combined = model
     constants: dict[str, np.ndarray] = {}
     if constants_as_inputs and isinstance(combined, LargeModel):  # after prepare's transpose fold
         combined, constants = _constants_as_inputs(prepare(combined))
     graph = proto_of(combined).graph
-    state_inputs, rate_inputs = program.state_inputs, program.rate_inputs
-    returned, fixed_outputs = program.returned, program.fixed_outputs
+    rate_inputs = analysis.rate_inputs
     found: dict[str, str] = {}
+    guarded = False
     if in_place:
         combined = prepare(combined)
-        found = in_place_outputs(proto_of(combined).graph, program.binding, state)
-        if found and guard and program.loss_names and not add_finite_guard(proto_of(combined), program.loss_names):
+        found = in_place_outputs(proto_of(combined).graph, analysis.binding, state)
+        if found and guard and analysis.loss_names and not add_finite_guard(proto_of(combined), analysis.loss_names):
             found = {}
-        program.guarded = bool(found) and guard and bool(program.loss_names)
+        guarded = bool(found) and guard and bool(analysis.loss_names)
     prune_unused_initializers(proto_of(combined).graph, rate_inputs)
     session = InferenceSession(combined, sess_options=sess_options, providers=providers)
+    del model, combined  # the session holds what it needs
     io = session.io_binding()
-    program.session, program.io = session, io
+    program = Program(analysis, session, io, guarded=guarded)
     # no plugin node left (all optimizers cut): call onnxruntime directly, no kernel-error bookkeeping
     program.uses_plugin = any(n.domain == DOMAIN for n in session.prepared_model.graph.node)
     program.run = session.run_with_iobinding if program.uses_plugin else None
     session_inputs = {i.name for i in session.get_inputs()}
     state_values = {}
-    for name in state_inputs:
+    for name in analysis.state_inputs:
         if name not in session_inputs:
             continue
         value = ort.OrtValue.ortvalue_from_numpy(state[name])
@@ -91,35 +103,32 @@ def open_program(
         if vi.name in state or vi.name in rate_inputs or vi.name in constants or vi.name not in session_inputs:
             continue
         spec = feed_spec(vi)
-        if vi.name in program.input_defaults:  # optional: bound every step, to the default if not fed
-            default = owned(numpy_helper.to_array(program.input_defaults[vi.name]))
+        if vi.name in analysis.input_defaults:  # optional: bound every step, to the default if not fed
+            default = owned(numpy_helper.to_array(analysis.input_defaults[vi.name]))
             program.optional_feeds.append((spec, default))
         else:
             program.feeds.append(spec)
-    for name in returned:
+    for name in analysis.returned:
         io.bind_output(name, "cpu")
-    for name in fixed_outputs:
+    for name in analysis.fixed_outputs:
         if name in program.in_place:  # the state's own buffer: the kernel writes the new value there
             io.bind_ortvalue_output(name, state_values[program.in_place[name]])
         else:
             io.bind_output(name, "cpu")
-    for name in program.dynamic_outputs:  # after the fixed ones: their index is known
+    for name in analysis.dynamic_outputs:  # after the fixed ones: their index is known
         io.bind_output(name, "cpu")
     if not in_place:  # the gradients of flat cut nodes go straight into the kernels' G buffers
-        for name, view in flat_gradient_views(program.cut_nodes, program.flat_nodes).items():
-            if name in fixed_outputs:
+        for name, view in analysis.cut.gradient_views().items():
+            if name in analysis.fixed_outputs:
                 value = ort.OrtValue.ortvalue_from_numpy(view)
                 io.bind_ortvalue_output(name, value)
                 program.keep_alive.append(value)
                 program.prebound[name] = view
     program.binding_copies = [
-        (state[k], v) for k, v in program.binding.items()
-        if v not in program.cut_outputs and v not in program.in_place
+        (state[k], v) for k, v in analysis.binding.items()
+        if v not in analysis.cut_outputs and v not in program.in_place
     ]
-    program.needs_feeds = any(type(src) is tuple and src[0] == "feed"
-                              for src in (*program.cut_sources.values(), *program.row_sources.values(),
-                                          *program.rms_sources.values()))
-    del program.combined  # the session holds what it needs
+    program.needs_feeds = any(update.reads_feeds for update in analysis.updates)
     return program
 
 
@@ -143,12 +152,13 @@ def _constants_as_inputs(model: LargeModel) -> tuple[LargeModel, dict[str, np.nd
 
 def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     """After the first run: preallocate the fixed outputs and rebind them zero-copy."""
+    analysis = program.analysis
     raw = program.io._iobinding
     outputs = raw.get_outputs()
-    names = program.returned + program.fixed_outputs
+    names = analysis.returned + analysis.fixed_outputs
     values = {name: outputs[i].numpy() for i, name in enumerate(names)}
-    flat_grads = flat_gradient_views(program.cut_nodes, program.flat_nodes, values)
-    for name in program.fixed_outputs:
+    flat_grads = analysis.cut.gradient_views(values)
+    for name in analysis.fixed_outputs:
         if name in program.in_place:  # bound onto the state array already
             program.fixed_buffers[name] = state[program.in_place[name]]
             continue
@@ -168,7 +178,7 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
     # onnxruntime allocates, every run (bound unallocated again: their shape may change)
     program.returned_buffers, program.returned_from_ort = [], []
     declared = {o.name: o.shape for o in program.session.get_outputs()}
-    for i, name in enumerate(program.returned):
+    for i, name in enumerate(analysis.returned):
         value = values[name]
         shape = declared.get(name)
         fixed = value.ndim == 0 or (shape is not None and all(isinstance(d, int) for d in shape))
@@ -191,13 +201,10 @@ def finish_binding(program: Program, state: dict[str, np.ndarray]) -> None:
                 f"{dtype_name(buf.dtype)} {list(buf.shape)}"
             )
         copies.append((array, buf))
-    program.plan = cut_plan(program.cut_nodes, program.flat_nodes, program.cut_sources, program.fixed_buffers, state,
-                            program.prescale)
-    if not program.needs_feeds:
-        prepare_plan(program.plan)
+    for update in analysis.updates:
+        update.prepare(program.fixed_buffers, state)
+    program.updates = tuple(update for update in analysis.updates if update.planned)
     program.copy_plan = copies
-    program.row_plan = row_plan(program.row_groups, state)
-    program.rms_plan = rms_plan(program.rms_groups, state)
 
 
 def release_prebound(program: Program) -> None:
@@ -206,6 +213,5 @@ def release_prebound(program: Program) -> None:
     made after the run instead."""
     for name in program.prebound:
         program.io.bind_output(name, "cpu")
-    for entry in program.flat_nodes.values():
-        entry[0].pop("G", None)
+    program.analysis.cut.drop_gradient_buffers()
     program.prebound = {}

@@ -26,6 +26,7 @@ from ..passes.encode_exact_attributes import node_attributes
 from ..passes.fill_defaults import fill_default_attributes
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import owned
+from .sources import FromFeed, FromOutput, FromState, Source
 
 
 @dataclass
@@ -35,13 +36,24 @@ class CutStep:
     op_type: str
     label: str
     attributes: dict
-    r: Any  # ndarray, or ("feed", name)
-    t: Any
-    tensors: list  # per input role (X, G, V[, H]): ndarray or ("feed", name)
-    targets: list  # per output role: the state array it must end up in
-    prescale: Any = None  # AdamW's decay factor: X *= prescale before the update (a 0-d array)
+    r: np.ndarray | FromFeed
+    t: np.ndarray | FromFeed
+    tensors: list[np.ndarray | FromFeed]  # per input role (X, G, V[, H])
+    targets: list[np.ndarray]  # per output role: the state array it must end up in
+    prescale: np.ndarray | FromFeed | None = None  # AdamW's decay factor: X *= prescale before the update
     run: Any = None  # the update checked once (kernels.apply.prepare), when every input is a buffer
     run_decays: bool = False  # ``run`` applies the prescale itself (the fused Adam kernel)
+
+
+@dataclass
+class FlatNode:
+    """A cut node whose tensors are views into one flat buffer per role: one kernel call each step."""
+
+    buffers: dict[str, np.ndarray]  # role (X, V[, H], and G once made) -> its flat buffer
+    shapes: list[tuple[int, ...]]  # each tensor's shape, in the node's order
+    offsets: np.ndarray  # where each tensor starts in a buffer (and the total size, last)
+    gradients: list[str]  # the G input of each tensor
+    dtype: np.dtype
 
 
 def _decayed_inputs(graph: onnx.GraphProto, state: set[str], consumed: dict[str, int]) -> dict:
@@ -99,7 +111,7 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str],
                 if role == "X" and name in decayed:
                     node_folds[name] = decayed[name]
                     name = decayed[name][1]
-                out = node.output[spec.tensor_outputs.index(role + "_new") * n + i]
+                out = node.output[spec.updated_inputs.index(role) * n + i]
                 if (
                     name not in state
                     or binding.get(name) != out
@@ -137,15 +149,12 @@ def cut_sources(
     input_types: Mapping[str, onnx.ValueInfoProto],
     prescale: Mapping[str, str] | None = None,
     arrays: Mapping[str, np.ndarray] | None = None,
-) -> tuple[dict[str, Any], list[str]]:
-    """Where each input of the cut nodes (and each folded decay factor) comes from, and the
-    ones ``graph`` must output for them (``arrays``: the values of detached initializers).
-
-    A source is ``("state", name)``, ``("output", name)``, ``("feed", name)`` or an array
-    (a learning-rate buffer or a constant).
-    """
+) -> tuple[dict[str, Source], list[str]]:
+    """Where each input of the cut nodes (and each folded decay factor) comes from
+    (:mod:`.sources`), and the ones ``graph`` must output for them (``arrays``: the values of
+    detached initializers)."""
     produced = {o for n in graph.node for o in n.output if o}
-    sources: dict[str, Any] = {}
+    sources: dict[str, Source] = {}
     extra_outputs: list[str] = []
     factors = list(dict.fromkeys((prescale or {}).values()))
     for node in cut_nodes:
@@ -153,16 +162,16 @@ def cut_sources(
             if name in sources:
                 continue
             if name in state:
-                sources[name] = ("state", name)
+                sources[name] = FromState(name)
             elif name in rate_inputs:
                 sources[name] = rate_inputs[name]
             elif name in produced:
-                sources[name] = ("output", name)
+                sources[name] = FromOutput(name)
                 extra_outputs.append(name)
             elif name in init_values and name not in input_types:
                 sources[name] = owned(tensor_value(init_values[name], arrays))
             elif name in input_types:
-                sources[name] = ("feed", name)
+                sources[name] = FromFeed(name)
             else:
                 raise TrainingOpError(f"{node_label(node)}: input {name!r} is not defined in the graph")
     return sources, extra_outputs
@@ -183,17 +192,17 @@ def _already_flat(arrays: list[np.ndarray], offsets) -> np.ndarray | None:
 def flatten_cut_state(
     cut_nodes: list[onnx.NodeProto], sources: Mapping[str, Any], state: dict[str, np.ndarray],
     rehome: bool = True, prescale: Mapping[str, str] | None = None, zeros: frozenset = frozenset(),
-) -> dict[int, tuple]:
+) -> dict[int, FlatNode]:
     """Re-home the X, V, H state of each cut node as views into one flat buffer per role,
     so the fast path updates all of a node's tensors with one fused kernel call.
 
-    Replaces the arrays in ``state``; returns id(node) -> (flat buffers per role, shapes,
-    offsets, G names, dtype) for the nodes laid out flat. With ``rehome=False`` (a program
+    Replaces the arrays in ``state``; returns the position of each node laid out flat in
+    ``cut_nodes`` -> its :class:`FlatNode`. With ``rehome=False`` (a program
     opened after others bound the state) the arrays stay where they are: a node is laid out
     flat only if its state already is. ``zeros``: state known to be all zeros (not copied).
     """
     flat_nodes = {}
-    for node in cut_nodes:
+    for k, node in enumerate(cut_nodes):
         spec = OPTIMIZERS[node.op_type]
         n = spec.n_tensors(len(node.input))
         roles = {role: [node.input[2 + j * n + i] for i in range(n)] for j, role in enumerate(spec.tensor_inputs)}
@@ -204,7 +213,7 @@ def flatten_cut_state(
         if any(state[name].shape != x.shape or state[name].dtype != dtype
                for role, names in roles.items() if role != "G" for name, x in zip(names, xs)):
             continue
-        if any(sources[g][0] != "output" for g in roles["G"]) or len(set(roles["G"])) != n:
+        if any(not isinstance(sources[g], FromOutput) for g in roles["G"]) or len(set(roles["G"])) != n:
             continue
         if len({(prescale or {}).get(x) for x in roles["X"]}) != 1:
             continue  # tensors with different decay factors: per-tensor updates
@@ -215,7 +224,7 @@ def flatten_cut_state(
             found = {role: _already_flat([state[name] for name in names], offsets)
                      for role, names in roles.items() if role != "G"}
             if all(buf is not None for buf in found.values()):
-                flat_nodes[id(node)] = (found, [x.shape for x in xs], offsets, roles["G"], dtype)
+                flat_nodes[k] = FlatNode(found, [x.shape for x in xs], offsets, roles["G"], dtype)
             continue
         for role, names in roles.items():
             if role == "G":
@@ -227,12 +236,12 @@ def flatten_cut_state(
                     view[...] = state[name]
                 state[name] = view
             flat[role] = buf
-        flat_nodes[id(node)] = (flat, [x.shape for x in xs], offsets, roles["G"], dtype)
+        flat_nodes[k] = FlatNode(flat, [x.shape for x in xs], offsets, roles["G"], dtype)
     return flat_nodes
 
 
 def flat_gradient_views(
-    cut_nodes: list[onnx.NodeProto], flat_nodes: dict[int, tuple], values: Mapping[str, np.ndarray] | None = None
+    flat_nodes: dict[int, FlatNode], values: Mapping[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
     """Gradients of a flat node: views into one flat buffer, the kernel's G, shaped like X.
 
@@ -243,25 +252,22 @@ def flat_gradient_views(
     ``flat_nodes`` (per-tensor updates).
     """
     flat_grads = {}
-    for node in cut_nodes:
-        entry = flat_nodes.get(id(node))
-        if entry is None:
+    for k, entry in list(flat_nodes.items()):
+        if values is not None and any(values[g].shape != shape or values[g].dtype != entry.dtype
+                                      for g, shape in zip(entry.gradients, entry.shapes)):
+            del flat_nodes[k]  # gradients do not match X: per-tensor updates
             continue
-        flat, shapes, offsets, grads, dtype = entry
-        if values is not None and any(values[g].shape != shape or values[g].dtype != dtype
-                                      for g, shape in zip(grads, shapes)):
-            del flat_nodes[id(node)]  # gradients do not match X: per-tensor updates
-            continue
-        if "G" not in flat:
-            flat["G"] = np.empty(int(offsets[-1]), dtype)
-        flat_grads.update({g: flat["G"][a:b].reshape(shape)
-                           for g, shape, a, b in zip(grads, shapes, offsets[:-1], offsets[1:])})
+        offsets = entry.offsets
+        if "G" not in entry.buffers:
+            entry.buffers["G"] = np.empty(int(offsets[-1]), entry.dtype)
+        flat_grads.update({g: entry.buffers["G"][a:b].reshape(shape)
+                           for g, shape, a, b in zip(entry.gradients, entry.shapes, offsets[:-1], offsets[1:])})
     return flat_grads
 
 
 def cut_plan(
     cut_nodes: list[onnx.NodeProto],
-    flat_nodes: Mapping[int, tuple],
+    flat_nodes: Mapping[int, FlatNode],
     sources: Mapping[str, Any],
     fixed_buffers: Mapping[str, np.ndarray],
     state: Mapping[str, np.ndarray],
@@ -269,7 +275,7 @@ def cut_plan(
 ) -> list[CutStep]:
     """The in-place updates of the cut nodes: one step per flat node, else one per tensor."""
     plan = []
-    for node in cut_nodes:
+    for k, node in enumerate(cut_nodes):
         filled = onnx.ModelProto()
         filled.graph.node.append(node)
         fill_default_attributes(filled)
@@ -279,29 +285,29 @@ def cut_plan(
 
         def source(name):
             src = sources[name]
-            if type(src) is tuple and src[0] == "output":
+            if isinstance(src, FromOutput):
                 return fixed_buffers[name]
-            if type(src) is tuple and src[0] == "state":
-                return state[src[1]]
+            if isinstance(src, FromState):
+                return state[src.name]
             return src
 
         def factor(x):
             name = (prescale or {}).get(x)
             return None if name is None else source(name)
 
-        entry = flat_nodes.get(id(node))
+        entry = flat_nodes.get(k)
         if entry is not None:
-            flat = entry[0]
+            flat = entry.buffers
             tensors = [flat[role] for role in spec.tensor_inputs]
-            targets = [flat[role[:-4]] for role in spec.tensor_outputs]
+            targets = [flat[role] for role in spec.updated_inputs]
             plan.append(CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
                                 source(node.input[1]), tensors, targets, factor(node.input[2])))
             continue
         for i in range(n):
             tensors = [source(node.input[2 + j * n + i]) for j in range(spec.n_groups_in)]
             targets = []
-            for role in spec.tensor_outputs:
-                j = spec.tensor_inputs.index(role[:-4])
+            for role in spec.updated_inputs:
+                j = spec.tensor_inputs.index(role)
                 targets.append(state[node.input[2 + j * n + i]])
             plan.append(
                 CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
@@ -340,18 +346,14 @@ def apply_plan(plan: list[CutStep]) -> None:
 
 
 def apply_step_with_feeds(s: CutStep, feeds: Mapping[str, Any]) -> None:
-    """Run one cut update in place, taking its ``("feed", name)`` inputs from ``feeds``."""
-    r, t = s.r, s.t
-    tensors = s.tensors
-    if type(r) is tuple:
-        r = np.asarray(feeds[r[1]])
-    if type(t) is tuple:
-        t = np.asarray(feeds[t[1]])
-    if any(type(x) is tuple for x in tensors):
-        tensors = [np.asarray(feeds[x[1]]) if type(x) is tuple else x for x in tensors]
+    """Run one cut update in place, taking its :class:`~.sources.FromFeed` inputs from ``feeds``."""
+
+    def value(x):
+        return np.asarray(feeds[x.name]) if isinstance(x, FromFeed) else x
+
+    r, t, tensors = value(s.r), value(s.t), [value(x) for x in s.tensors]
     if s.prescale is not None:
-        factor = np.asarray(feeds[s.prescale[1]]) if type(s.prescale) is tuple else s.prescale
-        np.multiply(tensors[0], factor, out=tensors[0])
+        np.multiply(tensors[0], value(s.prescale), out=tensors[0])
     outs = STEPS[s.op_type](r, t, *tensors, s.attributes, inplace=True)
     for target, out in zip(s.targets, outs):
         if out is not target:

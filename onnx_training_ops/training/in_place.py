@@ -24,7 +24,7 @@ import onnx
 
 from ..passes.target_native import NATIVE_DOMAIN, NATIVE_OP_TYPES
 from ..schema import OPTIMIZERS
-from .program import _reads
+from .pruning import node_reads
 
 _NATIVE_TO_SPEC = {native: OPTIMIZERS[op] for op, native in NATIVE_OP_TYPES.items()}
 
@@ -32,12 +32,12 @@ _NATIVE_TO_SPEC = {native: OPTIMIZERS[op] for op, native in NATIVE_OP_TYPES.item
 def _ancestors(nodes: list[onnx.NodeProto], index: int, producer: Mapping[str, int]) -> set[int]:
     """Indices of the nodes ``nodes[index]`` depends on, directly or not."""
     seen: set[int] = set()
-    pending = list(_reads(nodes[index]))
+    pending = list(node_reads(nodes[index]))
     while pending:
         i = producer.get(pending.pop())
         if i is not None and i not in seen:
             seen.add(i)
-            pending += _reads(nodes[i])
+            pending += node_reads(nodes[i])
     return seen
 
 
@@ -49,8 +49,8 @@ def _pairs(node: onnx.NodeProto) -> list[tuple[str, str, str]]:
     if not n or len(node.output) != n * spec.n_groups_out:
         return []
     pairs = []
-    for j, role in enumerate(spec.tensor_outputs):
-        group = spec.tensor_inputs.index(role.removesuffix("_new"))
+    for j, role in enumerate(spec.updated_inputs):
+        group = spec.tensor_inputs.index(role)
         pairs += [(node.input[2 + group * n + i], node.output[j * n + i], node.input[2 + i])
                   for i in range(n)]
     return pairs
@@ -70,7 +70,7 @@ def in_place_outputs(
     producer = {o: i for i, node in enumerate(nodes) for o in node.output if o}
     readers: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
-        for name in set(_reads(node)):
+        for name in set(node_reads(node)):
             readers.setdefault(name, []).append(i)
     updated_by = {value: key for key, value in binding.items()}
     if len(updated_by) != len(binding):  # one output updating two states: leave it to the copies

@@ -18,7 +18,7 @@ from ..walk import all_graphs
 from ..passes.fit_runtime import fit_runtime
 from ..schema import DOMAIN
 from ..runtime.session import InferenceSession
-from .program import prune_dead_nodes, prune_unused_inputs, used_names
+from .pruning import prune_dead_nodes, prune_unused_inputs, used_names
 from .stages import typed_values
 
 

@@ -10,138 +10,98 @@ must output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
 from ..storage.large_model import LargeModel
 from ..storage.tensors import proto_of
-from ..walk import all_graphs, drop_named, remove_nodes, subgraphs
+from ..walk import remove_nodes
 from ..passes._graph import value_types
 from ..passes.validate import validate
+from ..runtime.session import InferenceSession
 from ..schema import DOMAIN, OPTIMIZERS
 from .arrays import dtype_name, np_dtype, owned
-from .fast_path import CutStep, cut_sources, cuttable_nodes
+from .pruning import prune_dead_nodes, prune_unused_inputs, used_names
+from .fast_path import cut_sources, cuttable_nodes
+from .in_place_updates import CutNodes, InPlaceUpdate, RMSPropUpdates, RowUpdates
 from .rmsprop_fast_path import rmsprop_groups
 from .row_updates import row_groups
 from .feeds import FeedSpec, checked_learning_rate
 
 
-@dataclass
-class Program:
-    """One TrainingInfoProto's algorithm, ready to run."""
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    """What :func:`build_program` finds in one TrainingInfoProto: everything a session does
+    around the graph onnxruntime runs (which :func:`build_program` returns beside it).
+
+    The learning-rate buffers are allocated here (their defaults fill them); the in-place
+    updates plan themselves once the program has run (:mod:`.in_place_updates`).
+    """
 
     index: int
-    session: Any
-    io: Any
-    feeds: list[FeedSpec]
-    rate_inputs: dict[str, np.ndarray]  # learning-rate input -> its preallocated buffer
-    rate_defaults: dict[str, np.ndarray | None]
-    returned: list[str]  # outputs returned by step()
-    loss_names: list[str]
-    fixed_outputs: list[str]  # outputs written into preallocated buffers (bindings, cut inputs)
+    where: str  # the method whose run this is, as messages name it
+    state_inputs: tuple[str, ...]  # graph inputs bound to state arrays
+    binding: Mapping[str, str]  # state variable -> the output holding its new value
+    rate_inputs: Mapping[str, np.ndarray]  # learning-rate input -> its preallocated buffer
+    rate_defaults: Mapping[str, np.ndarray | None]
+    input_defaults: Mapping[str, onnx.TensorProto]  # inputs with a default value (optional feeds)
+    returned: tuple[str, ...]  # outputs returned by step()
+    loss_names: tuple[str, ...]  # outputs the non-finite check watches
+    fixed_outputs: tuple[str, ...]  # outputs written into preallocated buffers (bindings, cut inputs)
+    dynamic_outputs: tuple[str, ...]  # outputs of varying shape the in-place updates read
+    cut_outputs: frozenset[str]  # outputs of cut nodes (written in place, never by onnxruntime)
+    cut: CutNodes  # the fast path's optimizer nodes
+    updates: tuple[InPlaceUpdate, ...]  # every in-place update, in the order a step applies them
+
+
+@dataclass(slots=True)
+class Program:
+    """An analysed program opened on one state: its onnxruntime session, IOBinding and buffers
+    (:func:`.binding.open_program`; the buffers after the first run, :func:`.binding.finish_binding`)."""
+
+    analysis: Analysis
+    session: InferenceSession
+    io: ort.IOBinding
+    feeds: list[FeedSpec] = field(default_factory=list)
+    optional_feeds: list[tuple[FeedSpec, np.ndarray]] = field(default_factory=list)  # with their defaults
+    in_place: dict[str, str] = field(default_factory=dict)  # optimizer output -> the state it is written into
+    guarded: bool = False  # a non-finite loss stops the run before the optimizers (.in_place)
+    uses_plugin: bool = False  # a plugin node is left in the graph (else every optimizer was cut)
+    run: Callable[[ort.IOBinding], None] | None = None  # session.run_with_iobinding with a plugin node left
+    needs_feeds: bool = False  # an in-place update reads a feed
+    keep_alive: list[Any] = field(default_factory=list)  # OrtValues (and arrays) bound to the session
+    prebound: dict[str, np.ndarray] = field(default_factory=dict)  # gradient -> its view in a flat G buffer
+    bound_feeds: dict[str, Any] = field(default_factory=dict)  # feed name -> (array, shape, dtype) bound last step
+    fallback: Program | Callable[[], Program] | None = None  # the same program without in-place writes
+    # after the first run
     fixed_buffers: dict[str, np.ndarray] = field(default_factory=dict)
     binding_copies: list[tuple[np.ndarray, str]] = field(default_factory=list)  # (state, output)
-    cut_nodes: list[onnx.NodeProto] = field(default_factory=list)
-    cut_sources: dict[str, Any] = field(default_factory=dict)
-    plan: list[CutStep] | None = None
-    copy_plan: list[tuple[np.ndarray, np.ndarray]] | None = None
-    keep_alive: list = field(default_factory=list)  # OrtValues bound to our buffers
-    where: str = "step"  # the method whose run this is, as messages name it
-    # set while analysing (before the session exists)
-    combined: Any = None
-    state_inputs: list = field(default_factory=list)
-    init_values: dict = field(default_factory=dict)
-    binding: dict = field(default_factory=dict)
-    cut_outputs: set = field(default_factory=set)
-    flat_nodes: dict = field(default_factory=dict)  # id(node) -> (flat buffers per role, shapes, offsets, G names, dtype)
-    prescale: dict = field(default_factory=dict)  # state X -> its folded decay factor (AdamW)
-    bound_feeds: dict = field(default_factory=dict)  # feed name -> (array, shape, dtype) bound last step
-    prebound: dict = field(default_factory=dict)  # gradient -> its view in a flat G buffer, bound before run 1
-    # set when the session opens / after the first run
-    uses_plugin: bool = False
-    run: Any = None
-    needs_feeds: bool = False
-    returned_buffers: list = field(default_factory=list)  # (name, preallocated buffer)
-    returned_from_ort: list = field(default_factory=list)  # (name, output index)
-    optional_feeds: list = field(default_factory=list)  # (FeedSpec, default) of inputs with a default
-    input_defaults: dict = field(default_factory=dict)  # input name -> its default (TensorProto)
-    row_groups: list = field(default_factory=list)  # lazy row updates applied in place (.row_updates)
-    row_sources: dict = field(default_factory=dict)  # what they read: name -> source, as cut_sources
-    dynamic_outputs: list = field(default_factory=list)  # outputs of varying shape they read
-    row_plan: list = field(default_factory=list)
-    rms_groups: list = field(default_factory=list)  # RMSProp updates applied in place (.rmsprop_fast_path)
-    rms_sources: dict = field(default_factory=dict)
-    rms_plan: list = field(default_factory=list)
-    in_place: dict = field(default_factory=dict)  # optimizer output -> the state it is written into (.in_place)
-    guarded: bool = False  # a non-finite loss stops the run before the optimizers (.in_place)
-    fallback: Any = None  # () -> the same program without in-place writes, for a guarded step redone
+    copy_plan: list[tuple[np.ndarray, np.ndarray]] | None = None  # None until the first run
+    updates: tuple[InPlaceUpdate, ...] = ()  # the analysis's in-place updates with work to do, once planned
+    returned_buffers: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    returned_from_ort: list[tuple[str, int]] = field(default_factory=list)  # (name, output index)
 
+    @property
+    def index(self) -> int:
+        return self.analysis.index
 
-def used_names(graph: onnx.GraphProto) -> set[str]:
-    """Every name read by a node of ``graph`` (subgraphs included) or listed as its output."""
-    used: set[str] = set()
-    for g in all_graphs(graph):
-        for node in g.node:
-            used.update(node.input)
-    used.update(o.name for o in graph.output)
-    used.discard("")
-    return used
+    @property
+    def where(self) -> str:
+        return self.analysis.where
 
+    @property
+    def rate_inputs(self) -> Mapping[str, np.ndarray]:
+        return self.analysis.rate_inputs
 
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """What ``node`` reads: its inputs, the outer values its subgraphs read, and a Gradient's
-    ``y`` and ``zs`` (attributes, not inputs)."""
-    names = list(node.input)
-    for sub in subgraphs(node):
-        names += used_names(sub)
-    if node.domain == DOMAIN and node.op_type == "Gradient":
-        for a in node.attribute:
-            if a.name == "y":
-                names.append(helper.get_attribute_value(a).decode())
-            elif a.name == "zs":
-                names += [z.decode() for z in helper.get_attribute_value(a)]
-    return names
-
-
-def prune_dead_nodes(graph: onnx.GraphProto) -> None:
-    """Keep only the nodes some output of ``graph`` depends on. onnxruntime runs every node
-    of a graph, even one nothing reads: in a ``mode="train"`` model the main graph's
-    eval-mode forward pass would run in every step for nothing."""
-    producer = {o: i for i, node in enumerate(graph.node) for o in node.output if o}
-    live: set[int] = set()
-    pending = [o.name for o in graph.output]
-    while pending:
-        i = producer.get(pending.pop())
-        if i is not None and i not in live:
-            live.add(i)
-            pending += _reads(graph.node[i])
-    if len(live) < len(graph.node):
-        remove_nodes(graph, [node for i, node in enumerate(graph.node) if i not in live])
-
-
-def prune_unused_inputs(graph: onnx.GraphProto) -> None:
-    """Drop the graph inputs no node reads (a stage program takes only the feeds it needs)."""
-    used = used_names(graph)
-    kept = [vi for vi in graph.input if vi.name in used]
-    del graph.input[:]
-    graph.input.extend(kept)
-
-
-def prune_unused_initializers(graph: onnx.GraphProto, droppable_inputs=()) -> None:
-    """Drop the initializers no node reads (a cut optimizer node leaves its constants and
-    learning rate behind); onnxruntime would drop them too, with a warning per tensor at
-    every session. An initializer that is also a graph input goes only if named in
-    ``droppable_inputs`` (the learning rates, which the fast path reads from its own buffers)."""
-    used = used_names(graph)
-    inputs = {vi.name for vi in graph.input}
-    drop = {t.name for t in graph.initializer
-            if t.name not in used and (t.name not in inputs or t.name in droppable_inputs)}
-    drop_named(graph.initializer, drop)
-    drop_named(graph.input, drop)
+    @property
+    def cut_nodes(self) -> list[onnx.NodeProto]:
+        """The optimizer nodes the fast path applies in place."""
+        return self.analysis.cut.nodes
 
 
 def combined_graph(
@@ -333,10 +293,28 @@ def build_program(
     meta: Mapping[str, str],
     fast: bool,
     prune_inputs: bool = False,
-) -> Program:
-    """Analyse training_info[index]: its combined graph, learning rates, cut nodes and outputs
-    (``prune_inputs``: inputs nothing reads are dropped, for the stage programs). A
-    LargeModel's detached constants stay arrays: ``program.combined`` is a LargeModel then."""
+    where: str = "step",
+) -> tuple[onnx.ModelProto | LargeModel, Analysis]:
+    """Analyse training_info[index]: its combined graph, learning rates, in-place updates and
+    outputs.
+
+    Args:
+        model: the training model.
+        index: which TrainingInfoProto.
+        state: the state arrays (dtypes and shapes are checked against the bindings).
+        state_protos: the state variables' initializers.
+        meta: the builder's metadata.
+        fast: cut the updates the session applies in place (:mod:`.in_place_updates`).
+        prune_inputs: drop the inputs nothing reads (the stage programs).
+        where: the method the program runs for, as its messages name it.
+
+    Returns:
+        The graph onnxruntime runs (a LargeModel when ``model`` is: detached constants stay
+        arrays) and the :class:`Analysis`.
+
+    Raises:
+        TrainingOpError: an invalid combined graph or a binding of another dtype or shape.
+    """
     arrays = model.large_initializers if isinstance(model, LargeModel) else None
     model = proto_of(model)
     info = model.training_info[index]
@@ -410,24 +388,19 @@ def build_program(
     if groups or rms:  # what only fed the cut updates (their constants, shapes) is dead now
         prune_dead_nodes(graph)
 
-    program = Program(
-        index=index, session=None, io=None, feeds=[], rate_inputs=rate_inputs,
-        rate_defaults=rate_defaults, returned=returned, loss_names=loss_names(graph, returned, meta),
-        fixed_outputs=fixed_outputs, cut_nodes=cut_nodes, cut_sources=sources,
+    graph_model = LargeModel(combined, arrays).with_proto(combined) if arrays is not None else combined
+    cut = CutNodes(cut_nodes, sources, prescale)
+    analysis = Analysis(
+        index=index, where=where, state_inputs=tuple(state_inputs), binding=binding, rate_inputs=rate_inputs,
+        rate_defaults=rate_defaults, input_defaults=program_defaults, returned=tuple(returned),
+        loss_names=tuple(loss_names(graph, returned, meta)), fixed_outputs=tuple(fixed_outputs),
+        dynamic_outputs=tuple(dynamic), cut_outputs=frozenset(cut_outputs), cut=cut,
+        updates=(cut, RowUpdates(groups, row_sources), RMSPropUpdates(rms, rms_sources)),
     )
-    program.combined = LargeModel(combined, arrays).with_proto(combined) if arrays is not None else combined
-    program.state_inputs = state_inputs
-    program.init_values = init_values
-    program.input_defaults = program_defaults
-    program.binding = binding
-    program.cut_outputs = cut_outputs
-    program.prescale = prescale
-    program.row_groups, program.row_sources, program.dynamic_outputs = groups, row_sources, dynamic
-    program.rms_groups, program.rms_sources = rms, rms_sources
-    return program
+    return graph_model, analysis
 
 
 def program_feeds(program: Program) -> tuple[list[FeedSpec], list[FeedSpec]]:
     """(required, optional) inputs of a program: learning rates and inputs with a default are optional."""
-    rates = [FeedSpec(name, buf.dtype, buf.shape) for name, buf in program.rate_inputs.items()]
+    rates = [FeedSpec(name, buf.dtype, buf.shape) for name, buf in program.analysis.rate_inputs.items()]
     return list(program.feeds), [*rates, *(spec for spec, _ in program.optional_feeds)]

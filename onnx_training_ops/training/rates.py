@@ -18,9 +18,10 @@ class LearningRates:
     """The learning-rate inputs of ``programs``, their defaults, and the schedule with its position."""
 
     def __init__(self, programs: Sequence[Any], meta: Mapping[str, str]) -> None:
-        self.names = list(dict.fromkeys(name for p in programs for name in p.rate_inputs))
-        self.base = {name: float(p.rate_defaults[name].reshape(-1)[0])
-                     for p in programs for name in p.rate_inputs if p.rate_defaults[name] is not None}
+        analyses = [p.analysis for p in programs]
+        self.names = list(dict.fromkeys(name for a in analyses for name in a.rate_inputs))
+        self.base = {name: float(a.rate_defaults[name].reshape(-1)[0])
+                     for a in analyses for name in a.rate_inputs if a.rate_defaults[name] is not None}
         self.schedule, self.step = (
             lr_schedules.from_json(meta["lr_schedule"]) if meta.get("lr_schedule") else (None, 0))
 

@@ -109,7 +109,7 @@ def _match(node, spec, producers, consumers, inits, outputs, reverse, binding, s
         if s not in state or (unique is not None and u != unique):
             return None
         unique = u
-        out = node.output[spec.tensor_outputs.index(role + "_new")]
+        out = node.output[spec.updated_inputs.index(role)]
         scatter = consumers.get(out, [None])
         if len(scatter) != 1 or scatter[0] is None or out in outputs:
             return None

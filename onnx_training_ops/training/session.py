@@ -15,11 +15,17 @@ onnxruntime; both agree bit for bit. ``on_nonfinite`` says what a NaN or infinit
 ``fast=False`` the native optimizer kernels write the new state straight into the state
 arrays during the run, no copies (:mod:`.in_place`; a guard keeps a non-finite loss from
 reaching them).
+
+The class is thin: it holds the caller's choices, one lock, and four parts it owns, each
+opened from the model by :func:`~.session_open.open_parts` —
+:class:`~.state_store.StateStore` (the state variables), :class:`~.session_programs.SessionPrograms`
+(the onnxruntime programs over them), :class:`~.session_loop.TrainingLoop` (steps,
+evaluation, accumulation, learning rates) and :class:`~.session_files.Checkpointer`
+(checkpoints and exports). Each public method takes the lock and calls one part.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from typing import Any, Mapping, Sequence
@@ -28,54 +34,27 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError, node_label
-from ..kernels.compile_notice import announce_compiles
-from ..runtime.options import default_intra_op_threads
+from ..runtime.session import InferenceSession
 from ..storage import checkpoint
-from ..storage.large_model import LargeModel, detach, is_large
-from ..storage.tensors import attach, proto_of
-from ..storage.model_files import ModelLike, load_model
-from .accumulation import GradientAccumulation
-from .session_feeds import FeedsAndRun
-from .session_files import Checkpointing
-from .session_loop import TrainingLoop
-from .session_parameters import FlatParameters
-from .session_state import StateAccess
-from .session_summary import Introspection
-from .binding import open_program
-from .checks import batch_checker, stored_properties
-from .fast_path import flatten_cut_state
-from .flat_parameters import lay_out_flat
-from .feeds import FeedSpec
+from ..storage.large_model import LargeModel
+from ..storage.model_files import ModelLike
+from ..storage.tensors import add_array, location, proto_of
+from .feeds import Feed, feed_list
 from .from_graph import graph_to_training_model
 from .locked import locked
-from .nominal import materialize, nominal_names
-from .input_checks import input_checker
-from .options import fresh_options
+from .program import program_feeds
+from .session_open import check_threads, open_parts
+from .session_programs import RuntimeConfig
+from .session_summary import describe, torch_state_dict
 from .providers import checked_providers
-from .program import Program, build_program
-from .rates import LearningRates
-from .stages import step_model
-from .state import collect_state_protos, state_tensors, zero_fill
-from .step import NONFINITE_POLICIES, NonFiniteLossError, run_program
+from .step import NONFINITE_POLICIES, NonFiniteLossError
+from .summary import ModelSummary, summary
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteLossError", "TrainingSession"]
 
 
-def _check_threads(threads, sess_options) -> None:
-    """``threads``: None or an int >= 0 that ``sess_options`` does not contradict."""
-    if threads is None:
-        return
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:
-        raise TrainingOpError(f"threads must be a whole number >= 0 (0: onnxruntime's choice), found {threads!r}")
-    given = sess_options.intra_op_num_threads if sess_options is not None else 0
-    if given not in (0, threads):
-        raise TrainingOpError(f"threads={threads} but sess_options.intra_op_num_threads is {given}: "
-                              "pass one of them")
-
-
-class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, FlatParameters, Introspection):
+class TrainingSession:
     """Run an ONNX training model: ``initialize()``, ``step(feeds)``, ``run(...)``, checkpoints.
 
     The state starts at the model's initializers, so a checkpoint written by
@@ -126,102 +105,13 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
-        _check_threads(threads, sess_options)
+        check_threads(threads, sess_options)
         providers = checked_providers(providers)  # before anything is loaded: a clear error, never a CPU run
-        path = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
-        opened = load_model(model_or_path, large=True)
-        # values outside the message are checked as they are read (each once): state_tensors
-        expected = checkpoint.verify(opened, path, data=False)
-        if not proto_of(opened).training_info:
-            raise TrainingOpError(
-                "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
-                "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
-            )
-        empty = nominal_names(metadata(proto_of(opened)))
-        if empty:  # a nominal checkpoint: zeros until the parameters are loaded
-            opened = materialize(attach(opened) if isinstance(opened, LargeModel) else opened)
-        self._large = is_large(opened)
-        # the session's own message stays small: every big tensor is an array beside it
-        model = opened if isinstance(opened, LargeModel) else detach(opened)
-        del opened
-        self.fast = bool(fast)
-        self.on_nonfinite = on_nonfinite
-        self.skipped_steps = 0
-        self._providers = providers
-        self._sess_options = sess_options
-        self._session_config = {str(k): str(v) for k, v in (session_config or {}).items()}
-        self._model = model
-        proto = model.model_proto
-        self._meta = metadata(proto)
-        self._inference = None
-        self._state_protos: dict[str, onnx.TensorProto] = collect_state_protos(proto)
-        self._state: dict[str, np.ndarray] = state_tensors(model, self._state_protos, expected,
-                                                           f"checkpoint {os.fspath(path)!r}" if path else "the model")
-        self._zero_state = frozenset(n for n, p in self._state_protos.items() if zero_fill(model, p))
-        trainable = [n for n in self._meta.get("trainable", "").split(",") if n in self._state] or \
-            [n for n, a in self._state.items() if a.dtype.kind == "f"]
-        self._threads_given = threads
-        self._threads = threads if threads is not None else \
-            default_intra_op_threads(sum(self._state[n].size for n in trainable))
-        with announce_compiles():  # the first session after an install compiles the kernels
-            self._programs = self._open_programs(model)
-        self._required_feeds = {}
-        for program in self._programs:
-            for spec in program.feeds:
-                self._required_feeds.setdefault(spec.name, spec)
-        self._rates = LearningRates(self._programs, self._meta)
-        self._optional_feeds = set(self._rates.names) | {
-            spec.name for p in self._programs for spec, _ in p.optional_feeds
-        }
-        self._required_set = set(self._required_feeds)
-        self._init_sessions: list = []
-        initializers = {t.name for t in proto.graph.initializer}
-        data_inputs = [vi for vi in proto.graph.input if vi.name not in initializers]
-        self._batch_checks = {where: batch_checker(self._meta, data_inputs, where)
-                              for where in ("step", "backward", "evaluate")}
-        self._input_checks = {where: input_checker(proto.graph, initializers, where)
-                              for where in ("step", "backward", "evaluate", "run")}
-        self._run_specs: dict[str, FeedSpec] | None = None
-        self._properties: dict[str, Any] = stored_properties(self._meta.get("properties") or "{}")
-        self._eval_programs: dict[tuple[str, ...], Program] = {}
-        self._step_programs: dict[tuple[str, ...], list[Program]] = {}
-        self._accumulation = GradientAccumulation(model, self._state, self._state_protos, self._meta,
-                                                  self.fast, self._session_options, self._providers)
+        self._config = RuntimeConfig(providers, bool(fast), on_nonfinite, sess_options,
+                                     {str(k): str(v) for k, v in (session_config or {}).items()}, threads)
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
-        self._unfilled: set[str] = set()
-        if empty:
-            self.initialize()  # the optimizer state at its initial values
-            self._unfilled = set(self._parameters(trainable_only=False)) & set(empty)
-
-    def _open_programs(self, model: LargeModel, rehome: bool = True) -> list[Program]:
-        """One program per TrainingInfoProto, bound to the state. fast=False: the native
-        optimizers write the state in place (guarded against a non-finite loss unless it is
-        ignored; a guarded step is redone by a copying twin). ``rehome``: the first programs
-        lay the state out (each cut node's flat, then the trainables as one buffer if still
-        apart: :meth:`get_flat_parameters` without a copy); later ones find it laid out."""
-        analyses = [build_program(model, i, self._state, self._state_protos, self._meta, self.fast)
-                    for i in range(len(model.model_proto.training_info))]
-        for program in analyses:  # before anything binds a state array: lay the cut state out flat
-            program.flat_nodes = flatten_cut_state(program.cut_nodes, program.cut_sources, self._state,
-                                                   rehome=rehome, prescale=program.prescale,
-                                                   zeros=self._zero_state)
-        if rehome:
-            lay_out_flat(self._state, [n for n in self._trainable_names() if n in self._state])
-        programs = [open_program(p, self._state, self._session_options(), self._providers,
-                                 in_place=not self.fast, guard=self.on_nonfinite != "ignore",
-                                 constants_as_inputs=self._large) for p in analyses]
-        for program in programs:
-            if program.guarded:
-                program.fallback = functools.partial(self._copying_program, program.index, model)
-        if any(p.cut_nodes for p in analyses):
-            _warm_up_fused_kernels()  # compile/load now, so no step pays for it
-        return programs
-
-    def _copying_program(self, index: int, model: LargeModel) -> Program:
-        """Program ``index`` of ``model`` without in-place writes: it redoes a step the guard stopped."""
-        program = build_program(model, index, self._state, self._state_protos, self._meta, False)
-        return open_program(program, self._state, self._session_options(), self._providers)
+        self._store, self._programs, self._loop, self._files = open_parts(model_or_path, self._config)
 
     @classmethod
     def from_graph(
@@ -254,13 +144,6 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
         """
         return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
 
-    def _session_options(self) -> ort.SessionOptions:
-        """A fresh SessionOptions per onnxruntime session (:mod:`.options`): ``threads`` intra-op
-        threads, else (where the caller's options leave it at 0) one for a small model
-        (:func:`default_intra_op_threads`)."""
-        return fresh_options(self._sess_options, self._session_config, self._large, self._threads,
-                             force_threads=self._threads_given is not None)
-
     def with_model(self, model: ModelLike) -> "TrainingSession":
         """A new session for ``model`` with this session's providers and options.
 
@@ -270,11 +153,12 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
         Returns:
             The new TrainingSession.
         """
-        return type(self)(model, self._providers, fast=self.fast, on_nonfinite=self.on_nonfinite,
-                          sess_options=self._sess_options, session_config=self._session_config,
-                          threads=self._threads_given)
+        config = self._config
+        return type(self)(model, config.providers, fast=config.fast, on_nonfinite=config.on_nonfinite,
+                          sess_options=config.sess_options, session_config=config.session_config,
+                          threads=config.threads)
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ steps and evaluation
 
     @locked
     def step(self, feeds: Mapping[str, Any], lr: float | Mapping[str, float] | None = None,
@@ -302,72 +186,444 @@ class TrainingSession(FeedsAndRun, StateAccess, TrainingLoop, Checkpointing, Fla
             NonFiniteLossError: a NaN or infinite loss with ``on_nonfinite="raise"`` (the state is
                 left as it was).
         """
-        self._check_filled("step")
-        if self._accumulation.count:
-            if outputs:
-                raise TrainingOpError("step(outputs=...) with gradients accumulated by backward(): call "
-                                      "optimizer_step() first, or evaluate(feeds, outputs=...)")
-            result = self.backward(feeds)
-            result.update(self.optimizer_step(lr))
-            return result
-        self._check_feeds(feeds, self._required_set, self._optional_feeds)
-        rates = self._rates.for_step(lr)
-        programs = self._programs_with(tuple(outputs))
-        self._step_applied = True
-        try:
-            result = {}
-            for program in programs:
-                returned, _ = run_program(program, feeds, rates, self._state, self.on_nonfinite,
-                                          self._count_last if program is programs[-1] else self._count)
-                result.update(returned)
-            return result
-        except TrainingOpError as error:
-            self._explain_failure(feeds, "step", error)
+        return self._loop.step(feeds, lr, outputs)
 
-    def _count(self, skipped: bool) -> None:
-        """A program's step was applied or skipped (runs with its state write)."""
-        if skipped:
-            self.skipped_steps += 1
-            self._step_applied = False
+    @locked
+    def eval_feeds(self, outputs: Sequence[str] = ()) -> list[Feed]:
+        """What :meth:`evaluate` takes (for the same ``outputs``).
 
-    def _count_last(self, skipped: bool) -> None:
-        """The last program's: the optimizer step counts if no program of it was skipped."""
-        self._count(skipped)
-        if self._step_applied:
-            self._rates.step += 1
+        Args:
+            outputs: the extra outputs :meth:`evaluate` would be asked for.
 
-    def _programs_with(self, outputs: tuple[str, ...]) -> list[Program]:
-        """The step programs, returning ``outputs`` too (opened on first use, bound to the state)."""
-        if not outputs:
-            return self._programs
-        if outputs not in self._step_programs:
-            derived = self._model.with_proto(step_model(self._model.model_proto, outputs))
-            self._step_programs[outputs] = self._open_programs(derived, rehome=False)
-        return self._step_programs[outputs]
+        Returns:
+            One entry per input: name, dtype, shape and whether it is optional.
+        """
+        return feed_list(*program_feeds(self._programs.for_evaluation(tuple(outputs))))
+
+    @locked
+    def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """The loss and ``outputs`` with the current weights; nothing changes.
+
+        The loss of a ``mode="train"`` model is its eval-mode loss (dropout off, BatchNorm
+        running statistics), bit-equal to a step's in eval mode.
+
+        Args:
+            feeds: the inputs of the model and the loss (e.g. ``input`` and ``labels``).
+            outputs: more values to return (any value of the main graph).
+
+        Returns:
+            ``{"loss": ..., **outputs}``.
+
+        Raises:
+            TrainingOpError: a missing, unknown or mis-shaped feed, or an unknown output.
+        """
+        return self._loop.evaluate(feeds, outputs)
+
+    @locked
+    def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
+        """Run the main (inference) graph with the current state; like ``InferenceSession.run``.
+
+        Args:
+            output_names: the outputs to return (any value of the main graph); None for all outputs.
+            feeds: the main graph's inputs.
+
+        Returns:
+            The values, in the order asked for.
+
+        Raises:
+            TrainingOpError: a missing, unknown or mis-shaped feed, or an unknown output.
+        """
+        self._store.check_filled("run")
+        return self._programs.run(output_names, feeds)
+
+    @property
+    def fast(self) -> bool:
+        """Whether the fused kernels apply the optimizer nodes in place (``fast=`` when opened)."""
+        return self._config.fast
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a NaN or infinite loss does (``on_nonfinite=`` when opened)."""
+        return self._config.on_nonfinite
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps (and ``backward`` calls) skipped for a non-finite loss under ``on_nonfinite="skip"``."""
+        return self._loop.skipped_steps
+
+    # ------------------------------------------------------------------ gradient accumulation
+
+    @locked
+    def backward(self, feeds: Mapping[str, Any], scale: float = 1.0) -> dict[str, np.ndarray]:
+        """Add this batch's gradients (times ``scale``) to the accumulated ones.
+
+        Parameters and optimizer state do not change (BatchNorm running statistics do, as in
+        torch's forward). Non-finite losses follow ``on_nonfinite``.
+
+        Args:
+            feeds: the algorithm's inputs (the model's inputs and e.g. ``labels``).
+            scale: factor on this batch's gradients; for the mean over k micro-batches pass
+                ``scale=1/k``, as torch users divide the loss.
+
+        Returns:
+            ``{"loss": ...}``: this batch's loss.
+
+        Raises:
+            TrainingOpError: a missing, unknown or mis-shaped feed.
+            NonFiniteLossError: a NaN or infinite loss with ``on_nonfinite="raise"``.
+        """
+        return self._loop.backward(feeds, scale)
+
+    @locked
+    def optimizer_step(self, lr: float | Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
+        """Apply the accumulated gradients (clipping, weight decay, the optimizer, T + 1), then zero them.
+
+        Args:
+            lr: the learning rate for this step, one for all groups or ``{input name: lr}``
+                (default: the schedule's, else the model's value).
+
+        Returns:
+            The apply stage's outputs (``grad_norm`` when clipping).
+
+        Raises:
+            TrainingOpError: no gradients accumulated (call :meth:`backward` first), or a bad ``lr``.
+        """
+        return self._loop.optimizer_step(lr)
+
+    @locked
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradients (torch's ``zero_grad(set_to_none=False)``)."""
+        self._loop.accumulation.zero()
+
+    @property
+    def accumulated_batches(self) -> int:
+        """How many ``backward`` calls the accumulated gradients hold."""
+        return self._loop.accumulation.count
+
+    @locked
+    def gradients(self) -> dict[str, np.ndarray]:
+        """A copy of each trainable's accumulated gradient (zeros before any backward). A
+        sparse table's (``sparse_updates``) is dense, table-sized: the summed gradients of its
+        looked-up rows, zero elsewhere (which rows count as touched is kept apart)."""
+        return self._loop.accumulation.gradients()
+
+    @locked
+    def gradient_buffers(self) -> list[np.ndarray]:
+        """The live accumulated gradients as flat 1-D buffers, one per dtype: every
+        ``gradients()`` entry is a view into one of them. Changing them in place (an
+        all-reduce across processes) changes what :meth:`optimizer_step` applies. A sparse
+        table adds two views to its dtype's buffer, after the dense gradients: its dense
+        gradient, then a per-row counter of lookups (> 0: the row is updated), so a sum
+        then × 1/world over processes keeps both right."""
+        self._loop.accumulation.programs()
+        return list(self._loop.accumulation.buffers)
+
+    @locked
+    def gradient_views(self) -> list[tuple[str, np.ndarray]]:
+        """(trainable, live accumulator) pairs: views into :meth:`gradient_buffers`, for
+        collectives that treat trainables apart (a sharded optimizer reduces each gradient to
+        the rank that owns its trainable). A sparse table has two, back to back: its dense
+        gradient, then its per-row touched counter (see :meth:`gradient_buffers`)."""
+        return self._loop.accumulation.views()
+
+    @property
+    def buffer_names(self) -> list[str]:
+        """State the backward stage updates from the batch (BatchNorm running statistics), not
+        the optimizer: per-process in data-parallel training, like torch's module buffers."""
+        return self._loop.buffer_names()
+
+    # ------------------------------------------------------------------ learning rates
+
+    @property
+    def learning_rates(self) -> dict[str, float]:
+        """The learning rate of each input for the next optimizer step (schedule or default)."""
+        return self._loop.rates.next()
+
+    @property
+    def lr_schedule(self):
+        """The attached schedule (:mod:`onnx_training_ops.schedules`) or None."""
+        return self._loop.rates.schedule
+
+    @property
+    def lr_schedule_step(self) -> int:
+        """Optimizer steps taken under the schedule (torch's ``scheduler.last_epoch``)."""
+        return self._loop.rates.step
+
+    @locked
+    def set_lr_schedule(self, schedule, step: int = 0) -> None:
+        """Drive every learning-rate input by ``schedule``, saved in checkpoints with its position.
+
+        Each input uses its own default as the base rate, as torch's ``base_lrs``. Schedules are
+        not called directly: the session steps them once per optimizer step.
+
+        Args:
+            schedule (Schedule | None): one of :mod:`onnx_training_ops.schedules` (``WarmupCosineLR(...)``...), or
+                None to detach the current one.
+            step: the optimizer step the schedule starts from.
+
+        Raises:
+            TrainingOpError: not a schedule, or a negative ``step``.
+        """
+        self._loop.rates.attach(schedule, step)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state_names(self) -> list[str]:
+        """Names of the state variables (parameters, optimizer state, update count)."""
+        return self._store.names
+
+    @locked
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """A copy of every state variable."""
+        return self._store.copy()
+
+    @locked
+    def load_state_dict(self, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
+        """Copy values into the state variables (same dtype and shape required).
+
+        Args:
+            state: state variable name -> array.
+            strict: the keys must be exactly the state variables; False: unknown keys still raise
+                and missing ones keep their value.
+
+        Raises:
+            TrainingOpError: an unknown or (strict) missing name, or a dtype or shape that differs;
+                nothing is changed then.
+        """
+        self._store.load(state, strict)
+
+    @locked
+    def state_views(self, names: Sequence[str]) -> list[np.ndarray]:
+        """The live arrays of the state variables ``names``.
+
+        Writing into them in place (an all-gather or broadcast across processes) changes the state
+        the next run reads.
+
+        Args:
+            names: state variable names.
+
+        Returns:
+            One array per name, the session's own (no copy).
+
+        Raises:
+            TrainingOpError: an unknown name.
+        """
+        return self._store.views(names)
+
+    @locked
+    def initialize(self) -> None:
+        """Reset every state variable to its initializer, then run the initialization graphs
+        (accumulated gradients are dropped)."""
+        self._loop.accumulation.zero()
+        providers = self._config.providers
+        self._store.reset(lambda init: InferenceSession(init, providers=providers))
+
+    @locked
+    def parameters_size(self, trainable_only: bool = True) -> int:
+        """How many elements :meth:`get_flat_parameters` holds (``get_parameters_size``).
+
+        Args:
+            trainable_only: count only the trained parameters.
+
+        Returns:
+            The number of elements.
+        """
+        return int(sum(a.size for a in self._store.parameters(trainable_only).values()))
+
+    @locked
+    def get_flat_parameters(self, trainable_only: bool = True, copy: bool = True) -> np.ndarray:
+        """The parameters raveled into one 1-D vector (onnxruntime-training's ``get_contiguous_parameters``).
+
+        Args:
+            trainable_only: only the trained parameters; False adds the frozen ones.
+            copy: False returns the live buffer the trainables already are views of (writing into
+                it changes the parameters).
+
+        Returns:
+            The vector, in the session's parameter order.
+
+        Raises:
+            TrainingOpError: ``copy=False`` when the parameters are not one buffer (several
+                optimizer nodes laid them out apart, or ``trainable_only=False`` with frozen
+                parameters, which are constants of the model).
+        """
+        return self._store.flat_parameters(trainable_only, copy)
+
+    @locked
+    def load_flat_parameters(self, buffer, trainable_only: bool = True) -> None:
+        """Copy ``buffer`` into the parameters (onnxruntime-training's ``copy_buffer_to_parameters``).
+
+        Trainables are written in place; frozen ones, when their values change, by reopening the
+        onnxruntime sessions. A nominal session is complete once every parameter has been loaded.
+
+        Args:
+            buffer (np.ndarray): a vector in :meth:`get_flat_parameters`'s order, dtype and size.
+            trainable_only: the vector holds only the trained parameters.
+
+        Raises:
+            TrainingOpError: a buffer of another dtype or size.
+        """
+        changed = self._store.load_flat_parameters(buffer, trainable_only)
+        if changed:
+            self._reopen_with_constants(changed)
+
+    def _reopen_with_constants(self, values: dict[str, np.ndarray]) -> None:
+        """Reopen every part on the current training model with new constant values (the
+        parameters still waiting for values and the skipped-step count carry over)."""
+        model = self._files.training_model()
+        for tensor in proto_of(model).graph.initializer:
+            if tensor.name in values:
+                if isinstance(model, LargeModel) and location(tensor) is not None:
+                    add_array(model, tensor, np.array(values[tensor.name], copy=True))
+                else:
+                    checkpoint.set_initializer(tensor, values[tensor.name])
+        if not isinstance(model, LargeModel):
+            model = checkpoint.add_checksums(model)
+        unfilled, skipped = set(self._store.unfilled), self._loop.skipped_steps
+        self._store, self._programs, self._loop, self._files = open_parts(model, self._config)
+        self._store.unfilled, self._loop.skipped_steps = unfilled, skipped
+
+    @property
+    def nominal(self) -> bool:
+        """True while parameters of a nominal checkpoint still wait for their values."""
+        return bool(self._store.unfilled)
+
+    # ------------------------------------------------------------------ checkpoints and exports
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        """User values (str, int, float, bool) saved atomically with each checkpoint and
+        restored with it: epoch, best metric, data position (onnxruntime-training's
+        ``CheckpointState`` properties)."""
+        return self._files.properties
+
+    @locked
+    def training_model(self) -> onnx.ModelProto | LargeModel:
+        """The training model with the current state as initializers, the properties and the
+        schedule's position (what :meth:`save` writes). A large model comes back as a
+        LargeModel whose arrays are copies of the state."""
+        return self._files.training_model()
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """The metadata entries a checkpoint of this session carries (properties, schedule)."""
+        return self._files.checkpoint_metadata()
+
+    @locked
+    def save(self, path: str | os.PathLike, nominal: bool = False) -> str:
+        """Write the training model with the current state, atomically; reloading resumes bit-exact.
+
+        Args:
+            path: the checkpoint file (``.onnx``; a large model also writes one data file beside it).
+            nominal: names, dtypes and shapes only (onnxruntime-training's nominal checkpoint): the
+                graphs without the values of the state and the parameters, for a device that opens
+                it and loads the parameters it receives (:meth:`load_flat_parameters`).
+
+        Returns:
+            The path written.
+
+        Raises:
+            TrainingOpError: the file cannot be written (``FileWriteError``, naming the path); the
+                previous file at ``path`` is left whole.
+        """
+        return self._files.save(path, nominal)
+
+    @locked
+    def export_inference_model(self, path: str | os.PathLike | None = None,
+                               outputs: Sequence[str] | None = None) -> onnx.ModelProto | LargeModel:
+        """The main graph with the trained weights and no ``training_info``.
+
+        Args:
+            path: where to write it, atomically (a large model with its weights in external
+                data); None: only return it.
+            outputs: the values it computes (any of the main graph; default its outputs), without
+                what they do not need (onnxruntime-training's ``export_model_for_inferencing``).
+
+        Returns:
+            The inference model; a large model comes back as a LargeModel, memory-mapped from
+            ``path`` when given, else over copies of the weights.
+
+        Raises:
+            TrainingOpError: an unknown output name, or a file that cannot be written.
+        """
+        return self._files.export_inference_model(path, outputs)
+
+    @locked
+    def end_profiling(self) -> list[str]:
+        """With ``sess_options.enable_profiling``: end profiling in every onnxruntime session
+        this session opened (step programs, stages, evaluation, inference) and return the
+        trace files onnxruntime wrote."""
+        sessions = self._programs.sessions() + self._loop.sessions()
+        return [path for path in (s.end_profiling() for s in sessions) if path]
 
     # ------------------------------------------------------------------ introspection
 
     @property
+    def feed_names(self) -> list[str]:
+        """Inputs ``step`` needs (learning-rate inputs are optional: ``lr=`` or their default)."""
+        return list(self._programs.required)
+
+    @property
+    def optional_feed_names(self) -> list[str]:
+        """Inputs ``step`` takes but does not need: learning rates and inputs with a default value."""
+        return sorted(self._programs.optional)
+
+    @property
+    def learning_rate_names(self) -> list[str]:
+        """The learning-rate inputs (one per parameter group), which ``lr=`` and schedules set."""
+        return list(self._loop.rates.names)
+
+    @property
+    def feeds(self) -> list[Feed]:
+        """What :meth:`step` takes: name, dtype, shape and whether it is optional, like
+        ``InferenceSession.get_inputs()``."""
+        return self._programs.feeds()
+
+    @property
     def fast_path_nodes(self) -> list[str]:
         """Labels of the optimizer nodes the fast path applies in place."""
-        return [node_label(n) for p in self._programs for n in p.cut_nodes]
+        return [node_label(n) for p in self._programs.steps for n in p.cut_nodes]
 
     @property
     def providers(self) -> list[str]:
         """The execution providers this session trains on (names, in onnxruntime's order)."""
-        return [p[0] if isinstance(p, tuple) else p for p in self._providers]
+        return [p[0] if isinstance(p, tuple) else p for p in self._config.providers]
 
     @property
     def metadata(self) -> dict[str, str]:
         """The builder's metadata (optimizer, loss, labels, learning_rate, trainable), if any."""
-        return dict(self._meta)
+        return dict(self._programs.meta)
 
+    def summary(self) -> ModelSummary:
+        """Trainable and frozen tensors, optimizer and its state size, loss, gradient ops.
 
-def _warm_up_fused_kernels() -> None:
-    """Load the fused kernels once per process (from numba's disk cache after the first run)."""
-    try:
-        from ..kernels import fused
-    except ImportError:  # pragma: no cover - the reference kernels serve without numba
-        return
-    fused.warm_up()
+        Returns:
+            A :class:`~onnx_training_ops.training.summary.ModelSummary` over the session's
+            live state (``print`` it for a table).
+        """
+        return summary(self._store.model, self._store.arrays)
 
+    def __repr__(self) -> str:  # cheap: no shape inference (summary() walks the graph)
+        return describe(self._store.arrays, self._programs.meta, self.learning_rates, self.lr_schedule_step,
+                        self.providers)
+
+    @locked
+    def to_torch_state_dict(self, mapping: Mapping[str, dict] | None = None, tensors: bool = True) -> dict[str, Any]:
+        """The current weights under torch's names, for ``module.load_state_dict``.
+
+        Args:
+            mapping: ``{initializer: {"torch": [names], "transpose": bool}}``; default: the
+                mapping :func:`~onnx_training_ops.training.torch_names.record_torch_names`
+                recorded in the model, else the initializers' own names (exports with
+                ``dynamo=True, optimize=False`` name them as torch does), exporter-made
+                names (``onnx::MatMul_3``, ``val_4``) left out.
+            tensors: return ``torch.Tensor`` values (needs torch); False: numpy arrays.
+
+        Returns:
+            ``{torch name: tensor}`` holding copies of the weights (frozen ones too).
+
+        Raises:
+            TrainingOpError: the mapping names an initializer the model lacks, or torch is
+                missing with ``tensors=True``.
+        """
+        return torch_state_dict(self._store.model, self._store.arrays, mapping, tensors)

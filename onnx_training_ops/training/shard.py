@@ -28,7 +28,7 @@ from ..storage import checkpoint
 from ..builder.model_metadata import META_PREFIX, metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
-from .program import _reads, prune_dead_nodes
+from .pruning import node_reads, prune_dead_nodes
 
 SHARD_KEY = "shard"  # metadata: {"rank": r, "world": w, "owned": [...]}
 
@@ -93,7 +93,7 @@ def _prune_algorithm(graph: onnx.GraphProto, live: set[str]) -> None:
         elif not any(o in live for o in node.output if o):
             continue
         kept.append(node)
-        live.update(_reads(node))
+        live.update(node_reads(node))
     del graph.node[:]
     graph.node.extend(reversed(kept))
 
@@ -143,7 +143,7 @@ def shard_model(model: onnx.ModelProto, owners: Mapping[str, int], rank: int, wo
     algo.output.extend(kept_outputs)
     _prune_algorithm(algo, {o.name for o in algo.output} | {e.value for e in info.update_binding})
     _drop_initialization(info, dropped)
-    read = {name for node in algo.node for name in _reads(node)}
+    read = {name for node in algo.node for name in node_reads(node)}
     kept_inits = [t for t in algo.initializer if t.name not in dropped or t.name in read]
     del algo.initializer[:]
     algo.initializer.extend(kept_inits)

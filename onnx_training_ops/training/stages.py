@@ -43,7 +43,7 @@ from ..passes._graph import value_types
 from ..schema import DOMAIN, OPTIMIZERS
 from ..builder.sparse_updates import Table, find_gradient_rows, lookup_rows
 from ..builder.ops import Ops
-from .program import _reads
+from .pruning import node_reads
 
 GRAD_SCALE = "onnx_training_ops.grad_scale"
 
@@ -91,7 +91,7 @@ def _descendants(nodes, sources: set[str]) -> set[str]:
     """Every value computed from ``sources`` (nodes in topological order)."""
     reached = set(sources)
     for node in nodes:
-        if any(name in reached for name in _reads(node)):
+        if any(name in reached for name in node_reads(node)):
             reached.update(o for o in node.output if o)
     return reached
 
@@ -239,7 +239,7 @@ def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
                 node.input[i] = rename[name]
     # what only the lookups' gradients made (the deduplication, replaced by touched_rows)
     dead = _descendants(a_nodes, looked_up)
-    a_nodes = [*touched_rows, *(n for n in a_nodes if not any(i in dead for i in _reads(n)))]
+    a_nodes = [*touched_rows, *(n for n in a_nodes if not any(i in dead for i in node_reads(n)))]
     del a_algo.node[:]
     a_algo.node.extend(a_nodes)
     for g, (acc, _) in accumulators.items():

@@ -30,12 +30,10 @@ import numpy as np
 from ..errors import TrainingOpError
 from ..interrupts import held_interrupts
 from .binding import finish_binding, release_prebound
-from .fast_path import apply_plan, apply_step_with_feeds
-from .rmsprop_fast_path import apply_rmsprop
-from .row_updates import apply_row_groups
 from .feeds import checked_learning_rate, feed_array
 from .in_place import GUARD_FAILURE
 from .program import Program
+from .sources import FromFeed, FromOutput, FromState
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
@@ -62,7 +60,7 @@ def run_program(
     raw = io._iobinding
     bound = bind_feeds(program, feeds)  # onnxruntime reads these arrays: keep them until it has run
     set_learning_rates(program, feeds, lr)
-    for name in program.dynamic_outputs:  # unallocated again: their shape changes from step to step
+    for name in program.analysis.dynamic_outputs:  # unallocated again: their shape changes from step to step
         io.bind_output(name, "cpu")
     for name, _ in program.returned_from_ort:  # likewise (logits: batch by batch); else onnxruntime
         io.bind_output(name, "cpu")            # reuses the last run's array and refuses another shape
@@ -122,7 +120,7 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
     for name, buf in program.returned_buffers:
         result[name] = buf.copy()
     if on_nonfinite != "ignore":
-        for name in program.loss_names:
+        for name in program.analysis.loss_names:
             value = result[name]
             if not (math.isfinite(value.item()) if value.size == 1 else np.all(np.isfinite(value))):
                 if on_nonfinite == "raise":
@@ -133,14 +131,14 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
                 return result, True
     if program.needs_feeds:
         defaults = {spec.name: default for spec, default in program.optional_feeds}
-        for s in program.plan:
-            apply_step_with_feeds(s, {**defaults, **feeds})
-    else:
-        apply_plan(program.plan)
-    if program.row_plan:
-        apply_row_groups(program.row_plan, _cut_values(program, program.row_sources, raw, feeds, state))
-    if program.rms_plan:
-        apply_rmsprop(program.rms_plan, _cut_values(program, program.rms_sources, raw, feeds, state))
+        feeds = {**defaults, **feeds}
+
+    if program.updates:
+        def values(sources):
+            return _cut_values(program, sources, raw, feeds, state)
+
+        for update in program.updates:
+            update.apply(values, feeds)
     for array, buf in program.copy_plan:
         np.copyto(array, buf)
     return result, False
@@ -149,19 +147,20 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
 def _cut_values(program: Program, sources, raw, feeds: Mapping[str, Any], state) -> dict[str, Any]:
     """What cut row/RMSProp updates read (``sources``, as :func:`.fast_path.cut_sources` gives
     them): outputs of this run, state, learning rates, constants, feeds."""
+    analysis = program.analysis
     dynamic = {}
-    if program.dynamic_outputs:
+    if analysis.dynamic_outputs:
         outputs = raw.get_outputs()
-        first = len(program.returned) + len(program.fixed_outputs)
-        dynamic = {name: outputs[first + i].numpy() for i, name in enumerate(program.dynamic_outputs)}
+        first = len(analysis.returned) + len(analysis.fixed_outputs)
+        dynamic = {name: outputs[first + i].numpy() for i, name in enumerate(analysis.dynamic_outputs)}
     values = {}
     for name, src in sources.items():
-        if type(src) is not tuple:
-            values[name] = src
-        elif src[0] == "output":
+        if isinstance(src, FromOutput):
             values[name] = dynamic[name] if name in dynamic else program.fixed_buffers[name]
-        elif src[0] == "state":
-            values[name] = state[src[1]]
+        elif isinstance(src, FromState):
+            values[name] = state[src.name]
+        elif not isinstance(src, FromFeed):  # a fixed array
+            values[name] = src
         else:
             values[name] = feeds.get(name, dict((s.name, d) for s, d in program.optional_feeds).get(name))
     return values
@@ -209,7 +208,7 @@ def set_learning_rates(program: Program, feeds: Mapping[str, Any],
             buf[...] = checked_learning_rate(value.reshape(()), f"step: learning rate feed {name!r}")
         elif given is not None:
             buf[...] = given
-        elif program.rate_defaults[name] is not None:
-            buf[...] = program.rate_defaults[name]
+        elif program.analysis.rate_defaults[name] is not None:
+            buf[...] = program.analysis.rate_defaults[name]
         else:
             raise TrainingOpError(f"step: learning rate {name!r} has no default; pass lr=... or feed it")

@@ -1,0 +1,89 @@
+"""Opening a session: the model read and checked, then its parts made in order.
+
+:func:`open_parts` is everything ``TrainingSession(...)`` does after checking its arguments, and
+what it does again when new constant values reopen it: state store, programs, loop,
+checkpointer (:mod:`.session`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..builder.model_metadata import metadata
+from ..errors import TrainingOpError
+from ..kernels.compile_notice import announce_compiles
+from ..runtime.options import default_intra_op_threads
+from ..runtime.session import InferenceSession
+from ..storage import checkpoint
+from ..storage.large_model import LargeModel, detach, is_large
+from ..storage.model_files import ModelLike, load_model
+from ..storage.tensors import attach, proto_of
+from .nominal import materialize, nominal_names
+from .session_files import Checkpointer
+from .session_loop import TrainingLoop
+from .session_programs import RuntimeConfig, SessionPrograms
+from .state import collect_state_protos, state_tensors
+from .state_store import StateStore
+
+
+def check_threads(threads, sess_options) -> None:
+    """``threads``: None or an int >= 0 that ``sess_options`` does not contradict."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:
+        raise TrainingOpError(f"threads must be a whole number >= 0 (0: onnxruntime's choice), found {threads!r}")
+    given = sess_options.intra_op_num_threads if sess_options is not None else 0
+    if given not in (0, threads):
+        raise TrainingOpError(f"threads={threads} but sess_options.intra_op_num_threads is {given}: "
+                              "pass one of them")
+
+
+def open_parts(model_or_path: ModelLike, config: RuntimeConfig
+               ) -> tuple[StateStore, SessionPrograms, TrainingLoop, Checkpointer]:
+    """Read, check and open a training model or checkpoint into a session's parts.
+
+    Args:
+        model_or_path: a ModelProto, LargeModel, path or bytes of a training model or checkpoint.
+        config: the caller's runtime choices (providers already checked).
+
+    Returns:
+        (state store, programs, loop, checkpointer), the state at the model's initializers (a
+        nominal checkpoint's: optimizer state initialized, parameters waiting for values).
+
+    Raises:
+        TrainingOpError: a model without ``training_info``, or a damaged or mismatched checkpoint.
+    """
+    path = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
+    opened = load_model(model_or_path, large=True)
+    # values outside the message are checked as they are read (each once): state_tensors
+    expected = checkpoint.verify(opened, path, data=False)
+    if not proto_of(opened).training_info:
+        raise TrainingOpError(
+            "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
+            "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
+        )
+    empty = nominal_names(metadata(proto_of(opened)))
+    if empty:  # a nominal checkpoint: zeros until the parameters are loaded
+        opened = materialize(attach(opened) if isinstance(opened, LargeModel) else opened)
+    large = is_large(opened)
+    # the session's own message stays small: every big tensor is an array beside it
+    model = opened if isinstance(opened, LargeModel) else detach(opened)
+    del opened
+    meta = metadata(model.model_proto)
+    protos = collect_state_protos(model.model_proto)
+    arrays = state_tensors(model, protos, expected, f"checkpoint {os.fspath(path)!r}" if path else "the model")
+    store = StateStore(model, arrays, protos, meta)
+    trainable = [n for n in meta.get("trainable", "").split(",") if n in arrays] or \
+        [n for n, a in arrays.items() if a.dtype.kind == "f"]
+    threads = config.threads if config.threads is not None else \
+        default_intra_op_threads(sum(arrays[n].size for n in trainable))
+    with announce_compiles():  # the first session after an install compiles the kernels
+        programs = SessionPrograms(store, meta, config, large, threads)
+    loop = TrainingLoop(programs)
+    files = Checkpointer(store, loop.rates, meta, large)
+    if empty:  # the optimizer state at its initial values
+        store.reset(lambda init: InferenceSession(init, providers=config.providers))
+        store.unfilled = set(store.parameters(trainable_only=False)) & set(empty)
+    return store, programs, loop, files
