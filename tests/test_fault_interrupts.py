@@ -13,9 +13,9 @@ from test_interrupts import ctrl_c, default_sigint_handler  # noqa: F401 - the f
 
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.training import in_place_updates
+from onnx_training_ops.training import step as step_module
 from onnx_training_ops.training.schedules import StepLR
-from onnx_training_ops.training import in_place_updates, step as step_module
-from test_interrupts import ctrl_c, default_sigint_handler  # noqa: F401 - the fixture
 
 BATCH = {"input": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32),
          "labels": np.array([0, 1, 2, 1], np.int64)}

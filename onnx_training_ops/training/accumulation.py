@@ -9,7 +9,8 @@ Both programs are made on first use.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -17,7 +18,6 @@ import onnxruntime as ort
 
 from ..storage.large_model import LargeModel
 from ..storage.tensors import tensor_value
-
 from .binding import open_program
 from .program import Program, build_program
 from .stages import GRAD_SCALE, Stages, split_stages

@@ -8,7 +8,7 @@ preallocated after the first run, when their shapes are known.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -16,11 +16,11 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..storage.large_model import LargeModel
-from ..storage.tensors import location, proto_of
-from ..schema import DOMAIN
 from ..runtime.pipeline import prepare
 from ..runtime.session import InferenceSession
+from ..schema import DOMAIN
+from ..storage.large_model import LargeModel
+from ..storage.tensors import location, proto_of
 from .arrays import dtype_name, owned
 from .feeds import feed_spec
 from .in_place import add_finite_guard, in_place_outputs

@@ -19,13 +19,13 @@ gradient ``Sub``) or a silent step. For models made by
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
 
 from ..errors import TrainingOpError
-
 
 try:  # numba's loop; numpy's reduction without it
     from ..kernels._numba_labels import labels_in_range as _in_range

@@ -12,19 +12,20 @@ the PyOp plugin; both run the same kernel code on the same values, so they agree
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
 
 from ..errors import TrainingOpError, node_label
 from ..kernels.apply import STEPS, prepare
-from ..storage.tensors import tensor_value
-from ..walk import all_graphs, remove_nodes, subgraphs
 from ..passes.encode_exact_attributes import node_attributes
 from ..passes.fill_defaults import fill_default_attributes
 from ..schema import DOMAIN, OPTIMIZERS
+from ..storage.tensors import tensor_value
+from ..walk import all_graphs, remove_nodes, subgraphs
 from .arrays import owned
 from .sources import FromFeed, FromOutput, FromState, Source
 

@@ -4,8 +4,9 @@ Binding them to a program happens in :mod:`.step` (this module knows no Program)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import onnx

@@ -14,7 +14,7 @@ when nothing laid them out yet (the fast path lays out each optimizer node's own
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx

@@ -17,7 +17,7 @@ redone without in-place writes (:mod:`.step`); with ``"ignore"``, and in the app
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx

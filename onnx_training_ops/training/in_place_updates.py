@@ -12,14 +12,23 @@ state arrays; every step then calls :meth:`InPlaceUpdate.apply` inside the state
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from functools import cached_property
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
 
-from .fast_path import CutStep, FlatNode, apply_plan, apply_step_with_feeds, cut_plan, flat_gradient_views, \
-    flatten_cut_state, prepare_plan
+from .fast_path import (
+    CutStep,
+    FlatNode,
+    apply_plan,
+    apply_step_with_feeds,
+    cut_plan,
+    flat_gradient_views,
+    flatten_cut_state,
+    prepare_plan,
+)
 from .rmsprop_fast_path import RMSPropGroup, RMSPropPlan, apply_rmsprop
 from .rmsprop_fast_path import plan as rmsprop_plan
 from .row_updates import RowGroup, RowPlan, apply_row_groups

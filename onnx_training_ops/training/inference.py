@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from ..builder.model_metadata import META_PREFIX
+from ..errors import TrainingOpError
+from ..passes.fit_runtime import fit_runtime
+from ..runtime.session import InferenceSession
+from ..schema import DOMAIN
 from ..storage import checkpoint
 from ..storage.large_model import LargeModel
 from ..storage.tensors import MIN_DETACHED_BYTES, add_array, proto_of, tensor_nbytes
-from ..builder.model_metadata import META_PREFIX
-from ..errors import TrainingOpError
 from ..walk import all_graphs
-from ..passes.fit_runtime import fit_runtime
-from ..schema import DOMAIN
-from ..runtime.session import InferenceSession
 from .pruning import prune_dead_nodes, prune_unused_inputs, used_names
 from .stages import typed_values
 

@@ -13,7 +13,7 @@ the parameters are loaded (``load_flat_parameters`` / ``load_state_dict``).
 from __future__ import annotations
 
 import json
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx

@@ -8,7 +8,7 @@ the config entries among :data:`CONFIG_KEYS` it holds, and ``session_config``.
 from __future__ import annotations
 
 import threading
-from typing import Mapping
+from collections.abc import Mapping
 
 import onnxruntime as ort
 

@@ -9,8 +9,9 @@ must output.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -18,20 +19,20 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..storage.large_model import LargeModel
-from ..storage.tensors import proto_of
-from ..walk import remove_nodes
 from ..passes._graph import value_types
 from ..passes.validate import validate
 from ..runtime.session import InferenceSession
 from ..schema import DOMAIN, OPTIMIZERS
+from ..storage.large_model import LargeModel
+from ..storage.tensors import proto_of
+from ..walk import remove_nodes
 from .arrays import dtype_name, np_dtype, owned
-from .pruning import prune_dead_nodes, prune_unused_inputs, used_names
 from .fast_path import cut_sources, cuttable_nodes
+from .feeds import FeedSpec, checked_learning_rate
 from .in_place_updates import CutNodes, InPlaceUpdate, RMSPropUpdates, RowUpdates
+from .pruning import prune_dead_nodes, prune_unused_inputs, used_names
 from .rmsprop_fast_path import rmsprop_groups
 from .row_updates import row_groups
-from .feeds import FeedSpec, checked_learning_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,9 +377,8 @@ def build_program(
 
     if not graph.node:  # everything was cut: onnxruntime rejects a graph without nodes
         keepalive = "onnx_training_ops.keepalive"
-        graph.node.append(
-            onnx.helper.make_node("Constant", [], [keepalive], value=onnx.helper.make_tensor("v", onnx.TensorProto.INT64, [], [0]))
-        )
+        zero = onnx.helper.make_tensor("v", onnx.TensorProto.INT64, [], [0])
+        graph.node.append(onnx.helper.make_node("Constant", [], [keepalive], value=zero))
         graph.output.append(onnx.ValueInfoProto(name=keepalive))
 
     returned = [o.name for o in old_outputs if o.name not in bound_values]

@@ -10,7 +10,7 @@ says so, instead of returning a silently wrong result.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import onnxruntime as ort
 
@@ -25,7 +25,7 @@ _GPU_HINT = (
 )
 
 
-def provider_name(provider: "str | tuple[str, dict]") -> str:
+def provider_name(provider: str | tuple[str, dict]) -> str:
     """The name of a provider given as ``"Name"`` or ``("Name", {options})``."""
     if isinstance(provider, tuple):
         if not provider or not isinstance(provider[0], str):
@@ -36,7 +36,7 @@ def provider_name(provider: "str | tuple[str, dict]") -> str:
     return provider
 
 
-def require_available(providers: "Sequence[str | tuple[str, dict]]", available: Sequence[str] | None = None) -> None:
+def require_available(providers: Sequence[str | tuple[str, dict]], available: Sequence[str] | None = None) -> None:
     """Raise :class:`TrainingOpError` unless every provider is in this onnxruntime build
     (onnxruntime itself drops a missing one with a logged warning and runs on the CPU)."""
     names = [provider_name(p) for p in providers]
@@ -52,7 +52,7 @@ def require_available(providers: "Sequence[str | tuple[str, dict]]", available: 
         )
 
 
-def checked_providers(providers: "Sequence[str | tuple[str, dict]] | None",
+def checked_providers(providers: Sequence[str | tuple[str, dict]] | None,
                       available: Sequence[str] | None = None) -> list:
     """``providers`` as a list, after checking that the session can train correctly on them.
 

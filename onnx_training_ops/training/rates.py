@@ -7,7 +7,8 @@ scheduled from its own default, as torch's ``base_lrs``), else from the defaults
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..errors import TrainingOpError
 from . import schedules as lr_schedules

@@ -17,18 +17,19 @@ and the builder's deduplication are cut too, and the loop runs on the touched ro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import TrainingOpError
-from ..kernels.apply import fused_available, rmsprop_step
+from ..builder.ops import Ops
 from ..builder.optimizers import from_json
 from ..builder.rmsprop import RMSProp, emit_rmsprop
-from ..builder.ops import Ops
+from ..errors import TrainingOpError
+from ..kernels.apply import fused_available, rmsprop_step
 from .row_updates import _dedup, dedup_nodes
 
 

@@ -20,8 +20,9 @@ from zero, as ScatterND adds them) and runs the row update on the distinct rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import onnx

@@ -17,8 +17,8 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Mapping
 
 from ..errors import TrainingOpError
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -44,10 +45,10 @@ from .feeds import Feed, feed_list
 from .from_graph import graph_to_training_model
 from .locked import locked
 from .program import program_feeds
+from .providers import checked_providers
 from .session_open import check_threads, open_parts
 from .session_programs import RuntimeConfig
 from .session_summary import describe, torch_state_dict
-from .providers import checked_providers
 from .step import NONFINITE_POLICIES, NonFiniteLossError
 from .summary import ModelSummary, summary
 
@@ -121,7 +122,7 @@ class TrainingSession:
         *,
         initial_state: Mapping[str, np.ndarray] | None = None,
         **kwargs: Any,
-    ) -> "TrainingSession":
+    ) -> TrainingSession:
         """A session for a plain graph that holds the optimizer itself, with explicit state.
 
         The graph becomes the algorithm of a training model whose main graph only holds the state,
@@ -144,7 +145,7 @@ class TrainingSession:
         """
         return cls(graph_to_training_model(model, feedback, initial_state), **kwargs)
 
-    def with_model(self, model: ModelLike) -> "TrainingSession":
+    def with_model(self, model: ModelLike) -> TrainingSession:
         """A new session for ``model`` with this session's providers and options.
 
         Args:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import onnx
 
@@ -11,10 +12,10 @@ from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
 from ..storage import checkpoint
 from ..storage.large_model import LargeModel
-from ..storage.tensors import attach
 from ..storage.model_files import load_model
 from ..storage.save import save_model
 from ..storage.snapshot import write_state
+from ..storage.tensors import attach
 from .checks import checked_properties, stored_properties
 from .inference import inference_model, with_outputs
 from .nominal import nominal_model

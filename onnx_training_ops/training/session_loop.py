@@ -9,7 +9,8 @@ schedule (:mod:`.rates`) and the count of skipped steps.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

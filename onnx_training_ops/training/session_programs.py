@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import onnx
 from onnx import helper
 
-from ..storage import checkpoint
 from ..builder.model_metadata import META_PREFIX, metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
+from ..storage import checkpoint
 from .pruning import node_reads, prune_dead_nodes
 
 SHARD_KEY = "shard"  # metadata: {"rank": r, "world": w, "owned": [...]}

@@ -8,7 +8,6 @@ or a constant of the model).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
@@ -34,5 +33,5 @@ class FromFeed:
     name: str
 
 
-Source = Union[FromState, FromOutput, FromFeed, np.ndarray]
+Source = FromState | FromOutput | FromFeed | np.ndarray
 """An input's origin; a bare array is a fixed value (learning-rate buffer, constant)."""

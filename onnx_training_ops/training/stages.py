@@ -30,19 +30,19 @@ batch, like BatchNorm running statistics — to *backward*.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..builder.ops import Ops
+from ..builder.sparse_updates import Table, find_gradient_rows, lookup_rows
 from ..errors import TrainingOpError
-from ..storage.tensors import constant_array, set_location
 from ..passes._graph import value_types
 from ..schema import DOMAIN, OPTIMIZERS
-from ..builder.sparse_updates import Table, find_gradient_rows, lookup_rows
-from ..builder.ops import Ops
+from ..storage.tensors import constant_array, set_location
 from .pruning import node_reads
 
 GRAD_SCALE = "onnx_training_ops.grad_scale"

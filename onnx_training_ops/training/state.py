@@ -4,7 +4,8 @@ run the initialization graphs."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx

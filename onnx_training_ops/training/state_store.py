@@ -7,7 +7,8 @@ filled yet, and the parameters as one flat vector (:mod:`.flat_parameters`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx

@@ -23,7 +23,8 @@ the write ends: the step counts (T says so), and the state is never partial.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import numpy as np
 import onnx
@@ -136,7 +136,8 @@ def _bytes(n: int) -> str:
 
 
 def _info(t: onnx.TensorProto) -> TensorInfo:
-    return TensorInfo(t.name, tuple(int(d) for d in t.dims), np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name)
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).name
+    return TensorInfo(t.name, tuple(int(d) for d in t.dims), dtype)
 
 
 def _all_tensors(model: onnx.ModelProto) -> dict[str, TensorInfo]:
@@ -203,7 +204,8 @@ def summary(model: ModelLike, state: Mapping[str, np.ndarray] | None = None) -> 
     names = [n for n in meta.get("trainable", "").split(",") if n]
     if not names:  # a training model written by hand: what its update binding writes that is a parameter
         bound = {b.key for info in proto.training_info for b in info.update_binding}
-        names = [t.name for t in proto.graph.initializer if t.name in bound and np.dtype(tensors[t.name].dtype).kind == "f"]
+        names = [t.name for t in proto.graph.initializer
+                 if t.name in bound and np.dtype(tensors[t.name].dtype).kind == "f"]
     chosen = set(names)
     trainable = [tensors[n] for n in names if n in tensors]
     frozen = [t for t in inits if t.name not in chosen]

@@ -18,7 +18,8 @@ as they are (the dynamo case). The record: ``{"onnx name": {"torch": ["name", ..
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
