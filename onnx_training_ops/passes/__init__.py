@@ -86,14 +86,7 @@ PORTABLE_PASSES: list[tuple[str, Pass]] = [
 # The portable form for a GPU (CUDA, WebGPU): each multi-tensor optimizer node runs over its
 # tensors laid end to end, one chain of elementwise kernels for all parameters. On a CPU the
 # copies in and out cost more than the per-tensor chains (BERT 4L/256: 1.26x the step).
+_LOWERING = [name for name, _ in PORTABLE_PASSES].index("lower_optimizers")
 FLAT_PORTABLE_PASSES: list[tuple[str, Pass]] = [
-    ("validate", validate),
-    ("split_sequences", split_sequences),
-    ("lower_recurrent", lower_recurrent),
-    ("expand_gradient", expand_gradient),
-    ("lower_cross_entropy", lower_cross_entropy),
-    ("fill_default_attributes", fill_default_attributes),
-    ("flatten_optimizers", flatten_optimizers),
-    ("lower_optimizers", lower_optimizers),
-    ("fit_runtime", fit_runtime),
-]
+    *PORTABLE_PASSES[:_LOWERING], ("flatten_optimizers", flatten_optimizers), *PORTABLE_PASSES[_LOWERING:],
+]  # the portable pipeline with flatten_optimizers right before the lowering

@@ -29,9 +29,9 @@ from .fast_path import (
     flatten_cut_state,
     prepare_plan,
 )
-from .rmsprop_fast_path import RMSPropGroup, RMSPropPlan, apply_rmsprop
+from .rmsprop_fast_path import apply_rmsprop
 from .rmsprop_fast_path import plan as rmsprop_plan
-from .row_updates import RowGroup, RowPlan, apply_row_groups
+from .row_updates import apply_row_groups
 from .row_updates import plan as row_plan
 from .sources import FromFeed, Source
 
@@ -109,39 +109,40 @@ class CutNodes(InPlaceUpdate):
             apply_step_with_feeds(step, feeds)
 
 
-class RowUpdates(InPlaceUpdate):
-    """Lazy updates of an embedding table's touched rows (:mod:`.row_updates`)."""
+class _GroupUpdates(InPlaceUpdate):
+    """Updates a fused kernel applies group by group: ``make_plans(groups, state)`` once the
+    buffers exist, then ``run(plans, inputs)`` each step."""
 
-    def __init__(self, groups: list[RowGroup], sources: dict[str, Source]) -> None:
+    make_plans: Callable[[list, Mapping[str, np.ndarray]], list]
+    run: Callable[[list, dict[str, Any]], None]
+
+    def __init__(self, groups: list, sources: dict[str, Source]) -> None:
         self.groups, self.sources = groups, sources
         self.nodes = [n for g in groups for n in g.nodes]
-        self.plans: list[RowPlan] = []
+        self.plans: list = []
 
     @property
     def planned(self) -> bool:
         return bool(self.plans)
 
     def prepare(self, fixed_buffers: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> None:
-        self.plans = row_plan(self.groups, state)
+        self.plans = type(self).make_plans(self.groups, state)
 
     def apply(self, values: Values, feeds: Mapping[str, Any]) -> None:
-        apply_row_groups(self.plans, values(self.sources))
+        type(self).run(self.plans, values(self.sources))
 
 
-class RMSPropUpdates(InPlaceUpdate):
-    """RMSProp updates (standard ops in the graph) applied by the fused kernel (:mod:`.rmsprop_fast_path`)."""
+class RowUpdates(_GroupUpdates):
+    """Lazy updates of an embedding table's touched rows (:mod:`.row_updates`): ``RowGroup``s
+    planned into ``RowPlan``s."""
 
-    def __init__(self, groups: list[RMSPropGroup], sources: dict[str, Source]) -> None:
-        self.groups, self.sources = groups, sources
-        self.nodes = [n for g in groups for n in g.nodes]
-        self.plans: list[RMSPropPlan] = []
+    make_plans = staticmethod(row_plan)
+    run = staticmethod(apply_row_groups)
 
-    @property
-    def planned(self) -> bool:
-        return bool(self.plans)
 
-    def prepare(self, fixed_buffers: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> None:
-        self.plans = rmsprop_plan(self.groups, state)
+class RMSPropUpdates(_GroupUpdates):
+    """RMSProp updates (standard ops in the graph) applied by the fused kernel
+    (:mod:`.rmsprop_fast_path`): ``RMSPropGroup``s planned into ``RMSPropPlan``s."""
 
-    def apply(self, values: Values, feeds: Mapping[str, Any]) -> None:
-        apply_rmsprop(self.plans, values(self.sources))
+    make_plans = staticmethod(rmsprop_plan)
+    run = staticmethod(apply_rmsprop)
