@@ -16,12 +16,14 @@ peak RSS of each process). TF32 is off on both sides for fp32 parity.
 ``ours_per_tensor`` the same with the optimizer per tensor.
 ``--device cpu`` runs the same on the CPU EP (what the test suite checks; it needs no GPU).
 The defaults are the sizes of the GPU issue: GPT-2 batch 8 x 256, BERT-base 32 x 128,
-ResNet-50 64 x 224 x 224 with train-mode BatchNorm.
+ResNet-50 64 x 224 x 224 with train-mode BatchNorm, and the ~1.1B Llama with LoRA adapters of
+:mod:`.lora` (batch 4 x 128; only the adapters train).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -31,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from . import zoo
+from . import lora, zoo
 from .model_runners import BETAS, EPS, LR, WEIGHT_DECAY, training_model
 
 CONTENDERS = {
@@ -40,21 +42,41 @@ CONTENDERS = {
     "torch_fp32": "torch eager fp32, AdamW",
     "torch_bf16": "torch eager, autocast bf16, AdamW",
 }
-DEFAULT_MODELS = ("gpt2-124m", "gpt2-355m", "bert-base", "resnet50")
+DEFAULT_MODELS = ("gpt2-124m", "gpt2-355m", "bert-base", "resnet50", lora.SPEC.name)
 # the batch sizes the GPU issue measures at
 GPU_SIZES = {"gpt2-124m": {"batch": 8, "seq": 256}, "gpt2-355m": {"batch": 8, "seq": 256},
-             "bert-base": {"batch": 32, "seq": 128}, "resnet50": {"batch": 64}}
+             "bert-base": {"batch": 32, "seq": 128}, "resnet50": {"batch": 64}, lora.SPEC.name: {}}
 BATCHES = 4
 
 
 def model_spec(name: str, batch: int | None = None, seq: int | None = None) -> zoo.Spec:
-    """The zoo spec at the GPU issue's sizes, or the given ``batch``/``seq``."""
+    """The zoo's spec (or the LoRA case's, :mod:`.lora`) at the GPU issue's sizes, or the given
+    ``batch``/``seq``."""
+    base = lora.SPEC if name == lora.SPEC.name else zoo.SPECS[name]
     sizes = dict(GPU_SIZES.get(name, {}))
     if batch:
         sizes["batch"] = batch
-    if seq and zoo.SPECS[name].family in ("bert", "gpt2"):
+    if seq and base.family in ("bert", "gpt2", "llama"):
         sizes["seq"] = seq
-    return zoo.spec(name, **sizes) if sizes else zoo.spec(name)
+    if not sizes:
+        return base
+    suffix = ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
+    return dataclasses.replace(base, name=f"{name}[{suffix}]", **sizes)
+
+
+def _batches(spec: zoo.Spec) -> list[dict]:
+    return lora.batches(spec, BATCHES) if spec.family == "llama" else zoo.batches(spec, BATCHES)
+
+
+def _training_model(spec: zoo.Spec):
+    """Our training model of ``spec`` (AdamW as :mod:`.model_runners`; LoRA: the adapters train)."""
+    if spec.family != "llama":
+        return training_model(spec)
+    from ..builder import AdamW, build_training_model
+
+    path = lora.export(spec)
+    return build_training_model(path, lora.loss(spec), AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
+                                labels="labels", trainable=lora.trainable(path))
 
 
 def _device_memory_mb() -> float | None:
@@ -75,11 +97,11 @@ def _ours(spec: zoo.Spec, device: str, flat: bool):
     from ..export import DeviceTrainer, export_step
 
     directory = tempfile.mkdtemp(prefix="bench_gpu_")
-    export_step(training_model(spec), directory, flat_optimizer=flat)
+    export_step(_training_model(spec), directory, flat_optimizer=flat)
     providers = ([("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if device == "cuda"
                  else ["CPUExecutionProvider"])
     trainer = DeviceTrainer(directory, providers)
-    batches = zoo.batches(spec, BATCHES)
+    batches = _batches(spec)
 
     def step(i: int) -> float:
         return float(trainer.step(batches[i % BATCHES])["loss"])
@@ -95,16 +117,20 @@ def _torch(spec: zoo.Spec, device: str, bf16: bool):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    module = zoo.torch_model(spec).to(device)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    batches = [{k: torch.from_numpy(v).to(device) for k, v in b.items()} for b in zoo.batches(spec, BATCHES)]
+    llama = spec.family == "llama"
+    module = (lora.torch_model(spec) if llama else zoo.torch_model(spec)).to(device)
+    trained = [p for p in module.parameters() if p.requires_grad]  # peft froze the base of the LoRA model
+    optimizer = torch.optim.AdamW(trained, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    batches = [{k: torch.from_numpy(v).to(device) for k, v in b.items()} for b in _batches(spec)]
+    names = ("input_ids", "attention_mask") if llama else spec.input_names
 
     def step(i: int) -> float:
         b = batches[i % BATCHES]
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
-            logits = module(*[b[n] for n in spec.input_names])
-        loss = zoo.torch_loss(spec, logits.float(), b["labels"])
+            logits = module(*[b[n] for n in names])
+        loss = (lora.torch_loss(logits.float(), b["labels"]) if llama
+                else zoo.torch_loss(spec, logits.float(), b["labels"]))
         loss.backward()
         optimizer.step()
         return float(loss.detach())  # a sync per step, as ours has (its loss comes down)
@@ -192,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     contenders = [c for c in args.contenders.split(",") if c]
     unknown = [c for c in contenders if c not in CONTENDERS]
     models = [m for m in args.models.split(",") if m]
-    unknown += [m for m in models if m not in zoo.SPECS]
+    unknown += [m for m in models if m not in zoo.SPECS and m != lora.SPEC.name]
     if unknown:
         print(f"bench gpu: unknown contender or model {', '.join(unknown)}; contenders: {', '.join(CONTENDERS)}; "
               f"models: {', '.join(zoo.SPECS)}", file=sys.stderr)
