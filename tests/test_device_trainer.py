@@ -15,6 +15,7 @@ from onnx_training_ops import schedules
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.export import DeviceTrainer, export_step, load_state, session_from_export
+from onnx_training_ops.export.static_shapes import static_step
 
 
 def _model(optimizer=None, **kwargs):
@@ -212,3 +213,34 @@ def test_in_place_refuses_a_state_read_after_its_new_value_is_written():
     assert in_place_unsafe(model, {"X": "X_new"}) == ["X"]
     model.graph.node[1].input[0] = "late"  # now every read of X comes before X_new is written
     assert in_place_unsafe(model, {"X": "X_new"}) == []
+
+
+def test_static_input_shapes_fold_the_shape_arithmetic_and_train_the_same(tmp_path):
+    """With the batch shape fixed, the step's Shape/Size arithmetic is folded at load (on a GPU: no
+    host round trip for it); the losses and state are those of the dynamic step."""
+    import onnx
+
+    from onnx_training_ops.bench import zoo
+    from onnx_training_ops.bench.model_runners import training_model
+
+    spec = zoo.spec("gpt2", layers=1, hidden=32, heads=2, vocab=64, batch=2, seq=8)
+    export_step(training_model(spec, str(tmp_path / "zoo")), tmp_path / "export")
+    shapes = {"input_ids": [2, 8], "attention_mask": [2, 8], "labels": [2, 8]}
+    fixed = DeviceTrainer(tmp_path / "export", input_shapes=shapes)
+    dynamic = DeviceTrainer(tmp_path / "export")
+    step = onnx.load(tmp_path / "export" / "step.onnx")
+    data = [vi.name for vi in step.graph.input if vi.name in shapes]
+    folded = static_step(step, data, shapes, "test")
+    count = lambda m: sum(n.op_type in ("Shape", "Size") for n in m.graph.node)  # noqa: E731
+    assert count(step) > 0 and count(folded) == 0
+    batches = zoo.batches(spec, 3)
+    for batch in batches:
+        np.testing.assert_allclose(fixed.step(batch)["loss"], dynamic.step(batch)["loss"], rtol=1e-6)
+    want = dynamic.state_dict()
+    for name, value in fixed.state_dict().items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    other = {k: np.concatenate([v, v]) for k, v in batches[0].items()}  # batch 4, not 2
+    with pytest.raises(TrainingOpError, match=r"'input_ids' must have shape \[2, 8\]"):
+        fixed.step(other)
+    with pytest.raises(TrainingOpError, match=r"input_shapes\['input_ids'\] is \[2\]"):
+        DeviceTrainer(tmp_path / "export", input_shapes={**shapes, "input_ids": [2]})

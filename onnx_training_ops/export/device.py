@@ -33,6 +33,7 @@ from ..training.step import NONFINITE_POLICIES, NonFiniteLossError
 from . import manifest as manifest_
 from . import safetensors
 from .importing import manifest_schedule, read_state
+from .static_shapes import static_step
 
 # execution provider -> the OrtValue device type its inputs live on
 _DEVICE_OF = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda",
@@ -64,6 +65,10 @@ class DeviceTrainer:
             (:mod:`~onnx_training_ops.passes.guard_feedback`); a state variable some node could read
             after its new value is written makes it unsafe. ``None`` (default): in place when safe;
             ``True``: an error when unsafe; ``False``: two sets.
+        input_shapes: static shapes of the data inputs (``{"input_ids": [8, 256]}``): the step's
+            shape arithmetic is folded at load (:func:`~onnx_training_ops.export.static_shapes.static_step`),
+            so no shape computation runs per step (on a GPU, no host round trip for it); every
+            batch must then have these shapes.
 
     Raises:
         TrainingOpError: the directory is not a valid export, a provider is not available, or
@@ -73,7 +78,8 @@ class DeviceTrainer:
     def __init__(self, directory: str | os.PathLike, providers: Sequence[str | tuple[str, dict]] | None = None,
                  *, device_id: int = 0, on_nonfinite: str = "raise",
                  sess_options: ort.SessionOptions | None = None, verify: bool = True,
-                 in_place: bool | None = None) -> None:
+                 in_place: bool | None = None,
+                 input_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
         providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
@@ -93,8 +99,12 @@ class DeviceTrainer:
         step_model = onnx.load_model_from_string(step)
         manifest_.check_feedback(step_model, manifest, os.path.join(self.directory, files["step"]["path"]))
         self._feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
+        self.input_shapes = {n: [int(d) for d in dims] for n, dims in (input_shapes or {}).items()}
+        if input_shapes is not None:
+            data = [e["name"] for e in manifest["inputs"]]
+            step_model = static_step(step_model, data, self.input_shapes, "DeviceTrainer")
         self.in_place = self._plan_in_place(step_model, manifest.get("loss"), on_nonfinite, in_place)
-        if self.in_place:
+        if self.in_place or input_shapes is not None:
             step = step_model.SerializeToString()
         self._step = ort.InferenceSession(step, sess_options, providers=providers)
         self._eval = (ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "eval", verify),
@@ -261,7 +271,7 @@ class DeviceTrainer:
             if not isinstance(array, np.ndarray) or array.dtype != np.dtype(spec["dtype"]):
                 found = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
                 raise TrainingOpError(f"{what}: input {name!r} must be a {spec['dtype']} array, found {found}")
-            shape = spec.get("shape")
+            shape = self.input_shapes.get(name, spec.get("shape")) if what == "step" else spec.get("shape")
             if shape is not None and (array.ndim != len(shape) or any(
                     isinstance(d, int) and d != n for d, n in zip(shape, array.shape))):
                 raise TrainingOpError(f"{what}: input {name!r} must have shape {shape}, found {list(array.shape)}")

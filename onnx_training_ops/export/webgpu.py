@@ -22,8 +22,6 @@ The result computes what the portable step computes, to float32 rounding
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,53 +37,10 @@ from ..passes.lower_one_hot import lower_one_hot
 from ..passes.lower_sum import lower_sum
 from ..passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
 from ..passes.split_host_scalars import split_host_scalars
+from .static_shapes import fix_input_shapes, fold_with_onnxruntime
 
 FILE = "step.webgpu.onnx"
 EVAL_FILE = "eval.webgpu.onnx"
-
-
-def _static_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str, Sequence[int]]) -> None:
-    for vi in model.graph.input:
-        if vi.name not in data:
-            continue
-        dims = vi.type.tensor_type.shape.dim
-        given = shapes.get(vi.name)
-        if given is not None:
-            given = [int(d) for d in given]
-            if len(given) != len(dims) or any(d.HasField("dim_value") and d.dim_value != g
-                                              for d, g in zip(dims, given)):
-                raise TrainingOpError(f"export (webgpu): input_shapes[{vi.name!r}] is {given}; the input's shape is "
-                                      f"{[d.dim_value if d.HasField('dim_value') else d.dim_param for d in dims]}")
-            for d, g in zip(dims, given):
-                d.Clear()
-                d.dim_value = g
-        elif not all(d.HasField("dim_value") for d in dims):
-            raise TrainingOpError(f"export (webgpu): input {vi.name!r} has shape "
-                                  f"{[d.dim_value if d.HasField('dim_value') else d.dim_param for d in dims]}; the "
-                                  "WebGPU step folds shapes statically: pass input_shapes={name: [dims]} "
-                                  "(--input-shape NAME=D,D,... in the CLI) for every data input")
-    unknown = set(shapes) - set(data)
-    if unknown:
-        raise TrainingOpError(f"export (webgpu): input_shapes names {sorted(unknown)}, not data inputs "
-                              f"of the step ({', '.join(data)})")
-
-
-def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnxruntime's basic (provider-independent) optimizations, on the CPU: constant folding
-    with the static shapes, dead-node removal."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.log_severity_level = 3  # the unused initializers it drops are expected
-    with tempfile.TemporaryDirectory() as tmp:
-        options.optimized_model_filepath = os.path.join(tmp, "folded.onnx")
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        folded = onnx.load(options.optimized_model_filepath)
-    kept = [o for o in folded.opset_import if o.domain in ("", "ai.onnx", "ai.onnx.ml")]
-    del folded.opset_import[:]
-    folded.opset_import.extend(kept)
-    return folded
 
 
 def webgpu_step(step: onnx.ModelProto, state: Sequence[str], counter: str | None, rates: Sequence[str],
@@ -109,14 +64,14 @@ def webgpu_step(step: onnx.ModelProto, state: Sequence[str], counter: str | None
     model = onnx.ModelProto()
     model.CopyFrom(step)
     data = [vi.name for vi in model.graph.input if vi.name not in set(state) and vi.name not in set(rates)]
-    _static_shapes(model, data, dict(input_shapes or {}))
+    fix_input_shapes(model, data, dict(input_shapes or {}), "export (webgpu)")
     model, host = split_host_scalars(model, [n for n in (counter, *rates) if n])
     for run in (fold_static_shapes, lower_log_softmax, lower_one_hot, lower_sum, lower_is_nan,
                 maxpool_gradient_by_mask):
         model = run(model)
-    model = fold_static_shapes(_fold(model))  # what onnxruntime's folding made constant (a NonZero's input)
+    model = fold_static_shapes(fold_with_onnxruntime(model))  # what the folding made constant (a NonZero input)
     narrowed = int32_inputs(model, skip=state)
-    model = _fold(model)
+    model = fold_with_onnxruntime(model)
     leftovers = sorted({vi.name for vi in model.graph.input if vi.type.tensor_type.elem_type == TensorProto.DOUBLE})
     if leftovers:
         raise TrainingOpError(f"export (webgpu): inputs {leftovers} are float64; WebGPU runs no float64")
