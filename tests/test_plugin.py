@@ -94,3 +94,29 @@ def test_options_registered_twice_still_create_sessions():
     assert ot.session_options(so) is so
     for _ in range(2):  # InferenceSession registers again on the same options
         ot.InferenceSession(optimizer_model("Adam"), sess_options=so)
+
+
+def test_registration_from_many_threads_at_once_registers_each_kernel_once():
+    """Sessions opened in several threads at once: the PyOp kernels are registered once, complete,
+    before any of them runs (a second registration of an op makes onnxruntime refuse every
+    session: "Conflicting with a registered kernel"). In a fresh process: registration is once
+    per process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from onnx_training_ops.runtime import plugin\n"
+        "from onnx_training_ops.schema import OPTIMIZERS\n"
+        "barrier = threading.Barrier(8)\n"
+        "def go():\n"
+        "    barrier.wait()\n"
+        "    plugin.register()\n"
+        "threads = [threading.Thread(target=go) for _ in range(8)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert len(plugin._registered_ids) == 4 * len(OPTIMIZERS), len(plugin._registered_ids)\n"
+        "print('once')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "once", run.stderr[-2000:]

@@ -28,6 +28,7 @@ from ..schema import DOMAIN, OPTIMIZERS
 from .extensions import extensions_pyop_module
 
 _registered_ids: set[int] = set()
+_register_lock = threading.Lock()
 _opdefs: dict = {}  # id -> onnxruntime_extensions' Opdef of our kernels
 _previous_hook = None
 _log = logging.getLogger(__name__)
@@ -121,9 +122,13 @@ def register() -> None:
     """Register the optimizers with onnxruntime-extensions (idempotent; done by
     :func:`.options.session_options`, :func:`.options.library_path` and ``prepare``, not on
     import)."""
+    with _register_lock:  # two sessions opened in two threads: one registration, complete before either runs
+        if not _registered_ids:
+            _register()
+
+
+def _register() -> None:
     global _previous_hook
-    if _registered_ids:
-        return
     _ocos = extensions_pyop_module()
     PyCustomOpDef, onnx_op = _ocos.PyCustomOpDef, _ocos.Opdef.declare
 
