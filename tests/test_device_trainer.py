@@ -149,7 +149,7 @@ def test_bad_feeds_and_rates_are_clear_errors(tmp_path):
     with pytest.raises(TrainingOpError, match="unknown input"):
         trainer.step({**batch, "extra": batch["labels"]})
     for lr in (float("nan"), -1.0, "abc"):
-        with pytest.raises(TrainingOpError, match="finite number >= 0"):
+        with pytest.raises(TrainingOpError, match="'learning_rate' must be (finite and >= 0|a real number)"):
             trainer.step(batch, lr=lr)
     with pytest.raises(TrainingOpError, match="must be a mapping"):
         trainer.step(None)
@@ -167,7 +167,7 @@ def test_labels_are_checked_against_the_class_count_when_the_manifest_records_it
     for label in (4, -1, 99):
         labels = batch["labels"].copy()
         labels[3] = label
-        with pytest.raises(TrainingOpError, match=rf"holds {label}, outside the classes \[0, 4\)"):
+        with pytest.raises(TrainingOpError, match=rf"feed 'labels' holds class {label}, outside \[0, 4\)"):
             trainer.step({**batch, "labels": labels})
 
 

@@ -398,7 +398,7 @@ def test_the_class_check_loop_agrees_with_numpy(dtype, ignore):
         views = [labels, labels.reshape(1, -1), np.repeat(labels, 2)[::2]]
         for view in views:
             try:
-                checks._check_classes("step", "labels", view, 5, ignore)
+                checks.check_classes("step", "labels", view, 5, ignore)
                 ok = True
             except TrainingOpError as error:
                 ok = False

@@ -15,7 +15,6 @@ on a GPU, ``providers=["CUDAExecutionProvider", "CPUExecutionProvider"]`` (onnxr
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,6 +26,8 @@ import onnxruntime as ort
 from ..errors import TrainingOpError
 from ..passes.guard_feedback import guard_feedback, in_place_unsafe
 from ..storage.checkpoint import atomic_write
+from ..training.checks import check_classes
+from ..training.feeds import checked_learning_rate
 from ..training.providers import provider_name, require_available
 from ..training.schedules import checked_rate
 from ..training.step import NONFINITE_POLICIES, NonFiniteLossError
@@ -246,11 +247,7 @@ class DeviceTrainer:
             raise TrainingOpError(f"step: unknown learning-rate input(s) {sorted(unknown)}; "
                                   f"the export has {sorted(self._rates)}")
         for name in self._rates:
-            value = rates.get(name, self._bases[name])
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
-                    or not math.isfinite(float(value)) or float(value) < 0:
-                raise TrainingOpError(f"step: learning rate {name!r} must be a finite number >= 0, found {value!r}")
-            rates[name] = float(value)
+            rates[name] = checked_learning_rate(rates.get(name, self._bases[name]), f"step: learning rate {name!r}")
         return rates
 
     def _check_feeds(self, feeds: Mapping[str, Any], specs: Mapping[str, dict], what: str) -> dict[str, np.ndarray]:
@@ -283,15 +280,8 @@ class DeviceTrainer:
         """Labels in [0, classes) or equal to ignore_index, when the manifest records the class count."""
         if self._classes is None or self._labels not in arrays:
             return
-        labels = arrays[self._labels]
-        bad = (labels < 0) | (labels >= int(self._classes))
-        if self._ignore_index is not None:
-            bad &= labels != int(self._ignore_index)
-        if bad.any():
-            value = labels[bad].reshape(-1)[0]
-            allowed = f" or {self._ignore_index}" if self._ignore_index is not None else ""
-            raise TrainingOpError(f"{what}: input {self._labels!r} holds {value}, outside the classes "
-                                  f"[0, {self._classes}){allowed}; the step was not taken")
+        ignore = None if self._ignore_index is None else int(self._ignore_index)
+        check_classes(what, self._labels, arrays[self._labels], int(self._classes), ignore)
 
     def step(self, feeds: Mapping[str, np.ndarray], lr: float | Mapping[str, float] | None = None
              ) -> dict[str, np.ndarray]:

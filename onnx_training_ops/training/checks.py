@@ -83,7 +83,7 @@ def batch_checker(meta: Mapping[str, str], inputs: Sequence[onnx.ValueInfoProto]
             if len(passed) < 64 and None not in key[1:]:
                 passed.add(key)
         if classes is not None and labels.dtype.kind in "iu":
-            _check_classes(where, name, labels, classes, ignore)
+            check_classes(where, name, labels, classes, ignore)
 
     return check
 
@@ -142,7 +142,8 @@ def show_shape(shape) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
-def _check_classes(where: str, name: str, labels: np.ndarray, classes: int, ignore: int | None) -> None:
+def check_classes(where: str, name: str, labels: np.ndarray, classes: int, ignore: int | None) -> None:
+    """Raise TrainingOpError unless every label is in ``[0, classes)`` or equals ``ignore``."""
     if _in_range is not None and labels.dtype.kind == "i" and labels.dtype.isnative and labels.flags.c_contiguous:
         if _in_range(labels.reshape(-1), classes, -1 if ignore is None else ignore, ignore is not None):
             return  # the common case: one loop
