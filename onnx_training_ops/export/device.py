@@ -140,10 +140,10 @@ class DeviceTrainer:
         if wanted is False:
             return False
         guard = policy != "ignore"
-        if guard and not loss:
+        if guard and not _scalar_output(step, loss):  # the guard decides the whole step on one value
             if wanted:
                 raise TrainingOpError(f"{self.directory!r}: in_place=True with on_nonfinite={policy!r} needs the "
-                                      "export's loss (the manifest names none)")
+                                      f"export's loss as a one-element output (found {loss!r})")
             return False
         candidate = onnx.ModelProto()
         candidate.CopyFrom(step)
@@ -347,6 +347,15 @@ class DeviceTrainer:
         except Exception as error:
             raise TrainingOpError(f"evaluate: onnxruntime failed on the exported eval model: {error}") from error
         return {name: value.numpy() for name, value in zip(names, io.get_outputs())}
+
+
+def _scalar_output(model: onnx.ModelProto, name: str | None) -> bool:
+    """Whether ``model`` outputs ``name`` with a static shape of one element."""
+    for out in model.graph.output:
+        if name and out.name == name and out.type.tensor_type.HasField("shape"):
+            dims = out.type.tensor_type.shape.dim
+            return all(d.HasField("dim_value") and d.dim_value == 1 for d in dims)
+    return False
 
 
 def _np_type(value: ort.OrtValue) -> np.dtype:
