@@ -1,0 +1,222 @@
+"""TrainingSession with its state resident on the device (``device=`` or a device provider),
+run on the CPU through the same OrtValue machinery a GPU uses and checked against the host
+session: the state bit for bit (the returned loss within an ulp: the host session may reduce it
+in another kernel) for every optimizer, clipping, groups, schedules, sparse tables,
+accumulation, non-finite losses, checkpoints, exports and flat parameters.
+tests/test_gpu.py runs it on CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import onnx_training_ops as ot
+from onnx_training_ops import schedules
+from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.errors import TrainingOpError
+from onnx_training_ops.training.device_store import DeviceStateStore
+from onnx_training_ops.training.providers import placement
+from tests.test_sparse_updates import batches as sparse_batches
+from tests.test_sparse_updates import emb_model
+
+
+def _model(optimizer=None, **kwargs):
+    return ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy",
+                                   optimizer or ot.AdamW(lr=1e-2, weight_decay=0.1), **kwargs)
+
+
+def _batches(n=4, seed=0, rows=12):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, rows, 8)).astype(np.float32)
+    return [{"input": x[i], "labels": np.argmax(x[i, :, :4], -1).astype(np.int64)} for i in range(n)]
+
+
+def _assert_same_state(device, host):
+    mine = device.state_dict()
+    assert set(mine) == set(host.state_dict())
+    for name, value in host.state_dict().items():
+        np.testing.assert_array_equal(mine[name], value, err_msg=name)
+
+
+OPTIMIZERS = [
+    ot.Adam(lr=1e-2), ot.AdamW(lr=1e-2, weight_decay=0.1), ot.Adam(lr=1e-2, weight_decay=0.01),
+    ot.Momentum(lr=0.05, momentum=0.9), ot.Momentum(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    ot.Adagrad(lr=0.1), ot.RMSProp(lr=1e-2, momentum=0.5), ot.OrtAdamW(lr=1e-2),
+]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: repr(o)[:40])
+def test_every_optimizer_steps_bit_for_bit_with_the_state_on_the_device(optimizer):
+    model = _model(optimizer, clip_grad_norm=0.5)
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    assert isinstance(device._store, DeviceStateStore)
+    assert all(isinstance(v, ort.OrtValue) for v in device._store.values.values.values())
+    for batch in _batches():
+        expected, got = host.step(batch), device.step(batch)
+        assert set(got) == set(expected)
+        for name in expected:  # the loss's reduction may run in another kernel: its last bit may differ
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, err_msg=name)
+        _assert_same_state(device, host)  # the state bit for bit, step by step
+
+
+def test_groups_schedules_and_lr_follow_the_host_session():
+    model = _model(ot.AdamW(lr=1e-2, weight_decay=0.1), param_groups=[{"params": ["b*"], "lr": 0.05}])
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    assert device.learning_rate_names == host.learning_rate_names and len(host.learning_rate_names) == 2
+    for s in (host, device):
+        s.set_lr_schedule(schedules.WarmupLinearLR(warmup_steps=2, total_steps=10))
+    for i, batch in enumerate(_batches(5)):
+        lr = 3e-3 if i == 3 else None
+        assert device.learning_rates == host.learning_rates
+        np.testing.assert_allclose(device.step(batch, lr=lr)["loss"], host.step(batch, lr=lr)["loss"], rtol=1e-6)
+    assert device.lr_schedule_step == host.lr_schedule_step == 5
+    _assert_same_state(device, host)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "sparse"])
+def test_sparse_tables_update_on_the_device(mode):
+    model = ot.build_training_model(emb_model(), "mse", ot.Adam(lr=0.05), trainable=["E", "W"],
+                                    sparse_updates={"E": mode})
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    for ids, target in sparse_batches()[:3]:
+        feeds = {"ids": ids, "target": target}
+        np.testing.assert_allclose(device.step(feeds)["loss"], host.step(feeds)["loss"], rtol=1e-6)
+    _assert_same_state(device, host)
+
+
+def test_accumulation_zero_grad_and_gradients():
+    model = _model(clip_grad_norm=0.5)
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    b = _batches(3)
+    for s in (host, device):
+        s.backward(b[0], scale=0.5)
+        s.zero_grad()
+        s.backward(b[1], scale=0.5)
+        s.backward(b[2], scale=0.5)
+    assert device.accumulated_batches == host.accumulated_batches == 2
+    for name, value in host.gradients().items():
+        np.testing.assert_array_equal(device.gradients()[name], value, err_msg=name)
+    np.testing.assert_array_equal(device.optimizer_step()["grad_norm"], host.optimizer_step()["grad_norm"])
+    assert device.accumulated_batches == 0 and all(not g.any() for g in device.gradients().values())
+    _assert_same_state(device, host)
+    with pytest.raises(TrainingOpError, match="live on the device.*gradients\\(\\)"):
+        device.gradient_buffers()
+    with pytest.raises(TrainingOpError, match="no gradients accumulated"):
+        device.optimizer_step()
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_nonfinite_loss_keeps_the_state(policy):
+    model = _model()
+    device = ot.TrainingSession(model, device="cpu", on_nonfinite=policy)
+    device.step(_batches(1)[0])
+    before = device.state_dict()
+    bad = dict(_batches(1, seed=3)[0])
+    bad["input"] = bad["input"].copy()
+    bad["input"][0, 0] = np.nan
+    if policy == "raise":
+        with pytest.raises(ot.NonFiniteLossError):
+            device.step(bad)
+    else:
+        assert not np.isfinite(device.step(bad)["loss"])
+        assert device.skipped_steps == 1
+    for name, value in device.state_dict().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    assert device.lr_schedule_step == 1
+
+
+def test_evaluate_and_run_any_batch_size_nothing_changes():
+    model = _model()
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    for s in (host, device):
+        s.step(_batches(1)[0])
+    before = device.state_dict()
+    for rows in (12, 5, 12):
+        batch = _batches(1, seed=rows, rows=rows)[0]
+        np.testing.assert_allclose(device.evaluate(batch)["loss"], host.evaluate(batch)["loss"], rtol=1e-6)
+        got = device.evaluate(batch, outputs=["logits"])["logits"]
+        np.testing.assert_array_equal(got, host.evaluate(batch, outputs=["logits"])["logits"])
+        np.testing.assert_array_equal(device.run(None, {"input": batch["input"]})[0],
+                                      host.run(None, {"input": batch["input"]})[0])
+    assert [f.name for f in device.eval_feeds()] == [f.name for f in host.eval_feeds()]
+    for name, value in device.state_dict().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    with pytest.raises(TrainingOpError, match="missing feed"):
+        device.step({"input": _batches(1)[0]["input"]})
+
+
+def test_checkpoints_resume_on_host_and_device(tmp_path):
+    model = _model()
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    b = _batches(4)
+    for batch in b[:2]:
+        host.step(batch)
+        device.step(batch)
+    device.properties["epoch"] = 3
+    path = device.save(tmp_path / "ckpt.onnx")
+    reopened_host = ot.TrainingSession(path)
+    reopened_device = ot.TrainingSession(path, device="cpu")
+    assert reopened_device.properties["epoch"] == 3
+    _assert_same_state(reopened_device, host)
+    for batch in b[2:]:
+        expected = host.step(batch)["loss"]
+        assert reopened_host.step(batch)["loss"] == expected
+        np.testing.assert_allclose(reopened_device.step(batch)["loss"], expected, rtol=1e-6)
+    reopened_device.load_state_dict(device.state_dict())
+    _assert_same_state(reopened_device, device)
+    with pytest.raises(TrainingOpError, match="float32"):
+        device.load_state_dict({k: v.astype(np.float64) for k, v in device.state_dict().items()})
+
+
+def test_exports_flat_parameters_and_initialize(tmp_path):
+    from onnx_training_ops.export import DeviceTrainer, export_step
+
+    model = _model()
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    for batch in _batches(2):
+        host.step(batch)
+        device.step(batch)
+    export_step(device, tmp_path / "export")
+    trainer = DeviceTrainer(tmp_path / "export")
+    batch = _batches(1, seed=9)[0]
+    np.testing.assert_allclose(trainer.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+    device.step(batch)
+    inference = device.export_inference_model()
+    got = ort.InferenceSession(inference.SerializeToString()).run(None, {"input": batch["input"]})[0]
+    np.testing.assert_array_equal(got, host.run(None, {"input": batch["input"]})[0])
+    flat = device.get_flat_parameters()
+    np.testing.assert_array_equal(flat, host.get_flat_parameters())
+    with pytest.raises(TrainingOpError, match="copy=True"):
+        device.get_flat_parameters(copy=False)
+    with pytest.raises(TrainingOpError, match="state_dict"):
+        device.state_views(["W0"] if "W0" in device.state_names else device.state_names[:1])
+    device.load_flat_parameters(np.zeros_like(flat))
+    assert not device.get_flat_parameters().any()
+    device.initialize()
+    host.initialize()
+    _assert_same_state(device, host)
+
+
+def test_placement_rules():
+    assert placement(None).device is None
+    assert placement(None, "cpu").device == "cpu"
+    cuda = placement(["CUDAExecutionProvider", "CPUExecutionProvider"],
+                     available=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert (cuda.device, cuda.device_id) == ("cuda", 0)
+    second = placement(None, "cuda:1", available=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert second.providers == [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
+    assert second.device_id == 1
+    for bad in ("gpu", "cuda:x", "cpu:1", 3):
+        with pytest.raises(TrainingOpError, match="device"):
+            placement(None, bad)
+    with pytest.raises(TrainingOpError, match="none for it"):
+        placement(["CPUExecutionProvider"], "cuda", available=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="onnxruntime-gpu installed")
+def test_cuda_without_onnxruntime_gpu_is_a_clear_error_not_a_cpu_run():
+    with pytest.raises(TrainingOpError, match="not available.*onnxruntime-gpu"):
+        ot.TrainingSession(_model(), device="cuda")
+    with pytest.raises(TrainingOpError, match="not available"):
+        ot.TrainingSession(_model(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
