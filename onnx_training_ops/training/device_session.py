@@ -33,7 +33,6 @@ from ..runtime.pipeline import prepare
 from ..storage.large_model import LargeModel
 from ..storage.tensors import proto_of, tensor_value
 from ..walk import drop_named
-
 from .checks import label_mismatch
 from .device_program import DeviceProgram
 from .device_store import DeviceStateStore

@@ -21,10 +21,10 @@ from ..storage import checkpoint
 from ..storage.large_model import LargeModel, detach, is_large
 from ..storage.model_files import ModelLike, load_model
 from ..storage.tensors import attach, proto_of
-from .nominal import materialize, nominal_names
-from .session_files import Checkpointer
 from .device_session import DeviceLoop, DevicePrograms
 from .device_store import DeviceStateStore
+from .nominal import materialize, nominal_names
+from .session_files import Checkpointer
 from .session_loop import TrainingLoop
 from .session_programs import RuntimeConfig, SessionPrograms
 from .state import collect_state_protos, state_tensors
