@@ -42,7 +42,7 @@ def test_device_trainer_on_cuda_equals_the_cpu_with_the_state_on_the_gpu(tmp_pat
     gpu = DeviceTrainer(tmp_path, providers=_fp32_cuda())
     cpu = DeviceTrainer(tmp_path)
     assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.device == "cuda"
-    assert all(v.device_name().lower() == "cuda" for s in gpu._sets for v in s.values())
+    assert all(v.device_name().lower() == "cuda" for v in gpu._state.values.values())
     for batch in _batches():
         np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-5)
     want = cpu.state_dict()

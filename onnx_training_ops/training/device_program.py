@@ -69,7 +69,7 @@ def plan_in_place(model: onnx.ModelProto, feedback: Mapping[str, str], loss: str
     unsafe = in_place_unsafe(candidate, written)
     if unsafe:
         if wanted:
-            raise TrainingOpError(f"{what}: in_place=True, but the graph may read {unsafe[:3]}"
+            raise TrainingOpError(f"{what}: in_place=True, but the step model may read {unsafe[:3]}"
                                   f"{' ...' if len(unsafe) > 3 else ''} after writing its new value; "
                                   "use in_place=False")
         return False, dict(feedback)

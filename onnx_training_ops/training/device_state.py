@@ -78,14 +78,21 @@ class DeviceValues:
             self._spares[name] = spare
         return spare
 
+    @property
+    def spares(self) -> int:
+        """How many spare buffers exist (none while every program writes in place)."""
+        return len(self._spares)
+
     def commit(self, names: Iterable[str]) -> None:
         """The spares of ``names`` hold the new state: swap them in (the old values become spares)."""
         for name in names:
             self.values[name], self._spares[name] = self._spares[name], self.values[name]
 
     def download(self, name: str) -> np.ndarray:
-        """A host copy of ``name``."""
-        return self.values[name].numpy()
+        """A host copy of ``name`` (a CPU OrtValue's ``numpy()`` is a view of the live buffer,
+        which an in-place step would change under the caller)."""
+        host = self.values[name].numpy()
+        return host.copy() if self.device == "cpu" else host
 
     def check(self, name: str, value: np.ndarray, what: str) -> np.ndarray:
         """``value`` as a host array fit for ``name`` (dtype and shape), else a clear error."""

@@ -5,8 +5,7 @@ build (it logs a warning and drops it): :func:`placement` refuses that up front.
 session whose state is bound from host arrays reads a device copy made once, at bind time,
 for any input a device node reads (onnxruntime's ``IOBinding::BindInput``): from step 2 on it
 would train on stale parameters. So a session with a device provider keeps its state on the
-device as OrtValues (:mod:`.device_session`), and the host-array session accepts the CPU
-provider only (:func:`checked_providers`).
+device as OrtValues (:mod:`.device_session`), as it does for ``device="cpu"``.
 """
 
 from __future__ import annotations
@@ -19,9 +18,6 @@ import onnxruntime as ort
 from ..errors import TrainingOpError
 
 CPU = "CPUExecutionProvider"
-
-_GPU_HINT = ("To train on a GPU: TrainingSession(model, device='cuda') (or providers=['CUDAExecutionProvider', "
-             "'CPUExecutionProvider']), which keeps the state on the device")
 
 
 def provider_name(provider: str | tuple[str, dict]) -> str:
@@ -127,20 +123,3 @@ def placement(providers: Sequence[str | tuple[str, dict]] | None, device: str | 
     if all(n == CPU for n in names):
         return Placement(listed)
     return Placement(listed, *found)
-
-
-def checked_providers(providers: Sequence[str | tuple[str, dict]] | None,
-                      available: Sequence[str] | None = None) -> list:
-    """``providers`` as a list, checked for a session whose state is host arrays: every provider
-    in this onnxruntime build, and the CPU's only (a device provider would read the parameters
-    of step 1 from then on: state bound from host arrays is copied to the device once, at bind
-    time). :func:`placement` is the check of ``TrainingSession``, which trains on devices."""
-    found = placement(providers, None, available)
-    if found.device is not None:
-        other = [n for n in (provider_name(p) for p in found.providers) if n != CPU]
-        raise TrainingOpError(
-            f"providers: host-array state trains on {CPU} only, found {', '.join(map(repr, other))}: "
-            f"a device provider would read the parameters of step 1 from then on (state bound from host "
-            f"arrays is copied to the device once, at bind time). {_GPU_HINT}"
-        )
-    return found.providers
