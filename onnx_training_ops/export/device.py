@@ -33,11 +33,12 @@ from ..training.device_state import DeviceValues
 from ..training.feeds import checked_learning_rate
 from ..training.providers import device_for, require_available
 from ..training.schedules import checked_rate
-from ..training.step import NONFINITE_POLICIES, NonFiniteLossError
+from ..training.step import NONFINITE_POLICIES
 from . import manifest as manifest_
 from . import safetensors
 from .importing import manifest_schedule, read_state
 from .static_shapes import static_step
+
 
 class DeviceTrainer:
     """Train an export directory on ``providers``, the state resident on their device.
