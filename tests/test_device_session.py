@@ -220,3 +220,24 @@ def test_cuda_without_onnxruntime_gpu_is_a_clear_error_not_a_cpu_run():
         ot.TrainingSession(_model(), device="cuda")
     with pytest.raises(TrainingOpError, match="not available"):
         ot.TrainingSession(_model(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONNX_TRAINING_OPS_LARGE_MODEL_BYTES", str(32 * 1024))
+    source = str(tmp_path / "mlp.onnx")
+    import onnx
+
+    onnx.save(make_mlp((64, 256, 4)), source, save_as_external_data=True, location="mlp.onnx.data",
+              size_threshold=1024)
+    model = ot.build_training_model(source, "cross_entropy", ot.AdamW(lr=1e-2), trainable=["W1", "b1"])
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    assert host._files.large and device._files.large  # W0 frozen: a constant of the graph
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        batch = {"input": rng.standard_normal((16, 64)).astype(np.float32), "labels": rng.integers(0, 4, 16)}
+        np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+    _assert_same_state(device, host)
+    path = device.save(tmp_path / "ckpt.onnx")
+    _assert_same_state(ot.TrainingSession(path), host)
+    exported = device.export_inference_model(tmp_path / "inference.onnx")
+    assert exported is not None
