@@ -241,3 +241,34 @@ def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeyp
     _assert_same_state(ot.TrainingSession(path), host)
     exported = device.export_inference_model(tmp_path / "inference.onnx")
     assert exported is not None
+
+
+def test_static_input_shapes_bind_fixed_addresses_and_step_the_same():
+    model = _model(clip_grad_norm=0.5)
+    host = ot.TrainingSession(model)
+    device = ot.TrainingSession(model, device="cpu", input_shapes={"input": [12, 8], "labels": [12]})
+    program = device._programs.steps[0].program
+    assert program.not_fixed is None and not device.cuda_graph  # CUDA graphs need a CUDA device
+    assert device.device == "cpu" and host.device is None
+    ops = {n.op_type for n in program.session.prepared_model.graph.node}
+    assert not ops & {"Shape", "Size"}  # the shape arithmetic is folded
+    for batch in _batches(4):
+        np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+        _assert_same_state(device, host)
+    batch = _batches(1, rows=5)[0]
+    with pytest.raises(TrainingOpError, match="'input'.*shape"):
+        device.step(batch)
+    np.testing.assert_allclose(device.evaluate(batch)["loss"], host.evaluate(batch)["loss"], rtol=1e-6)
+
+
+def test_device_options_are_checked():
+    with pytest.raises(TrainingOpError, match="input_shapes applies to a device-resident session"):
+        ot.TrainingSession(_model(), input_shapes={"input": [4, 8]})
+    with pytest.raises(TrainingOpError, match="whole numbers"):
+        ot.TrainingSession(_model(), device="cpu", input_shapes={"input": [4, -1]})
+    with pytest.raises(TrainingOpError, match="input_shapes.*'labels'"):  # every symbolic data input
+        ot.TrainingSession(_model(), device="cpu", input_shapes={"input": [4, 8]})
+    with pytest.raises(TrainingOpError, match="cuda_graph=True but.*not a CUDA device"):
+        ot.TrainingSession(_model(), device="cpu", input_shapes={"input": [4, 8], "labels": [4]}, cuda_graph=True)
+    with pytest.raises(TrainingOpError, match="cuda_graph=True but.*no static shape"):
+        ot.TrainingSession(_model(), device="cpu", cuda_graph=True)

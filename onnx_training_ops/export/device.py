@@ -33,11 +33,11 @@ from ..training.device_state import DeviceValues
 from ..training.feeds import checked_learning_rate
 from ..training.providers import device_for, require_available
 from ..training.schedules import checked_rate
+from ..training.static_shapes import static_step
 from ..training.step import NONFINITE_POLICIES
 from . import manifest as manifest_
 from . import safetensors
 from .importing import manifest_schedule, read_state
-from .static_shapes import static_step
 
 
 class DeviceTrainer:
@@ -58,7 +58,7 @@ class DeviceTrainer:
             after its new value is written makes it unsafe. ``None`` (default): in place when safe;
             ``True``: an error when unsafe; ``False``: two sets.
         input_shapes: static shapes of the data inputs (``{"input_ids": [8, 256]}``): the step's
-            shape arithmetic is folded at load (:func:`~onnx_training_ops.export.static_shapes.static_step`),
+            shape arithmetic is folded at load (:func:`~onnx_training_ops.training.static_shapes.static_step`),
             so no shape computation runs per step (on a GPU, no host round trip for it); every
             batch must then have these shapes.
 

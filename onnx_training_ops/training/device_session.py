@@ -43,6 +43,7 @@ from .program import combined_graph, learning_rate_inputs
 from .rates import LearningRates
 from .session_programs import FeedChecks, RuntimeConfig
 from .stages import GRAD_SCALE, Stages, evaluation_model, split_stages, step_model
+from .static_shapes import static_graph
 
 
 class DeviceGraph:
@@ -99,33 +100,44 @@ class DevicePrograms:
                              force_threads=self.config.threads is not None)
 
     def open_graph(self, model: LargeModel, combined: onnx.ModelProto, feedback: Mapping[str, str], where: str,
-                   loss: str | None = None, on_nonfinite: str = "ignore", extra_rates: Sequence[str] = ()
-                   ) -> DeviceGraph:
-        """A device program for ``combined`` (state as inputs), with its host feeds' specs."""
+                   loss: str | None = None, on_nonfinite: str = "ignore", static: bool = False) -> DeviceGraph:
+        """A device program for ``combined`` (state as inputs), with its host feeds' specs.
+        ``static``: the step, whose data inputs get ``input_shapes`` and whose buffers may sit at
+        fixed addresses (CUDA graphs)."""
         graph = combined.graph
         state = self.store.values
         initial = {t.name: t for t in graph.initializer}
         types = {vi.name: vi for vi in graph.input}
-        named = tuple(filter(None, [self.meta.get("learning_rate"), *extra_rates]))
+        named = tuple(filter(None, [self.meta.get("learning_rate")]))
         _, rate_defaults = learning_rate_inputs(graph, {n: None for n in state}, types, initial, named)
-        required, optional = [], []
-        for vi in graph.input:
-            if vi.name in state:
-                continue
-            (optional if vi.name in initial or vi.name in rate_defaults else required).append(feed_spec(vi))
         returned = [o.name for o in graph.output if o.name not in set(feedback.values())]
         portable = prepare(model.with_proto(combined), portable=True, flat=True)
         # the learning rates as plain inputs, fed every run (onnxruntime folds an input with a
         # stored default that no binding names, and refuses to bind it then)
         drop_named(proto_of(portable).graph.initializer, set(rate_defaults))
+        shapes = self.config.input_shapes
+        if static and shapes is not None:
+            data = [vi.name for vi in proto_of(portable).graph.input if vi.name not in state]
+            portable = portable.with_proto(static_graph(proto_of(portable), data, shapes, "input_shapes"))
+        required, optional = [], []
+        folded = {vi.name: vi for vi in proto_of(portable).graph.input}
+        for vi in graph.input:
+            if vi.name in state:
+                continue
+            spec = feed_spec(folded.get(vi.name, vi))
+            (optional if vi.name in initial or vi.name in rate_defaults else required).append(spec)
+        fixed = static and self.config.cuda_graph is not False
         program = DeviceProgram(portable, state, feedback, returned, self.options(), self.config.providers,
-                                loss=loss, on_nonfinite=on_nonfinite, in_place=None, where=where)
+                                loss=loss, on_nonfinite=on_nonfinite, in_place=None, where=where, fixed=fixed)
+        if static and self.config.cuda_graph and not program.graph_capture:
+            reason = program.not_fixed or f"the state is on {state.device!r}, not a CUDA device"
+            raise TrainingOpError(f"cuda_graph=True but this step cannot be captured: {reason}")
         return DeviceGraph(program, required, optional, rate_defaults)
 
     def _loss(self, returned: Sequence[str]) -> str | None:
         return next((n for n in self.meta.get("loss", "").split(",") if n and n in returned), None)
 
-    def _open_steps(self, model: LargeModel) -> list[DeviceGraph]:
+    def _open_steps(self, model: LargeModel, static: bool = True) -> list[DeviceGraph]:
         proto = model.model_proto
         graphs = []
         for i, info in enumerate(proto.training_info):
@@ -133,7 +145,7 @@ class DevicePrograms:
             feedback = {e.key: e.value for e in info.update_binding}
             returned = [o.name for o in combined.graph.output if o.name not in set(feedback.values())]
             graphs.append(self.open_graph(model, combined, feedback, "step", self._loss(returned),
-                                          self.config.on_nonfinite))
+                                          self.config.on_nonfinite, static=static))
         return graphs
 
     def for_step(self, outputs: tuple[str, ...]) -> list[DeviceGraph]:
@@ -142,7 +154,7 @@ class DevicePrograms:
             return self.steps
         if outputs not in self._with_outputs:
             derived = self.model.with_proto(step_model(self.model.model_proto, outputs))
-            self._with_outputs[outputs] = self._open_steps(derived)
+            self._with_outputs[outputs] = self._open_steps(derived, static=False)
         return self._with_outputs[outputs]
 
     def for_evaluation(self, outputs: tuple[str, ...]) -> DeviceGraph:
@@ -212,6 +224,10 @@ class DevicePrograms:
         graphs = [*self.steps, *self.evaluations.values(), *self.inference.values()]
         graphs += [g for gs in self._with_outputs.values() for g in gs]
         return [g.program.session for g in graphs]
+
+    def graph_capture(self) -> bool:
+        """Whether a step replays a CUDA graph."""
+        return any(g.program.graph_capture for g in self.steps)
 
     def fast_path_nodes(self) -> list[str]:
         return []  # every optimizer runs in onnxruntime, lowered to standard ops

@@ -10,7 +10,7 @@ device as OrtValues (:mod:`.device_session`), as it does for ``device="cpu"``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import onnxruntime as ort
@@ -123,3 +123,24 @@ def placement(providers: Sequence[str | tuple[str, dict]] | None, device: str | 
     if all(n == CPU for n in names):
         return Placement(listed)
     return Placement(listed, *found)
+
+
+def device_inputs(shapes: Mapping[str, Sequence[int]] | None, device: str | None) -> dict[str, list[int]] | None:
+    """``input_shapes`` checked (name -> dims of whole numbers > 0), for a device-resident session only."""
+    if shapes is None:
+        return None
+    if device is None:
+        raise TrainingOpError("input_shapes applies to a device-resident session: pass device='cuda' "
+                              "(or device='cpu')")
+    if not isinstance(shapes, Mapping):
+        raise TrainingOpError(f"input_shapes must map input names to dims, found {type(shapes).__name__}")
+    checked = {}
+    for name, dims in shapes.items():
+        try:
+            values = [int(d) for d in dims]
+        except (TypeError, ValueError):
+            values = []
+        if not values or any(v < 1 or v != d for v, d in zip(values, dims)):
+            raise TrainingOpError(f"input_shapes[{name!r}] must be a list of whole numbers > 0, found {dims!r}")
+        checked[str(name)] = values
+    return checked

@@ -44,7 +44,7 @@ from ..storage.tensors import add_array, location, proto_of
 from .feeds import Feed
 from .from_graph import graph_to_training_model
 from .locked import locked
-from .providers import placement
+from .providers import device_inputs, placement
 from .session_open import check_threads, open_parts
 from .session_programs import RuntimeConfig
 from .session_summary import describe, torch_state_dict
@@ -94,6 +94,13 @@ class TrainingSession:
             an OrtValue there for the session's life; per step only the batch and the learning
             rates go up and the returned values come down; the optimizers run lowered to
             standard ops in onnxruntime (``fast`` does not apply). docs/gpu.md.
+        input_shapes: with a ``device``, the step's data inputs' static shapes
+            (``{"input_ids": [8, 256]}``): its shape arithmetic is folded once, and every
+            ``step`` batch must have these shapes (``evaluate`` takes any).
+        cuda_graph: with a CUDA device, replay the step as a CUDA graph. None (default): when
+            safe, i.e. static step inputs (their own or ``input_shapes``), the state written in
+            place, no input with a stored default, and every node on the CUDA EP; True: an error
+            naming what prevents it; False: never.
 
     Raises:
         TrainingOpError: a model without ``training_info``, a damaged or mismatched
@@ -111,6 +118,8 @@ class TrainingSession:
         session_config: Mapping[str, str] | None = None,
         threads: int | None = None,
         device: str | None = None,
+        input_shapes: Mapping[str, Sequence[int]] | None = None,
+        cuda_graph: bool | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
@@ -118,7 +127,8 @@ class TrainingSession:
         where = placement(providers, device)  # before anything is loaded: a clear error, never a CPU run
         self._config = RuntimeConfig(where.providers, bool(fast), on_nonfinite, sess_options,
                                      {str(k): str(v) for k, v in (session_config or {}).items()}, threads,
-                                     where.device, where.device_id)
+                                     where.device, where.device_id, device_inputs(input_shapes, where.device),
+                                     cuda_graph)
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
         self._store, self._programs, self._loop, self._files = open_parts(model_or_path, self._config)
@@ -168,7 +178,8 @@ class TrainingSession:
             f"{config.device}:{config.device_id}" if config.device_id else config.device
         return type(self)(model, config.providers, fast=config.fast, on_nonfinite=config.on_nonfinite,
                           sess_options=config.sess_options, session_config=config.session_config,
-                          threads=config.threads, device=device)
+                          threads=config.threads, device=device, input_shapes=config.input_shapes,
+                          cuda_graph=config.cuda_graph)
 
     # ------------------------------------------------------------------ steps and evaluation
 
@@ -600,6 +611,17 @@ class TrainingSession:
     def providers(self) -> list[str]:
         """The execution providers this session trains on (names, in onnxruntime's order)."""
         return [p[0] if isinstance(p, tuple) else p for p in self._config.providers]
+
+    @property
+    def device(self) -> str | None:
+        """Where the state lives: ``"cuda"``, ``"cpu"``... for a device-resident session, None for
+        host arrays (the CPU session with its fused kernels)."""
+        return self._config.device
+
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether the step replays a CUDA graph (see ``cuda_graph=``)."""
+        return self._programs.graph_capture()
 
     @property
     def metadata(self) -> dict[str, str]:

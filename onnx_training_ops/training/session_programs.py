@@ -45,6 +45,8 @@ class RuntimeConfig:
     threads: int | None = None  # as given (None: the package's default for the model's size)
     device: str | None = None  # the state's device (device-resident session), None: host arrays
     device_id: int = 0
+    input_shapes: Mapping[str, Sequence[int]] | None = None  # the step's data inputs fixed (device)
+    cuda_graph: bool | None = None  # None: CUDA graphs when safe
 
 
 class FeedChecks:
@@ -218,6 +220,10 @@ class SessionPrograms:
     def eval_feeds(self, outputs: tuple[str, ...]) -> list[Feed]:
         """What the evaluation program for ``outputs`` takes."""
         return feed_list(*program_feeds(self.for_evaluation(outputs)))
+
+    def graph_capture(self) -> bool:
+        """Whether a step replays a CUDA graph (never: the host-array session runs on the CPU)."""
+        return False
 
     def fast_path_nodes(self) -> list[Any]:
         """The optimizer nodes the fused kernels apply in place."""
