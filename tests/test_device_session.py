@@ -7,6 +7,8 @@ tests/test_gpu.py runs it on CUDA."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -15,6 +17,7 @@ import onnx_training_ops as ot
 from onnx_training_ops import schedules
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
+from onnx_training_ops.training.device_state import DeviceValues
 from onnx_training_ops.training.device_store import DeviceStateStore
 from onnx_training_ops.training.providers import placement
 from tests.test_sparse_updates import batches as sparse_batches
@@ -227,9 +230,9 @@ def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeyp
     source = str(tmp_path / "mlp.onnx")
     import onnx
 
-    onnx.save(make_mlp((64, 256, 4)), source, save_as_external_data=True, location="mlp.onnx.data",
+    onnx.save(make_mlp((64, 256, 64, 4)), source, save_as_external_data=True, location="mlp.onnx.data",
               size_threshold=1024)
-    model = ot.build_training_model(source, "cross_entropy", ot.AdamW(lr=1e-2), trainable=["W1", "b1"])
+    model = ot.build_training_model(source, "cross_entropy", ot.AdamW(lr=1e-2), trainable=["W1", "b1", "W2", "b2"])
     host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
     assert host._files.large and device._files.large  # W0 frozen: a constant of the graph
     rng = np.random.default_rng(0)
@@ -237,9 +240,27 @@ def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeyp
         batch = {"input": rng.standard_normal((16, 64)).astype(np.float32), "labels": rng.integers(0, 4, 16)}
         np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
     _assert_same_state(device, host)
+    alive, most = [], [0]
+    download = DeviceValues.download
+
+    def tracked(self, name):  # the host copies a save makes: one big tensor at a time, not the state
+        array = download(self, name)
+        alive[:] = [r for r in alive if r() is not None]
+        if array.nbytes >= 1024:
+            alive.append(weakref.ref(array))
+            most[0] = max(most[0], len(alive))
+        return array
+
+    monkeypatch.setattr(DeviceValues, "download", tracked)
     path = device.save(tmp_path / "ckpt.onnx")
+    big = sum(1 for n in device.state_names if device._store.values.dtype(n).itemsize
+              * np.prod(device._store.values.shape(n)) >= 1024)
+    assert big >= 6 and most[0] <= 2, (big, most)
+    monkeypatch.setattr(DeviceValues, "download", download)
     _assert_same_state(ot.TrainingSession(path), host)
     exported = device.export_inference_model(tmp_path / "inference.onnx")
+    got = ort.InferenceSession(str(tmp_path / "inference.onnx")).run(None, {"input": batch["input"]})[0]
+    np.testing.assert_array_equal(got, host.run(None, {"input": batch["input"]})[0])
     assert exported is not None
 
 

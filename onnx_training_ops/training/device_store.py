@@ -10,6 +10,7 @@ second full host copy). What needs live host memory (``state_views``,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import onnx
 
 from ..errors import TrainingOpError
 from ..storage.large_model import LargeModel
+from ..storage.tensors import MIN_DETACHED_BYTES, Deferred
 from .device_state import DeviceValues
 from .flat_parameters import flat_copy, split_into
 from .state import reset_state, run_initialization
@@ -83,6 +85,17 @@ class DeviceStateStore(StateStore):
         for name, value in checked.items():
             self.values.upload(name, value)
         self.unfilled.difference_update(checked)
+
+    def for_writing(self) -> Mapping[str, Any]:
+        """Each big tensor :class:`~onnx_training_ops.storage.tensors.Deferred` (copied from the
+        device when the writer reaches it: one host copy at a time), small ones copied now."""
+        values = self.values
+        out: dict[str, Any] = {}
+        for name in self.arrays:
+            nbytes = int(np.prod(values.shape(name), dtype=np.int64)) * values.dtype(name).itemsize
+            out[name] = Deferred(functools.partial(values.download, name)) if nbytes >= MIN_DETACHED_BYTES \
+                else values.download(name)
+        return out
 
     def views(self, names: Sequence[str]) -> list[np.ndarray]:
         raise TrainingOpError(f"state_views: the state lives on the device ({self.device!r}), not in host "

@@ -65,7 +65,7 @@ class Checkpointer:
         if not self.large:
             return save_model(self.training_model(), path)
         # the live state arrays, streamed to disk under the lock: no copy of the state
-        live = write_state(self.store.model, self.store.arrays, self.checkpoint_metadata(), copy=False)
+        live = write_state(self.store.model, self.store.for_writing(), self.checkpoint_metadata(), copy=False)
         return save_model(live, path, checksums=True)
 
     def export_inference_model(self, path: str | os.PathLike | None = None,
@@ -73,7 +73,8 @@ class Checkpointer:
         """The main graph with the trained weights (``TrainingSession.export_inference_model``)."""
         self.store.check_filled("export_inference_model")
         live = self.large and path is not None  # streamed to disk under the lock: no copy
-        model = inference_model(self.store.model, self.store.arrays, with_state_values=True, copy=not live)
+        model = inference_model(self.store.model, self.store.for_writing() if live else self.store.arrays,
+                                with_state_values=True, copy=not live)
         if outputs is not None:
             model = model.with_proto(with_outputs(model.model_proto, outputs))
         if not model.model_proto.graph.output:
