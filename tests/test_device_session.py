@@ -293,3 +293,23 @@ def test_device_options_are_checked():
         ot.TrainingSession(_model(), device="cpu", input_shapes={"input": [4, 8], "labels": [4]}, cuda_graph=True)
     with pytest.raises(TrainingOpError, match="cuda_graph=True but.*no static shape"):
         ot.TrainingSession(_model(), device="cpu", cuda_graph=True)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_transformers_model_from_the_default_exporter_trains_on_the_device_as_on_the_host(name):
+    """torch.onnx.export's defaults (dynamo). The host session's native gradient kernels
+    (cross-entropy, LayerNorm) and the device session's standard ops differ in the last bits."""
+    from tests.test_dynamo_export import VOCAB, _export, _loss
+
+    _, exported = _export(name)
+    model = ot.build_training_model(exported, _loss(name), ot.AdamW(lr=1e-3, weight_decay=0.01), clip_grad_norm=1.0)
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        ids = rng.integers(0, VOCAB, (2, 8))
+        labels = rng.integers(0, VOCAB, (2, 8)) if name == "gpt2" else rng.integers(0, 3, 2)
+        batch = {"input_ids": ids, "labels": labels}
+        np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+    want = host.state_dict()
+    for key, value in device.state_dict().items():
+        np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=1e-7, err_msg=key)
