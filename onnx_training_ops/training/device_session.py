@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
 from ..runtime.pipeline import prepare
+from ..runtime.session import InferenceSession
 from ..storage.large_model import LargeModel
 from ..storage.tensors import proto_of, tensor_value
 from ..walk import drop_named
@@ -239,6 +240,7 @@ class DeviceAccumulation:
     def __init__(self, programs: DevicePrograms) -> None:
         self._programs = programs
         self._built: tuple[DeviceGraph, DeviceGraph, Stages] | None = None
+        self._zeros: Any = None  # the session that zeroes the accumulators (made with the stages)
         self.count = 0
 
     @property
@@ -269,11 +271,17 @@ class DeviceAccumulation:
                     programs._loss(returned) if backward else None,
                     programs.config.on_nonfinite if backward else "ignore"))
             self._built = (graphs[0], graphs[1], stages)
+            self._zeros = _zeros_session(programs, stages.buffers)
         return self._built
 
     def zero(self) -> None:
+        """Every accumulator to zero, on the device (a memset per accumulator, nothing uploaded)."""
         if self._built is not None:
-            self._programs.store.values.fill_zero(self._built[2].buffers)
+            values = self._programs.store.values
+            io = self._zeros.io_binding()
+            for name in self._built[2].buffers:
+                io.bind_ortvalue_output(f"{name}/zero", values.values[name])
+            self._zeros.run_with_iobinding(io)
         self.count = 0
 
     def gradients(self) -> dict[str, np.ndarray]:
@@ -292,6 +300,22 @@ class DeviceAccumulation:
 
     def programs(self) -> tuple[DeviceGraph, DeviceGraph, Stages]:
         return self.stages()
+
+
+def _zeros_session(programs: DevicePrograms, names: Sequence[str]) -> Any:
+    """A session with no inputs whose outputs ``<name>/zero`` are zeros shaped like ``names``."""
+    values = programs.store.values
+    nodes, initializers, outputs = [], [], []
+    for name in names:
+        dtype, shape = values.dtype(name), values.shape(name)
+        elem = helper.np_dtype_to_tensor_dtype(dtype)
+        initializers.append(numpy_helper.from_array(np.array(shape, np.int64), f"{name}/shape"))
+        nodes.append(helper.make_node("ConstantOfShape", [f"{name}/shape"], [f"{name}/zero"],
+                                      value=helper.make_tensor("zero", elem, [1], [0])))
+        outputs.append(helper.make_tensor_value_info(f"{name}/zero", elem, list(shape)))
+    graph = helper.make_graph(nodes, "zero_gradients", [], outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return InferenceSession(model, sess_options=programs.options(), providers=programs.config.providers)
 
 
 class DeviceLoop:

@@ -110,15 +110,6 @@ class DeviceValues:
         """Copy ``array`` (checked by :meth:`check`) into the device buffer of ``name``."""
         self.values[name].update_inplace(np.array(array, order="C"))
 
-    def fill_zero(self, names: Iterable[str]) -> None:
-        """Zero ``names`` (one host buffer of zeros per dtype and size, reused)."""
-        zeros: dict[tuple, np.ndarray] = {}
-        for name in names:
-            key = (self.dtype(name), self.shape(name))
-            if key not in zeros:
-                zeros[key] = np.zeros(key[1], key[0])
-            self.values[name].update_inplace(zeros[key])
-
     def nbytes(self) -> int:
         """Bytes the current values take on the device (spares not counted)."""
         return sum(int(np.prod(self.shape(n), dtype=np.int64)) * self.dtype(n).itemsize for n in self.values)
