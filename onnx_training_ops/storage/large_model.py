@@ -110,12 +110,18 @@ class LargeModel(ModelContainer):
         return attach(self) if self.large_initializers else self.model_proto
 
     def public(self, checksums: bool = False) -> onnx.ModelProto | LargeModel:
-        """What a public function returns for this model: itself when large, else a
-        ModelProto holding every tensor (with its checksum record if ``checksums``; a large
-        model gets its checksums as it is written)."""
+        """What a public function returns for this model, which it hands over: itself when
+        large, else its message holding every tensor (the arrays' values moved into it, no
+        copy of the message), with its checksum record if ``checksums`` (a large model gets
+        its checksums as it is written)."""
         if self.large:
             return self
-        proto = self.to_proto()
+        proto = self.model_proto
+        for tensor in all_tensors(proto):
+            if location(tensor) in self.large_initializers:
+                value = np.ascontiguousarray(self.large_initializers[location(tensor)])
+                tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
+        self.large_initializers = {}
         return add_checksums(proto) if checksums else proto
 
     def write(self, path, checksums: bool | None = None) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
+from .checkpoint import CHECKSUM_KEY
 from .large_model import LargeModel
 
 
@@ -15,17 +16,17 @@ def write_state(model: LargeModel, state: Mapping[str, np.ndarray],
     """A copy of ``model`` whose initializers named in ``state`` (main graph and training_info
     algorithm graphs) hold the given values, with ``metadata`` entries set (an empty value
     removes the key). Big values are arrays: copies of ``state``'s, or with ``copy=False`` the
-    very arrays (for a writer that holds them still). Its checksums are computed when it is
-    written or made public (:meth:`.large_model.LargeModel.public` with ``checksums=True``).
-    The copy is large if ``model`` is or if its tensors now pass the size limit."""
+    very arrays (for a writer that holds them still). An earlier checksum record is dropped
+    (stale): checksums are computed when the copy is written or made public
+    (:meth:`.large_model.LargeModel.public` with ``checksums=True``). The copy is large if
+    ``model`` is or if its tensors now pass the size limit."""
     out = model.copy()
     proto = out.model_proto
-    if metadata:
-        kept = [m for m in proto.metadata_props if m.key not in metadata]
-        del proto.metadata_props[:]
-        proto.metadata_props.extend(kept)
-        proto.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v)
-                                    for k, v in metadata.items() if v)
+    metadata = {**(metadata or {}), CHECKSUM_KEY: ""}
+    kept = [m for m in proto.metadata_props if m.key not in metadata]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    proto.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v) for k, v in metadata.items() if v)
     graphs = [proto.graph] + [info.algorithm for info in proto.training_info]
     for graph in graphs:
         for tensor in graph.initializer:
