@@ -234,7 +234,7 @@ def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeyp
               size_threshold=1024)
     model = ot.build_training_model(source, "cross_entropy", ot.AdamW(lr=1e-2), trainable=["W1", "b1", "W2", "b2"])
     host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
-    assert host._files.large and device._files.large  # W0 frozen: a constant of the graph
+    assert host._store.model.large and device._store.model.large  # W0 frozen: a constant of the graph
     rng = np.random.default_rng(0)
     for _ in range(3):
         batch = {"input": rng.standard_normal((16, 64)).astype(np.float32), "labels": rng.integers(0, 4, 16)}

@@ -27,6 +27,7 @@ import onnxruntime as ort
 
 from ..errors import TrainingOpError
 from ..storage.checkpoint import atomic_write
+from ..storage.model_files import as_model
 from ..training.checks import check_classes
 from ..training.device_program import DeviceProgram
 from ..training.device_state import DeviceValues
@@ -101,14 +102,15 @@ class DeviceTrainer:
         self._state = DeviceValues({name: state[name] for name in feedback}, self.device, self.device_id)
         self._returned = list(manifest["returned"])
         self._loss = manifest.get("loss")
-        self._step = DeviceProgram(step_model, self._state, feedback, self._returned, sess_options, providers,
-                                   loss=self._loss, on_nonfinite=on_nonfinite, in_place=in_place,
-                                   where="step")
+        self._step = DeviceProgram(as_model(step_model, copy=False), self._state, feedback, self._returned,
+                                   sess_options, providers, loss=self._loss, on_nonfinite=on_nonfinite,
+                                   in_place=in_place, where="step")
         self._eval = None
         if "eval" in files:
             evaluation = onnx.load_model_from_string(manifest_.file_bytes(self.directory, manifest, "eval", verify))
-            self._eval = DeviceProgram(evaluation, self._state, {}, [o.name for o in evaluation.graph.output],
-                                       sess_options, providers, where="evaluate")
+            self._eval = DeviceProgram(as_model(evaluation, copy=False), self._state, {},
+                                       [o.name for o in evaluation.graph.output], sess_options, providers,
+                                       where="evaluate")
         self._inputs = {e["name"]: e for e in manifest["inputs"]}
         self._eval_inputs = {e["name"]: e for e in manifest.get("eval_inputs", [])}
         self._defaults = {n: np.array(e["values"], e["dtype"]).reshape(e["shape"])

@@ -28,7 +28,6 @@ from ..interrupts import held_interrupts
 from ..passes.guard_feedback import guard_feedback, in_place_unsafe
 from ..runtime.session import InferenceSession
 from ..storage.large_model import LargeModel
-from ..storage.tensors import proto_of
 from .device_state import DeviceValues
 from .step import NonFiniteLossError
 
@@ -125,7 +124,8 @@ class DeviceProgram:
     """A graph of standard ops over :class:`~.device_state.DeviceValues`.
 
     Args:
-        model: the graph (standard ops; state variables as inputs).
+        model: the graph (standard ops; state variables as inputs); guarded in place when
+            its new state goes in place.
         state: the device-resident state it reads and writes.
         feedback: state input -> the output holding its new value (empty: the graph only reads).
         returned: the outputs that come back to the host, in order.
@@ -141,13 +141,13 @@ class DeviceProgram:
             the step's kernels and later ones replay them, with no launch per kernel.
     """
 
-    def __init__(self, model: onnx.ModelProto | LargeModel, state: DeviceValues, feedback: Mapping[str, str],
+    def __init__(self, model: LargeModel, state: DeviceValues, feedback: Mapping[str, str],
                  returned: Sequence[str], sess_options: ort.SessionOptions | None, providers: Sequence[Any],
                  loss: str | None = None, on_nonfinite: str = "ignore", in_place: bool | None = None,
                  where: str = "step", fixed: bool = False) -> None:
         self.state, self.where, self.on_nonfinite = state, where, on_nonfinite
         self.loss = loss
-        proto = proto_of(model)
+        proto = model.model_proto  # guarded in place when written in place
         self.in_place, self.feedback = plan_in_place(proto, feedback, loss, on_nonfinite != "ignore",
                                                      in_place, where)
         self.returned = list(returned)
@@ -155,8 +155,6 @@ class DeviceProgram:
         self.not_fixed: str | None = fixed_address_plan(proto, state, self.returned, self.in_place) if fixed \
             else "not asked for"
         self.graph_capture = self.not_fixed is None and state.device == "cuda"
-        if isinstance(model, LargeModel):
-            model = model.with_proto(proto)
         self.session = self._open(model, sess_options, providers)
         inputs = {i.name for i in self.session.get_inputs()}
         self.reads = [name for name in state if name in inputs]

@@ -29,10 +29,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..runtime.pipeline import prepare
+from ..runtime.pipeline import prepare_model
 from ..runtime.session import InferenceSession
 from ..storage.large_model import LargeModel
-from ..storage.tensors import proto_of, tensor_value
+from ..storage.tensors import tensor_value
 from ..walk import drop_named
 from .checks import label_mismatch
 from .device_program import DeviceProgram
@@ -112,16 +112,16 @@ class DevicePrograms:
         named = tuple(filter(None, [self.meta.get("learning_rate")]))
         _, rate_defaults = learning_rate_inputs(graph, {n: None for n in state}, types, initial, named)
         returned = [o.name for o in graph.output if o.name not in set(feedback.values())]
-        portable = prepare(model.with_proto(combined), portable=True, flat=True)
+        portable = prepare_model(model.with_proto(combined), portable=True, flat=True)
         # the learning rates as plain inputs, fed every run (onnxruntime folds an input with a
         # stored default that no binding names, and refuses to bind it then)
-        drop_named(proto_of(portable).graph.initializer, set(rate_defaults))
+        drop_named(portable.model_proto.graph.initializer, set(rate_defaults))
         shapes = self.config.input_shapes
         if static and shapes is not None:
-            data = [vi.name for vi in proto_of(portable).graph.input if vi.name not in state]
-            portable = portable.with_proto(static_graph(proto_of(portable), data, shapes, "input_shapes"))
+            data = [vi.name for vi in portable.model_proto.graph.input if vi.name not in state]
+            portable = portable.with_proto(static_graph(portable.model_proto, data, shapes, "input_shapes"))
         required, optional = [], []
-        folded = {vi.name: vi for vi in proto_of(portable).graph.input}
+        folded = {vi.name: vi for vi in portable.model_proto.graph.input}
         for vi in graph.input:
             if vi.name in state:
                 continue
