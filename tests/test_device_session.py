@@ -313,3 +313,21 @@ def test_a_transformers_model_from_the_default_exporter_trains_on_the_device_as_
     want = host.state_dict()
     for key, value in device.state_dict().items():
         np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_a_nominal_checkpoint_opens_on_the_device_and_trains_once_filled(tmp_path):
+    model = _model()
+    host = ot.TrainingSession(model)
+    host.step(_batches(1)[0])
+    path = host.save(tmp_path / "nominal.onnx", nominal=True)
+    device = ot.TrainingSession(path, device="cpu")
+    assert device.nominal
+    with pytest.raises(TrainingOpError, match="nominal"):
+        device.step(_batches(1)[0])
+    device.load_flat_parameters(host.get_flat_parameters(trainable_only=False), trainable_only=False)
+    reference = ot.TrainingSession(path)
+    reference.load_flat_parameters(host.get_flat_parameters(trainable_only=False), trainable_only=False)
+    assert not device.nominal
+    for batch in _batches(2, seed=5):
+        np.testing.assert_allclose(device.step(batch)["loss"], reference.step(batch)["loss"], rtol=1e-6)
+    _assert_same_state(device, reference)
