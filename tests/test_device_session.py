@@ -20,19 +20,14 @@ from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.training.device_state import DeviceValues
 from onnx_training_ops.training.device_store import DeviceStateStore
 from onnx_training_ops.training.providers import placement
+from tests.test_device_trainer import _batches as _trainer_batches
+from tests.test_device_trainer import _model
 from tests.test_sparse_updates import batches as sparse_batches
 from tests.test_sparse_updates import emb_model
 
 
-def _model(optimizer=None, **kwargs):
-    return ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy",
-                                   optimizer or ot.AdamW(lr=1e-2, weight_decay=0.1), **kwargs)
-
-
 def _batches(n=4, seed=0, rows=12):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, rows, 8)).astype(np.float32)
-    return [{"input": x[i], "labels": np.argmax(x[i, :, :4], -1).astype(np.int64)} for i in range(n)]
+    return _trainer_batches(n, seed, rows)
 
 
 def _assert_same_state(device, host):

@@ -20,8 +20,7 @@ The learning rates, the schedule and the feed checks are the host session's
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,6 @@ from ..errors import TrainingOpError
 from ..runtime.pipeline import prepare_model
 from ..storage.large_model import LargeModel
 from ..walk import drop_named
-from .checks import label_mismatch
 from .device_accumulation import DeviceAccumulation
 from .device_program import DeviceProgram
 from .device_store import DeviceStateStore
@@ -41,8 +39,9 @@ from .inference import inference_model
 from .options import fresh_options
 from .program import combined_graph, learning_rate_inputs
 from .rates import LearningRates
+from .session_loop import LoopSteps
 from .session_programs import FeedChecks, RuntimeConfig
-from .stages import GRAD_SCALE, evaluation_model, step_model
+from .stages import GRAD_SCALE, session_evaluation, step_model
 from .static_shapes import static_graph
 
 
@@ -160,12 +159,7 @@ class DevicePrograms:
     def for_evaluation(self, outputs: tuple[str, ...]) -> DeviceGraph:
         """The eval-mode loss (if any) and ``outputs``, nothing written."""
         if outputs not in self.evaluations:
-            loss = self.meta.get("eval_loss") or self.meta.get("loss", "")
-            if not loss and not outputs:
-                raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
-            proto = self.model.model_proto
-            derived = evaluation_model(proto, loss, list(outputs)) if loss else \
-                evaluation_model(proto, outputs[0], list(outputs[1:]))
+            derived = session_evaluation(self.model.model_proto, self.meta, outputs)
             combined = combined_graph(derived, 0, self.store.protos, self.meta, prune_inputs=True)
             self.evaluations[outputs] = self.open_graph(self.model, combined, {}, "evaluate")
         return self.evaluations[outputs]
@@ -233,7 +227,7 @@ class DevicePrograms:
         return []  # every optimizer runs in onnxruntime, lowered to standard ops
 
 
-class DeviceLoop:
+class DeviceLoop(LoopSteps):
     """Steps, evaluation, accumulation and learning rates over a device store (``TrainingLoop``'s twin)."""
 
     def __init__(self, programs: DevicePrograms) -> None:
@@ -246,58 +240,18 @@ class DeviceLoop:
         self.accumulation = DeviceAccumulation(programs)
         self.skipped_steps = 0
 
-    def _count(self, skipped: bool) -> None:
-        if skipped:
-            self.skipped_steps += 1
-
-    def step(self, feeds: Mapping[str, Any], lr: Any, outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        self.store.check_filled("step")
-        if self.accumulation.count:
-            if outputs:
-                raise TrainingOpError("step(outputs=...) with gradients accumulated by backward(): call "
-                                      "optimizer_step() first, or evaluate(feeds, outputs=...)")
-            result = self.backward(feeds)
-            result.update(self.optimizer_step(lr))
-            return result
-        self.programs.check_feeds(feeds, self.programs.required_names, self.programs.optional)
-        rates = self.rates.for_step(lr)
-        graphs = self.programs.for_step(tuple(outputs))
-        applied = [True]
-
-        def count(skipped: bool) -> None:
-            self._count(skipped)
-            applied[0] = applied[0] and not skipped
-
-        def count_last(skipped: bool) -> None:
-            count(skipped)
-            if applied[0]:
-                self.rates.advance()
-
-        result: dict[str, np.ndarray] = {}
-        for graph in graphs:
-            returned, _ = graph.program.run(graph.host_feeds(feeds, rates, "step"),
-                                            count_last if graph is graphs[-1] else count)
-            result.update(returned)
-        return result
+    def run_step(self, program: Any, feeds: Mapping[str, Any], rates: Any,
+                 then: Callable[[bool], None]) -> dict[str, np.ndarray]:
+        return program.program.run(program.host_feeds(feeds, rates, "step"), then)[0]
 
     def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         self.store.check_filled("evaluate")
-        layout = json.loads(self.meta.get("label_shape") or "{}")
-        watch = layout.get("output") if any(not isinstance(d, int) for d in layout.get("shape", ())) else None
-        extra = (watch,) if watch and watch not in outputs else ()
+        watch, extra = self.evaluation_outputs(outputs)
         graph = self.programs.for_evaluation(tuple(outputs) + extra)
         self.programs.check_feeds(feeds, {s.name for s in graph.required}, {s.name for s in graph.optional},
                                   "evaluate")
         result, _ = graph.program.run(graph.host_feeds(feeds, None, "evaluate"))
-        if watch:
-            message = label_mismatch(self.meta, feeds, (result.pop(watch) if extra else result[watch]).shape,
-                                     "evaluate")
-            if message:
-                raise TrainingOpError(message)
-        eval_loss, loss = self.meta.get("eval_loss"), self.meta.get("loss")
-        if eval_loss in result and loss not in outputs:
-            result[loss] = result.pop(eval_loss)
-        return result
+        return self.evaluated(feeds, result, watch, extra, outputs)
 
     def backward(self, feeds: Mapping[str, Any], scale: float = 1.0) -> dict[str, np.ndarray]:
         self.store.check_filled("backward")
@@ -309,7 +263,7 @@ class DeviceLoop:
         host[GRAD_SCALE] = np.array(scale, backward.specs[GRAD_SCALE].dtype)
 
         def counted(skipped: bool) -> None:
-            self._count(skipped)
+            self.count_skipped(skipped)
             if not skipped:
                 self.accumulation.count += 1
 
@@ -317,9 +271,7 @@ class DeviceLoop:
         return result
 
     def optimizer_step(self, lr: Any = None) -> dict[str, np.ndarray]:
-        if not self.accumulation.count:
-            raise TrainingOpError("optimizer_step: no gradients accumulated since the last optimizer "
-                                  "step; call backward(feeds) first")
+        self.check_accumulated()
         _, apply, _ = self.accumulation.stages()
 
         def applied(_skipped: bool) -> None:

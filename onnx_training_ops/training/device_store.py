@@ -74,13 +74,7 @@ class DeviceStateStore(StateStore):
 
     def load(self, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
         """Copy ``state`` to the device (``load_state_dict``): every value checked first."""
-        unknown = [k for k in state if k not in self.arrays]
-        if unknown:
-            raise TrainingOpError(f"load_state_dict: unknown state variable(s) {unknown}; known: {self.names}")
-        if strict:
-            missing = [k for k in self.arrays if k not in state]
-            if missing:
-                raise TrainingOpError(f"load_state_dict: missing state variable(s) {missing}")
+        self.check_names(state, strict)
         checked = {name: self.values.check(name, value, "load_state_dict") for name, value in state.items()}
         for name, value in checked.items():
             self.values.upload(name, value)

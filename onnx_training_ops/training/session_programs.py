@@ -29,7 +29,7 @@ from .inference import inference_session
 from .input_checks import input_checker
 from .options import fresh_options
 from .program import Program, build_program, program_feeds
-from .stages import evaluation_model, step_model
+from .stages import session_evaluation, step_model
 from .state_store import StateStore
 
 
@@ -153,12 +153,7 @@ class SessionPrograms:
     def for_evaluation(self, outputs: tuple[str, ...]) -> Program:
         """The evaluation program computing the eval-mode loss (if any) and ``outputs``."""
         if outputs not in self.evaluations:
-            loss = self.meta.get("eval_loss") or self.meta.get("loss", "")
-            if not loss and not outputs:
-                raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
-            proto = self.model.model_proto
-            derived = evaluation_model(proto, loss, list(outputs)) if loss else \
-                evaluation_model(proto, outputs[0], list(outputs[1:]))
+            derived = session_evaluation(self.model.model_proto, self.meta, outputs)
             graph, analysis = build_program(self.model.with_proto(derived), 0, self.store.arrays,
                                             self.store.protos, self.meta, False, prune_inputs=True, where="evaluate")
             self.evaluations[outputs] = open_program(graph, analysis, self.store.arrays, self.options(),
