@@ -21,6 +21,7 @@ from ..storage.large_model import LargeModel, detach, is_large
 from ..storage.model_files import ModelLike, load_model
 from ..storage.tensors import attach, proto_of
 from .nominal import materialize, nominal_names
+from .precision import check_precision
 from .session_files import Checkpointer
 from .session_loop import TrainingLoop
 from .session_programs import RuntimeConfig, SessionPrograms
@@ -72,6 +73,7 @@ def open_parts(model_or_path: ModelLike, config: RuntimeConfig
     model = opened if isinstance(opened, LargeModel) else detach(opened)
     del opened
     meta = metadata(model.model_proto)
+    check_precision(meta, [p[0] if isinstance(p, tuple) else p for p in config.providers])
     protos = collect_state_protos(model.model_proto)
     arrays = state_tensors(model, protos, expected, f"checkpoint {os.fspath(path)!r}" if path else "the model")
     store = StateStore(model, arrays, protos, meta)
