@@ -28,6 +28,7 @@ from ..passes.guard_feedback import guard_feedback, in_place_unsafe
 from ..storage.checkpoint import atomic_write
 from ..training.checks import check_classes
 from ..training.feeds import checked_learning_rate
+from ..training.precision import check_precision
 from ..training.providers import provider_name, require_available
 from ..training.schedules import checked_rate
 from ..training.step import NONFINITE_POLICIES, NonFiniteLossError
@@ -90,6 +91,8 @@ class DeviceTrainer:
         if manifest is None:
             raise TrainingOpError(f"{self.directory!r}: DeviceTrainer takes an export directory (manifest.json)")
         self.manifest = manifest
+        check_precision({"precision": manifest.get("precision") or "fp32"}, [provider_name(p) for p in providers],
+                        "DeviceTrainer")
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
         self.device = _device_for(providers)
