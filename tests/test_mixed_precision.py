@@ -1,0 +1,394 @@
+"""Mixed precision: the graph pass, fp16 training against torch, dynamic loss scaling against
+torch.amp.GradScaler, the exported step, and bf16's limits on the CPU EP."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_training_ops as ot
+from onnx_training_ops.builder.loss_scaling import LossScaling
+from onnx_training_ops.builder.model_metadata import metadata
+from onnx_training_ops.export import DeviceTrainer, export_step, session_from_export
+from onnx_training_ops.passes.mixed_precision import (CPU, CUDA, KERNELS_16BIT, LOWER_PRECISION_OPS,
+                                                      mixed_precision)
+
+torch = pytest.importorskip("torch")
+
+STEPS = 10
+
+
+def _mlp(rng, sizes=(8, 16, 4)) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """x @ W1 + b1 -> Relu -> @ W2 + b2: the weights as float32 initializers."""
+    weights = {"W1": rng.standard_normal(sizes[:2]).astype(np.float32) * 0.4,
+               "b1": rng.standard_normal(sizes[1]).astype(np.float32) * 0.1,
+               "W2": rng.standard_normal(sizes[1:]).astype(np.float32) * 0.4,
+               "b2": rng.standard_normal(sizes[2]).astype(np.float32) * 0.1}
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"),
+             helper.make_node("Add", ["h", "b1"], ["h1"]),
+             helper.make_node("Relu", ["h1"], ["r"]),
+             helper.make_node("MatMul", ["r", "W2"], ["o"], name="fc2"),
+             helper.make_node("Add", ["o", "b2"], ["logits"])]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", sizes[0]])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", sizes[2]])],
+                              [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), weights
+
+
+class TorchMLP(torch.nn.Module):
+    def __init__(self, weights, half: bool):
+        super().__init__()
+        self.p = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.tensor(v)) for k, v in weights.items()})
+        self.half_ = half
+
+    def mm(self, a, b):  # torch autocast's rule for matmul: 16-bit inputs, here a float32 result
+        return (a.half() @ b.half()).float() if self.half_ else a @ b
+
+    def forward(self, x):
+        r = torch.relu(self.mm(x, self.p["W1"]) + self.p["b1"])
+        return self.mm(r, self.p["W2"]) + self.p["b2"]
+
+
+def _batches(rng, n=STEPS, batch=16, features=8, classes=4):
+    return [(rng.standard_normal((batch, features)).astype(np.float32), rng.integers(0, classes, batch))
+            for _ in range(n)]
+
+
+def _torch_losses(module, batches, scaler=None, lr=1e-2, loss_fn=torch.nn.functional.cross_entropy):
+    """torch's AdamW with GradScaler's step/update, as torch's AMP recipe writes it."""
+    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    losses, scales = [], []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(module(torch.tensor(x)), torch.tensor(y))
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        losses.append(loss.item())
+    return np.array(losses), scales
+
+
+def _ours(model, batches, feed_names=("x", "labels"), **build):
+    session = ot.TrainingSession(ot.build_training_model(model, build.pop("loss", "cross_entropy"),
+                                                         ot.AdamW(lr=1e-2), **build))
+    losses, scales = [], []
+    for x, y in batches:
+        losses.append(float(session.step(dict(zip(feed_names, (x, y))))["loss"]))
+        scales.append(session.loss_scale)
+    return np.array(losses), scales, session
+
+
+# ---------------------------------------------------------------------------------------------- the pass
+
+
+def test_matmuls_go_16_bit_between_casts_and_the_weights_stay_float32():
+    model, _ = _mlp(np.random.default_rng(0))
+    built = ot.build_training_model(model, "cross_entropy", ot.AdamW(), precision="fp16")
+    onnx.checker.check_model(built, full_check=True)
+    nodes = {n.output[0]: n for n in built.graph.node}
+    for name, x, w in (("fc1", "x", "W1"), ("fc2", "r", "W2")):
+        matmul = next(n for n in built.graph.node if n.name == name)
+        for value, source in zip(matmul.input, (x, w)):
+            cast = nodes[value]
+            assert cast.op_type == "Cast" and cast.input[0] == source
+            assert helper.get_attribute_value(cast.attribute[0]) == TensorProto.FLOAT16
+        up = next(n for n in built.graph.node if n.input and n.input[0] == matmul.output[0])
+        assert up.op_type == "Cast" and helper.get_attribute_value(up.attribute[0]) == TensorProto.FLOAT
+    # the elementwise ops and the loss keep float32; the master weights and the optimizer state too
+    assert {n.op_type for n in built.graph.node if n.op_type not in ("Cast", "MatMul")} == {"Add", "Relu"}
+    assert all(t.data_type == TensorProto.FLOAT for t in built.graph.initializer)
+    algo = built.training_info[0].algorithm
+    assert all(t.data_type == TensorProto.FLOAT for t in algo.initializer if t.name.endswith((".V", ".H")))
+    meta = metadata(built)
+    assert meta["precision"] == "fp16" and meta["precision_provider"] == CUDA
+    assert json.loads(meta["precision_nodes"]) == {"16-bit": ["fc1", "fc2"], "fp32": []}
+    scaling = json.loads(meta["loss_scaling"])
+    assert (scaling["init_scale"], scaling["growth_factor"], scaling["backoff_factor"],
+            scaling["growth_interval"]) == (2.0 ** 16, 2.0, 0.5, 2000)  # torch GradScaler's defaults
+
+
+def test_back_to_back_16_bit_nodes_share_the_16_bit_value():
+    w1, w2 = (numpy_helper.from_array(np.eye(4, dtype=np.float32) * k, n) for k, n in ((2, "A"), (3, "B")))
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "A"], ["h"]), helper.make_node("MatMul", ["h", "B"], ["y"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w1, w2])
+    model, report = mixed_precision(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), "fp16")
+    ops = [n.op_type for n in model.graph.node]
+    assert ops == ["Cast", "Cast", "MatMul", "Cast", "MatMul", "Cast"]  # no Cast up + down for h
+    first, second = (n for n in model.graph.node if n.op_type == "MatMul")
+    assert second.input[0] == first.output[0]
+    assert report.converted == ("MatMul#0", "MatMul#1")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    out = ort.InferenceSession(model.SerializeToString(), providers=[CPU]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(out, x * 6)
+
+
+def test_an_op_without_a_16_bit_kernel_on_the_target_provider_stays_float32():
+    conv = numpy_helper.from_array(np.ones((2, 1, 3, 3), np.float32), "K")
+    w = numpy_helper.from_array(np.ones((18, 3), np.float32), "W")
+    shape = numpy_helper.from_array(np.array([0, -1], np.int64), "shape")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "K"], ["c"], name="conv"), helper.make_node("Reshape", ["c", "shape"], ["f"]),
+         helper.make_node("MatMul", ["f", "W"], ["y"], name="fc")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [conv, w, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    _, bf16 = mixed_precision(onnx.ModelProto.FromString(model.SerializeToString()), "bf16")  # CUDA: no bf16 Conv
+    assert (bf16.converted, bf16.kept_fp32, bf16.provider) == (("fc",), ("conv",), CUDA)
+    _, fp16 = mixed_precision(onnx.ModelProto.FromString(model.SerializeToString()), "fp16")
+    assert fp16.converted == ("conv", "fc")
+    untouched, cpu = mixed_precision(onnx.ModelProto.FromString(model.SerializeToString()), "fp16", CPU)
+    assert cpu.converted == () and cpu.kept_fp32 == ("conv", "fc")
+    assert [n.op_type for n in untouched.graph.node] == ["Conv", "Reshape", "MatMul"]
+    with pytest.raises(ot.TrainingOpError, match="precision_provider 'TpuExecutionProvider' has no 16-bit"):
+        mixed_precision(model, "fp16", "TpuExecutionProvider")
+    with pytest.raises(ot.TrainingOpError, match="precision must be 'fp32', 'fp16' or 'bf16', found 'int8'"):
+        ot.build_training_model(_mlp(np.random.default_rng(0))[0], "cross_entropy", ot.Adam(), precision="int8")
+
+
+def _inserted_casts(op: str, inputs: list[list[int]], attrs: dict) -> bool:
+    """Whether onnxruntime's CPU EP runs a float16 ``op`` in float32 between casts it inserts."""
+    graph = helper.make_graph([helper.make_node(op, [f"x{i}" for i in range(len(inputs))], ["y"], **attrs)], "g",
+                              [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT16, s) for i, s in enumerate(inputs)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    with io.BytesIO() as _:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            options.optimized_model_filepath = f"{d}/opt.onnx"
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+            ort.InferenceSession(model.SerializeToString(), options, providers=[CPU])
+            optimized = onnx.load(options.optimized_model_filepath)
+    return any("InsertedPrecisionFreeCast" in name for n in optimized.graph.node for name in n.input)
+
+
+@pytest.mark.parametrize("op,inputs,attrs", [
+    ("MatMul", [[2, 3], [3, 4]], {}), ("Gemm", [[2, 3], [3, 4]], {}), ("Conv", [[1, 2, 5, 5], [3, 2, 3, 3]], {}),
+    ("ConvTranspose", [[1, 2, 5, 5], [2, 3, 3, 3]], {}), ("Einsum", [[2, 3], [3, 4]], {"equation": "ij,jk->ik"})])
+def test_the_cpu_kernel_table_matches_onnxruntime(op, inputs, attrs):
+    """KERNELS_16BIT[CPU] lists an op exactly when onnxruntime's CPU EP has a float16 kernel for
+    it (else onnxruntime computes it in float32 between casts it inserts)."""
+    assert op in LOWER_PRECISION_OPS
+    assert (op in KERNELS_16BIT[CPU]["fp16"]) == (not _inserted_casts(op, inputs, attrs))
+
+
+# ---------------------------------------------------------------------------------------------- bf16
+
+
+def test_bf16_builds_a_valid_graph_and_the_cpu_ep_refuses_it_clearly(tmp_path):
+    model, _ = _mlp(np.random.default_rng(1))
+    built = ot.build_training_model(model, "cross_entropy", ot.AdamW(), precision="bf16")
+    onnx.checker.check_model(built, full_check=True)
+    casts = [helper.get_attribute_value(n.attribute[0]) for n in built.graph.node if n.op_type == "Cast"]
+    assert casts.count(TensorProto.BFLOAT16) == 4 and casts.count(TensorProto.FLOAT) == 2
+    assert metadata(built)["precision"] == "bf16" and "loss_scaling" not in metadata(built)  # torch: no scaler for bf16
+    with pytest.raises(ot.TrainingOpError, match=r"precision='bf16'.*CPUExecutionProvider.*bfloat16 kernels "
+                                                 r"\(CUDAExecutionProvider.*DeviceTrainer.*fp16 runs on the CPU"):
+        ot.TrainingSession(built)
+    export_step(built, tmp_path)
+    assert json.loads((tmp_path / "manifest.json").read_text())["precision"] == "bf16"
+    with pytest.raises(ot.TrainingOpError, match=r"DeviceTrainer: the model is built with precision='bf16'"):
+        DeviceTrainer(tmp_path)
+
+
+def test_bf16_inference_graph_computes_what_bf16_rounding_gives():
+    """The bf16 graph's forward, run by onnx.reference, equals float32 math on bf16-rounded
+    matmul inputs (no onnxruntime kernel needed)."""
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(2)
+    model, weights = _mlp(rng)
+    converted, _ = mixed_precision(model, "bf16")
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    got = ReferenceEvaluator(converted).run(None, {"x": x})[0]
+    t = TorchMLP(weights, half=False)
+    bf = lambda a: a.to(torch.bfloat16).float()  # noqa: E731
+    xt = torch.tensor(x)
+    r = torch.relu(bf(bf(xt) @ bf(t.p["W1"])) + t.p["b1"])
+    want = bf(bf(r) @ bf(t.p["W2"])) + t.p["b2"]
+    np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------- fp16 vs torch
+
+
+def test_fp16_mlp_trains_like_torch_amp_and_like_fp32():
+    rng = np.random.default_rng(3)
+    model, weights = _mlp(rng)
+    batches = _batches(rng)
+    ours, scales, session = _ours(model, batches, precision="fp16")
+    amp, torch_scales = _torch_losses(TorchMLP(weights, half=True), batches, torch.amp.GradScaler("cpu"))
+    fp32, _ = _torch_losses(TorchMLP(weights, half=False), batches)
+    np.testing.assert_allclose(ours, amp, rtol=1e-2)
+    np.testing.assert_allclose(ours, fp32, rtol=2e-2)
+    assert scales == torch_scales == [2.0 ** 16] * STEPS and session.overflow_steps == 0
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block and a classifier head; ``half``: every matmul in float16."""
+
+    def __init__(self, d=16, heads=2, classes=5):
+        super().__init__()
+        self.d, self.heads, self.half_ = d, heads, False
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+        self.head = torch.nn.Linear(d, classes)
+
+    def mm(self, a, b):
+        return (a.half() @ b.half()).float() if self.half_ else a @ b
+
+    def lin(self, layer, x):
+        return self.mm(x, layer.weight.t()) + layer.bias
+
+    def forward(self, x):
+        b, t, d = x.shape
+        dh = d // self.heads
+        q, k, v = self.lin(self.qkv, self.ln1(x)).split(self.d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, dh).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax(self.mm(q, k.transpose(-1, -2)) / dh ** 0.5, dim=-1)
+        o = self.mm(att, v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.lin(self.proj, o)
+        x = x + self.lin(self.fc2, torch.nn.functional.gelu(self.lin(self.fc1, self.ln2(x))))
+        return self.lin(self.head, x.mean(dim=1))
+
+
+def test_fp16_transformer_block_trains_like_torch_amp_and_like_fp32():
+    torch.manual_seed(0)
+    block = Block()
+    with torch.no_grad():  # no two equal tensors (the exporter would tie them)
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    state = {k: v.clone() for k, v in block.state_dict().items()}
+    f = io.BytesIO()
+    torch.onnx.export(block, (torch.randn(2, 6, 16),), f, dynamo=False, opset_version=17, do_constant_folding=False,
+                      input_names=["x"], output_names=["logits"], dynamic_axes={"x": {0: "N"}, "logits": {0: "N"}})
+    model = onnx.load_from_string(f.getvalue())
+    rng = np.random.default_rng(4)
+    batches = [(rng.standard_normal((4, 6, 16)).astype(np.float32), rng.integers(0, 5, 4)) for _ in range(STEPS)]
+    ours, scales, session = _ours(model, batches, precision="fp16")
+    assert len(json.loads(session.metadata["precision_nodes"])["16-bit"]) == 7  # 5 Linear + 2 attention matmuls
+    amp_block, fp32_block = Block(), Block()
+    for b in (amp_block, fp32_block):
+        b.load_state_dict(state)
+    amp_block.half_ = True
+    amp, torch_scales = _torch_losses(amp_block, batches, torch.amp.GradScaler("cpu"))
+    fp32, _ = _torch_losses(fp32_block, batches)
+    np.testing.assert_allclose(ours, amp, rtol=1e-2)
+    np.testing.assert_allclose(ours, fp32, rtol=2e-2)
+    assert scales == torch_scales
+
+
+# ---------------------------------------------------------------------------------------------- loss scaling
+
+
+def _regression(rng, scale_target):
+    model, weights = _mlp(rng, sizes=(8, 16, 4))
+    batches = [(rng.standard_normal((16, 8)).astype(np.float32),
+                (rng.standard_normal((16, 4)) * scale_target).astype(np.float32)) for _ in range(STEPS)]
+    return model, weights, batches
+
+
+def test_loss_scaling_follows_torch_grad_scaler_through_overflows_and_growth():
+    """A scale so large that the gradients overflow float32: torch's GradScaler (fp32 model,
+    the same scaled loss) skips the same steps, backs off and grows the same way."""
+    rng = np.random.default_rng(5)
+    model, weights, batches = _regression(rng, 100.0)
+    config = LossScaling(init_scale=2.0 ** 126, growth_interval=3)
+    ours, scales, session = _ours(model, batches, feed_names=("x", "target"), loss="mse", loss_scaling=config)
+    scaler = torch.amp.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
+    want, torch_scales = _torch_losses(TorchMLP(weights, half=False), batches, scaler,
+                                       loss_fn=torch.nn.functional.mse_loss)
+    assert scales == torch_scales
+    assert scales[0] < config.init_scale and max(scales) > min(scales)  # backed off, then grew
+    skipped = sum(1 for before, after in zip([config.init_scale, *scales], scales) if after < before)
+    assert session.overflow_steps == skipped >= 1
+    assert int(session.state_dict()["optimizer.T"]) == STEPS - skipped  # T counts applied steps only
+    np.testing.assert_allclose(ours, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_an_overflowing_step_leaves_the_state_bit_identical(precision):
+    rng = np.random.default_rng(6)
+    model, _, batches = _regression(rng, 100.0)
+    built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision=precision,
+                                    loss_scaling=LossScaling(init_scale=2.0 ** 127, growth_interval=2))
+    session = ot.TrainingSession(built)
+    x, target = batches[0]
+    before = session.state_dict()
+    out = session.step({"x": x, "target": target})
+    after = session.state_dict()
+    assert np.isfinite(out["loss"])  # a finite loss: only the (scaled) gradients overflowed
+    scaling = {"loss_scale", "loss_scale.growth_tracker", "loss_scale.skipped_steps"}
+    for name in before.keys() - scaling:
+        assert after[name].tobytes() == before[name].tobytes(), name
+    assert session.loss_scale == 2.0 ** 126 and session.overflow_steps == 1
+    assert int(after["loss_scale.growth_tracker"]) == 0 and int(after["optimizer.T"]) == 0
+
+
+def test_the_scale_grows_after_growth_interval_clean_steps_and_survives_a_checkpoint(tmp_path):
+    rng = np.random.default_rng(7)
+    model, _ = _mlp(rng)
+    batches = _batches(rng, n=5)
+    built = ot.build_training_model(model, "cross_entropy", ot.AdamW(lr=1e-2), precision="fp16",
+                                    loss_scaling=LossScaling(init_scale=8.0, growth_factor=4.0, growth_interval=2))
+    session = ot.TrainingSession(built)
+    seen = []
+    for x, y in batches:
+        session.step({"x": x, "labels": y})
+        seen.append((session.loss_scale, int(session.state_dict()["loss_scale.growth_tracker"])))
+    assert seen == [(8.0, 1), (32.0, 0), (32.0, 1), (128.0, 0), (128.0, 1)]
+    session.save(tmp_path / "ckpt.onnx")
+    again = ot.TrainingSession(tmp_path / "ckpt.onnx")
+    assert again.loss_scale == 128.0 and again.overflow_steps == 0
+    x, y = batches[0]
+    session.step({"x": x, "labels": y})
+    again.step({"x": x, "labels": y})
+    assert again.loss_scale == session.loss_scale == 512.0
+
+
+def test_loss_scaling_settings_are_checked():
+    for bad, match in [(dict(init_scale=0.0), "init_scale must be a finite number > 0"),
+                       (dict(growth_factor=1.0), "growth_factor must be > 1"),
+                       (dict(backoff_factor=1.5), "backoff_factor must be < 1"),
+                       (dict(growth_interval=0), "growth_interval must be an int >= 1")]:
+        with pytest.raises(ot.TrainingOpError, match=match):
+            LossScaling(**bad)
+    model, _ = _mlp(np.random.default_rng(0))
+    with pytest.raises(ot.TrainingOpError, match="loss_scaling must be a LossScaling"):
+        ot.build_training_model(model, "cross_entropy", ot.Adam(), precision="fp16", loss_scaling=2.0)
+    off = ot.build_training_model(model, "cross_entropy", ot.Adam(), precision="fp16", loss_scaling=False)
+    assert "loss_scaling" not in metadata(off) and ot.TrainingSession(off).loss_scale is None
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def test_the_exported_fp16_step_trains_like_the_session(tmp_path):
+    rng = np.random.default_rng(8)
+    model, _ = _mlp(rng)
+    built = ot.build_training_model(model, "cross_entropy", ot.AdamW(lr=1e-2), precision="fp16",
+                                    loss_scaling=LossScaling(init_scale=2.0 ** 20, growth_interval=3))
+    manifest = export_step(built, tmp_path)
+    assert manifest["precision"] == "fp16" and manifest["loss_scaling"]["scale"] == "loss_scale"
+    session, exported, device = ot.TrainingSession(built), session_from_export(tmp_path), DeviceTrainer(tmp_path)
+    rate = np.array(1e-2, np.float32)
+    for x, y in _batches(rng, n=6):
+        want = session.step({"x": x, "labels": y})["loss"]
+        np.testing.assert_allclose(exported.step({"x": x, "labels": y, "learning_rate": rate})["loss"], want, rtol=1e-6)
+        np.testing.assert_allclose(device.step({"x": x, "labels": y})["loss"], want, rtol=1e-6)
+    for state in (exported.state_dict(), device.state_dict()):
+        assert float(state["loss_scale"]) == session.loss_scale == 2.0 ** 22
+        assert int(state["optimizer.T"]) == 6
