@@ -13,7 +13,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_training_ops as ot
-from onnx_training_ops.builder.loss_scaling import LossScaling
 from onnx_training_ops.builder.model_metadata import metadata
 from onnx_training_ops.export import DeviceTrainer, export_step, session_from_export
 from onnx_training_ops.passes.mixed_precision import (CPU, CUDA, KERNELS_16BIT, LOWER_PRECISION_OPS,
@@ -306,7 +305,7 @@ def test_loss_scaling_follows_torch_grad_scaler_through_overflows_and_growth():
     the same scaled loss) skips the same steps, backs off and grows the same way."""
     rng = np.random.default_rng(5)
     model, weights, batches = _regression(rng, 100.0)
-    config = LossScaling(init_scale=2.0 ** 126, growth_interval=3)
+    config = ot.LossScaling(init_scale=2.0 ** 126, growth_interval=3)
     ours, scales, session = _ours(model, batches, feed_names=("x", "target"), loss="mse", loss_scaling=config)
     scaler = torch.amp.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
     want, torch_scales = _torch_losses(TorchMLP(weights, half=False), batches, scaler,
@@ -324,7 +323,7 @@ def test_an_overflowing_step_leaves_the_state_bit_identical(precision):
     rng = np.random.default_rng(6)
     model, _, batches = _regression(rng, 100.0)
     built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision=precision,
-                                    loss_scaling=LossScaling(init_scale=2.0 ** 127, growth_interval=2))
+                                    loss_scaling=ot.LossScaling(init_scale=2.0 ** 127, growth_interval=2))
     session = ot.TrainingSession(built)
     x, target = batches[0]
     before = session.state_dict()
@@ -343,7 +342,7 @@ def test_the_scale_grows_after_growth_interval_clean_steps_and_survives_a_checkp
     model, _ = _mlp(rng)
     batches = _batches(rng, n=5)
     built = ot.build_training_model(model, "cross_entropy", ot.AdamW(lr=1e-2), precision="fp16",
-                                    loss_scaling=LossScaling(init_scale=8.0, growth_factor=4.0, growth_interval=2))
+                                    loss_scaling=ot.LossScaling(init_scale=8.0, growth_factor=4.0, growth_interval=2))
     session = ot.TrainingSession(built)
     seen = []
     for x, y in batches:
@@ -365,7 +364,7 @@ def test_loss_scaling_settings_are_checked():
                        (dict(backoff_factor=1.5), "backoff_factor must be < 1"),
                        (dict(growth_interval=0), "growth_interval must be an int >= 1")]:
         with pytest.raises(ot.TrainingOpError, match=match):
-            LossScaling(**bad)
+            ot.LossScaling(**bad)
     model, _ = _mlp(np.random.default_rng(0))
     with pytest.raises(ot.TrainingOpError, match="loss_scaling must be a LossScaling"):
         ot.build_training_model(model, "cross_entropy", ot.Adam(), precision="fp16", loss_scaling=2.0)
@@ -380,7 +379,7 @@ def test_the_exported_fp16_step_trains_like_the_session(tmp_path):
     rng = np.random.default_rng(8)
     model, _ = _mlp(rng)
     built = ot.build_training_model(model, "cross_entropy", ot.AdamW(lr=1e-2), precision="fp16",
-                                    loss_scaling=LossScaling(init_scale=2.0 ** 20, growth_interval=3))
+                                    loss_scaling=ot.LossScaling(init_scale=2.0 ** 20, growth_interval=3))
     manifest = export_step(built, tmp_path)
     assert manifest["precision"] == "fp16" and manifest["loss_scaling"]["scale"] == "loss_scale"
     session, exported, device = ot.TrainingSession(built), session_from_export(tmp_path), DeviceTrainer(tmp_path)
@@ -392,3 +391,12 @@ def test_the_exported_fp16_step_trains_like_the_session(tmp_path):
     for state in (exported.state_dict(), device.state_dict()):
         assert float(state["loss_scale"]) == session.loss_scale == 2.0 ** 22
         assert int(state["optimizer.T"]) == 6
+
+
+def test_the_summary_shows_the_precision():
+    model, _ = _mlp(np.random.default_rng(9))
+    session = ot.TrainingSession(ot.build_training_model(model, "cross_entropy", ot.AdamW(), precision="fp16"))
+    summary = session.summary()
+    assert summary.precision["16-bit"] == ["fc1", "fc2"] and summary.to_dict()["precision"]["precision"] == "fp16"
+    assert "precision: fp16 (2 nodes 16-bit, 0 kept float32; loss scaling from 65536)" in str(summary)
+    assert ot.TrainingSession(ot.build_training_model(model, "cross_entropy", ot.AdamW())).summary().precision is None
