@@ -59,8 +59,9 @@ def _batches(rng, n=STEPS, batch=16, features=8, classes=4):
             for _ in range(n)]
 
 
-def _torch_losses(module, batches, scaler=None, lr=1e-2, loss_fn=torch.nn.functional.cross_entropy):
-    """torch's AdamW with GradScaler's step/update, as torch's AMP recipe writes it."""
+def _torch_losses(module, batches, scaler=None, lr=1e-2, loss_fn=torch.nn.functional.cross_entropy, clip=None):
+    """torch's AdamW with GradScaler's step/update (and clipping after ``unscale_``), as torch's
+    AMP recipe writes it."""
     opt = torch.optim.AdamW(module.parameters(), lr=lr)
     losses, scales = [], []
     for x, y in batches:
@@ -71,6 +72,9 @@ def _torch_losses(module, batches, scaler=None, lr=1e-2, loss_fn=torch.nn.functi
             opt.step()
         else:
             scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
             scaler.step(opt)
             scaler.update()
             scales.append(scaler.get_scale())
@@ -300,16 +304,19 @@ def _regression(rng, scale_target):
     return model, weights, batches
 
 
-def test_loss_scaling_follows_torch_grad_scaler_through_overflows_and_growth():
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_loss_scaling_follows_torch_grad_scaler_through_overflows_and_growth(clip):
     """A scale so large that the gradients overflow float32: torch's GradScaler (fp32 model,
-    the same scaled loss) skips the same steps, backs off and grows the same way."""
+    the same scaled loss) skips the same steps, backs off and grows the same way; clipping
+    sees the unscaled gradients (torch: ``scaler.unscale_`` then ``clip_grad_norm_``)."""
     rng = np.random.default_rng(5)
     model, weights, batches = _regression(rng, 100.0)
     config = ot.LossScaling(init_scale=2.0 ** 126, growth_interval=3)
-    ours, scales, session = _ours(model, batches, feed_names=("x", "target"), loss="mse", loss_scaling=config)
+    ours, scales, session = _ours(model, batches, feed_names=("x", "target"), loss="mse", loss_scaling=config,
+                                  clip_grad_norm=clip)
     scaler = torch.amp.GradScaler("cpu", init_scale=config.init_scale, growth_interval=config.growth_interval)
     want, torch_scales = _torch_losses(TorchMLP(weights, half=False), batches, scaler,
-                                       loss_fn=torch.nn.functional.mse_loss)
+                                       loss_fn=torch.nn.functional.mse_loss, clip=clip)
     assert scales == torch_scales
     assert scales[0] < config.init_scale and max(scales) > min(scales)  # backed off, then grew
     skipped = sum(1 for before, after in zip([config.init_scale, *scales], scales) if after < before)
