@@ -325,13 +325,15 @@ def test_loss_scaling_follows_torch_grad_scaler_through_overflows_and_growth(cli
     np.testing.assert_allclose(ours, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "fp32"])
-def test_an_overflowing_step_leaves_the_state_bit_identical(precision):
+@pytest.mark.parametrize("precision,fast", [("fp16", True), ("fp16", False), ("fp32", True)])
+def test_an_overflowing_step_leaves_the_state_bit_identical(precision, fast):
     rng = np.random.default_rng(6)
     model, _, batches = _regression(rng, 100.0)
     built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision=precision,
                                     loss_scaling=ot.LossScaling(init_scale=2.0 ** 127, growth_interval=2))
-    session = ot.TrainingSession(built)
+    session = ot.TrainingSession(built, fast=fast)
+    # the fast path's fused kernels apply the gated update (skipped when the gradients overflow)
+    assert bool(session.fast_path_nodes) == fast
     x, target = batches[0]
     before = session.state_dict()
     out = session.step({"x": x, "target": target})
@@ -363,6 +365,27 @@ def test_the_scale_grows_after_growth_interval_clean_steps_and_survives_a_checkp
     session.step({"x": x, "labels": y})
     again.step({"x": x, "labels": y})
     assert again.loss_scale == session.loss_scale == 512.0
+
+
+def test_accumulated_gradients_are_scaled_and_the_update_equals_a_step():
+    """backward() keeps the scaled gradients (torch's .grad before scaler.unscale_);
+    optimizer_step() unscales, checks and applies them: the same state as step()."""
+    rng = np.random.default_rng(10)
+    model, _ = _mlp(rng)
+    built = ot.build_training_model(model, "cross_entropy", ot.AdamW(lr=1e-2), precision="fp16")
+    stepped, accumulated = ot.TrainingSession(built), ot.TrainingSession(built)
+    x, y = _batches(rng, n=1)[0]
+    stepped.step({"x": x, "labels": y})
+    accumulated.backward({"x": x, "labels": y})
+    scale = accumulated.loss_scale
+    unscaled = ot.TrainingSession(ot.build_training_model(model, "cross_entropy", ot.AdamW(lr=1e-2),
+                                                          precision="fp16", loss_scaling=False))
+    unscaled.backward({"x": x, "labels": y})
+    for name, g in accumulated.gradients().items():
+        np.testing.assert_allclose(g / scale, unscaled.gradients()[name], rtol=1e-5, atol=1e-9)
+    accumulated.optimizer_step()
+    for name, value in stepped.state_dict().items():
+        np.testing.assert_array_equal(accumulated.state_dict()[name], value, err_msg=name)
 
 
 def test_loss_scaling_settings_are_checked():
