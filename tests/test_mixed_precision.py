@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
 
 import numpy as np
 import onnx
@@ -167,13 +168,11 @@ def _inserted_casts(op: str, inputs: list[list[int]], attrs: dict) -> bool:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    with io.BytesIO() as _:
-        import tempfile
-        with tempfile.TemporaryDirectory() as d:
-            options.optimized_model_filepath = f"{d}/opt.onnx"
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
-            ort.InferenceSession(model.SerializeToString(), options, providers=[CPU])
-            optimized = onnx.load(options.optimized_model_filepath)
+    with tempfile.TemporaryDirectory() as d:
+        options.optimized_model_filepath = f"{d}/opt.onnx"
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+        ort.InferenceSession(model.SerializeToString(), options, providers=[CPU])
+        optimized = onnx.load(options.optimized_model_filepath)
     return any("InsertedPrecisionFreeCast" in name for n in optimized.graph.node for name in n.input)
 
 
