@@ -429,3 +429,17 @@ def test_the_summary_shows_the_precision():
     assert summary.precision["16-bit"] == ["fc1", "fc2"] and summary.to_dict()["precision"]["precision"] == "fp16"
     assert "precision: fp16 (2 nodes 16-bit, 0 kept float32; loss scaling from 65536)" in str(summary)
     assert ot.TrainingSession(ot.build_training_model(model, "cross_entropy", ot.AdamW())).summary().precision is None
+
+
+def test_the_command_line_builds_with_a_precision(tmp_path, capsys):
+    from onnx_training_ops.cli import main
+    from onnx_training_ops.demo import make_mlp
+
+    onnx.save(make_mlp((8, 16, 4)), tmp_path / "mlp.onnx")
+    assert main(["build", str(tmp_path / "mlp.onnx"), str(tmp_path / "train.onnx"), "--loss", "cross_entropy",
+                 "--optimizer", "adamw", "--precision", "fp16"]) == 0
+    capsys.readouterr()
+    assert main(["summary", str(tmp_path / "train.onnx"), "--json"]) == 0
+    precision = json.loads(capsys.readouterr().out)["precision"]
+    assert precision["precision"] == "fp16" and len(precision["16-bit"]) == 2
+    assert precision["loss_scaling"]["init_scale"] == 2.0 ** 16
