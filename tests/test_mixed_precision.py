@@ -42,13 +42,13 @@ def _mlp(rng, sizes=(8, 16, 4)) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]
 
 
 class TorchMLP(torch.nn.Module):
-    def __init__(self, weights, half: bool):
+    def __init__(self, weights, half: bool | torch.dtype):
         super().__init__()
         self.p = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.tensor(v)) for k, v in weights.items()})
-        self.half_ = half
+        self.low = torch.float16 if half is True else half or None
 
     def mm(self, a, b):  # torch autocast's rule for matmul: 16-bit inputs, here a float32 result
-        return (a.half() @ b.half()).float() if self.half_ else a @ b
+        return (a.to(self.low) @ b.to(self.low)).float() if self.low else a @ b
 
     def forward(self, x):
         r = torch.relu(self.mm(x, self.p["W1"]) + self.p["b1"])
@@ -291,6 +291,63 @@ def test_fp16_transformer_block_trains_like_torch_amp_and_like_fp32():
     np.testing.assert_allclose(ours, amp, rtol=1e-2)
     np.testing.assert_allclose(ours, fp32, rtol=2e-2)
     assert scales == torch_scales
+
+
+def _reference_losses(built, batches, directory):
+    """Train the exported step with onnx.reference: real 16-bit arithmetic in numpy (float16,
+    and bfloat16 through ml_dtypes), what a GPU's 16-bit kernels compute (up to their
+    accumulation order). Returns the losses and the final state."""
+    from onnx.reference import ReferenceEvaluator
+
+    from onnx_training_ops.export.safetensors import read
+
+    manifest = export_step(built, directory)
+    step = onnx.load(directory / "step.onnx")
+    onnx.checker.check_model(step, full_check=True)  # types consistent in 16-bit, gradient included
+    state, _ = read(directory / "state.safetensors")
+    evaluator, names = ReferenceEvaluator(step), [o.name for o in step.graph.output]
+    losses = []
+    with np.errstate(over="ignore", invalid="ignore"):  # the overflows loss scaling is there for
+        for x, target in batches:
+            out = dict(zip(names, evaluator.run(None, {**state, "x": x, "target": target,
+                                                       "learning_rate": np.array(1e-2, np.float32)})))
+            losses.append(float(out["loss"]))
+            state = {k: out[v] for k, v in manifest["feedback"].items()}
+    return np.array(losses), state
+
+
+def _regression_batches(rng, n=6):
+    return [(rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32))
+            for _ in range(n)]
+
+
+def test_the_fp16_step_in_real_fp16_math_matches_torch_amp_and_its_grad_scaler(tmp_path):
+    """In onnx.reference the 16-bit nodes compute in float16 (the CPU EP computes them in
+    float32): the losses, the overflowing step it skips and the scale equal torch's."""
+    rng = np.random.default_rng(11)
+    model, weights = _mlp(rng)
+    batches = _regression_batches(rng)
+    built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision="fp16")
+    ours, state = _reference_losses(built, batches, tmp_path)
+    scaler = torch.amp.GradScaler("cpu")
+    amp, scales = _torch_losses(TorchMLP(weights, half=True), batches, scaler, loss_fn=torch.nn.functional.mse_loss)
+    np.testing.assert_allclose(ours, amp, rtol=1e-3)
+    assert float(state["loss_scale"]) == scales[-1] and int(state["loss_scale.skipped_steps"]) == sum(
+        1 for a, b in zip([2.0 ** 16, *scales], scales) if b < a) >= 1  # an fp16 overflow, skipped by both
+    assert int(state["optimizer.T"]) == len(batches) - int(state["loss_scale.skipped_steps"])
+
+
+def test_the_bf16_step_in_real_bf16_math_trains_like_torch_bf16_and_fp32(tmp_path):
+    rng = np.random.default_rng(12)
+    model, weights = _mlp(rng)
+    batches = _regression_batches(rng)
+    built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision="bf16")
+    ours, _ = _reference_losses(built, batches, tmp_path)
+    bf16, _ = _torch_losses(TorchMLP(weights, half=torch.bfloat16), batches, loss_fn=torch.nn.functional.mse_loss)
+    fp32, _ = _torch_losses(TorchMLP(weights, half=False), batches, loss_fn=torch.nn.functional.mse_loss)
+    np.testing.assert_allclose(ours, bf16, rtol=1e-2)
+    np.testing.assert_allclose(ours, fp32, rtol=2e-2)
+    assert np.max(np.abs(ours - fp32) / fp32) > 1e-5  # bfloat16's rounding shows: 16-bit math really ran
 
 
 # ---------------------------------------------------------------------------------------------- loss scaling
