@@ -408,15 +408,18 @@ def test_loss_scaling_follows_torch_grad_scaler_through_overflows_and_growth(cli
     np.testing.assert_allclose(ours, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("precision,fast", [("fp16", True), ("fp16", False), ("fp32", True)])
-def test_an_overflowing_step_leaves_the_state_bit_identical(precision, fast):
+@pytest.mark.parametrize("precision,fast,optimizer", [
+    ("fp16", True, ot.AdamW(lr=1e-2)), ("fp16", False, ot.AdamW(lr=1e-2)), ("fp32", True, ot.AdamW(lr=1e-2)),
+    ("fp16", True, ot.Momentum(lr=1e-2, momentum=0.9)), ("fp16", True, ot.Adagrad(lr=1e-2)),
+    ("fp16", True, ot.RMSProp(lr=1e-2))])
+def test_an_overflowing_step_leaves_the_state_bit_identical(precision, fast, optimizer):
     rng = np.random.default_rng(6)
     model, _, batches = _regression(rng, 100.0)
-    built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision=precision,
+    built = ot.build_training_model(model, "mse", optimizer, precision=precision,
                                     loss_scaling=ot.LossScaling(init_scale=2.0 ** 127, growth_interval=2))
     session = ot.TrainingSession(built, fast=fast)
     # the fast path's fused kernels apply the gated update (skipped when the gradients overflow)
-    assert bool(session.fast_path_nodes) == fast
+    assert bool(session.fast_path_nodes) == (fast and not isinstance(optimizer, ot.RMSProp))
     x, target = batches[0]
     before = session.state_dict()
     out = session.step({"x": x, "target": target})
