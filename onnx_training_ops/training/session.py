@@ -37,10 +37,8 @@ import onnxruntime as ort
 
 from ..errors import TrainingOpError, node_label
 from ..runtime.session import InferenceSession
-from ..storage import checkpoint
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike
-from ..storage.tensors import add_array, location, proto_of
 from .feeds import Feed, feed_list
 from .from_graph import graph_to_training_model
 from . import precision
@@ -485,15 +483,10 @@ class TrainingSession:
     def _reopen_with_constants(self, values: dict[str, np.ndarray]) -> None:
         """Reopen every part on the current training model with new constant values (the
         parameters still waiting for values and the skipped-step count carry over)."""
-        model = self._files.training_model()
-        for tensor in proto_of(model).graph.initializer:
+        model = self._files.snapshot()
+        for tensor in model.model_proto.graph.initializer:
             if tensor.name in values:
-                if isinstance(model, LargeModel) and location(tensor) is not None:
-                    add_array(model, tensor, np.array(values[tensor.name], copy=True))
-                else:
-                    checkpoint.set_initializer(tensor, values[tensor.name])
-        if not isinstance(model, LargeModel):
-            model = checkpoint.add_checksums(model)
+                model.set_value(tensor, values[tensor.name])
         unfilled, skipped = set(self._store.unfilled), self._loop.skipped_steps
         self._store, self._programs, self._loop, self._files = open_parts(model, self._config)
         self._store.unfilled, self._loop.skipped_steps = unfilled, skipped

@@ -17,9 +17,8 @@ from ..kernels.compile_notice import announce_compiles
 from ..runtime.options import default_intra_op_threads
 from ..runtime.session import InferenceSession
 from ..storage import checkpoint
-from ..storage.large_model import LargeModel, detach, is_large
-from ..storage.model_files import ModelLike, load_model
-from ..storage.tensors import attach, proto_of
+from ..storage.large_model import detach
+from ..storage.model_files import ModelLike, as_model
 from .nominal import materialize, nominal_names
 from .precision import check_precision
 from .session_files import Checkpointer
@@ -57,20 +56,20 @@ def open_parts(model_or_path: ModelLike, config: RuntimeConfig
         TrainingOpError: a model without ``training_info``, or a damaged or mismatched checkpoint.
     """
     path = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
-    opened = load_model(model_or_path, large=True)
+    opened = as_model(model_or_path)
     # values outside the message are checked as they are read (each once): state_tensors
     expected = checkpoint.verify(opened, path, data=False)
-    if not proto_of(opened).training_info:
+    if not opened.proto.training_info:
         raise TrainingOpError(
             "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
             "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
         )
-    empty = nominal_names(metadata(proto_of(opened)))
+    empty = nominal_names(metadata(opened.proto))
     if empty:  # a nominal checkpoint: zeros until the parameters are loaded
-        opened = materialize(attach(opened) if isinstance(opened, LargeModel) else opened)
-    large = is_large(opened)
+        opened = opened.with_proto(materialize(opened.to_proto()))
+    large = opened.remeasured().large
     # the session's own message stays small: every big tensor is an array beside it
-    model = opened if isinstance(opened, LargeModel) else detach(opened)
+    model = detach(opened)
     del opened
     meta = metadata(model.model_proto)
     check_precision(meta, [p[0] if isinstance(p, tuple) else p for p in config.providers])
@@ -84,7 +83,7 @@ def open_parts(model_or_path: ModelLike, config: RuntimeConfig
     with announce_compiles():  # the first session after an install compiles the kernels
         programs = SessionPrograms(store, meta, config, large, threads)
     loop = TrainingLoop(programs)
-    files = Checkpointer(store, loop.rates, meta, large)
+    files = Checkpointer(store, loop.rates, meta)
     if empty:  # the optimizer state at its initial values
         store.reset(lambda init: InferenceSession(init, providers=config.providers))
         store.unfilled = set(store.parameters(trainable_only=False)) & set(empty)
