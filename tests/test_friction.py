@@ -166,7 +166,8 @@ def test_sixteen_bit_weights_behind_a_float_output():
     model.graph.node.append(helper.make_node("Cast", ["logits16"], [out.name], to=TensorProto.FLOAT))
     model.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT16
     out.type.tensor_type.elem_type = TensorProto.FLOAT
-    with pytest.raises(ot.TrainingOpError, match="weights are float16/bfloat16: .*build with precision='fp16' or 'bf16'"):
+    with pytest.raises(ot.TrainingOpError,
+                       match="weights are float16/bfloat16: .*build with precision='fp16' or 'bf16'"):
         ot.build_training_model(model, "cross_entropy", ot.Adam())
 
 

@@ -16,8 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_training_ops as ot
 from onnx_training_ops.builder.model_metadata import metadata
 from onnx_training_ops.export import DeviceTrainer, export_step, session_from_export
-from onnx_training_ops.passes.mixed_precision import (CPU, CUDA, KERNELS_16BIT, LOWER_PRECISION_OPS,
-                                                      mixed_precision)
+from onnx_training_ops.passes.mixed_precision import CPU, CUDA, KERNELS_16BIT, LOWER_PRECISION_OPS, mixed_precision
 
 torch = pytest.importorskip("torch")
 
@@ -124,8 +123,8 @@ def test_matmuls_go_16_bit_between_casts_and_the_weights_stay_float32():
 
 def test_back_to_back_16_bit_nodes_share_the_16_bit_value():
     w1, w2 = (numpy_helper.from_array(np.eye(4, dtype=np.float32) * k, n) for k, n in ((2, "A"), (3, "B")))
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "A"], ["h"]), helper.make_node("MatMul", ["h", "B"], ["y"])],
-                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+    nodes = [helper.make_node("MatMul", ["x", "A"], ["h"]), helper.make_node("MatMul", ["h", "B"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w1, w2])
     model, report = mixed_precision(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), "fp16")
     ops = [n.op_type for n in model.graph.node]
@@ -164,7 +163,8 @@ def test_an_op_without_a_16_bit_kernel_on_the_target_provider_stays_float32():
 def _inserted_casts(op: str, inputs: list[list[int]], attrs: dict) -> bool:
     """Whether onnxruntime's CPU EP runs a float16 ``op`` in float32 between casts it inserts."""
     graph = helper.make_graph([helper.make_node(op, [f"x{i}" for i in range(len(inputs))], ["y"], **attrs)], "g",
-                              [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT16, s) for i, s in enumerate(inputs)],
+                              [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT16, shape)
+                               for i, shape in enumerate(inputs)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -26,4 +26,5 @@ from .optimizers import Adagrad, Adam, AdamW, Momentum
 from .rmsprop import RMSProp
 
 __all__ = ["Adagrad", "Adam", "AdamW", "BCEWithLogitsLoss", "CrossEntropyLoss", "HuberLoss", "L1Loss",
-           "LossScaling", "META_PREFIX", "MSELoss", "Momentum", "RMSProp", "SmoothL1Loss", "build_training_model", "metadata"]
+           "LossScaling", "META_PREFIX", "MSELoss", "Momentum", "RMSProp", "SmoothL1Loss", "build_training_model",
+           "metadata"]

@@ -107,7 +107,9 @@ class CutNodes(InPlaceUpdate):
 
     def apply(self, values: Values, feeds: Mapping[str, Any]) -> None:
         if self.gate is not None:
-            flag = self.gate_buffer if self.gate_buffer is not None else values({self.gate: self.sources[self.gate]})[self.gate]
+            flag = self.gate_buffer
+            if flag is None:
+                flag = values({self.gate: self.sources[self.gate]})[self.gate]
             if not bool(flag):
                 return
         if not self.reads_feeds:

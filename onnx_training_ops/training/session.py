@@ -39,9 +39,9 @@ from ..errors import TrainingOpError, node_label
 from ..runtime.session import InferenceSession
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike
+from . import precision
 from .feeds import Feed, feed_list
 from .from_graph import graph_to_training_model
-from . import precision
 from .locked import locked
 from .program import program_feeds
 from .providers import checked_providers
