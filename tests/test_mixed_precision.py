@@ -530,3 +530,22 @@ def test_the_command_line_builds_with_a_precision(tmp_path, capsys):
     precision = json.loads(capsys.readouterr().out)["precision"]
     assert precision["precision"] == "fp16" and len(precision["16-bit"]) == 2
     assert precision["loss_scaling"]["init_scale"] == 2.0 ** 16
+
+
+def test_a_model_forced_large_trains_the_same(monkeypatch, tmp_path):
+    """The loss scale's state and the 16-bit graph through the large-model path (tensors detached
+    as arrays): the same losses, scale and checkpoint."""
+    from onnx_training_ops.storage import tensors
+
+    rng = np.random.default_rng(14)
+    model, _ = _mlp(rng)
+    batches = _batches(rng, n=4)
+    config = ot.LossScaling(init_scale=4.0, growth_interval=2)
+    small, small_scales, _ = _ours(model, batches, precision="fp16", loss_scaling=config)
+    monkeypatch.delenv("ONNX_TRAINING_OPS_LARGE_MODEL_BYTES", raising=False)
+    monkeypatch.setattr(tensors, "LARGE_MODEL_BYTES", 64)
+    large, large_scales, session = _ours(model, batches, precision="fp16", loss_scaling=config)
+    np.testing.assert_array_equal(large, small)
+    assert large_scales == small_scales == [4.0, 8.0, 8.0, 16.0]
+    session.save(tmp_path / "big.onnx")
+    assert ot.TrainingSession(tmp_path / "big.onnx").loss_scale == 16.0
