@@ -549,3 +549,16 @@ def test_a_model_forced_large_trains_the_same(monkeypatch, tmp_path):
     assert large_scales == small_scales == [4.0, 8.0, 8.0, 16.0]
     session.save(tmp_path / "big.onnx")
     assert ot.TrainingSession(tmp_path / "big.onnx").loss_scale == 16.0
+
+
+def test_bench_gpu_runs_ours_in_fp16_on_the_cpu_and_names_the_bf16_limit(tmp_path):
+    from onnx_training_ops.bench import gpu
+
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--device", "cpu", "--models", "mlp", "--contenders", "ours_fp16,ours_bf16,torch_fp32",
+                     "--losses", "3", "--timed", "1", "--json", str(out)]) == 0
+    results = {r["contender"]: r for r in json.loads(out.read_text())}
+    # the CPU EP computes the fp16 nodes in float32: torch fp32's losses
+    np.testing.assert_allclose(results["ours_fp16"]["losses"], results["torch_fp32"]["losses"], rtol=1e-4)
+    error = results["ours_bf16"]["error"]
+    assert "precision='bf16'" in error and "CPUExecutionProvider" in error
