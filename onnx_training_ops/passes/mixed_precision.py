@@ -113,7 +113,7 @@ def mixed_precision(model: onnx.ModelProto, precision: str,
     taken = all_names(graph)
     tag = precision
     down: dict[str, str] = {}  # float32 value -> its 16-bit form (a Cast we added, or a 16-bit output)
-    up_of: dict[str, str] = {}  # float32 value made by our Cast back up -> the 16-bit value it came from
+    ups: set[str] = set()  # float32 values made by our Casts back up
     nodes: list[onnx.NodeProto] = []
     converted, kept = [], []
     for index, node in enumerate(graph.node):
@@ -129,14 +129,10 @@ def mixed_precision(model: onnx.ModelProto, precision: str,
         for k, name in enumerate(node.input):
             if not name:
                 continue
-            if name not in down:
-                if name in up_of:
-                    down[name] = up_of[name]
-                else:
-                    cast = unique_name(taken, f"{name}.{tag}")
-                    nodes.append(helper.make_node("Cast", [name], [cast], to=low,
-                                                  name=unique_name(taken, f"{cast}/cast")))
-                    down[name] = cast
+            if name not in down:  # (a 16-bit node's output is there already: its Cast pair is skipped)
+                cast = unique_name(taken, f"{name}.{tag}")
+                nodes.append(helper.make_node("Cast", [name], [cast], to=low, name=unique_name(taken, f"{cast}/cast")))
+                down[name] = cast
             node.input[k] = down[name]
         nodes.append(node)
         for k, name in enumerate(node.output):
@@ -146,15 +142,15 @@ def mixed_precision(model: onnx.ModelProto, precision: str,
             node.output[k] = low_name
             nodes.append(helper.make_node("Cast", [low_name], [name], to=TensorProto.FLOAT,
                                           name=unique_name(taken, f"{name}/cast_up")))
-            up_of[name] = low_name
+            ups.add(name)
             down[name] = low_name
         converted.append(_label(node, index))
     del graph.node[:]
-    graph.node.extend(_without_dead_casts(nodes, up_of, graph.output))
+    graph.node.extend(_without_dead_casts(nodes, ups, graph.output))
     return model, MixedPrecision(precision, provider, tuple(converted), tuple(kept))
 
 
-def _without_dead_casts(nodes: list[onnx.NodeProto], ups: dict[str, str],
+def _without_dead_casts(nodes: list[onnx.NodeProto], ups: set[str],
                         outputs: Iterable[onnx.ValueInfoProto]) -> list[onnx.NodeProto]:
     """Drop our Casts back to float32 that nothing reads any more (their consumers read the
     16-bit value directly now)."""
@@ -169,7 +165,3 @@ def _without_dead_casts(nodes: list[onnx.NodeProto], ups: dict[str, str],
     return [n for n in nodes
             if not (n.op_type == "Cast" and len(n.output) == 1 and n.output[0] in ups and n.output[0] not in read)]
 
-
-def precision_of(elem_type: int) -> str | None:
-    """``"fp16"``/``"bf16"`` for a 16-bit float element type, else None."""
-    return next((p for p, t in PRECISIONS.items() if t == elem_type), None)
