@@ -475,7 +475,8 @@ def test_accumulated_gradients_are_scaled_and_the_update_equals_a_step():
 
 
 def test_loss_scaling_settings_are_checked():
-    for bad, match in [(dict(init_scale=0.0), "init_scale must be a finite number > 0"),
+    for bad, match in [(dict(init_scale=0.0), "init_scale must be a number > 0, finite in float32"),
+                       (dict(init_scale=1e39), "init_scale must be a number > 0, finite in float32"),
                        (dict(growth_factor=1.0), "growth_factor must be > 1"),
                        (dict(backoff_factor=1.5), "backoff_factor must be < 1"),
                        (dict(growth_interval=0), "growth_interval must be an int >= 1")]:

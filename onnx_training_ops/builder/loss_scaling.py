@@ -52,8 +52,8 @@ class LossScaling:
         for name in ("init_scale", "growth_factor", "backoff_factor"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-                    or value <= 0:
-                raise TrainingOpError(f"LossScaling.{name} must be a finite number > 0, found {value!r}")
+                    or value <= 0 or value > float(np.finfo(np.float32).max):
+                raise TrainingOpError(f"LossScaling.{name} must be a number > 0, finite in float32, found {value!r}")
         if self.growth_factor <= 1.0:
             raise TrainingOpError(f"LossScaling.growth_factor must be > 1, found {self.growth_factor!r}")
         if self.backoff_factor >= 1.0:
