@@ -311,19 +311,22 @@ def test_the_transformer_block_step_in_real_16_bit_math_trains_like_torch(block,
     batches = [(rng.standard_normal((4, 6, 16)).astype(np.float32), rng.standard_normal((4, 5)).astype(np.float32))
                for _ in range(6)]
     built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision=precision)
-    ours, _ = _reference_losses(built, batches, tmp_path)
+    ours, _, step = _reference_losses(built, batches, tmp_path)
     low = torch.float16 if precision == "fp16" else torch.bfloat16
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     want, _ = _torch_losses(copy(low), batches, scaler, loss_fn=torch.nn.functional.mse_loss)
     fp32, _ = _torch_losses(copy(), batches, loss_fn=torch.nn.functional.mse_loss)
     np.testing.assert_allclose(ours, want, rtol=1e-2)
     np.testing.assert_allclose(ours, fp32, rtol=2e-2)
+    # the whole 16-bit region, backward included, needs only kernels the CUDA EP has in bf16 and fp16
+    low_type = TensorProto.FLOAT16 if precision == "fp16" else TensorProto.BFLOAT16
+    assert _ops_on(step, low_type) == {"Cast", "MatMul", "Gemm", "Transpose", "Reshape"}
 
 
 def _reference_losses(built, batches, directory):
     """Train the exported step with onnx.reference: real 16-bit arithmetic in numpy (float16,
     and bfloat16 through ml_dtypes), what a GPU's 16-bit kernels compute (up to their
-    accumulation order). Returns the losses and the final state."""
+    accumulation order). Returns the losses, the final state and the step model."""
     from onnx.reference import ReferenceEvaluator
 
     from onnx_training_ops.export.safetensors import read
@@ -340,7 +343,15 @@ def _reference_losses(built, batches, directory):
                                                        "learning_rate": np.array(1e-2, np.float32)})))
             losses.append(float(out["loss"]))
             state = {k: out[v] for k, v in manifest["feedback"].items()}
-    return np.array(losses), state
+    return np.array(losses), state, step
+
+
+def _ops_on(step: onnx.ModelProto, elem_type: int) -> set[str]:
+    """The op types of ``step`` that read or write a value of ``elem_type``."""
+    inferred = onnx.shape_inference.infer_shapes(step)
+    graph = inferred.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input, *graph.output]}
+    return {n.op_type for n in graph.node if any(types.get(v) == elem_type for v in [*n.input, *n.output])}
 
 
 def _regression_batches(rng, n=6):
@@ -355,7 +366,7 @@ def test_the_fp16_step_in_real_fp16_math_matches_torch_amp_and_its_grad_scaler(t
     model, weights = _mlp(rng)
     batches = _regression_batches(rng)
     built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision="fp16")
-    ours, state = _reference_losses(built, batches, tmp_path)
+    ours, state, _ = _reference_losses(built, batches, tmp_path)
     scaler = torch.amp.GradScaler("cpu")
     amp, scales = _torch_losses(TorchMLP(weights, half=True), batches, scaler, loss_fn=torch.nn.functional.mse_loss)
     np.testing.assert_allclose(ours, amp, rtol=1e-3)
@@ -369,7 +380,7 @@ def test_the_bf16_step_in_real_bf16_math_trains_like_torch_bf16_and_fp32(tmp_pat
     model, weights = _mlp(rng)
     batches = _regression_batches(rng)
     built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision="bf16")
-    ours, _ = _reference_losses(built, batches, tmp_path)
+    ours, _, step = _reference_losses(built, batches, tmp_path)
     bf16, _ = _torch_losses(TorchMLP(weights, half=torch.bfloat16), batches, loss_fn=torch.nn.functional.mse_loss)
     fp32, _ = _torch_losses(TorchMLP(weights, half=False), batches, loss_fn=torch.nn.functional.mse_loss)
     np.testing.assert_allclose(ours, bf16, rtol=1e-2)
