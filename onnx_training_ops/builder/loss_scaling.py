@@ -9,7 +9,8 @@ same step runs in a :class:`~onnx_training_ops.TrainingSession`, in an exported 
 1. the Gradient differentiates ``loss * loss_scale`` (the returned loss is the unscaled one);
 2. the gradients are multiplied by ``1 / loss_scale`` before clipping (torch's
    ``scaler.unscale_`` then ``clip_grad_norm_``);
-3. ``finite`` = every unscaled gradient element is finite (``ReduceSum(g * 0) == 0``);
+3. ``finite`` = every gradient element is finite (``ReduceSum(g * 0) == 0``, on the scaled
+   values as torch checks them);
 4. every parameter, optimizer state and T takes its new value only where ``finite``
    (``Where``): a skipped step leaves them bit-identical and T not advanced;
 5. the scale: not finite -> ``scale * backoff_factor``, tracker 0, skipped + 1; finite ->
@@ -107,7 +108,9 @@ class LossScaler:
         return self._node("Mul", [loss, self.scale], "scaled_loss")
 
     def unscale(self, grads: list[str], dtypes: list[int]) -> list[str]:
-        """The gradients times ``1 / loss_scale``; sets ``finite`` (every element finite)."""
+        """The gradients times ``1 / loss_scale``; sets ``finite``: every element of the scaled
+        gradients is finite (torch's ``_amp_foreach_non_finite_check_and_unscale_`` checks the
+        value before it unscales it)."""
         inv = self._node("Reciprocal", [self.scale], "inv_scale")
         zero = self.zero
         out, checks = [], []
@@ -117,7 +120,7 @@ class LossScaler:
                 factor = self._node("Cast", [inv], "inv_scale_cast", to=dtype)
                 z = self._node("Cast", [zero], "zero_cast", to=dtype)
             u = self._node("Mul", [g, factor], f"unscaled_{g}")
-            zeroed = self._node("Mul", [u, z], f"zeroed_{g}")
+            zeroed = self._node("Mul", [g, z], f"zeroed_{g}")  # the scaled value, as torch checks it
             s = self._node("ReduceSum", [zeroed], f"check_{g}", keepdims=0)
             if dtype != TensorProto.FLOAT:
                 s = self._node("Cast", [s], f"check_cast_{g}", to=TensorProto.FLOAT)
