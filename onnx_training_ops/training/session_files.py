@@ -39,7 +39,8 @@ class Checkpointer:
     def snapshot(self, copy: bool = True) -> LargeModel:
         """The training model with the current state: copies of the state's arrays, or with
         ``copy=False`` the live arrays (for a writer holding the session's lock)."""
-        return write_state(self.store.model, self.store.arrays, self.checkpoint_metadata(), copy=copy)
+        state = self.store.arrays if copy else self.store.for_writing()
+        return write_state(self.store.model, state, self.checkpoint_metadata(), copy=copy)
 
     def training_model(self) -> onnx.ModelProto | LargeModel:
         """The training model with the current state (``TrainingSession.training_model``)."""
@@ -67,8 +68,10 @@ class Checkpointer:
                                outputs: Sequence[str] | None = None) -> onnx.ModelProto | LargeModel:
         """The main graph with the trained weights (``TrainingSession.export_inference_model``)."""
         self.store.check_filled("export_inference_model")
-        # written from the live state (under the lock: no copy); returned over copies of it
-        model = inference_model(self.store.model, self.store.arrays, with_state_values=True, copy=path is None)
+        # written from the live state (under the lock: no copy; a device's tensors read one at
+        # a time as the writer reaches them); returned over copies of it
+        live = self.store.for_writing() if path is not None else self.store.arrays
+        model = inference_model(self.store.model, live, with_state_values=True, copy=path is None)
         if outputs is not None:
             model = model.with_proto(with_outputs(model.model_proto, outputs))
         if not model.model_proto.graph.output:

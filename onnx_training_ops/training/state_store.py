@@ -90,6 +90,10 @@ class StateStore:
             np.copyto(self.arrays[name], value)
         self.unfilled.difference_update(checked)
 
+    def for_writing(self) -> Mapping[str, Any]:
+        """The state as a writer that takes one tensor at a time reads it: the live arrays."""
+        return self.arrays
+
     def views(self, names: Sequence[str]) -> list[np.ndarray]:
         """The live arrays of ``names`` (``state_views``)."""
         unknown = [n for n in names if n not in self.arrays]
