@@ -574,3 +574,22 @@ def test_bench_gpu_runs_ours_in_fp16_on_the_cpu_and_names_the_bf16_limit(tmp_pat
     np.testing.assert_allclose(results["ours_fp16"]["losses"], results["torch_fp32"]["losses"], rtol=1e-4)
     error = results["ours_bf16"]["error"]
     assert "precision='bf16'" in error and "CPUExecutionProvider" in error
+
+
+def test_the_device_session_trains_a_loss_scaled_model_like_the_host_session():
+    """TrainingSession(device="cpu"): the state as OrtValues, the optimizer lowered to standard
+    ops; the gated update and the scale's state give the host session's values, an overflowing
+    step included."""
+    rng = np.random.default_rng(15)
+    model, _, batches = _regression(rng, 100.0)
+    built = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision="fp16",
+                                    loss_scaling=ot.LossScaling(init_scale=2.0 ** 126, growth_interval=2))
+    host, device = ot.TrainingSession(built), ot.TrainingSession(built, device="cpu")
+    for x, target in batches[:6]:
+        np.testing.assert_allclose(device.step({"x": x, "target": target})["loss"],
+                                   host.step({"x": x, "target": target})["loss"], rtol=1e-5)
+        assert device.loss_scale == host.loss_scale
+    assert device.overflow_steps == host.overflow_steps >= 1
+    bf16 = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision="bf16")
+    with pytest.raises(ot.TrainingOpError, match="precision='bf16'"):
+        ot.TrainingSession(bf16, device="cpu")
