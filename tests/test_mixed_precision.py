@@ -593,3 +593,55 @@ def test_the_device_session_trains_a_loss_scaled_model_like_the_host_session():
     bf16 = ot.build_training_model(model, "mse", ot.AdamW(lr=1e-2), precision="bf16")
     with pytest.raises(ot.TrainingOpError, match="precision='bf16'"):
         ot.TrainingSession(bf16, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------- on a GPU
+
+needs_cuda = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                                reason="needs onnxruntime-gpu's CUDAExecutionProvider (no GPU here)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_block_trains_on_cuda_like_torch_with_every_node_on_the_gpu(block, precision, capfd):
+    """On the CUDA EP (TF32 off): the device session's losses against torch's 16-bit matmuls on
+    the GPU (GradScaler for fp16) and fp32, the issue's targets; no Memcpy node (a 16-bit node
+    without a CUDA kernel would run on the CPU between two)."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    model, copy = block
+    rng = np.random.default_rng(16)
+    batches = [(rng.standard_normal((4, 6, 16)).astype(np.float32), rng.integers(0, 5, 4)) for _ in range(STEPS)]
+    options = ort.SessionOptions()
+    options.log_severity_level = 1
+    built = ot.build_training_model(model, "cross_entropy", ot.AdamW(lr=1e-2), precision=precision)
+    session = ot.TrainingSession(built, [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"],
+                                 sess_options=options, cuda_graph=False,
+                                 input_shapes={"x": [4, 6, 16], "labels": [4]})
+    ours = np.array([float(session.step({"x": x, "labels": y})["loss"]) for x, y in batches])
+    log = capfd.readouterr()
+    inserted = [line for line in (log.out + log.err).splitlines()
+                if "Memcpy" in line and any(w in line for w in ("added", " after ", " before "))]
+    assert not inserted, inserted
+    torch.backends.cuda.matmul.allow_tf32 = False
+    low = torch.float16 if precision == "fp16" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+
+    def on_cuda(module, scaler=None):
+        module = module.cuda()
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        losses = []
+        for x, y in batches:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(module(torch.tensor(x).cuda()), torch.tensor(y).cuda())
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            losses.append(loss.item())
+        return np.array(losses)
+
+    np.testing.assert_allclose(ours, on_cuda(copy(low), scaler), rtol=1e-2)
+    np.testing.assert_allclose(ours, on_cuda(copy()), rtol=2e-2)
