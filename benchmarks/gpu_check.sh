@@ -15,6 +15,8 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/machine.txt"
 # correctness first: TrainingSession(device='cuda') and DeviceTrainer on CUDA against the CPU, no Memcpy
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_providers.py 2>&1 | tee "$OUT/tests.log"
+# mixed precision on the CUDA EP: bf16/fp16 against torch's 16-bit matmuls, no Memcpy node
+python3 -m pytest -q -p no:cacheprovider tests/test_mixed_precision.py -k cuda 2>&1 | tee "$OUT/tests_mixed.log"
 # then the step times, losses and peak memory against torch fp32 and bf16
 python3 -m onnx_training_ops bench gpu --models "$MODELS" --losses 10 --timed 20 \
-  --contenders session,session_nograph,ours,torch_fp32,torch_bf16 --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
+  --contenders session,session_nograph,session_bf16,ours,ours_bf16,torch_fp32,torch_bf16 --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"

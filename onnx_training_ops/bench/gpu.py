@@ -39,8 +39,11 @@ from .model_runners import BETAS, EPS, LR, WEIGHT_DECAY, training_model
 CONTENDERS = {
     "session": "ours: TrainingSession(device=...) with input_shapes (state on the device, CUDA graph when safe)",
     "session_nograph": "ours: the same with cuda_graph=False",
+    "session_bf16": "ours: the device session with precision='bf16' (matmuls in bfloat16; CUDA only)",
     "ours": "ours: export_step(flat_optimizer=True) + DeviceTrainer (state on the device)",
     "ours_per_tensor": "ours, the optimizer per tensor (export_step's default)",
+    "ours_bf16": "ours with precision='bf16' (matmuls in bfloat16, fp32 master weights; CUDA only)",
+    "ours_fp16": "ours with precision='fp16' (matmuls in float16, dynamic loss scaling)",
     "torch_fp32": "torch eager fp32, AdamW",
     "torch_bf16": "torch eager, autocast bf16, AdamW",
 }
@@ -70,15 +73,15 @@ def _batches(spec: zoo.Spec) -> list[dict]:
     return lora.batches(spec, BATCHES) if spec.family == "llama" else zoo.batches(spec, BATCHES)
 
 
-def _training_model(spec: zoo.Spec):
+def _training_model(spec: zoo.Spec, precision: str = "fp32"):
     """Our training model of ``spec`` (AdamW as :mod:`.model_runners`; LoRA: the adapters train)."""
     if spec.family != "llama":
-        return training_model(spec)
+        return training_model(spec, precision=precision)
     from ..builder import AdamW, build_training_model
 
     path = lora.export(spec)
     return build_training_model(path, lora.loss(spec), AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
-                                labels="labels", trainable=lora.trainable(path))
+                                labels="labels", trainable=lora.trainable(path), precision=precision)
 
 
 def _device_memory_mb() -> float | None:
@@ -95,11 +98,11 @@ def _device_memory_mb() -> float | None:
     return None
 
 
-def _ours(spec: zoo.Spec, device: str, flat: bool):
+def _ours(spec: zoo.Spec, device: str, flat: bool, precision: str = "fp32"):
     from ..export import DeviceTrainer, export_step
 
     directory = tempfile.mkdtemp(prefix="bench_gpu_")
-    export_step(_training_model(spec), directory, flat_optimizer=flat)
+    export_step(_training_model(spec, precision), directory, flat_optimizer=flat)
     providers = ([("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if device == "cuda"
                  else ["CPUExecutionProvider"])
     batches = _batches(spec)
@@ -115,13 +118,13 @@ def _ours(spec: zoo.Spec, device: str, flat: bool):
     return step, lambda: None, peak_mb
 
 
-def _session(spec: zoo.Spec, device: str, cuda_graph: bool | None):
+def _session(spec: zoo.Spec, device: str, cuda_graph: bool | None, precision: str = "fp32"):
     from ..training.session import TrainingSession
 
     providers = ([("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if device == "cuda"
                  else ["CPUExecutionProvider"])
     batches = _batches(spec)
-    session = TrainingSession(_training_model(spec), providers, device=device, cuda_graph=cuda_graph,
+    session = TrainingSession(_training_model(spec, precision), providers, device=device, cuda_graph=cuda_graph,
                               input_shapes={k: list(v.shape) for k, v in batches[0].items()})
 
     def step(i: int) -> float:
@@ -171,9 +174,11 @@ def worker(contender: str, name: str, device: str, losses: int, timed: int, batc
     """One contender on one model, in this process: losses, step times, peak memory."""
     spec = model_spec(name, batch, seq)
     if contender.startswith("session"):
-        step, sync, peak_mb = _session(spec, device, False if contender == "session_nograph" else None)
+        step, sync, peak_mb = _session(spec, device, False if contender == "session_nograph" else None,
+                                       "bf16" if contender == "session_bf16" else "fp32")
     elif contender.startswith("ours"):
-        step, sync, peak_mb = _ours(spec, device, flat=contender == "ours")
+        precision = contender.removeprefix("ours_") if contender in ("ours_bf16", "ours_fp16") else "fp32"
+        step, sync, peak_mb = _ours(spec, device, flat=contender != "ours_per_tensor", precision=precision)
     else:
         step, sync, peak_mb = _torch(spec, device, contender == "torch_bf16")
     seen = [step(i) for i in range(losses)]
@@ -226,7 +231,7 @@ def format_table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="onnx-training-ops bench gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "ours_fp16"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--losses", type=int, default=10, help="steps whose losses are compared")
     ap.add_argument("--timed", type=int, default=20, help="steps timed after them (median)")

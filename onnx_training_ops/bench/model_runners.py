@@ -33,15 +33,16 @@ CONTENDERS = {
 }
 
 
-def training_model(spec: zoo.Spec, cache: str | None = None):
-    """Our training model of ``spec``'s export (AdamW as above)."""
+def training_model(spec: zoo.Spec, cache: str | None = None, precision: str = "fp32"):
+    """Our training model of ``spec``'s export (AdamW as above; ``precision``: mixed precision)."""
     import onnx
 
     from ..builder import AdamW, build_training_model
 
     model = onnx.load(zoo.export(spec, cache))
     return build_training_model(model, zoo.loss(spec), AdamW(lr=LR, betas=BETAS, eps=EPS,
-                                                            weight_decay=WEIGHT_DECAY), mode=spec.mode)
+                                                            weight_decay=WEIGHT_DECAY), mode=spec.mode,
+                                precision=precision)
 
 
 def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,

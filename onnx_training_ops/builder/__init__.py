@@ -8,6 +8,8 @@
 * :mod:`.update` — learning rates, T + 1, the Gradient node, clipping (:mod:`.grad_clip`),
   the optimizers (:mod:`.optimizers`, :mod:`.rmsprop`, emitted by :mod:`.emit_update`) per
   parameter group (:mod:`.param_groups`), row updates of tables (:mod:`.sparse_updates`);
+* :mod:`.loss_scaling` — dynamic loss scaling for mixed precision (``precision=``; the 16-bit
+  graph itself is :mod:`onnx_training_ops.passes.mixed_precision`);
 * :mod:`.initialization` — the initialization graph;
 * :mod:`.algorithm`, :mod:`.ops` — the algorithm graph under construction, node emission;
 * :mod:`.model_metadata` — what the builder records in the model for the session to read.
@@ -16,6 +18,7 @@ May import: errors, schema, walk, storage, optim, autodiff, passes (never runtim
 model is built without onnxruntime).
 """
 
+from .loss_scaling import LossScaling
 from .losses import BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss, SmoothL1Loss
 from .model import build_training_model
 from .model_metadata import META_PREFIX, metadata
@@ -23,4 +26,5 @@ from .optimizers import Adagrad, Adam, AdamW, Momentum
 from .rmsprop import RMSProp
 
 __all__ = ["Adagrad", "Adam", "AdamW", "BCEWithLogitsLoss", "CrossEntropyLoss", "HuberLoss", "L1Loss",
-           "META_PREFIX", "MSELoss", "Momentum", "RMSProp", "SmoothL1Loss", "build_training_model", "metadata"]
+           "LossScaling", "META_PREFIX", "MSELoss", "Momentum", "RMSProp", "SmoothL1Loss", "build_training_model",
+           "metadata"]

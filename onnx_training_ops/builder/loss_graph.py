@@ -65,9 +65,9 @@ def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labe
     if pred_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
         raise TrainingOpError(
             f"output {output!r} is {onnx.helper.tensor_dtype_to_string(pred_type).removeprefix('TensorProto.').lower()}"
-            f" for {type(spec).__name__}: 16-bit training is not supported yet on this path (mixed precision is "
-            "planned with the GPU work); export the model in float32 (torch: model.float() before "
-            "torch.onnx.export)")
+            f" for {type(spec).__name__}: training keeps float32 master weights and a float32 loss; export the "
+            "model in float32 (torch: model.float() before torch.onnx.export) and build with precision='fp16' "
+            "or 'bf16' for mixed precision (matmuls in 16-bit, weights and optimizer state in float32)")
     if pred_type not in FLOAT_TYPES:
         raise TrainingOpError(f"output {output!r} must be float or double for {type(spec).__name__}")
     target = labels or spec.default_label_name

@@ -39,6 +39,7 @@ from onnx import helper
 from ..errors import TrainingOpError
 from ..passes._graph import all_names, value_types
 from ..passes.fit_runtime import fit_runtime, runtime_limits
+from ..passes.mixed_precision import mixed_precision
 from ..schema import DOMAIN, OPSET_VERSION
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
@@ -49,6 +50,7 @@ from .eval_mode import to_inference
 from .grad_clip import checked_limit
 from .initialization import initialization_graph
 from .loss_graph import add_loss, label_range, label_shape
+from .loss_scaling import LossScaler, LossScaling, checked_scaling
 from .losses import Loss
 from .model_metadata import set_metadata
 from .optimizers import OPTIMIZER_CLASSES, Optimizer, to_json
@@ -142,6 +144,9 @@ def build_training_model(
     clip_grad_norm: float | None = None,
     clip_grad_value: float | None = None,
     sparse_updates: Mapping[str, str] | None = None,
+    precision: str = "fp32",
+    precision_provider: str | None = None,
+    loss_scaling: LossScaling | bool | None = None,
 ) -> onnx.ModelProto | LargeModel:
     """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
 
@@ -193,6 +198,19 @@ def build_training_model(
             (unique indices, summed rows) and, with ``"lazy"``, only the looked-up rows updated
             (torch ``SparseAdam``); ``"sparse"`` is TensorFlow's sparse apply. See
             :mod:`onnx_training_ops.builder.sparse_updates`.
+        precision: ``"fp32"`` (default), ``"fp16"`` or ``"bf16"``: mixed precision
+            (:mod:`onnx_training_ops.passes.mixed_precision`): MatMul, Gemm, Conv,
+            ConvTranspose and Einsum run in 16-bit (their float32 inputs cast down, their
+            outputs cast back up), everything else in float32; the weights and the optimizer
+            state stay float32.
+        precision_provider: the execution provider whose 16-bit kernels decide which ops go
+            16-bit (an op without one stays float32;
+            :data:`~onnx_training_ops.passes.mixed_precision.KERNELS_16BIT`); default
+            ``"CUDAExecutionProvider"``. onnxruntime's CPU EP has no 16-bit compute kernels: an
+            fp16 model runs there with those nodes computed in float32; a bf16 one is refused.
+        loss_scaling: dynamic loss scaling (:class:`~onnx_training_ops.builder.loss_scaling.LossScaling`,
+            torch ``GradScaler``'s semantics, state in the graph); default on for fp16 with
+            torch's defaults, off otherwise; ``False`` turns it off.
 
     Returns:
         The training model: a ModelProto, or a ``LargeModel`` as said above. It passes
@@ -204,6 +222,11 @@ def build_training_model(
             of them listed at once, with a hint).
     """
     _check_choices(mode, optimizer)
+    if precision not in ("fp32", "fp16", "bf16"):
+        raise TrainingOpError(f"precision must be 'fp32', 'fp16' or 'bf16', found {precision!r}")
+    if precision == "fp32" and precision_provider is not None:
+        raise TrainingOpError("precision_provider is for precision='fp16' or 'bf16'; found precision='fp32'")
+    scaling = checked_scaling(loss_scaling, precision)
     clip_grad_norm = checked_limit("clip_grad_norm", clip_grad_norm)
     clip_grad_value = checked_limit("clip_grad_value", clip_grad_value)
     opened = as_model(model)
@@ -218,6 +241,7 @@ def build_training_model(
     untied = untie_merged_initializers(model)
     if untied:
         warnings.warn(describe_untied(untied), stacklevel=2)
+    mixed = mixed_precision(model, precision, precision_provider)[1] if precision != "fp32" else None
     types = value_types(model)
     elem_types = {name: vt.elem_type for name, vt in types.items()}
     algo = Algorithm(all_names(model.graph))
@@ -234,11 +258,14 @@ def build_training_model(
     modes = sparse_updates_.resolve_modes(sparse_updates, [p.name for p in params])
     tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
                                          algo.nodes if mode == "train" else model.graph.node)
+    scaler = LossScaler(scaling, algo) if scaling is not None else None
     state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
-                                     clip_grad_value, algo, tables)
+                                     clip_grad_value, algo, tables, scaler)
     # the optimizer state as constant arrays (no memory): a small model gets its values at the end
     initialization, init_binding = initialization_graph(params, groups, state_names, t_name,
                                                         algo.taken, algo.inits, opened.large_initializers)
+    if scaler is not None:
+        scaler.initialization(initialization, init_binding, algo.taken)
     inits = {t.name: t for t in model.graph.initializer}
     for stat, new in stat_updates:  # running statistics (mode="train"): state, not trained
         algo.bind(stat, new, inits[stat].data_type, inits[stat].dims)
@@ -266,5 +293,11 @@ def build_training_model(
         meta["grad_norm"] = norm_name
     if modes:
         meta["sparse_updates"] = json.dumps(modes)
+    if mixed is not None:
+        meta["precision"] = precision
+        meta["precision_provider"] = mixed.provider
+        meta["precision_nodes"] = json.dumps({"16-bit": list(mixed.converted), "fp32": list(mixed.kept_fp32)})
+    if scaler is not None:
+        meta["loss_scaling"] = scaler.metadata()
     model = _finish(model, meta)
     return opened.with_proto(model).remeasured().public()

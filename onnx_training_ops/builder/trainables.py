@@ -43,9 +43,10 @@ def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
     if not chosen:
         if any(t.data_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16) and len(t.dims) > 0
                for t in model.graph.initializer):
-            raise TrainingOpError("the model's weights are float16/bfloat16: 16-bit training is not supported yet "
-                                  "on this path (mixed precision is planned with the GPU work); export the model "
-                                  "in float32 (torch: model.float() before torch.onnx.export)")
+            raise TrainingOpError("the model's weights are float16/bfloat16: training keeps float32 master "
+                                  "weights; export the model in float32 (torch: model.float() before "
+                                  "torch.onnx.export) and build with precision='fp16' or 'bf16' for mixed "
+                                  "precision (matmuls in 16-bit, weights and optimizer state in float32)")
         raise TrainingOpError("the model has no float initializers that reach the loss; pass "
                               "trainable=[...]")
     return chosen

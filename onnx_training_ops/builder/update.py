@@ -13,6 +13,7 @@ from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, tensor_vi
 from .emit_update import emit_update
 from .grad_clip import clip_by_global_norm, clip_by_value
+from .loss_scaling import LossScaler
 from .ops import Ops
 from .param_groups import Group
 
@@ -73,14 +74,17 @@ def _decoupled_decay(group: Group, params, r_type: int, algo: Algorithm) -> list
 
 def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_grad_norm,
             clip_grad_value, algo: Algorithm,
-            tables: Sequence[sparse_updates_.Table] = ()) -> tuple[dict[str, dict[str, str]], str]:
+            tables: Sequence[sparse_updates_.Table] = (),
+            scaler: LossScaler | None = None) -> tuple[dict[str, dict[str, str]], str]:
     """T <- T + 1, one Gradient node for all ``params``, clipping, and one optimizer update
     per group (:func:`.update_graph.emit_update`: one multi-tensor node of the domain, or
     standard ops for RMSProp); every new value bound to its state. ``tables``
     (:mod:`.sparse_updates`) are differentiated at their lookups and updated by rows.
     Returns each parameter's optimizer state variables (``{param: {state: name}}``, in the
     optimizer's state order) and the name of
-    the norm before clipping ("" without clip_grad_norm)."""
+    the norm before clipping ("" without clip_grad_norm). With a ``scaler``
+    (:mod:`.loss_scaling`) the Gradient differentiates the scaled loss, the gradients are
+    unscaled before clipping and every new state value is kept only when they are finite."""
     t_new, one = algo.name("optimizer.T.new"), algo.name("optimizer.one")
     algo.inits.append(numpy_helper.from_array(np.array(0, np.int64), t_name))
     algo.inits.append(numpy_helper.from_array(np.array(1, np.int64), one))
@@ -94,14 +98,24 @@ def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_gr
     p_names = [p.name for p in params]
     xs = [n for n in p_names if n not in by_rows] + [o for tb in tables for _, o in tb.lookups]
     raw = {x: algo.name(f"{x}.grad") for x in xs}
+    if scaler is not None and by_rows:
+        raise TrainingOpError(f"loss scaling with sparse_updates is not supported: the table gradients of "
+                              f"{sorted(by_rows)} are rows; build with loss_scaling=False or without sparse_updates")
+    y = loss_name if scaler is None else scaler.scaled_loss(loss_name)
     algo.nodes.append(helper.make_node("Gradient", xs, list(raw.values()), domain=DOMAIN, xs=xs,
-                                       y=loss_name, name=algo.name("gradient")))
+                                       y=y, name=algo.name("gradient")))
     dense = [p for p in params if p.name not in by_rows]
-    clipped, norm_name = _clip([raw[p.name] for p in dense], dense, clip_grad_norm, clip_grad_value, algo)
+    grads = [raw[p.name] for p in dense]
+    if scaler is not None:
+        grads = scaler.unscale(grads, [p.data_type for p in dense])
+    clipped, norm_name = _clip(grads, dense, clip_grad_norm, clip_grad_value, algo)
     grad_of = dict(zip((p.name for p in dense), clipped))
     by_name = {p.name: p for p in params}
     r_type = next(vi for vi in algo.inputs if vi.name == groups[0].learning_rate).type.tensor_type.elem_type
     t_input = {True: t_new, False: t_name}
+
+    def bind(state: str, new: str, elem_type: int, dims) -> None:
+        algo.bind(state, new if scaler is None else scaler.gated(state, new), elem_type, dims)
 
     state_names: dict[str, dict[str, str]] = {p: {} for p in p_names}
     for group in groups:
@@ -135,10 +149,12 @@ def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_gr
                                               {s: v[i] for s, v in states.items()}, new_params[names[i]],
                                               {s: v[i] for s, v in new_states.items()})
         for p in names:
-            algo.bind(p, new_params[p], by_name[p].data_type, by_name[p].dims)
+            bind(p, new_params[p], by_name[p].data_type, by_name[p].dims)
         for s in optimizer.states:
             for p, state, new in zip(names, states[s], new_states[s]):
-                algo.bind(state, new, by_name[p].data_type, by_name[p].dims)
+                bind(state, new, by_name[p].data_type, by_name[p].dims)
                 state_names[p][s] = state
-    algo.bind(t_name, t_new, TensorProto.INT64, [])
+    bind(t_name, t_new, TensorProto.INT64, [])
+    if scaler is not None:
+        scaler.finish()
     return state_names, norm_name

@@ -52,6 +52,9 @@ def add_parser(commands) -> None:
                         "model.train() (default eval)")
     b.add_argument("--seed", type=int, default=0, help="--mode train: the dropout masks' seed")
     b.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradients' global norm")
+    b.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
+                   help="mixed precision: MatMul/Gemm/Conv/ConvTranspose/Einsum in 16-bit, weights and optimizer "
+                        "state float32; fp16 with dynamic loss scaling (default fp32)")
 
 
 def make_optimizer(args: argparse.Namespace):
@@ -137,7 +140,7 @@ def build(args: argparse.Namespace) -> int:
         param_groups = [{"params": list(args.freeze), "frozen": True, "name": "frozen"}]
     training = build_training_model(
         model, loss, optimizer, trainable, output=args.loss_output, labels=args.labels, mode=args.mode,
-        seed=args.seed, clip_grad_norm=args.clip_grad_norm, param_groups=param_groups)
+        seed=args.seed, clip_grad_norm=args.clip_grad_norm, param_groups=param_groups, precision=args.precision)
     save_model(training, args.output)
     s = summary(training)
     print(f"built {args.input} -> {args.output}: {len(s.trainable)} trainable tensors ({s.trainable_count:,} "

@@ -32,7 +32,8 @@ from ..training.checks import check_classes
 from ..training.device_program import DeviceProgram
 from ..training.device_state import DeviceValues
 from ..training.feeds import checked_learning_rate
-from ..training.providers import device_for, require_available
+from ..training.precision import check_precision
+from ..training.providers import device_for, provider_name, require_available
 from ..training.schedules import checked_rate
 from ..training.static_shapes import static_step
 from ..training.step import NONFINITE_POLICIES
@@ -82,6 +83,8 @@ class DeviceTrainer:
         if manifest is None:
             raise TrainingOpError(f"{self.directory!r}: DeviceTrainer takes an export directory (manifest.json)")
         self.manifest = manifest
+        check_precision({"precision": manifest.get("precision") or "fp32"}, [provider_name(p) for p in providers],
+                        "DeviceTrainer")
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
         self.device, found_id = device_for(providers)

@@ -279,5 +279,8 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         "counter": counter,
         "webgpu": gpu,
     }
+    if meta.get("precision"):  # mixed precision (build_training_model(precision=...)): the loss scale's state
+        manifest["precision"] = meta["precision"]
+        manifest["loss_scaling"] = json.loads(meta["loss_scaling"]) if meta.get("loss_scaling") else None
     checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
     return manifest

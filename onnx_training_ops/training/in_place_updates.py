@@ -72,8 +72,11 @@ class InPlaceUpdate(ABC):
 class CutNodes(InPlaceUpdate):
     """The fast path's optimizer nodes of the training domain (:mod:`.fast_path`)."""
 
-    def __init__(self, nodes: list[onnx.NodeProto], sources: dict[str, Source], prescale: dict[str, str]) -> None:
+    def __init__(self, nodes: list[onnx.NodeProto], sources: dict[str, Source], prescale: dict[str, str],
+                 gate: str | None = None) -> None:
         self.nodes, self.sources, self.prescale = nodes, sources, prescale
+        self.gate = gate  # a bool output of the run: apply only where it is true (:mod:`.gated_updates`)
+        self.gate_buffer: np.ndarray | None = None
         self.flat: dict[int, FlatNode] = {}  # position in nodes -> its flat layout (lay_out)
         self.plan: list[CutStep] = []
 
@@ -98,10 +101,17 @@ class CutNodes(InPlaceUpdate):
 
     def prepare(self, fixed_buffers: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> None:
         self.plan = cut_plan(self.nodes, self.flat, self.sources, fixed_buffers, state, self.prescale)
+        self.gate_buffer = fixed_buffers[self.gate] if self.gate is not None else None
         if not self.reads_feeds:
             prepare_plan(self.plan)
 
     def apply(self, values: Values, feeds: Mapping[str, Any]) -> None:
+        if self.gate is not None:
+            flag = self.gate_buffer
+            if flag is None:
+                flag = values({self.gate: self.sources[self.gate]})[self.gate]
+            if not bool(flag):
+                return
         if not self.reads_feeds:
             apply_plan(self.plan)
             return

@@ -28,10 +28,12 @@ from ..walk import remove_nodes
 from .arrays import dtype_name, np_dtype, owned
 from .fast_path import cut_sources, cuttable_nodes
 from .feeds import FeedSpec, checked_learning_rate
+from .gated_updates import regate, ungate
 from .in_place_updates import CutNodes, InPlaceUpdate, RMSPropUpdates, RowUpdates
 from .pruning import prune_dead_nodes, prune_unused_inputs, used_names
 from .rmsprop_fast_path import rmsprop_groups
 from .row_updates import row_groups
+from .sources import FromOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,8 +344,14 @@ def build_program(
 
     cut_nodes: list[onnx.NodeProto] = []
     prescale: dict[str, str] = {}
+    gate = None
     if fast:
+        gate = ungate(graph, binding, state_inputs)  # loss scaling's Where(finite, new, S): see gated_updates
         cut_nodes, prescale = cuttable_nodes(graph, binding, state_inputs)
+        if gate is not None:
+            regate(graph, binding, gate, cut_nodes)
+            gate = gate if gate.wheres else None
+            bound_values = set(binding.values())
     groups = row_groups(graph, binding, state_inputs,
                         {i for n in cut_nodes for i in n.input}) if fast else []
     taken = {i for n in cut_nodes for i in n.input} | {s for g in groups for s in g.states}
@@ -356,6 +364,9 @@ def build_program(
     sources, extra_outputs = cut_sources(cut_nodes, graph, state, rate_inputs, init_values, input_types,
                                          prescale,
                                          arrays)
+    if gate is not None:  # the cut updates land only where the flag is true
+        sources[gate.flag] = FromOutput(gate.flag)
+        extra_outputs.append(gate.flag)
     reads = onnx.helper.make_node("Identity", list(dict.fromkeys(r for g in groups for r in g.reads)), [])
     row_sources, dynamic = cut_sources([reads], graph, state, rate_inputs, init_values, input_types,
                                   arrays=arrays)
@@ -389,7 +400,7 @@ def build_program(
         prune_dead_nodes(graph)
 
     graph_model = source.with_proto(combined)
-    cut = CutNodes(cut_nodes, sources, prescale)
+    cut = CutNodes(cut_nodes, sources, prescale, gate.flag if gate is not None else None)
     analysis = Analysis(
         index=index, where=where, state_inputs=tuple(state_inputs), binding=binding, rate_inputs=rate_inputs,
         rate_defaults=rate_defaults, input_defaults=program_defaults, returned=tuple(returned),

@@ -39,6 +39,7 @@ from ..errors import TrainingOpError, node_label
 from ..runtime.session import InferenceSession
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike
+from . import precision
 from .feeds import Feed
 from .from_graph import graph_to_training_model
 from .locked import locked
@@ -271,6 +272,18 @@ class TrainingSession:
     def skipped_steps(self) -> int:
         """Steps (and ``backward`` calls) skipped for a non-finite loss under ``on_nonfinite="skip"``."""
         return self._loop.skipped_steps
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current dynamic loss scale (``build_training_model(..., precision="fp16")``), or None
+        for a model without loss scaling."""
+        return precision.loss_scale(self._programs.meta, self._store.arrays)
+
+    @property
+    def overflow_steps(self) -> int:
+        """Steps the loss scaling skipped for a non-finite gradient (parameters, optimizer state
+        and T left unchanged, the scale backed off); 0 without loss scaling."""
+        return precision.overflow_steps(self._programs.meta, self._store.arrays)
 
     # ------------------------------------------------------------------ gradient accumulation
 

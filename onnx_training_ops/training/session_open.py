@@ -23,6 +23,7 @@ from ..storage.model_files import ModelLike, as_model
 from .device_session import DeviceLoop, DevicePrograms
 from .device_store import DeviceStateStore
 from .nominal import materialize, nominal_names
+from .precision import check_precision
 from .session_files import Checkpointer
 from .session_loop import TrainingLoop
 from .session_programs import RuntimeConfig, SessionPrograms
@@ -77,6 +78,7 @@ def open_parts(model_or_path: ModelLike, config: RuntimeConfig
     model = detach(opened)
     del opened
     meta = metadata(model.model_proto)
+    check_precision(meta, [p[0] if isinstance(p, tuple) else p for p in config.providers])
     protos = collect_state_protos(model.model_proto)
     arrays = state_tensors(model, protos, expected, f"checkpoint {os.fspath(path)!r}" if path else "the model")
     if config.device is not None:  # the state on the device as OrtValues, no host copy kept

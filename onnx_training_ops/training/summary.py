@@ -57,7 +57,9 @@ class ModelSummary:
     ``labels`` (the label input), ``mode``, ``learning_rates`` (input name -> default),
     ``gradient_ops`` (op type -> nodes the gradient flows through, each with a derivative
     rule) and ``ops_without_rules`` (op types of the graph that have none: fine off the
-    gradient path). ``training`` is False for an inference model."""
+    gradient path). ``precision``: the builder's mixed precision record (``{"precision":
+    "fp16", "16-bit": [nodes], "fp32": [nodes], "loss_scaling": {...} or None}``), None for
+    a float32 build. ``training`` is False for an inference model."""
 
     training: bool
     trainable: list[TensorInfo]
@@ -70,6 +72,7 @@ class ModelSummary:
     learning_rates: dict[str, float] = field(default_factory=dict)
     gradient_ops: dict[str, int] = field(default_factory=dict)
     ops_without_rules: list[str] = field(default_factory=list)
+    precision: dict | None = None
 
     @property
     def trainable_count(self) -> int:
@@ -95,7 +98,7 @@ class ModelSummary:
                 "optimizer": self.optimizer, "optimizer_state": tensors(self.optimizer_state),
                 "optimizer_state_bytes": self.optimizer_state_bytes, "loss": self.loss, "labels": self.labels,
                 "mode": self.mode, "learning_rates": self.learning_rates, "gradient_ops": self.gradient_ops,
-                "ops_without_rules": self.ops_without_rules}
+                "ops_without_rules": self.ops_without_rules, "precision": self.precision}
 
     def __str__(self) -> str:
         width = max([len(t.name) for t in self.trainable + self.frozen] + [10])
@@ -106,6 +109,11 @@ class ModelSummary:
             lines.append(f"optimizer: {kind}(" + ", ".join(f"{k}={v}" for k, v in opt.items()) + ")"
                          f", state {len(self.optimizer_state)} tensors, {_bytes(self.optimizer_state_bytes)}")
             lines.append(f"loss: {self.loss} (labels: {self.labels}, mode: {self.mode})")
+            if self.precision:
+                scaling = self.precision.get("loss_scaling")
+                lines.append(f"precision: {self.precision['precision']} ({len(self.precision['16-bit'])} nodes "
+                             f"16-bit, {len(self.precision['fp32'])} kept float32; "
+                             + (f"loss scaling from {scaling['init_scale']:g})" if scaling else "no loss scaling)"))
             if self.learning_rates:
                 lines.append("learning rates: " + ", ".join(f"{k}={v:g}" for k, v in self.learning_rates.items()))
         lines.append(f"trainable: {len(self.trainable)} tensors, {self.trainable_count:,} parameters")
@@ -220,7 +228,17 @@ def summary(model: ModelLike, state: Mapping[str, np.ndarray] | None = None) -> 
     gradient_ops, nodes = _gradient_ops(proto)
     return ModelSummary(True, trainable, frozen, optimizer, optimizer_state, meta.get("loss"), meta.get("labels"),
                         meta.get("mode"), rates, gradient_ops,
-                        _ops_without_rules(n for n in nodes if n.op_type not in gradient_ops))
+                        _ops_without_rules(n for n in nodes if n.op_type not in gradient_ops), _precision(meta))
+
+
+def _precision(meta: Mapping[str, str]) -> dict | None:
+    """The builder's mixed precision record, or None for a float32 build."""
+    if not meta.get("precision"):
+        return None
+    nodes = json.loads(meta.get("precision_nodes") or "{}")
+    return {"precision": meta["precision"], "provider": meta.get("precision_provider"),
+            "16-bit": nodes.get("16-bit", []), "fp32": nodes.get("fp32", []),
+            "loss_scaling": json.loads(meta["loss_scaling"]) if meta.get("loss_scaling") else None}
 
 
 def _learning_rates(proto: onnx.ModelProto) -> dict[str, float]:
