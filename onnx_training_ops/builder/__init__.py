@@ -8,6 +8,8 @@
 * :mod:`.update` — learning rates, T + 1, the Gradient node, clipping (:mod:`.grad_clip`),
   the optimizers (:mod:`.optimizers`, :mod:`.rmsprop`, emitted by :mod:`.emit_update`) per
   parameter group (:mod:`.param_groups`), row updates of tables (:mod:`.sparse_updates`);
+* :mod:`.padding_rows` — ``nn.Embedding(padding_idx=...)``: the rows read from a dynamo export
+  (or given), the tables' lookups marked for the ``Gather`` derivative rule;
 * :mod:`.initialization` — the initialization graph;
 * :mod:`.algorithm`, :mod:`.ops` — the algorithm graph under construction, node emission;
 * :mod:`.model_metadata` — what the builder records in the model for the session to read.

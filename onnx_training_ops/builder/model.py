@@ -53,6 +53,8 @@ from .loss_graph import add_loss, label_range, label_shape
 from .losses import Loss
 from .model_metadata import set_metadata
 from .optimizers import OPTIMIZER_CLASSES, Optimizer, to_json
+from .padding_rows import detect_padding_rows, mark_lookups, resolve_padding_rows
+from .padding_rows import to_json as padding_json
 from .param_groups import groups_to_json, resolve_groups
 from .rmsprop import RMSProp
 from .train_mode import fit_opset, training_forward
@@ -143,6 +145,7 @@ def build_training_model(
     clip_grad_norm: float | None = None,
     clip_grad_value: float | None = None,
     sparse_updates: Mapping[str, str] | None = None,
+    padding_rows: Mapping[str, int | None] | None = None,
 ) -> onnx.ModelProto | LargeModel:
     """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
 
@@ -194,13 +197,20 @@ def build_training_model(
             (unique indices, summed rows) and, with ``"lazy"``, only the looked-up rows updated
             (torch ``SparseAdam``); ``"sparse"`` is TensorFlow's sparse apply. See
             :mod:`onnx_training_ops.builder.sparse_updates`.
+        padding_rows: ``{embedding table name: row}``: torch's ``nn.Embedding(padding_idx=row)``,
+            the row's gradient from the table's lookups kept zero (weight decay still applies).
+            Read from a dynamo export's node metadata (torch's default exporter); the
+            TorchScript exporter keeps nothing of it, so pass it then. Entries here override
+            what was read; ``None`` trains that table's padding row. See
+            :mod:`onnx_training_ops.builder.padding_rows`.
 
     Returns:
         The training model: a ModelProto, or a ``LargeModel`` as said above. It passes
         ``onnx.checker.check_model(full_check=True)``.
 
     Raises:
-        TrainingOpError: bad arguments, a model that already has ``training_info``, no
+        TrainingOpError: bad arguments (a ``padding_rows`` entry naming no table looked up
+            on axis 0, or a row out of range), a model that already has ``training_info``, no
             trainable tensor, or ops on the path to the loss without a derivative rule (all
             of them listed at once, with a hint).
     """
@@ -214,6 +224,7 @@ def build_training_model(
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
     restored = restore_parameters(model)
+    padding = resolve_padding_rows(padding_rows, detect_padding_rows(model.graph), model)
     if restored:
         warnings.warn(restored.describe(), stacklevel=2)
     untied = untie_merged_initializers(model)
@@ -235,8 +246,10 @@ def build_training_model(
     modes = sparse_updates_.resolve_modes(sparse_updates, [p.name for p in params])
     tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
                                          algo.nodes if mode == "train" else model.graph.node)
+    padding = mark_lookups(padding, params, *((algo.nodes, model.graph.node) if mode == "train"
+                                              else (model.graph.node,)))
     state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
-                                     clip_grad_value, algo, tables)
+                                     clip_grad_value, algo, tables, padding)
     large = isinstance(opened, LargeModel) or _training_bytes(model, params, groups) > large_model_bytes()
     arrays = dict(opened.large_initializers) if isinstance(opened, LargeModel) else {}
     initialization, init_binding = initialization_graph(params, groups, state_names, t_name,
@@ -268,6 +281,8 @@ def build_training_model(
         meta["grad_norm"] = norm_name
     if modes:
         meta["sparse_updates"] = json.dumps(modes)
+    if padding:
+        meta["padding_rows"] = padding_json(padding)
     model = _finish(model, meta)
     return LargeModel(model, arrays).with_proto(model) if large else model
 

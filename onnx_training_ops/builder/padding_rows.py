@@ -1,0 +1,153 @@
+"""``nn.Embedding(padding_idx=k)``: the padding row gets no gradient from its lookups, as in torch.
+
+torch's ``embedding_backward`` skips every looked-up position whose index is ``padding_idx``:
+the row's gradient *from the lookup* is zero (weight decay still applies to it, and a weight
+tied to the embedding, e.g. a language-model head, still gives the row its own gradient).
+ONNX's ``Gather`` has no such notion, so the builder restores it:
+
+* **Where the padding row comes from.** torch's default exporter (``dynamo=True``) records each
+  node's torch call in ``pkg.torch.onnx.fx_node`` metadata, e.g.
+  ``aten.embedding.default(args = (%p_emb_weight, %ids, 0))``: its third argument is the
+  padding row (:func:`detect_padding_rows`). The TorchScript exporter (``dynamo=False``) keeps
+  nothing of it (its ``Gather`` nodes carry no metadata), so there the caller says it:
+  ``build_training_model(..., padding_rows={"embeddings.word_embeddings.weight": 0})``. The
+  argument also overrides what was detected (``None`` for a table trains its padding row).
+* **How.** Each axis-0 ``Gather`` of the table in the forward pass the loss reads is marked
+  with the node metadata ``onnx_training_ops.padding_idx`` (:func:`mark_lookups`; onnxruntime
+  ignores node metadata). The ``Gather`` derivative rule (:mod:`..autodiff.rules_shape`) reads
+  it and zeroes the output gradient at the padding positions before scattering it into the
+  table, torch's ``embedding_backward`` exactly: the row's gradient from other readers of the
+  table (a tied head) stays. Tables updated by rows (``sparse_updates``, differentiated at their
+  lookups) get the padding row of their summed gradient rows zeroed (:func:`mask_rows`); the
+  row is then still "touched", with a zero gradient, so without weight decay it never moves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..autodiff.rules_shape import PADDING_ROW_KEY
+from ..errors import TrainingOpError
+from ..walk import all_graphs, subgraphs
+from .dynamo_params import FX_NODE_KEY, exported_parameters
+from .ops import Ops
+
+_EMBEDDING = re.compile(r"^%\w+ : .*?call_function\[target=torch\.ops\.aten\.embedding\.\w+\]"
+                        r"\(args = \((.*)\), kwargs = \{(.*)\}\)\s*$", re.S)
+
+
+def detect_padding_rows(graph: onnx.GraphProto) -> dict[str, int]:
+    """{torch parameter name: padding_idx} of every ``aten.embedding`` call with a padding row
+    in a dynamo export's ``pkg.torch.onnx.fx_node`` node metadata; {} for other models.
+
+    Raises:
+        TrainingOpError: one table looked up with two different padding rows.
+    """
+    params = exported_parameters(graph)
+    if not params:
+        return {}
+    found: dict[str, int] = {}
+    for node in graph.node:
+        fx = next((p.value for p in node.metadata_props if p.key == FX_NODE_KEY), "")
+        m = _EMBEDDING.match(fx)
+        if not m:
+            continue
+        args = [a.strip() for a in m.group(1).split(",")]
+        kwargs = dict(re.findall(r"(\w+): (-?\d+)", m.group(2)))
+        weight = args[0][1:] if args and args[0].startswith("%") else ""
+        padding = kwargs.get("padding_idx", args[2] if len(args) > 2 else "-1")
+        if weight not in params or not re.fullmatch(r"-?\d+", padding) or int(padding) < 0:
+            continue  # no padding row (torch's default -1), or a table that is no parameter
+        name = params[weight]
+        if found.get(name, int(padding)) != int(padding):
+            raise TrainingOpError(f"torch parameter {name!r} is looked up with padding_idx {found[name]} and "
+                                  f"{padding} (node {node.name!r}); pass padding_rows={{{name!r}: row}} to "
+                                  "choose one")
+        found[name] = int(padding)
+    return found
+
+
+def resolve_padding_rows(option: Mapping[str, int | None] | None, detected: Mapping[str, int],
+                         model: onnx.ModelProto) -> dict[str, int]:
+    """{table: padding row in [0, rows)}: ``detected`` updated by ``option`` (None drops one).
+
+    Raises:
+        TrainingOpError: ``option`` is not a mapping, names no initializer of rank >= 1, or
+            gives a row that is not an integer within the table's ``[-rows, rows)``.
+    """
+    if option is not None and not isinstance(option, Mapping):
+        raise TrainingOpError("padding_rows must map embedding table names to a row index (or None), found "
+                              f"{type(option).__name__}")
+    inits = {t.name: t for t in model.graph.initializer}
+    rows: dict[str, int | None] = {**detected, **(option or {})}
+    out = {}
+    for name, row in rows.items():
+        table = inits.get(name)
+        if table is None or len(table.dims) < 1:
+            raise TrainingOpError(f"padding_rows: {name!r} is not an initializer of rank >= 1 of the model "
+                                  f"(tables: {', '.join(t.name for t in inits.values() if len(t.dims) == 2)})")
+        if row is None:
+            continue
+        n = int(table.dims[0])
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not -n <= row < n:
+            raise TrainingOpError(f"padding_rows[{name!r}] must be an integer row of its {n} rows "
+                                  f"(-{n} <= row < {n}, as torch's padding_idx), found {row!r}")
+        out[name] = int(row) % n
+    return out
+
+
+def _is_lookup(node: onnx.NodeProto, table: str, rank: int) -> bool:
+    axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+    return node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2 \
+        and node.input[0] == table and node.input[1] != table and axis in (0, -rank)
+
+
+def mark_lookups(rows: Mapping[str, int], params: Sequence[onnx.TensorProto],
+                 forward: Sequence[onnx.NodeProto], others: Sequence[onnx.NodeProto] = ()) -> dict[str, int]:
+    """Mark every axis-0 ``Gather`` of a trained table of ``rows`` in ``forward`` (the pass the
+    loss reads) and ``others`` (the main graph, when the loss reads a training-mode copy) with
+    its padding row (node metadata :data:`PADDING_ROW_KEY`). Returns {table: row} of the
+    trained tables.
+
+    Raises:
+        TrainingOpError: a table of ``rows`` that no axis-0 ``Gather`` of the forward pass
+            reads, or one looked up inside a control-flow body.
+    """
+    marked = {}
+    for p in params:
+        if p.name not in rows:
+            continue
+        lookups = [n for n in forward if _is_lookup(n, p.name, len(p.dims))]
+        if not lookups:
+            raise TrainingOpError(f"padding_rows: no Gather on axis 0 of {p.name!r} (an embedding lookup) in "
+                                  "the forward pass the loss reads")
+        for node in [*forward, *others]:
+            if any(p.name in n.input for sub in subgraphs(node) for g in all_graphs(sub) for n in g.node):
+                raise TrainingOpError(f"padding_rows: {p.name!r} is read inside the body of {node.op_type} node "
+                                      f"{node.name!r}; padding rows are kept only for lookups in the main graph")
+            if _is_lookup(node, p.name, len(p.dims)):
+                kept = [m for m in node.metadata_props if m.key != PADDING_ROW_KEY]
+                del node.metadata_props[:]
+                node.metadata_props.extend(kept)
+                node.metadata_props.add(key=PADDING_ROW_KEY, value=str(rows[p.name]))
+        marked[p.name] = rows[p.name]
+    return marked
+
+
+def mask_rows(ops: Ops, unique: str, rows: str, row: int, dims: Sequence[int], dtype) -> str:
+    """``rows`` (summed gradient rows of the table rows ``unique``) with the padding ``row`` zero."""
+    is_pad = ops.op("Equal", [unique, ops.const(np.array(row, np.int64))])
+    if len(dims) > 1:
+        is_pad = ops.op("Unsqueeze", [is_pad, ops.const(np.arange(1, len(dims), dtype=np.int64))])
+    return ops.op("Where", [is_pad, ops.const(np.zeros((), dtype)), rows])
+
+
+def to_json(rows: Mapping[str, int]) -> str:
+    """The builder's metadata entry ``padding_rows``."""
+    return json.dumps(dict(sorted(rows.items())))
