@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TrainingOpError
+from ..kernels.compile_notice import announced_on_first_call
 from .accumulation import GradientAccumulation
 from .checks import label_mismatch
 from .feeds import checked_learning_rate
@@ -43,6 +44,7 @@ class TrainingLoop:
                                                  programs.config.fast, programs.options, programs.config.providers)
         self.skipped_steps = 0
 
+    @announced_on_first_call
     def step(self, feeds: Mapping[str, Any], lr: Any, outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """One training step (``TrainingSession.step``)."""
         self.store.check_filled("step")
@@ -78,6 +80,7 @@ class TrainingLoop:
         except TrainingOpError as error:
             self.programs.explain_failure(feeds, "step", error)
 
+    @announced_on_first_call
     def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """The loss and ``outputs`` with the current weights (``TrainingSession.evaluate``)."""
         self.store.check_filled("evaluate")
@@ -103,6 +106,7 @@ class TrainingLoop:
             result[loss] = result.pop(eval_loss)
         return result
 
+    @announced_on_first_call
     def backward(self, feeds: Mapping[str, Any], scale: float = 1.0) -> dict[str, np.ndarray]:
         """Add this batch's gradients times ``scale`` (``TrainingSession.backward``)."""
         self.store.check_filled("backward")
@@ -121,6 +125,7 @@ class TrainingLoop:
         except TrainingOpError as error:
             self.programs.explain_failure(feeds, "backward", error)
 
+    @announced_on_first_call
     def optimizer_step(self, lr: Any = None) -> dict[str, np.ndarray]:
         """Apply the accumulated gradients, then zero them (``TrainingSession.optimizer_step``)."""
         if not self.accumulation.count:
