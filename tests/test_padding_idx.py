@@ -261,3 +261,38 @@ def test_bert_word_embeddings_pad_token():
         torch_row = dict(module.named_parameters())[table].detach().numpy()[0]
         np.testing.assert_allclose(state[table][0], torch_row, rtol=1e-6)
         np.testing.assert_allclose(state[table][0], initial[table][0] * (1 - 1e-3) ** 3, rtol=1e-6)
+
+
+def test_the_command_line_takes_padding_rows(tmp_path, capsys):
+    from onnx_training_ops.cli import main
+
+    onnx.save(_export(Tiny(), False), tmp_path / "tiny.onnx")
+    out = tmp_path / "train.onnx"
+    assert main(["build", str(tmp_path / "tiny.onnx"), str(out), "--loss", "cross_entropy",
+                 "--padding-row", "words.weight=0", "--padding-row", "kinds.weight=-1"]) == 0
+    assert metadata(onnx.load(out))["padding_rows"] == '{"kinds.weight": 3, "words.weight": 0}'
+    capsys.readouterr()
+    assert main(["build", str(tmp_path / "tiny.onnx"), str(tmp_path / "o.onnx"), "--loss", "cross_entropy",
+                 "--padding-row", "words.weight"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expected TABLE=ROW" in err[0], err
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_an_exported_step_keeps_the_padding_row(tmp_path):
+    """export_step writes the step in standard ops (the Gradient expanded): the row stays put there too."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        training = ot.build_training_model(_export(Tiny(), True), "cross_entropy", ot.Adam(lr=1e-2))
+    from onnx_training_ops.export import export_step, session_from_export
+
+    export_step(training, tmp_path / "export")
+    session = session_from_export(tmp_path / "export")
+    before = {k: v.copy() for k, v in session.state_dict().items() if k in ("words.weight", "kinds.weight")}
+    for ids, kinds, labels in _batches(np.random.default_rng(3), 2):
+        session.step({"ids": ids, "kinds": kinds, "labels": labels, "learning_rate": np.float32(1e-2)})
+    after = session.state_dict()
+    assert np.array_equal(after["words.weight"][0], before["words.weight"][0])
+    assert np.array_equal(after["kinds.weight"][3], before["kinds.weight"][3])
+    assert not np.array_equal(after["words.weight"][1:], before["words.weight"][1:])
