@@ -296,3 +296,34 @@ def test_an_exported_step_keeps_the_padding_row(tmp_path):
     assert np.array_equal(after["words.weight"][0], before["words.weight"][0])
     assert np.array_equal(after["kinds.weight"][3], before["kinds.weight"][3])
     assert not np.array_equal(after["words.weight"][1:], before["words.weight"][1:])
+
+
+def test_a_padding_row_that_cannot_be_kept():
+    """Read from the export, it warns and the row trains (the build goes on); given, it is an error."""
+    from onnx_training_ops.builder.padding_rows import mark_lookups
+
+    table = onnx.numpy_helper.from_array(np.zeros((4, 2), np.float32), "table")
+    matmul = onnx.helper.make_node("MatMul", ["x", "table"], ["y"], name="matmul")
+    with pytest.warns(UserWarning, match=r"padding_idx 0 of 'table' \(read from the export\) is not kept.*trains"):
+        assert mark_lookups({"table": 0}, [table], [matmul]) == {}
+    with pytest.raises(ot.TrainingOpError, match="padding_rows: no Gather on axis 0 of 'table'"):
+        mark_lookups({"table": 0}, [table], [matmul], given={"table"})
+
+
+@pytest.mark.parametrize("dims, dynamic", [((5, 3), False), ((5, 2, 3), False), ((5, 3), True)])
+def test_the_gather_rule_leaves_out_the_padding_positions(dims, dynamic):
+    """d sum(Gather(table, ids)) / d table counts each row's lookups; the marked row gets none
+    (negative ids counting from the end included, a table of rank 3, dynamic shapes)."""
+    from gradient_utils import gradient_model, run_expanded
+
+    from onnx_training_ops.autodiff.rules_shape import PADDING_ROW_KEY
+
+    node = onnx.helper.make_node("Gather", ["table", "ids"], ["y"], name="lookup")
+    node.metadata_props.add(key=PADDING_ROW_KEY, value="1")
+    table = np.arange(np.prod(dims), dtype=np.float32).reshape(dims)
+    ids = np.array([[1, 0, 4, 1], [-4, 2, 0, 1]], np.int64)  # -4 is row 1
+    grads = run_expanded(gradient_model([node], {"table": table, "ids": ids}, "y", ["table"], opset=17,
+                                        dynamic=dynamic), {"table": table, "ids": ids})
+    counts = np.bincount(ids.reshape(-1) % dims[0], minlength=dims[0]).astype(np.float32)
+    counts[1] = 0
+    np.testing.assert_array_equal(grads["d_table"], np.broadcast_to(counts.reshape(-1, *[1] * (len(dims) - 1)), dims))

@@ -124,13 +124,15 @@ def _gather(ctx: RuleContext) -> list:
         dim = em.squeeze(em.dims_of(data, axis, axis + 1), [0])
         negative = em.op("Less", [idx, em.const(np.int64(0))])
         idx = em.op("Where", [negative, em.op("Add", [idx, dim]), idx])
-    if padding is not None:
-        r, q = ctx.rank(data), ctx.rank(indices)
+    idx = em.unsqueeze(idx, [-1])
+    if padding is not None:  # [*ids, 1] against g [*ids, *row]: a table of rank 2 broadcasts as it is
         is_pad = em.op("Equal", [idx, em.const(np.int64(padding))], "padding")
-        is_pad = em.unsqueeze(is_pad, list(range(q, q + r - 1))) if r > 1 else is_pad
+        r = ctx.rank(data)
+        if r > 2:
+            q = ctx.rank(indices)
+            is_pad = em.unsqueeze(is_pad, list(range(q + 1, q + r - 1)))
         zero = em.const(np.zeros((), helper.tensor_dtype_to_np_dtype(em.dtype(data))))
         g = em.op("Where", [is_pad, zero, g], "padding_masked")
-    idx = em.unsqueeze(idx, [-1])
     if axis == 0:
         zeros = em.filled_like(0.0, data)
         return [em.op("ScatterND", [zeros, idx, g], "scatter", reduction="add"), None]

@@ -247,7 +247,7 @@ def build_training_model(
     tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
                                          algo.nodes if mode == "train" else model.graph.node)
     padding = mark_lookups(padding, params, *((algo.nodes, model.graph.node) if mode == "train"
-                                              else (model.graph.node,)))
+                                              else (model.graph.node, ())), given=set(padding_rows or ()))
     state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
                                      clip_grad_value, algo, tables, padding)
     large = isinstance(opened, LargeModel) or _training_bytes(model, params, groups) > large_model_bytes()

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -109,28 +110,44 @@ def _is_lookup(node: onnx.NodeProto, table: str, rank: int) -> bool:
 
 
 def mark_lookups(rows: Mapping[str, int], params: Sequence[onnx.TensorProto],
-                 forward: Sequence[onnx.NodeProto], others: Sequence[onnx.NodeProto] = ()) -> dict[str, int]:
+                 forward: Sequence[onnx.NodeProto], others: Sequence[onnx.NodeProto] = (),
+                 given: Collection[str] = ()) -> dict[str, int]:
     """Mark every axis-0 ``Gather`` of a trained table of ``rows`` in ``forward`` (the pass the
     loss reads) and ``others`` (the main graph, when the loss reads a training-mode copy) with
     its padding row (node metadata :data:`PADDING_ROW_KEY`). Returns {table: row} of the
-    trained tables.
+    tables marked.
+
+    Args:
+        rows: {table: padding row} (:func:`resolve_padding_rows`).
+        params: the trainables (other tables get no gradient anyway).
+        forward: the nodes of the pass the loss reads.
+        others: more nodes whose lookups get the mark (not required to have any).
+        given: the tables the caller named in ``padding_rows`` (the rest were read from the
+            export): a table of these that cannot be marked is an error, another a warning.
 
     Raises:
-        TrainingOpError: a table of ``rows`` that no axis-0 ``Gather`` of the forward pass
+        TrainingOpError: a table of ``given`` that no axis-0 ``Gather`` of the forward pass
             reads, or one looked up inside a control-flow body.
     """
     marked = {}
     for p in params:
         if p.name not in rows:
             continue
-        lookups = [n for n in forward if _is_lookup(n, p.name, len(p.dims))]
-        if not lookups:
-            raise TrainingOpError(f"padding_rows: no Gather on axis 0 of {p.name!r} (an embedding lookup) in "
-                                  "the forward pass the loss reads")
+        problem = None
+        if not any(_is_lookup(n, p.name, len(p.dims)) for n in forward):
+            problem = f"no Gather on axis 0 of {p.name!r} (an embedding lookup) in the forward pass the loss reads"
+        body = next((node for node in [*forward, *others] for sub in subgraphs(node) for g in all_graphs(sub)
+                     if any(p.name in n.input for n in g.node)), None)
+        if body is not None:
+            problem = (f"{p.name!r} is read inside the body of {body.op_type} node {body.name!r}; padding rows "
+                       "are kept only for lookups in the main graph")
+        if problem and p.name in given:
+            raise TrainingOpError(f"padding_rows: {problem}")
+        if problem:
+            warnings.warn(f"torch's padding_idx {rows[p.name]} of {p.name!r} (read from the export) is not kept: "
+                          f"{problem}; that row trains", stacklevel=3)
+            continue
         for node in [*forward, *others]:
-            if any(p.name in n.input for sub in subgraphs(node) for g in all_graphs(sub) for n in g.node):
-                raise TrainingOpError(f"padding_rows: {p.name!r} is read inside the body of {node.op_type} node "
-                                      f"{node.name!r}; padding rows are kept only for lookups in the main graph")
             if _is_lookup(node, p.name, len(p.dims)):
                 kept = [m for m in node.metadata_props if m.key != PADDING_ROW_KEY]
                 del node.metadata_props[:]
