@@ -327,3 +327,15 @@ def test_the_gather_rule_leaves_out_the_padding_positions(dims, dynamic):
     counts = np.bincount(ids.reshape(-1) % dims[0], minlength=dims[0]).astype(np.float32)
     counts[1] = 0
     np.testing.assert_array_equal(grads["d_table"], np.broadcast_to(counts.reshape(-1, *[1] * (len(dims) - 1)), dims))
+
+
+def test_a_lazy_table_with_a_padding_row_keeps_the_sessions_row_path():
+    """The mask sits before the deduplication: the session still sums the rows itself."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lazy = ot.build_training_model(_export(Tiny(), True), "cross_entropy", ot.Adam(lr=1e-2),
+                                       sparse_updates={"words.weight": "lazy"})
+    session = ot.TrainingSession(lazy)
+    _, rows, _ = session._programs.steps[0].analysis.updates
+    assert len(rows.groups) == 1 and rows.groups[0].dedup

@@ -18,8 +18,8 @@ ONNX's ``Gather`` has no such notion, so the builder restores it:
   it and zeroes the output gradient at the padding positions before scattering it into the
   table, torch's ``embedding_backward`` exactly: the row's gradient from other readers of the
   table (a tied head) stays. Tables updated by rows (``sparse_updates``, differentiated at their
-  lookups) get the padding row of their summed gradient rows zeroed (:func:`mask_rows`); the
-  row is then still "touched", with a zero gradient, so without weight decay it never moves.
+  lookups) get the same mask on their lookups' gradients (:func:`mask_lookup`); the row is then
+  still "touched", with a zero gradient, so without weight decay it never moves.
 """
 
 from __future__ import annotations
@@ -157,12 +157,15 @@ def mark_lookups(rows: Mapping[str, int], params: Sequence[onnx.TensorProto],
     return marked
 
 
-def mask_rows(ops: Ops, unique: str, rows: str, row: int, dims: Sequence[int], dtype) -> str:
-    """``rows`` (summed gradient rows of the table rows ``unique``) with the padding ``row`` zero."""
-    is_pad = ops.op("Equal", [unique, ops.const(np.array(row, np.int64))])
-    if len(dims) > 1:
-        is_pad = ops.op("Unsqueeze", [is_pad, ops.const(np.arange(1, len(dims), dtype=np.int64))])
-    return ops.op("Where", [is_pad, ops.const(np.zeros((), dtype)), rows])
+def mask_lookup(ops: Ops, ids: str, grad: str, row: int, dims: Sequence[int], dtype) -> str:
+    """The gradient ``grad`` [*ids, *row dims] of one lookup ``Gather(table, ids)`` with the
+    positions looking up the padding ``row`` zero (negative ids count from the end)."""
+    ids = ops.op("Cast", [ids], to=onnx.TensorProto.INT64)
+    ids = ops.op("Where", [ops.op("Less", [ids, ops.const(np.array(0, np.int64))]),
+                           ops.op("Add", [ids, ops.const(np.array(dims[0], np.int64))]), ids])
+    is_pad = ops.op("Equal", [ids, ops.const(np.array(row, np.int64))])
+    is_pad = ops.op("Unsqueeze", [is_pad, ops.const(np.arange(1 - len(dims), 0, dtype=np.int64))])
+    return ops.op("Where", [is_pad, ops.const(np.zeros((), dtype)), grad])
 
 
 def to_json(rows: Mapping[str, int]) -> str:

@@ -14,7 +14,7 @@ from .algorithm import Algorithm, tensor_vi
 from .emit_update import emit_update
 from .grad_clip import clip_by_global_norm, clip_by_value
 from .ops import Ops
-from .padding_rows import mask_rows
+from .padding_rows import mask_lookup
 from .param_groups import Group
 
 
@@ -133,9 +133,9 @@ def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_gr
             if getattr(optimizer, "decoupled_weight_decay", 0.0):
                 raise TrainingOpError(f"sparse_updates of {tb.name!r}: AdamW's decoupled weight decay "
                                       "is not supported on row updates; use Adam(weight_decay=...)")
-            unique, grad_rows = sparse_updates_.gradient_rows(ops, tb, [raw[o] for _, o in tb.lookups])
-            if padding and tb.name in padding:
-                grad_rows = mask_rows(ops, unique, grad_rows, padding[tb.name], tb.dims, tb.dtype)
+            grads = [raw[o] if tb.name not in (padding or {}) else
+                     mask_lookup(ops, ids, raw[o], padding[tb.name], tb.dims, tb.dtype) for ids, o in tb.lookups]
+            unique, grad_rows = sparse_updates_.gradient_rows(ops, tb, grads)
             sparse_updates_.emit_table_update(ops, optimizer, tb, group.learning_rate, t, unique, grad_rows,
                                               {s: v[i] for s, v in states.items()}, new_params[names[i]],
                                               {s: v[i] for s, v in new_states.items()})
