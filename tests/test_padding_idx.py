@@ -339,3 +339,28 @@ def test_a_lazy_table_with_a_padding_row_keeps_the_sessions_row_path():
     session = ot.TrainingSession(lazy)
     _, rows, _ = session._programs.steps[0].analysis.updates
     assert len(rows.groups) == 1 and rows.groups[0].dedup
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_export_for_training_records_the_rows(tmp_path, dynamo):
+    """export_for_training has the module: it records each padding_idx, so a TorchScript export
+    needs no padding_rows either; trained against torch as above."""
+    from onnx_training_ops.builder.padding_rows import TORCH_PADDING_KEY
+    from onnx_training_ops.export.from_torch import export_for_training
+
+    torch.manual_seed(0)
+    module = Tiny()
+    initial = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+    args = (torch.zeros(2, 5, dtype=torch.int64), torch.zeros(2, 5, dtype=torch.int64))  # two tensors, not one twice
+    model = export_for_training(module, args, tmp_path / "tiny.onnx", input_names=["ids", "kinds"],
+                                output_names=["logits"], dynamo=dynamo,
+                                dynamic_axes={"ids": {0: "batch", 1: "seq"}, "kinds": {0: "batch", 1: "seq"}})
+    recorded = next(m.value for m in model.metadata_props if m.key == TORCH_PADDING_KEY)
+    assert recorded == '{"kinds.weight": 3, "words.weight": 0}'
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        training = ot.build_training_model(tmp_path / "tiny.onnx", "cross_entropy",
+                                           ot.AdamW(lr=5e-2, eps=1e-12, weight_decay=0.1))
+    assert metadata(training)["padding_rows"] == recorded
+    state, names = _train_both(module, training)
+    _assert_parameters(module, state, initial, names)

@@ -53,7 +53,7 @@ from .loss_graph import add_loss, label_range, label_shape
 from .losses import Loss
 from .model_metadata import set_metadata
 from .optimizers import OPTIMIZER_CLASSES, Optimizer, to_json
-from .padding_rows import detect_padding_rows, mark_lookups, resolve_padding_rows
+from .padding_rows import detect_padding_rows, mark_lookups, recorded_padding_rows, resolve_padding_rows
 from .padding_rows import to_json as padding_json
 from .param_groups import groups_to_json, resolve_groups
 from .rmsprop import RMSProp
@@ -224,12 +224,13 @@ def build_training_model(
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
     restored = restore_parameters(model)
-    padding = resolve_padding_rows(padding_rows, detect_padding_rows(model.graph), model)
     if restored:
         warnings.warn(restored.describe(), stacklevel=2)
     untied = untie_merged_initializers(model)
     if untied:
         warnings.warn(describe_untied(untied), stacklevel=2)
+    padding = resolve_padding_rows(padding_rows, detect_padding_rows(model.graph, recorded_padding_rows(model)),
+                                   model)
     types = value_types(model)
     elem_types = {name: vt.elem_type for name, vt in types.items()}
     algo = Algorithm(all_names(model.graph))

@@ -10,7 +10,9 @@ ONNX's ``Gather`` has no such notion, so the builder restores it:
   ``aten.embedding.default(args = (%p_emb_weight, %ids, 0))``: its third argument is the
   padding row (:func:`detect_padding_rows`). The TorchScript exporter (``dynamo=False``) keeps
   nothing of it (its ``Gather`` nodes carry no metadata), so there the caller says it:
-  ``build_training_model(..., padding_rows={"embeddings.word_embeddings.weight": 0})``. The
+  ``build_training_model(..., padding_rows={"embeddings.word_embeddings.weight": 0})``, unless
+  the model came from :func:`~onnx_training_ops.export.from_torch.export_for_training`, which records the
+  module's ``padding_idx`` values in the model metadata :data:`TORCH_PADDING_KEY`. The
   argument also overrides what was detected (``None`` for a table trains its padding row).
 * **How.** Each axis-0 ``Gather`` of the table in the forward pass the loss reads is marked
   with the node metadata ``onnx_training_ops.padding_idx`` (:func:`mark_lookups`; onnxruntime
@@ -39,21 +41,43 @@ from ..walk import all_graphs, subgraphs
 from .dynamo_params import FX_NODE_KEY, exported_parameters
 from .ops import Ops
 
+TORCH_PADDING_KEY = "torch.padding_idx"  # {initializer: row}, by export_for_training (outside the builder's prefix)
 _EMBEDDING = re.compile(r"^%\w+ : .*?call_function\[target=torch\.ops\.aten\.embedding\.\w+\]"
                         r"\(args = \((.*)\), kwargs = \{(.*)\}\)\s*$", re.S)
 
 
-def detect_padding_rows(graph: onnx.GraphProto) -> dict[str, int]:
+def recorded_padding_rows(model: onnx.ModelProto) -> dict[str, int]:
+    """{initializer: padding_idx} that :func:`~onnx_training_ops.export.from_torch.export_for_training`
+    recorded under :data:`TORCH_PADDING_KEY`; {} when there is none.
+
+    Raises:
+        TrainingOpError: the entry is not a JSON object of integer rows.
+    """
+    text = next((m.value for m in model.metadata_props if m.key == TORCH_PADDING_KEY), None)
+    if text is None:
+        return {}
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TrainingOpError(f"model metadata {TORCH_PADDING_KEY!r} is not JSON: {error}") from None
+    if not isinstance(rows, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in rows.values()):
+        raise TrainingOpError(f"model metadata {TORCH_PADDING_KEY!r} must map initializer names to integer rows, "
+                              f"found {text[:100]!r}")
+    return rows
+
+
+def detect_padding_rows(graph: onnx.GraphProto, recorded: Mapping[str, int] | None = None) -> dict[str, int]:
     """{torch parameter name: padding_idx} of every ``aten.embedding`` call with a padding row
-    in a dynamo export's ``pkg.torch.onnx.fx_node`` node metadata; {} for other models.
+    in a dynamo export's ``pkg.torch.onnx.fx_node`` node metadata, over ``recorded`` (what
+    :func:`recorded_padding_rows` read); {} for other models.
 
     Raises:
         TrainingOpError: one table looked up with two different padding rows.
     """
+    found: dict[str, int] = dict(recorded or {})
     params = exported_parameters(graph)
     if not params:
-        return {}
-    found: dict[str, int] = {}
+        return found
     for node in graph.node:
         fx = next((p.value for p in node.metadata_props if p.key == FX_NODE_KEY), "")
         m = _EMBEDDING.match(fx)
@@ -66,12 +90,16 @@ def detect_padding_rows(graph: onnx.GraphProto) -> dict[str, int]:
         if weight not in params or not re.fullmatch(r"-?\d+", padding) or int(padding) < 0:
             continue  # no padding row (torch's default -1), or a table that is no parameter
         name = params[weight]
-        if found.get(name, int(padding)) != int(padding):
+        if found.get(name, int(padding)) % max(1, _rows(graph, name)) != int(padding):
             raise TrainingOpError(f"torch parameter {name!r} is looked up with padding_idx {found[name]} and "
                                   f"{padding} (node {node.name!r}); pass padding_rows={{{name!r}: row}} to "
                                   "choose one")
         found[name] = int(padding)
     return found
+
+
+def _rows(graph: onnx.GraphProto, name: str) -> int:
+    return next((int(t.dims[0]) for t in graph.initializer if t.name == name and t.dims), 0)
 
 
 def resolve_padding_rows(option: Mapping[str, int | None] | None, detected: Mapping[str, int],
