@@ -13,8 +13,8 @@ export PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())"
 } 2>&1 | tee "$OUT/machine.txt"
-# correctness first: DeviceTrainer on CUDA against the CPU; TrainingSession refuses the CUDA EP
+# correctness first: TrainingSession(device='cuda') and DeviceTrainer on CUDA against the CPU, no Memcpy
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_providers.py 2>&1 | tee "$OUT/tests.log"
 # then the step times, losses and peak memory against torch fp32 and bf16
 python3 -m onnx_training_ops bench gpu --models "$MODELS" --losses 10 --timed 20 \
-  --contenders ours,ours_per_tensor,torch_fp32,torch_bf16 --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
+  --contenders session,session_nograph,ours,torch_fp32,torch_bf16 --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"

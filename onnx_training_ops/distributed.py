@@ -35,8 +35,7 @@ import numpy as np
 
 from .builder.model_metadata import metadata
 from .errors import TrainingOpError
-from .storage.model_files import load_model
-from .storage.save import save_model
+from .storage.model_files import as_model, load_model
 from .storage.snapshot import write_state
 from .storage.tensors import proto_of
 from .training.fingerprint import differences, fingerprint
@@ -144,7 +143,8 @@ class DistributedTrainingSession:
     def _open_shard(self, source, session_kwargs) -> TrainingSession:
         """This rank's session on its shard of the model (rank 0 keeps the model's skeleton,
         without state values, to write whole checkpoints)."""
-        model = source.training_model() if isinstance(source, TrainingSession) else load_model(source)
+        # every tensor in the message, whatever the size (the shards are built from it)
+        model = load_model(source.training_model() if isinstance(source, TrainingSession) else source)
         self._fingerprint = fingerprint(model)  # of the whole model: every rank's shard differs
         per_param = optimizer_state(model)
         self._owners = partition(model, self.world_size)
@@ -396,8 +396,9 @@ class DistributedTrainingSession:
         else:
             state = self.full_state_dict()
             if self.rank == 0:
-                model = write_state(self._skeleton[0], state, self.session.checkpoint_metadata())
-                path = save_model(model, path)
+                model = write_state(as_model(self._skeleton[0], copy=False), state,
+                                    self.session.checkpoint_metadata())
+                path = model.write(path, checksums=True)
         self._collective("barrier", self._dist.barrier, group=self.group)
         return os.fspath(path)
 

@@ -1,5 +1,6 @@
 """`bench gpu` runs its contenders on the CPU too (CI has no GPU): each in its own process,
-ours (the exported step with its state on the device) giving torch's losses."""
+ours (TrainingSession(device=...), and the exported step, with the state on the device) giving
+torch's losses."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from onnx_training_ops.bench import gpu
 
 def test_bench_gpu_on_the_cpu_compares_ours_with_torch(tmp_path, capsys):
     out = tmp_path / "gpu.json"
-    assert gpu.main(["--device", "cpu", "--models", "mlp", "--contenders", "ours,torch_fp32",
+    assert gpu.main(["--device", "cpu", "--models", "mlp", "--contenders", "session,ours,torch_fp32",
                      "--losses", "4", "--timed", "2", "--json", str(out)]) == 0
     results = {r["contender"]: r for r in json.loads(out.read_text())}
-    assert set(results) == {"ours", "torch_fp32"}, results
-    for a, b in zip(results["ours"]["losses"], results["torch_fp32"]["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(b)
+    assert set(results) == {"session", "ours", "torch_fp32"}, results
+    for ours in ("session", "ours"):
+        for a, b in zip(results[ours]["losses"], results["torch_fp32"]["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b)
     assert all(r["ms_per_step"] > 0 for r in results.values())
     assert "load average" in capsys.readouterr().out
 

@@ -1,6 +1,6 @@
-"""On a GPU (onnxruntime-gpu with the CUDA EP, see ../shared/gpu/README.md): an export trained
-by DeviceTrainer with its state on the device equals the same trainer on the CPU, and
-TrainingSession refuses the CUDA EP instead of training on stale parameters. Skipped (with the
+"""On a GPU (onnxruntime-gpu with the CUDA EP, see ../shared/gpu/README.md): TrainingSession
+with its state on the device, and an export trained by DeviceTrainer, equal the CPU; the step
+runs entirely on the CUDA EP (no Memcpy node) and replays a CUDA graph. Skipped (with the
 reason) where onnxruntime has no CUDA EP: CI and this project's development machines."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.export import DeviceTrainer, export_step
 
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -29,20 +28,54 @@ def _batches(n=10, seed=0):
     return [{"input": x[i], "labels": rng.integers(0, 10, 32).astype(np.int64)} for i in range(n)]
 
 
-def test_training_session_refuses_the_cuda_ep_with_what_to_do():
-    model = ot.build_training_model(make_mlp((64, 32, 10)), "cross_entropy", ot.AdamW(lr=1e-3))
-    with pytest.raises(TrainingOpError, match="DeviceTrainer"):
-        ot.TrainingSession(model, providers=CUDA)
+def _model():
+    return ot.build_training_model(make_mlp((64, 128, 10)), "cross_entropy", ot.AdamW(lr=1e-3, weight_decay=0.01),
+                                   clip_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static+graph"])
+def test_training_session_on_cuda_equals_the_cpu_with_the_state_on_the_gpu(static):
+    shapes = {"input": [32, 64], "labels": [32]} if static else None
+    gpu = ot.TrainingSession(_model(), _fp32_cuda(), input_shapes=shapes)
+    cpu = ot.TrainingSession(_model())
+    assert gpu.device == "cuda" and gpu.cuda_graph == static
+    assert all(v.device_name().lower() == "cuda" for v in gpu._store.values.values.values())
+    for batch in _batches():
+        np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-5)
+    want = cpu.state_dict()
+    for name, value in gpu.state_dict().items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    for batch in _batches(2, 3):  # accumulation, then a step again
+        gpu.backward(batch)
+        cpu.backward(batch)
+    np.testing.assert_allclose(gpu.optimizer_step()["grad_norm"], cpu.optimizer_step()["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(gpu.evaluate(_batches(1, 1)[0])["loss"], cpu.evaluate(_batches(1, 1)[0])["loss"],
+                               rtol=1e-5)
+
+
+def test_the_static_step_runs_entirely_on_the_cuda_ep(capfd):
+    """No Memcpy node: onnxruntime names each one it inserts at log level 1 (info)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 1
+    session = ot.TrainingSession(_model(), _fp32_cuda(), sess_options=options, cuda_graph=False,
+                                 input_shapes={"input": [32, 64], "labels": [32]})
+    session.step(_batches(1)[0])
+    log = capfd.readouterr()
+    text = log.out + log.err
+    # "N Memcpy nodes are added to the graph ..." (warning), "Add MemcpyFromHost after t70 ..." (info)
+    inserted = [line for line in text.splitlines()
+                if "Memcpy" in line and any(w in line for w in ("added", " after ", " before "))]
+    assert not inserted, inserted
+    step = session._programs.steps[0].program.session
+    assert "CUDAExecutionProvider" in step.get_providers()
 
 
 def test_device_trainer_on_cuda_equals_the_cpu_with_the_state_on_the_gpu(tmp_path):
-    model = ot.build_training_model(make_mlp((64, 128, 10)), "cross_entropy", ot.AdamW(lr=1e-3, weight_decay=0.01),
-                                    clip_grad_norm=1.0)
-    export_step(model, tmp_path)
+    export_step(_model(), tmp_path)
     gpu = DeviceTrainer(tmp_path, providers=_fp32_cuda())
     cpu = DeviceTrainer(tmp_path)
     assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.device == "cuda"
-    assert all(v.device_name().lower() == "cuda" for s in gpu._sets for v in s.values())
+    assert all(v.device_name().lower() == "cuda" for v in gpu._state.values.values())
     for batch in _batches():
         np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-5)
     want = cpu.state_dict()

@@ -1,8 +1,9 @@
 """TrainingSession never trains silently wrong on a provider it cannot use (GPU issue, item 1).
 
-onnxruntime drops a provider that its build lacks with a logged warning and runs on the CPU;
-and a device provider would read state bound from host arrays from a copy made once, at bind
-time. Both are errors naming the provider, raised before the model is loaded.
+onnxruntime drops a provider that its build lacks with a logged warning and runs on the CPU:
+an error naming the provider, raised before the model is loaded. A device provider would read
+state bound from host arrays from a copy made once, at bind time: with one, the state lives on
+the device (tests/test_device_session.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from onnx_training_ops import Adam, TrainingOpError, TrainingSession, build_training_model
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.training.providers import checked_providers
+from onnx_training_ops.training.providers import placement
 
 
 def _model():
@@ -37,18 +38,19 @@ def test_cuda_without_onnxruntime_gpu_is_an_error_not_a_cpu_run():
         TrainingSession(_model(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
 
 
-def test_an_available_device_provider_is_refused_with_what_to_do():
+def test_an_available_device_provider_puts_the_state_on_its_device():
     available = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    with pytest.raises(TrainingOpError, match=r"CPUExecutionProvider only.*'CUDAExecutionProvider'.*DeviceTrainer"):
-        checked_providers(["CUDAExecutionProvider", "CPUExecutionProvider"], available)
-    with pytest.raises(TrainingOpError, match="CPUExecutionProvider only"):
-        checked_providers([("CUDAExecutionProvider", {"device_id": 0})], available)
+    found = placement(["CUDAExecutionProvider", "CPUExecutionProvider"], available=available)
+    assert (found.device, found.device_id) == ("cuda", 0)
+    found = placement([("CUDAExecutionProvider", {"device_id": 2})], available=available)
+    assert (found.device, found.device_id) == ("cuda", 2)
+    assert placement(["CPUExecutionProvider"], available=available).device is None  # host arrays
 
 
 @pytest.mark.parametrize("bad", [[], [5], [(3, {})]])
 def test_malformed_provider_lists_are_errors(bad):
     with pytest.raises(TrainingOpError, match="providers"):
-        checked_providers(bad)
+        placement(bad)
 
 
 def test_a_refused_provider_loads_nothing(tmp_path):

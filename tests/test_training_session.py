@@ -172,14 +172,15 @@ def _momentum_graph(with_gradient_input=True):
     return model
 
 
-@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("fast", [True, False, "device"])
 def test_from_graph_matches_reference_kernel(fast, tmp_path):
     x0 = np.array([1.0, -2.0, 3.0, 0.5], np.float32)
     session = TrainingSession.from_graph(
         _momentum_graph(), {"X_new": "X", "V_new": "V", "T_new": "T"},
-        initial_state={"X": x0, "T": np.array(0, np.int64)}, fast=fast,
+        initial_state={"X": x0, "T": np.array(0, np.int64)}, fast=fast is True,
+        device="cpu" if fast == "device" else None,
     )
-    assert bool(session.fast_path_nodes) == fast
+    assert bool(session.fast_path_nodes) == (fast is True)
     x, v = x0.copy(), np.zeros(4, np.float32)
     rng = np.random.default_rng(0)
     for t in range(5):

@@ -37,6 +37,8 @@ from . import lora, zoo
 from .model_runners import BETAS, EPS, LR, WEIGHT_DECAY, training_model
 
 CONTENDERS = {
+    "session": "ours: TrainingSession(device=...) with input_shapes (state on the device, CUDA graph when safe)",
+    "session_nograph": "ours: the same with cuda_graph=False",
     "ours": "ours: export_step(flat_optimizer=True) + DeviceTrainer (state on the device)",
     "ours_per_tensor": "ours, the optimizer per tensor (export_step's default)",
     "torch_fp32": "torch eager fp32, AdamW",
@@ -113,6 +115,24 @@ def _ours(spec: zoo.Spec, device: str, flat: bool):
     return step, lambda: None, peak_mb
 
 
+def _session(spec: zoo.Spec, device: str, cuda_graph: bool | None):
+    from ..training.session import TrainingSession
+
+    providers = ([("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if device == "cuda"
+                 else ["CPUExecutionProvider"])
+    batches = _batches(spec)
+    session = TrainingSession(_training_model(spec), providers, device=device, cuda_graph=cuda_graph,
+                              input_shapes={k: list(v.shape) for k, v in batches[0].items()})
+
+    def step(i: int) -> float:
+        return float(session.step(batches[i % BATCHES])["loss"])
+
+    def peak_mb() -> float | None:
+        return _device_memory_mb() if device == "cuda" else None
+
+    return step, lambda: None, peak_mb
+
+
 def _torch(spec: zoo.Spec, device: str, bf16: bool):
     import torch
 
@@ -150,7 +170,9 @@ def worker(contender: str, name: str, device: str, losses: int, timed: int, batc
            seq: int | None) -> dict:
     """One contender on one model, in this process: losses, step times, peak memory."""
     spec = model_spec(name, batch, seq)
-    if contender.startswith("ours"):
+    if contender.startswith("session"):
+        step, sync, peak_mb = _session(spec, device, False if contender == "session_nograph" else None)
+    elif contender.startswith("ours"):
         step, sync, peak_mb = _ours(spec, device, flat=contender == "ours")
     else:
         step, sync, peak_mb = _torch(spec, device, contender == "torch_bf16")

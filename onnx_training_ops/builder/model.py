@@ -41,8 +41,7 @@ from ..passes._graph import all_names, value_types
 from ..passes.fit_runtime import fit_runtime, runtime_limits
 from ..schema import DOMAIN, OPSET_VERSION
 from ..storage.large_model import LargeModel
-from ..storage.model_files import ModelLike, load_model
-from ..storage.tensors import all_tensors, large_model_bytes, proto_of, tensor_nbytes
+from ..storage.model_files import ModelLike, as_model
 from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, training_info
 from .dynamo_params import restore_parameters
@@ -217,8 +216,8 @@ def build_training_model(
     _check_choices(mode, optimizer)
     clip_grad_norm = checked_limit("clip_grad_norm", clip_grad_norm)
     clip_grad_value = checked_limit("clip_grad_value", clip_grad_value)
-    opened = load_model(model, large=True)
-    model = _fit_opset(proto_of(opened))
+    opened = as_model(model)
+    model = _fit_opset(opened.model_proto)
     if mode == "train":
         model = fit_opset(model)  # Dropout masks need opset 18
     if model.training_info:
@@ -251,10 +250,9 @@ def build_training_model(
                                               else (model.graph.node, ())), given=set(padding_rows or ()))
     state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
                                      clip_grad_value, algo, tables, padding)
-    large = isinstance(opened, LargeModel) or _training_bytes(model, params, groups) > large_model_bytes()
-    arrays = dict(opened.large_initializers) if isinstance(opened, LargeModel) else {}
+    # the optimizer state as constant arrays (no memory): a small model gets its values at the end
     initialization, init_binding = initialization_graph(params, groups, state_names, t_name,
-                                                        algo.taken, algo.inits, arrays if large else None)
+                                                        algo.taken, algo.inits, opened.large_initializers)
     inits = {t.name: t for t in model.graph.initializer}
     for stat, new in stat_updates:  # running statistics (mode="train"): state, not trained
         algo.bind(stat, new, inits[stat].data_type, inits[stat].dims)
@@ -285,11 +283,4 @@ def build_training_model(
     if padding:
         meta["padding_rows"] = padding_json(padding)
     model = _finish(model, meta)
-    return LargeModel(model, arrays).with_proto(model) if large else model
-
-
-def _training_bytes(model: onnx.ModelProto, params, groups) -> int:
-    """Bytes of the training model's tensors: the inference model's and the optimizer state."""
-    states = {p: len(g.optimizer.states) for g in groups for p in g.params}
-    return sum(tensor_nbytes(t) for t in all_tensors(model)) + \
-        sum(tensor_nbytes(p) * states.get(p.name, 0) for p in params)
+    return opened.with_proto(model).remeasured().public()

@@ -138,9 +138,8 @@ def build(args: argparse.Namespace) -> int:
     """
     from ..builder import CrossEntropyLoss, build_training_model
     from ..builder.untie import describe, untie_merged_initializers
-    from ..storage.model_files import load_model
+    from ..storage.model_files import as_model
     from ..storage.save import save_model
-    from ..storage.tensors import proto_of
     from ..training.summary import summary
 
     if os.path.isdir(args.output):
@@ -155,11 +154,11 @@ def build(args: argparse.Namespace) -> int:
         raise TrainingOpError(f"{', '.join(k for k, v in ce_only.items() if v)}: options of --loss cross_entropy, "
                               f"not {loss}")
     optimizer = make_optimizer(args)
-    model = load_model(args.input, large=True)
-    untied = untie_merged_initializers(proto_of(model))  # as the builder would: patterns see every parameter
+    model = as_model(args.input)
+    untied = untie_merged_initializers(model.model_proto)  # as the builder would: patterns see every parameter
     if untied:
         print(f"note: {describe(untied)}", file=sys.stderr)
-    names = [t.name for t in proto_of(model).graph.initializer]
+    names = [t.name for t in model.model_proto.graph.initializer]
     trainable = _matching(args.trainable, names, "--trainable") if args.trainable else None
     param_groups = None
     if args.freeze:  # a frozen parameter group: its patterns match the trainables, named in its errors

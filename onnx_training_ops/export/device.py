@@ -2,12 +2,14 @@
 
 :class:`DeviceTrainer` runs the exported step model (:func:`~onnx_training_ops.export.export_step`:
 standard ONNX ops, the state as inputs and its new values as outputs) in onnxruntime with
-IOBinding. The state lives in two sets of OrtValues on the device, A and B; a step reads one
-set and writes the other, and the roles swap only when the step is kept. So per step only
-the batch and the learning rates go up and the returned values (loss, grad norm) come down;
-no host array is bound as a device input (onnxruntime copies such an input once, at bind time,
-which would freeze the parameters at their first value), and a NaN loss leaves the state as
-it was without a copy. This is the Python twin of the JavaScript trainer (``js/``).
+IOBinding, over the same device-resident state as ``TrainingSession(device=...)``
+(:mod:`~onnx_training_ops.training.device_program`): the state lives on the device as
+OrtValues, written in place when the guarded step allows it, else into a second set that
+becomes the state only when the step is kept. So per step only the batch and the learning
+rates go up and the returned values (loss, grad norm) come down; no host array is bound as a
+device input (onnxruntime copies such an input once, at bind time, which would freeze the
+parameters at their first value), and a NaN loss leaves the state as it was without a copy.
+This is the Python twin of the JavaScript trainer (``js/``).
 
 On a CPU-only machine the same code runs with ``device="cpu"`` (what the test suite checks);
 on a GPU, ``providers=["CUDAExecutionProvider", "CPUExecutionProvider"]`` (onnxruntime-gpu).
@@ -24,29 +26,19 @@ import onnx
 import onnxruntime as ort
 
 from ..errors import TrainingOpError
-from ..passes.guard_feedback import guard_feedback, in_place_unsafe
 from ..storage.checkpoint import atomic_write
+from ..storage.model_files import as_model
 from ..training.checks import check_classes
+from ..training.device_program import DeviceProgram
+from ..training.device_state import DeviceValues
 from ..training.feeds import checked_learning_rate
-from ..training.providers import provider_name, require_available
+from ..training.providers import device_for, require_available
 from ..training.schedules import checked_rate
-from ..training.step import NONFINITE_POLICIES, NonFiniteLossError
+from ..training.static_shapes import static_step
+from ..training.step import NONFINITE_POLICIES
 from . import manifest as manifest_
 from . import safetensors
 from .importing import manifest_schedule, read_state
-from .static_shapes import static_step
-
-# execution provider -> the OrtValue device type its inputs live on
-_DEVICE_OF = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda",
-              "ROCMExecutionProvider": "cuda", "DmlExecutionProvider": "dml"}
-
-
-def _device_for(providers: Sequence[Any]) -> str:
-    for provider in providers:
-        device = _DEVICE_OF.get(provider_name(provider))
-        if device is not None:
-            return device
-    return "cpu"
 
 
 class DeviceTrainer:
@@ -67,7 +59,7 @@ class DeviceTrainer:
             after its new value is written makes it unsafe. ``None`` (default): in place when safe;
             ``True``: an error when unsafe; ``False``: two sets.
         input_shapes: static shapes of the data inputs (``{"input_ids": [8, 256]}``): the step's
-            shape arithmetic is folded at load (:func:`~onnx_training_ops.export.static_shapes.static_step`),
+            shape arithmetic is folded at load (:func:`~onnx_training_ops.training.static_shapes.static_step`),
             so no shape computation runs per step (on a GPU, no host round trip for it); every
             batch must then have these shapes.
 
@@ -92,24 +84,33 @@ class DeviceTrainer:
         self.manifest = manifest
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
-        self.device = _device_for(providers)
-        self.device_id = int(device_id)
+        self.device, found_id = device_for(providers)
+        self.device_id = int(device_id) if device_id else found_id
         files = manifest["files"]
         # the bytes checked against the manifest's sha256, read from inside the directory
-        step = manifest_.file_bytes(self.directory, manifest, "step", verify)
-        step_model = onnx.load_model_from_string(step)
+        step_model = onnx.load_model_from_string(manifest_.file_bytes(self.directory, manifest, "step", verify))
         manifest_.check_feedback(step_model, manifest, os.path.join(self.directory, files["step"]["path"]))
-        self._feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
+        feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
         self.input_shapes = {n: [int(d) for d in dims] for n, dims in (input_shapes or {}).items()}
         if input_shapes is not None:
             data = [e["name"] for e in manifest["inputs"]]
             step_model = static_step(step_model, data, self.input_shapes, "DeviceTrainer")
-        self.in_place = self._plan_in_place(step_model, manifest.get("loss"), on_nonfinite, in_place)
-        if self.in_place or input_shapes is not None:
-            step = step_model.SerializeToString()
-        self._step = ort.InferenceSession(step, sess_options, providers=providers)
-        self._eval = (ort.InferenceSession(manifest_.file_bytes(self.directory, manifest, "eval", verify),
-                                           sess_options, providers=providers) if "eval" in files else None)
+        missing = [n for n in feedback if n not in {i.name for i in step_model.graph.input}]
+        if missing:
+            raise TrainingOpError(f"{self.directory!r}: manifest feedback names {missing}, which the step model "
+                                  "does not take as inputs")
+        self._state = DeviceValues({name: state[name] for name in feedback}, self.device, self.device_id)
+        self._returned = list(manifest["returned"])
+        self._loss = manifest.get("loss")
+        self._step = DeviceProgram(as_model(step_model, copy=False), self._state, feedback, self._returned,
+                                   sess_options, providers, loss=self._loss, on_nonfinite=on_nonfinite,
+                                   in_place=in_place, where="step")
+        self._eval = None
+        if "eval" in files:
+            evaluation = onnx.load_model_from_string(manifest_.file_bytes(self.directory, manifest, "eval", verify))
+            self._eval = DeviceProgram(as_model(evaluation, copy=False), self._state, {},
+                                       [o.name for o in evaluation.graph.output], sess_options, providers,
+                                       where="evaluate")
         self._inputs = {e["name"]: e for e in manifest["inputs"]}
         self._eval_inputs = {e["name"]: e for e in manifest.get("eval_inputs", [])}
         self._defaults = {n: np.array(e["values"], e["dtype"]).reshape(e["shape"])
@@ -122,102 +123,47 @@ class DeviceTrainer:
             self._schedule, _ = manifest_schedule(manifest, state, repr(os.path.join(self.directory, "manifest.json")))
             self._schedule_offset = int(manifest["schedule"]["step_offset"])
         self._counter = manifest.get("counter")
-        self._returned = list(manifest["returned"])
-        self._loss = manifest.get("loss")
         self._classes = manifest.get("classes")
         self._ignore_index = manifest.get("ignore_index")
         self._labels = manifest.get("labels")
-        step_inputs = {i.name for i in self._step.get_inputs()}
-        missing = [n for n in self._feedback if n not in step_inputs]
-        if missing:
-            raise TrainingOpError(f"{self.directory!r}: manifest feedback names {missing}, which the step model "
-                                  "does not take as inputs")
-        self._upload(state)
-
-    def _plan_in_place(self, step: onnx.ModelProto, loss: str | None, policy: str, wanted: bool | None) -> bool:
-        """Whether the step writes its new state over the old (``step`` guarded and the feedback
-        renamed to the guarded outputs when so)."""
-        if wanted is False:
-            return False
-        guard = policy != "ignore"
-        if guard and not _scalar_output(step, loss):  # the guard decides the whole step on one value
-            if wanted:
-                raise TrainingOpError(f"{self.directory!r}: in_place=True with on_nonfinite={policy!r} needs the "
-                                      f"export's loss as a one-element output (found {loss!r})")
-            return False
-        candidate = onnx.ModelProto()
-        candidate.CopyFrom(step)
-        written = guard_feedback(candidate, self._feedback, loss) if guard else dict(self._feedback)
-        unsafe = in_place_unsafe(candidate, written)
-        if unsafe:
-            if wanted:
-                raise TrainingOpError(f"{self.directory!r}: in_place=True, but the step model may read "
-                                      f"{unsafe[:3]}{' ...' if len(unsafe) > 3 else ''} after writing its new "
-                                      "value; use in_place=False")
-            return False
-        step.CopyFrom(candidate)
-        self._feedback = written
-        return True
-
-    # ------------------------------------------------------------------ state on the device
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
-
-    def _upload(self, state: Mapping[str, np.ndarray]) -> None:
-        """Put ``state`` on the device as set A and bind the step: in place, reading and writing
-        A; else with a set B, both directions (A -> B, B -> A)."""
-        sets: list[dict[str, ort.OrtValue]] = [{}] if self.in_place else [{}, {}]
-        for name in self._feedback:
-            array = np.array(state[name], order="C")  # a copy, 0-d kept 0-d (ascontiguousarray makes it 1-d)
-            sets[0][name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
-            if not self.in_place:
-                sets[1][name] = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype,
-                                                                          self.device, self.device_id)
-        self._sets = sets
-        self._current = 0  # the set holding the state
-        self._bindings = ([self._bind(sets[0], sets[0])] if self.in_place
-                          else [self._bind(sets[i], sets[1 - i]) for i in (0, 1)])
         self._count = int(np.asarray(state[self._counter]).reshape(-1)[0]) if self._counter in state else 0
 
-    def _bind(self, read: dict[str, ort.OrtValue], write: dict[str, ort.OrtValue]) -> ort.IOBinding:
-        io = self._step.io_binding()
-        for name, value in read.items():
-            io.bind_ortvalue_input(name, value)
-        for name, value in write.items():
-            io.bind_ortvalue_output(self._feedback[name], value)
-        for name in self._returned:  # what comes down: the loss, the grad norm
-            io.bind_output(name, "cpu")
-        return io
+    @property
+    def in_place(self) -> bool:
+        """Whether the step writes its new state over the old (one copy of the state on the device)."""
+        return self._step.in_place
 
     @property
     def providers(self) -> list[str]:
         """The providers onnxruntime runs the step on."""
-        return self._step.get_providers()
+        return self._step.session.get_providers()
 
     @property
     def state_names(self) -> list[str]:
         """The state variables, in the step model's order."""
-        return list(self._feedback)
+        return list(self._state)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The state, copied to the host (names as in the export)."""
-        return {name: value.numpy() for name, value in self._sets[self._current].items()}
+        return {name: self._state.download(name) for name in self._state}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Replace the whole state (every variable, same dtype and shape); nothing changes on error."""
-        current = self._sets[self._current]
-        given = set(state)
-        if given != set(current):
-            raise TrainingOpError(f"load_state_dict: expected the state variables {sorted(current)}, "
-                                  f"missing {sorted(set(current) - given)}, unknown {sorted(given - set(current))}")
-        for name, value in current.items():
+        given, names = set(state), set(self._state)
+        if given != names:
+            raise TrainingOpError(f"load_state_dict: expected the state variables {sorted(names)}, "
+                                  f"missing {sorted(names - given)}, unknown {sorted(given - names)}")
+        checked = {}
+        for name in self._state:
             array = np.asarray(state[name])
-            expected = (_np_type(value), value.shape())
-            if array.dtype != expected[0] or list(array.shape) != list(expected[1]):
-                raise TrainingOpError(f"load_state_dict: {name!r} must be {expected[0]} {list(expected[1])}, "
+            dtype, shape = self._state.dtype(name), self._state.shape(name)
+            if array.dtype != dtype or array.shape != shape:
+                raise TrainingOpError(f"load_state_dict: {name!r} must be {dtype} {list(shape)}, "
                                       f"found {array.dtype} {list(array.shape)}")
-        self._upload(state)
+            checked[name] = array
+        for name, array in checked.items():
+            self._state.upload(name, array)
+        self._count = int(np.asarray(checked[self._counter]).reshape(-1)[0]) if self._counter in checked else 0
 
     def save_state(self, path: str | os.PathLike) -> None:
         """Write the state as ``.safetensors`` (atomically): resume here, in a TrainingSession
@@ -300,68 +246,26 @@ class DeviceTrainer:
             TrainingOpError: a missing, unknown or malformed input or rate.
         """
         arrays = self._check_feeds(feeds, self._inputs, "step")
-        rates = self._rate_values(lr)
-        io = self._bindings[self._current]
-        for name, array in arrays.items():
-            io.bind_cpu_input(name, array)  # copied up by onnxruntime
-        for name, value in rates.items():
+        for name, value in self._rate_values(lr).items():
             buf = self._rates[name]
             buf[...] = value
-            io.bind_cpu_input(name, buf)
-        try:
-            self._step.run_with_iobinding(io)
-        except Exception as error:  # onnxruntime's own errors: name what failed
-            raise TrainingOpError(f"step: onnxruntime failed on the exported step: {error}") from error
-        outputs = io.get_outputs()
-        result = {name: outputs[len(self._feedback) + i].numpy() for i, name in enumerate(self._returned)}
-        if self._loss in result and self.on_nonfinite != "ignore":
-            loss = result[self._loss]
-            if not np.all(np.isfinite(loss)):
-                if self.on_nonfinite == "raise":
-                    raise NonFiniteLossError(f"step: loss {self._loss!r} is {loss.reshape(-1)[0]}; the step was "
-                                             "not applied, the state is unchanged")
+            arrays[name] = buf
+
+        def counted(skipped: bool) -> None:
+            if skipped:
                 self.skipped_steps += 1
-                return result
-        if not self.in_place:
-            self._current = 1 - self._current  # the written set holds the state now
-        self._count += 1
+            else:
+                self._count += 1
+
+        result, _ = self._step.run(arrays, counted)
         return result
 
     def evaluate(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The eval model's outputs (loss, logits...) with the current state; nothing changes."""
         if self._eval is None:
             raise TrainingOpError(f"evaluate: the export {self.directory!r} has no eval model")
-        arrays = self._check_feeds(feeds, self._eval_inputs, "evaluate")
-        io = self._eval.io_binding()
-        state = self._sets[self._current]
-        for node_input in self._eval.get_inputs():
-            if node_input.name in state:
-                io.bind_ortvalue_input(node_input.name, state[node_input.name])
-        for name, array in arrays.items():
-            io.bind_cpu_input(name, array)
-        names = [o.name for o in self._eval.get_outputs()]
-        for name in names:
-            io.bind_output(name, "cpu")
-        try:
-            self._eval.run_with_iobinding(io)
-        except Exception as error:
-            raise TrainingOpError(f"evaluate: onnxruntime failed on the exported eval model: {error}") from error
-        return {name: value.numpy() for name, value in zip(names, io.get_outputs())}
-
-
-def _scalar_output(model: onnx.ModelProto, name: str | None) -> bool:
-    """Whether ``model`` outputs ``name`` with a static shape of one element."""
-    for out in model.graph.output:
-        if name and out.name == name and out.type.tensor_type.HasField("shape"):
-            dims = out.type.tensor_type.shape.dim
-            return all(d.HasField("dim_value") and d.dim_value == 1 for d in dims)
-    return False
-
-
-def _np_type(value: ort.OrtValue) -> np.dtype:
-    """The numpy dtype of an OrtValue's ``tensor(...)`` type."""
-    text = value.data_type()[len("tensor("):-1]
-    return np.dtype({"float": "float32", "double": "float64", "float16": "float16"}.get(text, text))
+        result, _ = self._eval.run(self._check_feeds(feeds, self._eval_inputs, "evaluate"))
+        return result
 
 
 __all__ = ["DeviceTrainer"]

@@ -20,7 +20,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError, node_label
-from ..runtime.pipeline import prepare
+from ..runtime.pipeline import prepare_model
+from ..storage.large_model import LargeModel
 from ..training.inference import inference_model
 from ..training.program import combined_graph
 from ..training.pruning import used_names
@@ -103,13 +104,18 @@ def short_names(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def _prepared(model: onnx.ModelProto, flat: bool = False) -> onnx.ModelProto:
+    """The portable form of ``model`` (every tensor in its message, whatever its size)."""
+    return prepare_model(LargeModel(model, large=False), portable=True, flat=flat).model_proto
+
+
 def step_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
                meta: Mapping[str, str], flat: bool = False) -> Graph:
     """The training step: data, learning rates and state in; returned values and new state out.
-    ``flat``: each optimizer node over its tensors laid end to end (for a GPU, :func:`prepare`)."""
+    ``flat``: each optimizer node over its tensors laid end to end (for a GPU, :func:`~onnx_training_ops.prepare`)."""
     combined = combined_graph(model, 0, state_protos, meta)
     combined.graph.name = "training_step"
-    portable = prepare(combined, portable=True, flat=flat)
+    portable = _prepared(combined, flat)
     defaults = _plain_inputs(portable)
     return Graph(_standard(short_names(portable), "step model"), defaults)
 
@@ -131,7 +137,7 @@ def eval_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorPro
             if out.name == eval_loss:
                 out.name = loss
         combined.graph.node.append(helper.make_node("Identity", [eval_loss], [loss], name="eval_loss"))
-    portable = prepare(combined, portable=True)
+    portable = _prepared(combined)
     defaults = _plain_inputs(portable)
     return Graph(_standard(short_names(portable), "eval model"), defaults)
 
@@ -140,7 +146,7 @@ def inference_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.Tens
                     state_file: str, offsets: Mapping[str, tuple[int, int]]) -> onnx.ModelProto:
     """The main graph, its state initializers read from ``state_file`` (the exported
     safetensors) by ``offsets`` as ONNX external data: the weights are stored once."""
-    exported = inference_model(model, {}, with_state_values=False)
+    exported = inference_model(LargeModel(model, large=False), {}, with_state_values=False).model_proto
     exported.graph.name = exported.graph.name or "inference"
     for tensor in exported.graph.initializer:
         if tensor.name not in state_protos:

@@ -3,11 +3,11 @@
 onnxruntime's JavaScript binding converts every input and copies every output on each run:
 a step model with one input and one output per state variable (a small BERT has about 300 of
 each) pays that cost hundreds of times a step. ``step.packed.onnx`` is the same step with the
-state variables of each dtype laid end to end in one flat input (``Split`` then ``Reshape``
-into the variables, the graph unchanged) and their new values in one flat output
+state variables of each dtype laid end to end in one flat input (a ``Slice`` then a ``Reshape``
+per variable, the graph unchanged) and their new values in one flat output
 (``Reshape`` to 1-D, ``Concat``). The manifest's ``packs`` give each variable's offset and
 shape, so a client can still read and write the state by name (``state.safetensors`` keeps
-one tensor per variable). Bit for bit the same step: Split, Reshape and Concat move bytes.
+one tensor per variable). Bit for bit the same step: Slice, Reshape and Concat move bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,25 @@ def _default_opset(model: onnx.ModelProto) -> int:
     return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
+def _cut(pack: str, pieces: list[str], sizes: list[int], graph: onnx.GraphProto, as_input: bool
+         ) -> list[onnx.NodeProto]:
+    """One ``Slice`` per piece of the flat ``pack``. Not ``Split``: onnxruntime's CUDA Split
+    builds a host table with one int64 per element of the split axis and uploads it on every
+    run (``core/providers/cuda/tensor/split.cc``): 3 GB a step for GPT-2 124M's 372M-float
+    pack, the likely cause of the packed step's 5.3 s on the CUDA EP."""
+    nodes, offset = [], 0
+    for i, (piece, size) in enumerate(zip(pieces, sizes)):
+        if as_input:
+            bounds = [f"{pack}/starts{i}", f"{pack}/ends{i}"]
+            graph.initializer.append(numpy_helper.from_array(np.array([offset], np.int64), bounds[0]))
+            graph.initializer.append(numpy_helper.from_array(np.array([offset + size], np.int64), bounds[1]))
+            nodes.append(helper.make_node("Slice", [pack, *bounds], [piece]))
+        else:  # opset < 10: bounds as attributes
+            nodes.append(helper.make_node("Slice", [pack], [piece], starts=[offset], ends=[offset + size], axes=[0]))
+        offset += size
+    return nodes
+
+
 def packed_step(step: onnx.ModelProto, state: Mapping[str, np.ndarray],
                 feedback: Mapping[str, str]) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
     """``step`` with the fed-back state packed per dtype; the manifest's ``packs``."""
@@ -39,7 +58,7 @@ def packed_step(step: onnx.ModelProto, state: Mapping[str, np.ndarray],
     groups: dict[np.dtype, list[str]] = {}
     for name in order:
         groups.setdefault(state[name].dtype, []).append(name)
-    split_as_input = _default_opset(packed) >= 13
+    slice_as_input = _default_opset(packed) >= 10
     unpack, repack, inputs, outputs, packs = [], [], [], [], []
     for dtype, names in groups.items():
         elem = helper.np_dtype_to_tensor_dtype(dtype)
@@ -50,10 +69,7 @@ def packed_step(step: onnx.ModelProto, state: Mapping[str, np.ndarray],
         sizes = [int(state[n].size) for n in names]
         pieces = [f"{pack_in}/{i}" for i in range(len(names))] if len(names) > 1 else [pack_in]
         if len(names) > 1:
-            split = f"{pack_in}/sizes"
-            graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), split))
-            unpack.append(helper.make_node("Split", [pack_in, split], pieces, axis=0) if split_as_input
-                          else helper.make_node("Split", [pack_in], pieces, axis=0, split=sizes))
+            unpack += _cut(pack_in, pieces, sizes, graph, slice_as_input)
         flat_outputs, members, offset = [], [], 0
         for i, (name, piece, size) in enumerate(zip(names, pieces, sizes)):
             shape = f"{pack_in}/shape{i}"

@@ -17,14 +17,12 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import numpy_helper
-from onnx.model_container import ModelContainer
 
 from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
 from ..storage import checkpoint
-from ..storage.model_files import ModelLike, load_model
-from ..storage.tensors import attach
+from ..storage.model_files import ModelLike, as_model, load_model
 from ..training.nominal import nominal_names
 from ..training.state import collect_state_protos
 from . import graphs, packing, safetensors, webgpu
@@ -43,14 +41,12 @@ def _training_model(model_or_checkpoint: Any) -> onnx.ModelProto:
             raise TrainingOpError("export: this session was opened from a nominal checkpoint and its parameters "
                                   "have no values yet: load them (load_flat_parameters / load_state_dict), "
                                   "then export the session")
-        model = model_or_checkpoint.training_model()  # a TrainingSession: its current state
-        return attach(model) if isinstance(model, ModelContainer) else model
+        # a TrainingSession: its current state
+        return as_model(model_or_checkpoint.training_model(), copy=False).to_proto()
     path = model_or_checkpoint if isinstance(model_or_checkpoint, (str, os.PathLike)) else None
     where = f"checkpoint {os.fspath(path)!r}" if path is not None else "the model"
-    model = load_model(model_or_checkpoint)
+    model = load_model(model_or_checkpoint)  # every tensor in the message
     checkpoint.verify(model, path)
-    if isinstance(model, ModelContainer):
-        model = attach(model)
     empty = nominal_names(metadata(model))
     if empty:
         raise TrainingOpError(f"export: {where} is a nominal checkpoint (save(path, nominal=True)): "

@@ -39,6 +39,7 @@ import onnx
 from ..builder import META_PREFIX, build_training_model
 from ..builder.optimizers import Momentum
 from ..errors import TrainingOpError
+from ..storage.model_files import as_model
 from ..storage.snapshot import write_state
 from ..training.nominal import nominal_model
 from ..training.state import collect_state_protos
@@ -153,10 +154,10 @@ def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: 
 
     split = split_eval_model(eval_model, set(ckpt.shapes), str(eval_path))
     fill_parameters(split.forward, {**ckpt.trainable, **ckpt.frozen}, str(eval_path))
-    model = build_training_model(split.forward, loss=split.loss, optimizer=optimizer, trainable=trainable,
-                                 output=split.output, labels=split.labels)
+    built = as_model(build_training_model(split.forward, loss=split.loss, optimizer=optimizer, trainable=trainable,
+                                          output=split.output, labels=split.labels), copy=False)
     state["optimizer.T"] = np.array(step, np.int64)
-    names = {i.name for i in model.training_info[0].algorithm.initializer}
+    names = {i.name for i in built.model_proto.training_info[0].algorithm.initializer}
     missing = sorted(set(state) - names)
     if missing:  # the builder names states "<param>.V"/"<param>.H" unless a name was taken
         raise TrainingOpError(f"{ckpt_path}: the built model has no state variable(s) {missing[:3]}")
@@ -170,5 +171,6 @@ def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: 
                       "(shapes from the eval model): load the parameters with "
                       "TrainingSession.load_flat_parameters(buffer, trainable_only=False) before training",
                       stacklevel=2)
-        return nominal_model(write_state(model, state, meta), [*collect_state_protos(model), *ckpt.shapes])
-    return write_state(model, state, meta)
+        return nominal_model(write_state(built, state, meta).to_proto(),
+                             [*collect_state_protos(built.model_proto), *ckpt.shapes])
+    return write_state(built, state, meta).public(checksums=True)

@@ -9,8 +9,8 @@ from onnx import ModelProto
 from ..passes import FLAT_PORTABLE_PASSES, NATIVE_PASSES, PASSES, PORTABLE_PASSES
 from ..storage.external_data import transposed
 from ..storage.large_model import LargeModel
-from ..storage.model_files import ModelLike, load_model
-from ..storage.tensors import add_array, all_tensors, location, proto_of
+from ..storage.model_files import ModelLike, as_model
+from ..storage.tensors import add_array, all_tensors, location
 from ..walk import remove_nodes
 from . import plugin
 from .options import select_kernels
@@ -51,19 +51,25 @@ def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False
             found), an op without a derivative rule under a Gradient, or ``kernels="native"``
             where the native kernels do not work.
     """
+    return prepare_model(as_model(model, copy=False), kernels, portable, flat).public()
+
+
+def prepare_model(model: LargeModel, kernels: str | None = None, portable: bool = False,
+                  flat: bool = False) -> LargeModel:
+    """:func:`prepare` on the package's one model type: ``model`` (left as it was) prepared,
+    its detached tensors still arrays."""
     if portable:
         passes = FLAT_PORTABLE_PASSES if flat else PORTABLE_PASSES
     else:
         passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
-    opened = load_model(model, large=True)
-    if isinstance(opened, LargeModel):
-        fold_constant_transposes(opened)
-    result = proto_of(opened)
+    opened = model.copy()
+    fold_constant_transposes(opened)
+    result = opened.model_proto
     for _, run_pass in passes:
         result = run_pass(result)
     if not portable:
         plugin.register()
-    return opened.with_proto(result) if isinstance(opened, LargeModel) else result
+    return opened.with_proto(result)
 
 
 def fold_constant_transposes(model: LargeModel) -> None:

@@ -14,11 +14,11 @@ import onnxruntime as ort
 from ..errors import TrainingOpError
 from ..interrupts import held_interrupts
 from ..storage.large_model import LargeModel
-from ..storage.model_files import ModelLike
-from ..storage.tensors import location, proto_of
+from ..storage.model_files import ModelLike, as_model
+from ..storage.tensors import location
 from .native import native_error_message
 from .options import session_options
-from .pipeline import prepare
+from .pipeline import prepare_model
 from .plugin import Interrupted, take_kernel_errors
 
 
@@ -37,7 +37,7 @@ if hasattr(os, "register_at_fork"):
 class InferenceSession(ort.InferenceSession):
     """``onnxruntime.InferenceSession`` for models that use ai.onnx.preview.training.
 
-    Runs :func:`prepare` on the model and registers the kernel library in ``sess_options``
+    Runs :func:`~.pipeline.prepare` on the model and registers the kernel library in ``sess_options``
     (a copy is not made: the options object gains the library). Everything else
     (``get_inputs``, ``get_outputs``, ``io_binding``...) is onnxruntime's own.
 
@@ -53,11 +53,11 @@ class InferenceSession(ort.InferenceSession):
             :class:`~onnx_training_ops.storage.LargeModel`.
         sess_options: onnxruntime options to use (they gain the kernel library); None: new ones.
         providers: onnxruntime execution providers; default the CPU provider.
-        kernels: ``"native"``, ``"pyop"`` or None for the default (see :func:`prepare`).
+        kernels: ``"native"``, ``"pyop"`` or None for the default (see :func:`~.pipeline.prepare`).
         **kwargs: passed on to ``onnxruntime.InferenceSession``.
 
     Raises:
-        TrainingOpError: an invalid training-domain node (from :func:`prepare`).
+        TrainingOpError: an invalid training-domain node (from :func:`~.pipeline.prepare`).
     """
 
     def __init__(
@@ -68,10 +68,10 @@ class InferenceSession(ort.InferenceSession):
         kernels: str | None = None,
         **kwargs: Any,
     ) -> None:
-        prepared = prepare(model, kernels=kernels)
-        self.prepared_model = proto_of(prepared)
+        prepared = prepare_model(as_model(model, copy=False), kernels=kernels)
+        self.prepared_model = prepared.model_proto
         options = session_options(sess_options)
-        self._external = external_initializers(prepared, options) if isinstance(prepared, LargeModel) else []
+        self._external = external_initializers(prepared, options)
         super().__init__(
             self.prepared_model.SerializeToString(),
             sess_options=options,
@@ -126,10 +126,11 @@ class InferenceSession(ort.InferenceSession):
 
 def external_initializers(model: LargeModel, options: ort.SessionOptions) -> list:
     """Hand the main graph's detached tensors of ``model`` to onnxruntime through ``options``
-    as OrtValues over the arrays (onnxruntime copies them); returns what must outlive the session."""
+    as OrtValues over the arrays (onnxruntime copies them; none for a model whose tensors are
+    all in its message); returns what must outlive the session."""
     names, values, keep = [], [], []
     for tensor in model.model_proto.graph.initializer:
-        if location(tensor) is None:
+        if location(tensor) not in model.large_initializers:  # in the message, or in a file
             continue
         array = model.array(tensor)
         if not array.flags.c_contiguous:

@@ -7,6 +7,9 @@ as a :class:`.large_model.LargeModel` instead, its big tensors memory-mapped fro
 used, and nothing is serialized. The message is parsed from a memory map of the file (no
 second copy of the file in the process), and a message whose tensors left it is copied into
 a fresh one: protobuf frees a message's memory only when no part of it is referenced.
+
+:func:`as_model` is what every public entry calls on the model it is given: the one model
+type of the inner layers (:class:`.large_model.LargeModel`), whatever its size.
 """
 
 from __future__ import annotations
@@ -57,6 +60,35 @@ def load_model(model: ModelLike, large: bool = False) -> ModelProto | LargeModel
         if _stat(path) == before:
             raise
         return _load_file(path, large)
+
+
+def as_model(model: ModelLike, copy: bool = True) -> LargeModel:
+    """``model`` as the package's one model type, whatever its size.
+
+    A small model comes back as a LargeModel with ``large=False`` and every tensor in its
+    message; a large one (a ModelContainer given, or past
+    :func:`.tensors.large_model_bytes`) as :func:`load_model` with ``large=True`` opens it:
+    its big tensors arrays, memory-mapped from a file.
+
+    Args:
+        model: a ModelProto, LargeModel (or onnx ModelContainer), path or serialized bytes.
+        copy: False shares what it can with ``model`` (a LargeModel given is returned as it
+            is, a small ModelProto's message is not copied): for a caller that changes
+            nothing, or that copies what it changes.
+
+    Returns:
+        The LargeModel.
+
+    Raises:
+        TrainingOpError: the model cannot be read (naming the file and what is wrong).
+    """
+    if not copy:
+        if isinstance(model, LargeModel):
+            return model
+        if isinstance(model, ModelProto) and model.ByteSize() <= large_model_bytes():
+            return LargeModel(model, large=False)
+    opened = load_model(model, large=True)
+    return opened if isinstance(opened, LargeModel) else LargeModel(opened, large=False)
 
 
 def _stat(path: str):
@@ -115,7 +147,7 @@ def compact(model: LargeModel) -> LargeModel:
     caller drops the old message and keeps this one."""
     skeleton = ModelProto()
     skeleton.CopyFrom(model.model_proto)
-    return LargeModel(skeleton, model.large_initializers)
+    return LargeModel(skeleton, model.large_initializers, model.large)
 
 
 def _has_graph(graph: onnx.GraphProto) -> bool:

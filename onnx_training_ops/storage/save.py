@@ -105,12 +105,19 @@ def _save_external(model: onnx.ModelProto | ModelContainer, path: str, checksums
         return _save_external_locked(model, path, directory, base, checksums)
 
 
+def _holds_values(tensor: onnx.TensorProto) -> bool:
+    """False for a tensor with dims and no values (a nominal checkpoint's): it stays in the message."""
+    return tensor.HasField("raw_data") or any(
+        len(getattr(tensor, f)) for f in ("float_data", "double_data", "int32_data", "int64_data",
+                                         "uint64_data", "string_data"))
+
+
 def _save_external_locked(model: onnx.ModelProto | ModelContainer, path: str, directory: str, base: str,
                           checksums: bool) -> str:
     skeleton = onnx.ModelProto()
     skeleton.CopyFrom(proto_of(model))
     tensors = [t for g in graphs_with_tensors(skeleton) for t in g.initializer
-               if location(t) is not None or tensor_nbytes(t) >= MIN_DETACHED_BYTES]
+               if location(t) is not None or (tensor_nbytes(t) >= MIN_DETACHED_BYTES and _holds_values(t))]
     # one tensor's values at a time (a message's tensors are copied out as they are written)
     arrays = ((i, array_of(model, t) if location(t) is not None else numpy_helper.to_array(t))
               for i, t in enumerate(tensors))

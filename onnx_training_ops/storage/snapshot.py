@@ -7,36 +7,29 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 
-from .checkpoint import add_checksums, set_initializer
+from .checkpoint import CHECKSUM_KEY
 from .large_model import LargeModel
-from .tensors import MIN_DETACHED_BYTES, add_array, proto_of, tensor_nbytes
 
 
-def write_state(model: onnx.ModelProto | LargeModel, state: Mapping[str, np.ndarray],
-                metadata: Mapping[str, str] | None = None, copy: bool = True) -> onnx.ModelProto | LargeModel:
+def write_state(model: LargeModel, state: Mapping[str, np.ndarray],
+                metadata: Mapping[str, str] | None = None, copy: bool = True) -> LargeModel:
     """A copy of ``model`` whose initializers named in ``state`` (main graph and training_info
     algorithm graphs) hold the given values, with ``metadata`` entries set (an empty value
-    removes the key). A ModelProto gets its checksums. A LargeModel keeps the values as
-    arrays: copies of ``state``'s, or with ``copy=False`` the very arrays (for a writer that
-    holds them still); its checksums are computed when it is saved, as its bytes are written."""
-    large = isinstance(model, LargeModel)
-    out = model.copy() if large else onnx.ModelProto()
-    if not large:
-        out.CopyFrom(model)
-    proto = proto_of(out)
-    if metadata:
-        kept = [m for m in proto.metadata_props if m.key not in metadata]
-        del proto.metadata_props[:]
-        proto.metadata_props.extend(kept)
-        proto.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v)
-                                    for k, v in metadata.items() if v)
+    removes the key). Big values are arrays: copies of ``state``'s, or with ``copy=False`` the
+    very arrays (for a writer that holds them still). An earlier checksum record is dropped
+    (stale): checksums are computed when the copy is written or made public
+    (:meth:`.large_model.LargeModel.public` with ``checksums=True``). The copy is large if
+    ``model`` is or if its tensors now pass the size limit."""
+    out = model.copy()
+    proto = out.model_proto
+    metadata = {**(metadata or {}), CHECKSUM_KEY: ""}
+    kept = [m for m in proto.metadata_props if m.key not in metadata]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    proto.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v) for k, v in metadata.items() if v)
     graphs = [proto.graph] + [info.algorithm for info in proto.training_info]
     for graph in graphs:
         for tensor in graph.initializer:
-            if tensor.name not in state:
-                continue
-            if large and tensor_nbytes(tensor) >= MIN_DETACHED_BYTES:
-                add_array(out, tensor, np.array(state[tensor.name], copy=True) if copy else state[tensor.name])
-            else:
-                set_initializer(tensor, state[tensor.name])
-    return out.with_proto(proto) if large else add_checksums(out)
+            if tensor.name in state:
+                out.set_value(tensor, state[tensor.name], copy=copy)
+    return out.with_proto(proto).remeasured()

@@ -15,7 +15,7 @@ models of a few KB).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -105,15 +105,26 @@ def tensor_nbytes(tensor: onnx.TensorProto) -> int:
     return int(np.prod(tensor.dims, dtype=np.int64)) * dtype.itemsize
 
 
+class Deferred:
+    """A detached tensor's values, read only when needed: a writer that takes one tensor at a
+    time (:func:`~.save.save_model`) then holds one copy at a time (device state, streamed to
+    disk). ``read()`` returns the array."""
+
+    def __init__(self, read: Callable[[], np.ndarray]) -> None:
+        self.read = read
+
+
 def tensor_value(tensor: onnx.TensorProto, arrays: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
-    """The values of ``tensor``: from the message, or ``arrays[location]`` for a detached one."""
+    """The values of ``tensor``: from the message, or ``arrays[location]`` for a detached one
+    (a :class:`Deferred` one read now)."""
     where = location(tensor)
     if where is None:
         return numpy_helper.to_array(tensor)
     if arrays is None or where not in arrays:
         raise TrainingOpError(f"tensor {tensor.name!r}: its data is external ({where!r}) and no array "
                               "holds it; load the model from its file")
-    return arrays[where]
+    value = arrays[where]
+    return value.read() if isinstance(value, Deferred) else value
 
 
 def constant_array(value, dtype, shape) -> np.ndarray:

@@ -11,16 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingOpError
-from ..runtime.pipeline import prepare
+from ..runtime.pipeline import prepare_model
 from ..runtime.session import InferenceSession
 from ..schema import DOMAIN
 from ..storage.large_model import LargeModel
-from ..storage.tensors import location, proto_of
+from ..storage.tensors import location
 from .arrays import dtype_name, owned
 from .feeds import feed_spec
 from .in_place import add_finite_guard, in_place_outputs
@@ -29,7 +28,7 @@ from .pruning import prune_unused_initializers
 
 
 def open_program(
-    model: onnx.ModelProto | LargeModel,
+    model: LargeModel,
     analysis: Analysis,
     state: dict[str, np.ndarray],
     sess_options: ort.SessionOptions | None,
@@ -59,19 +58,19 @@ def open_program(
     """
     combined = model
     constants: dict[str, np.ndarray] = {}
-    if constants_as_inputs and isinstance(combined, LargeModel):  # after prepare's transpose fold
-        combined, constants = _constants_as_inputs(prepare(combined))
-    graph = proto_of(combined).graph
+    if constants_as_inputs:  # after prepare's transpose fold
+        combined, constants = _constants_as_inputs(prepare_model(combined))
+    graph = combined.model_proto.graph
     rate_inputs = analysis.rate_inputs
     found: dict[str, str] = {}
     guarded = False
     if in_place:
-        combined = prepare(combined)
-        found = in_place_outputs(proto_of(combined).graph, analysis.binding, state)
-        if found and guard and analysis.loss_names and not add_finite_guard(proto_of(combined), analysis.loss_names):
+        combined = prepare_model(combined)
+        found = in_place_outputs(combined.model_proto.graph, analysis.binding, state)
+        if found and guard and analysis.loss_names and not add_finite_guard(combined.model_proto, analysis.loss_names):
             found = {}
         guarded = bool(found) and guard and bool(analysis.loss_names)
-    prune_unused_initializers(proto_of(combined).graph, rate_inputs)
+    prune_unused_initializers(combined.model_proto.graph, rate_inputs)
     session = InferenceSession(combined, sess_options=sess_options, providers=providers)
     del model, combined  # the session holds what it needs
     io = session.io_binding()

@@ -14,46 +14,35 @@ from ..errors import TrainingOpError
 from ..passes.fit_runtime import fit_runtime
 from ..runtime.session import InferenceSession
 from ..schema import DOMAIN
-from ..storage import checkpoint
 from ..storage.large_model import LargeModel
-from ..storage.tensors import MIN_DETACHED_BYTES, add_array, proto_of, tensor_nbytes
 from ..walk import all_graphs
 from .pruning import prune_dead_nodes, prune_unused_inputs, used_names
 from .stages import typed_values
 
 
 def inference_model(
-    model: onnx.ModelProto | LargeModel, state: Mapping[str, np.ndarray], with_state_values: bool = True,
+    model: LargeModel, state: Mapping[str, np.ndarray], with_state_values: bool = True,
     copy: bool = True,
-) -> onnx.ModelProto | LargeModel:
+) -> LargeModel:
     """The main graph without training_info and the builder's metadata (with the current
-    state if asked). A LargeModel gives a LargeModel: the state's big arrays are copies,
-    or with ``copy=False`` the live arrays (for a writer that holds them still)."""
-    large = isinstance(model, LargeModel)
-    out = model.copy() if large else onnx.ModelProto()
-    if not large:
-        out.CopyFrom(model)
-    exported = proto_of(out)
+    state if asked): a LargeModel over ``model``'s arrays, the state's big arrays copies, or
+    with ``copy=False`` the live arrays (for a writer that holds them still)."""
+    out = model.copy()
+    exported = out.model_proto
     del exported.training_info[:]
     kept = [m for m in exported.metadata_props if not m.key.startswith(META_PREFIX)]
     del exported.metadata_props[:]
     exported.metadata_props.extend(kept)
     if with_state_values:
         for tensor in exported.graph.initializer:
-            if tensor.name not in state:
-                continue
-            if large and tensor_nbytes(tensor) >= MIN_DETACHED_BYTES:
-                value = state[tensor.name]
-                add_array(out, tensor, np.array(value, copy=True) if copy else value)
-            else:
-                checkpoint.set_initializer(tensor, state[tensor.name])
+            if tensor.name in state:
+                out.set_value(tensor, state[tensor.name], copy=copy)
     uses_domain = any(n.domain == DOMAIN for g in all_graphs(exported.graph) for n in g.node)
     if not uses_domain:
         kept_ops = [o for o in exported.opset_import if o.domain != DOMAIN]
         del exported.opset_import[:]
         exported.opset_import.extend(kept_ops)
-    exported = fit_runtime(exported)
-    return out.with_proto(exported) if large else exported
+    return out.with_proto(fit_runtime(exported))
 
 
 def with_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
@@ -77,14 +66,14 @@ def with_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelPr
 
 
 def inference_session(
-    model: onnx.ModelProto | LargeModel,
+    model: LargeModel,
     state: Mapping[str, np.ndarray],
     sess_options: ort.SessionOptions | None,
     providers: Sequence[str | tuple[str, dict]],
 ) -> tuple[InferenceSession, list[str]]:
     """A session of the main graph taking the state as inputs; returns it and the names of those inputs."""
     model = inference_model(model, state, with_state_values=False)
-    graph = proto_of(model).graph
+    graph = model.model_proto.graph
     if not graph.output:
         raise TrainingOpError("run: the main graph has no outputs (a from_graph session has no inference graph)")
     state_inputs = []
@@ -99,7 +88,6 @@ def inference_session(
             kept.append(tensor)
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    if isinstance(model, LargeModel):
-        model = model.with_proto(model.model_proto)  # the state's initial values are inputs now
+    model = model.with_proto(model.model_proto)  # the state's initial values are inputs now
     session = InferenceSession(model, sess_options=sess_options, providers=providers)
     return session, state_inputs

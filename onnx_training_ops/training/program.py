@@ -24,7 +24,6 @@ from ..passes.validate import validate
 from ..runtime.session import InferenceSession
 from ..schema import DOMAIN, OPTIMIZERS
 from ..storage.large_model import LargeModel
-from ..storage.tensors import proto_of
 from ..walk import remove_nodes
 from .arrays import dtype_name, np_dtype, owned
 from .fast_path import cut_sources, cuttable_nodes
@@ -287,7 +286,7 @@ def drop_passthrough_bindings(graph: onnx.GraphProto, binding: dict[str, str]) -
 
 
 def build_program(
-    model: onnx.ModelProto | LargeModel,
+    model: LargeModel,
     index: int,
     state: Mapping[str, np.ndarray],
     state_protos: Mapping[str, onnx.TensorProto],
@@ -295,7 +294,7 @@ def build_program(
     fast: bool,
     prune_inputs: bool = False,
     where: str = "step",
-) -> tuple[onnx.ModelProto | LargeModel, Analysis]:
+) -> tuple[LargeModel, Analysis]:
     """Analyse training_info[index]: its combined graph, learning rates, in-place updates and
     outputs.
 
@@ -310,14 +309,15 @@ def build_program(
         where: the method the program runs for, as its messages name it.
 
     Returns:
-        The graph onnxruntime runs (a LargeModel when ``model`` is: detached constants stay
-        arrays) and the :class:`Analysis`.
+        The graph onnxruntime runs (its detached constants still ``model``'s arrays) and the
+        :class:`Analysis`.
 
     Raises:
         TrainingOpError: an invalid combined graph or a binding of another dtype or shape.
     """
-    arrays = model.large_initializers if isinstance(model, LargeModel) else None
-    model = proto_of(model)
+    source = model
+    arrays = model.large_initializers
+    model = model.model_proto
     info = model.training_info[index]
     combined = combined_graph(model, index, state_protos, meta, prune_inputs)
     check_binding_types(model, index, combined, state)
@@ -388,7 +388,7 @@ def build_program(
     if groups or rms:  # what only fed the cut updates (their constants, shapes) is dead now
         prune_dead_nodes(graph)
 
-    graph_model = LargeModel(combined, arrays).with_proto(combined) if arrays is not None else combined
+    graph_model = source.with_proto(combined)
     cut = CutNodes(cut_nodes, sources, prescale)
     analysis = Analysis(
         index=index, where=where, state_inputs=tuple(state_inputs), binding=binding, rate_inputs=rate_inputs,

@@ -1,28 +1,23 @@
-"""Which onnxruntime execution providers a TrainingSession may run on, checked up front.
+"""Where a TrainingSession trains: its execution providers and the device its state lives on.
 
 onnxruntime quietly trains on the CPU when a requested provider is not in the installed
-build (it logs a warning and drops it), and a session whose state is bound from host arrays
-reads a device copy made once, at bind time, for any input a device node reads (onnxruntime's
-``IOBinding::BindInput``): from step 2 on it would train on stale parameters. Until the
-state lives on the device for the session's life, a TrainingSession runs on the CPU only and
-says so, instead of returning a silently wrong result.
+build (it logs a warning and drops it): :func:`placement` refuses that up front. And a
+session whose state is bound from host arrays reads a device copy made once, at bind time,
+for any input a device node reads (onnxruntime's ``IOBinding::BindInput``): from step 2 on it
+would train on stale parameters. So a session with a device provider keeps its state on the
+device as OrtValues (:mod:`.device_session`), as it does for ``device="cpu"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import onnxruntime as ort
 
 from ..errors import TrainingOpError
 
 CPU = "CPUExecutionProvider"
-
-_GPU_HINT = (
-    "To train on a GPU today: export the step (onnx_training_ops.export.export_step, or "
-    "`onnx-training-ops export-step`) and train it with onnx_training_ops.export.DeviceTrainer(directory, "
-    "providers=['CUDAExecutionProvider', 'CPUExecutionProvider']), which keeps the state on the device"
-)
 
 
 def provider_name(provider: str | tuple[str, dict]) -> str:
@@ -52,28 +47,100 @@ def require_available(providers: Sequence[str | tuple[str, dict]], available: Se
         )
 
 
-def checked_providers(providers: Sequence[str | tuple[str, dict]] | None,
-                      available: Sequence[str] | None = None) -> list:
-    """``providers`` as a list, after checking that the session can train correctly on them.
+# execution provider -> the OrtValue device type its inputs live on (others read host memory)
+DEVICE_OF = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda",
+             "ROCMExecutionProvider": "cuda", "DmlExecutionProvider": "dml"}
+# TrainingSession(device=...) -> the providers it means when none are given
+_PROVIDERS_OF = {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider"}
 
-    Raises :class:`TrainingOpError` when a provider is not in this onnxruntime build (instead
-    of onnxruntime's silent fallback to the CPU), and for any provider but the CPU's (the
-    state would be read from a stale device copy from step 2 on).
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a session trains: its providers and, for a device-resident state, the device."""
+
+    providers: list
+    device: str | None = None  # None: host arrays (the CPU session); else the OrtValues' device
+    device_id: int = 0
+
+
+def device_for(providers: Sequence[str | tuple[str, dict]]) -> tuple[str, int]:
+    """The OrtValue device (and index) of the first provider with device memory, else the CPU."""
+    for provider in providers:
+        device = DEVICE_OF.get(provider_name(provider))
+        if device is not None:
+            options = provider[1] if isinstance(provider, tuple) and len(provider) > 1 else {}
+            return device, int(options.get("device_id", 0)) if isinstance(options, dict) else 0
+    return "cpu", 0
+
+
+def _parse_device(device: str) -> tuple[str, int]:
+    if not isinstance(device, str):
+        raise TrainingOpError(f"device must be a string such as 'cuda', 'cuda:1' or 'cpu', found {device!r}")
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", *_PROVIDERS_OF) or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise TrainingOpError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'dml', found {device!r}")
+    return kind, int(index or 0)
+
+
+def placement(providers: Sequence[str | tuple[str, dict]] | None, device: str | None = None,
+              available: Sequence[str] | None = None) -> Placement:
+    """Where a session trains, checked before anything is loaded.
+
+    Args:
+        providers: onnxruntime providers (None: the CPU's, or the device's given by ``device``).
+        device: ``"cuda"``, ``"cuda:N"``, ``"dml"``: the state resident on that device (the
+            providers default to its provider then the CPU's); ``"cpu"``: the device-resident
+            engine on the CPU (OrtValues, the same graphs as on a GPU); None: the state on the
+            device of the first device provider listed, else host arrays.
+        available: the providers of this onnxruntime build (default: asked).
+
+    Returns:
+        The :class:`Placement`.
+
+    Raises:
+        TrainingOpError: a provider missing from this onnxruntime build (onnxruntime would train
+            on the CPU without a word), an unknown device, or providers that do not run on it.
     """
+    wanted = _parse_device(device) if device is not None else None
     if providers is None:
-        return [CPU]
-    if isinstance(providers, (str, tuple)):
-        providers = [providers]
-    listed = list(providers)
-    if not listed:
-        raise TrainingOpError(f"providers: empty list; leave it out (or pass [{CPU!r}]) to train on the CPU")
+        if wanted is None or wanted[0] == "cpu":
+            listed: list = [CPU]
+        else:
+            options = {"device_id": wanted[1]} if wanted[0] == "cuda" else {}
+            listed = [(_PROVIDERS_OF[wanted[0]], options), CPU]
+    else:
+        listed = [providers] if isinstance(providers, (str, tuple)) else list(providers)
+        if not listed:
+            raise TrainingOpError(f"providers: empty list; leave it out (or pass [{CPU!r}]) to train on the CPU")
     require_available(listed, available)
     names = [provider_name(p) for p in listed]
-    other = [n for n in names if n != CPU]
-    if other:
-        raise TrainingOpError(
-            f"providers: TrainingSession trains on {CPU} only for now, found {', '.join(map(repr, other))}: "
-            f"a device provider would read the parameters of step 1 from then on (state bound from host "
-            f"arrays is copied to the device once, at bind time). {_GPU_HINT}"
-        )
-    return listed
+    found = device_for(listed)
+    if wanted is not None:
+        if wanted[0] != "cpu" and found[0] != wanted[0]:
+            raise TrainingOpError(f"device={device!r} but the providers {names} have none for it; "
+                                  f"add {_PROVIDERS_OF[wanted[0]]!r}")
+        return Placement(listed, wanted[0], wanted[1])
+    if all(n == CPU for n in names):
+        return Placement(listed)
+    return Placement(listed, *found)
+
+
+def device_inputs(shapes: Mapping[str, Sequence[int]] | None, device: str | None) -> dict[str, list[int]] | None:
+    """``input_shapes`` checked (name -> dims of whole numbers > 0), for a device-resident session only."""
+    if shapes is None:
+        return None
+    if device is None:
+        raise TrainingOpError("input_shapes applies to a device-resident session: pass device='cuda' "
+                              "(or device='cpu')")
+    if not isinstance(shapes, Mapping):
+        raise TrainingOpError(f"input_shapes must map input names to dims, found {type(shapes).__name__}")
+    checked = {}
+    for name, dims in shapes.items():
+        try:
+            values = [int(d) for d in dims]
+        except (TypeError, ValueError):
+            values = []
+        if not values or any(v < 1 or v != d for v, d in zip(values, dims)):
+            raise TrainingOpError(f"input_shapes[{name!r}] must be a list of whole numbers > 0, found {dims!r}")
+        checked[str(name)] = values
+    return checked

@@ -19,10 +19,22 @@ class LearningRates:
     """The learning-rate inputs of ``programs``, their defaults, and the schedule with its position."""
 
     def __init__(self, programs: Sequence[Any], meta: Mapping[str, str]) -> None:
-        analyses = [p.analysis for p in programs]
-        self.names = list(dict.fromkeys(name for a in analyses for name in a.rate_inputs))
-        self.base = {name: float(a.rate_defaults[name].reshape(-1)[0])
-                     for a in analyses for name in a.rate_inputs if a.rate_defaults[name] is not None}
+        defaults: dict[str, Any] = {}
+        for analysis in (p.analysis for p in programs):
+            for name in analysis.rate_inputs:
+                defaults.setdefault(name, analysis.rate_defaults[name])
+        self._init(defaults, meta)
+
+    @classmethod
+    def from_defaults(cls, defaults: Mapping[str, Any], meta: Mapping[str, str]) -> LearningRates:
+        """The rates of the inputs ``defaults`` names (input -> its default array, or None)."""
+        rates = cls.__new__(cls)
+        rates._init(defaults, meta)
+        return rates
+
+    def _init(self, defaults: Mapping[str, Any], meta: Mapping[str, str]) -> None:
+        self.names = list(defaults)
+        self.base = {name: float(value.reshape(-1)[0]) for name, value in defaults.items() if value is not None}
         self.schedule, self.step = (
             lr_schedules.from_json(meta["lr_schedule"]) if meta.get("lr_schedule") else (None, 0))
 

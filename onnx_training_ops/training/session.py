@@ -37,15 +37,12 @@ import onnxruntime as ort
 
 from ..errors import TrainingOpError, node_label
 from ..runtime.session import InferenceSession
-from ..storage import checkpoint
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike
-from ..storage.tensors import add_array, location, proto_of
-from .feeds import Feed, feed_list
+from .feeds import Feed
 from .from_graph import graph_to_training_model
 from .locked import locked
-from .program import program_feeds
-from .providers import checked_providers
+from .providers import device_inputs, placement
 from .session_open import check_threads, open_parts
 from .session_programs import RuntimeConfig
 from .session_summary import describe, torch_state_dict
@@ -73,8 +70,9 @@ class TrainingSession:
         model_or_path: a ModelProto, LargeModel, path or bytes of a model with
             ``training_info`` (from :func:`~onnx_training_ops.build_training_model` or written
             by hand following the IR spec), or a checkpoint.
-        providers: onnxruntime execution providers; only the CPU provider trains (a device
-            provider or one missing from the installed build is refused).
+        providers: onnxruntime execution providers (one missing from the installed build is
+            refused). With a device provider (``CUDAExecutionProvider``...) the state lives on
+            that device (see ``device``).
         fast: apply the optimizer nodes in place with the fused kernels (default); False runs
             them in onnxruntime. Both agree bit for bit.
         on_nonfinite: what a NaN or infinite loss does: ``"raise"``
@@ -87,6 +85,20 @@ class TrainingSession:
         session_config: extra onnxruntime session config entries.
         threads: intra-op threads of every onnxruntime session (0: onnxruntime's choice, one
             per core; default: 1 for a small model, else 0).
+        device: where the state lives: ``"cuda"``, ``"cuda:N"`` (the providers default to the
+            device's and the CPU's), or ``"cpu"`` for the same device-resident engine on the CPU.
+            Default: the device of the first device provider listed, else host arrays. On a
+            device every parameter, optimizer state, update count and accumulated gradient is
+            an OrtValue there for the session's life; per step only the batch and the learning
+            rates go up and the returned values come down; the optimizers run lowered to
+            standard ops in onnxruntime (``fast`` does not apply). docs/gpu.md.
+        input_shapes: with a ``device``, the step's data inputs' static shapes
+            (``{"input_ids": [8, 256]}``): its shape arithmetic is folded once, and every
+            ``step`` batch must have these shapes (``evaluate`` takes any).
+        cuda_graph: with a CUDA device, replay the step as a CUDA graph. None (default): when
+            safe, i.e. static step inputs (their own or ``input_shapes``), the state written in
+            place, no input with a stored default, and every node on the CUDA EP; True: an error
+            naming what prevents it; False: never.
 
     Raises:
         TrainingOpError: a model without ``training_info``, a damaged or mismatched
@@ -103,13 +115,18 @@ class TrainingSession:
         sess_options: ort.SessionOptions | None = None,
         session_config: Mapping[str, str] | None = None,
         threads: int | None = None,
+        device: str | None = None,
+        input_shapes: Mapping[str, Sequence[int]] | None = None,
+        cuda_graph: bool | None = None,
     ) -> None:
         if on_nonfinite not in NONFINITE_POLICIES:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
         check_threads(threads, sess_options)
-        providers = checked_providers(providers)  # before anything is loaded: a clear error, never a CPU run
-        self._config = RuntimeConfig(providers, bool(fast), on_nonfinite, sess_options,
-                                     {str(k): str(v) for k, v in (session_config or {}).items()}, threads)
+        where = placement(providers, device)  # before anything is loaded: a clear error, never a CPU run
+        self._config = RuntimeConfig(where.providers, bool(fast), on_nonfinite, sess_options,
+                                     {str(k): str(v) for k, v in (session_config or {}).items()}, threads,
+                                     where.device, where.device_id, device_inputs(input_shapes, where.device),
+                                     cuda_graph)
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
         self._store, self._programs, self._loop, self._files = open_parts(model_or_path, self._config)
@@ -155,9 +172,12 @@ class TrainingSession:
             The new TrainingSession.
         """
         config = self._config
+        device = None if config.device is None else \
+            f"{config.device}:{config.device_id}" if config.device_id else config.device
         return type(self)(model, config.providers, fast=config.fast, on_nonfinite=config.on_nonfinite,
                           sess_options=config.sess_options, session_config=config.session_config,
-                          threads=config.threads)
+                          threads=config.threads, device=device, input_shapes=config.input_shapes,
+                          cuda_graph=config.cuda_graph)
 
     # ------------------------------------------------------------------ steps and evaluation
 
@@ -199,7 +219,7 @@ class TrainingSession:
         Returns:
             One entry per input: name, dtype, shape and whether it is optional.
         """
-        return feed_list(*program_feeds(self._programs.for_evaluation(tuple(outputs))))
+        return self._programs.eval_feeds(tuple(outputs))
 
     @locked
     def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str] = ()) -> dict[str, np.ndarray]:
@@ -472,15 +492,10 @@ class TrainingSession:
     def _reopen_with_constants(self, values: dict[str, np.ndarray]) -> None:
         """Reopen every part on the current training model with new constant values (the
         parameters still waiting for values and the skipped-step count carry over)."""
-        model = self._files.training_model()
-        for tensor in proto_of(model).graph.initializer:
+        model = self._files.snapshot()
+        for tensor in model.model_proto.graph.initializer:
             if tensor.name in values:
-                if isinstance(model, LargeModel) and location(tensor) is not None:
-                    add_array(model, tensor, np.array(values[tensor.name], copy=True))
-                else:
-                    checkpoint.set_initializer(tensor, values[tensor.name])
-        if not isinstance(model, LargeModel):
-            model = checkpoint.add_checksums(model)
+                model.set_value(tensor, values[tensor.name])
         unfilled, skipped = set(self._store.unfilled), self._loop.skipped_steps
         self._store, self._programs, self._loop, self._files = open_parts(model, self._config)
         self._store.unfilled, self._loop.skipped_steps = unfilled, skipped
@@ -583,12 +598,23 @@ class TrainingSession:
     @property
     def fast_path_nodes(self) -> list[str]:
         """Labels of the optimizer nodes the fast path applies in place."""
-        return [node_label(n) for p in self._programs.steps for n in p.cut_nodes]
+        return [node_label(n) for n in self._programs.fast_path_nodes()]
 
     @property
     def providers(self) -> list[str]:
         """The execution providers this session trains on (names, in onnxruntime's order)."""
         return [p[0] if isinstance(p, tuple) else p for p in self._config.providers]
+
+    @property
+    def device(self) -> str | None:
+        """Where the state lives: ``"cuda"``, ``"cpu"``... for a device-resident session, None for
+        host arrays (the CPU session with its fused kernels)."""
+        return self._config.device
+
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether the step replays a CUDA graph (see ``cuda_graph=``)."""
+        return self._programs.graph_capture()
 
     @property
     def metadata(self) -> dict[str, str]:

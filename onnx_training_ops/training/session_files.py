@@ -10,12 +10,10 @@ import onnx
 
 from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
-from ..storage import checkpoint
 from ..storage.large_model import LargeModel
 from ..storage.model_files import load_model
 from ..storage.save import save_model
 from ..storage.snapshot import write_state
-from ..storage.tensors import attach
 from .checks import checked_properties, stored_properties
 from .inference import inference_model, with_outputs
 from .nominal import nominal_model
@@ -27,24 +25,26 @@ class Checkpointer:
     """Writes one state store's model to disk: checkpoints (with the properties and the
     schedule's position) and inference models."""
 
-    def __init__(self, store: StateStore, rates: LearningRates, meta: Mapping[str, str], large: bool) -> None:
+    def __init__(self, store: StateStore, rates: LearningRates, meta: Mapping[str, str]) -> None:
         """The checkpointer of ``store``, with the properties the model recorded.
 
         Args:
             store: the state written.
             rates: the learning rates (the schedule and its position go into checkpoints).
             meta: the builder's metadata (``properties``: the values a checkpoint restores).
-            large: the model is large (streamed to disk, LargeModels returned).
         """
-        self.store, self.rates, self.meta, self.large = store, rates, meta, large
+        self.store, self.rates, self.meta = store, rates, meta
         self.properties: dict[str, Any] = stored_properties(meta.get("properties") or "{}")
+
+    def snapshot(self, copy: bool = True) -> LargeModel:
+        """The training model with the current state: copies of the state's arrays, or with
+        ``copy=False`` the live arrays (for a writer holding the session's lock)."""
+        state = self.store.arrays if copy else self.store.for_writing()
+        return write_state(self.store.model, state, self.checkpoint_metadata(), copy=copy)
 
     def training_model(self) -> onnx.ModelProto | LargeModel:
         """The training model with the current state (``TrainingSession.training_model``)."""
-        snapshot = write_state(self.store.model, self.store.arrays, self.checkpoint_metadata())
-        if self.large:
-            return snapshot
-        return checkpoint.add_checksums(attach(snapshot))
+        return self.snapshot().public(checksums=True)
 
     def checkpoint_metadata(self) -> dict[str, str]:
         """The metadata entries a checkpoint of this session carries (properties, schedule)."""
@@ -59,31 +59,24 @@ class Checkpointer:
                 "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")
         if nominal:
             names = [*self.store.arrays, *self.store.parameters(trainable_only=False)]
-            model = self.training_model()
-            return save_model(nominal_model(attach(model) if isinstance(model, LargeModel) else model, names), path)
+            return save_model(nominal_model(self.snapshot(copy=False).to_proto(), names), path)
         self.store.check_filled("save")
-        if not self.large:
-            return save_model(self.training_model(), path)
-        # the live state arrays, streamed to disk under the lock: no copy of the state
-        live = write_state(self.store.model, self.store.arrays, self.checkpoint_metadata(), copy=False)
-        return save_model(live, path, checksums=True)
+        # the live state arrays, written under the lock: no copy of a large model's state
+        return self.snapshot(copy=False).write(path, checksums=True)
 
     def export_inference_model(self, path: str | os.PathLike | None = None,
                                outputs: Sequence[str] | None = None) -> onnx.ModelProto | LargeModel:
         """The main graph with the trained weights (``TrainingSession.export_inference_model``)."""
         self.store.check_filled("export_inference_model")
-        live = self.large and path is not None  # streamed to disk under the lock: no copy
-        model = inference_model(self.store.model, self.store.arrays, with_state_values=True, copy=not live)
+        # written from the live state (under the lock: no copy; a device's tensors read one at
+        # a time as the writer reaches them); returned over copies of it
+        live = self.store.for_writing() if path is not None else self.store.arrays
+        model = inference_model(self.store.model, live, with_state_values=True, copy=path is None)
         if outputs is not None:
             model = model.with_proto(with_outputs(model.model_proto, outputs))
         if not model.model_proto.graph.output:
             raise TrainingOpError("export_inference_model: the main graph has no outputs")
-        if not self.large:
-            model = attach(model)
-            if path is not None:
-                save_model(model, path)
-            return model
         if path is None:
-            return model
-        save_model(model, path)
+            return model.public()
+        model.write(path)
         return load_model(path, large=True)

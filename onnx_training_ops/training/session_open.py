@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import onnx
 
 from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError
@@ -17,15 +18,19 @@ from ..kernels.compile_notice import announce_compiles
 from ..runtime.options import default_intra_op_threads
 from ..runtime.session import InferenceSession
 from ..storage import checkpoint
-from ..storage.large_model import LargeModel, detach, is_large
-from ..storage.model_files import ModelLike, load_model
-from ..storage.tensors import attach, proto_of
+from ..storage.large_model import detach
+from ..storage.model_files import ModelLike, as_model
+from .device_session import DeviceLoop, DevicePrograms
+from .device_store import DeviceStateStore
 from .nominal import materialize, nominal_names
 from .session_files import Checkpointer
 from .session_loop import TrainingLoop
 from .session_programs import RuntimeConfig, SessionPrograms
 from .state import collect_state_protos, state_tensors
 from .state_store import StateStore
+
+# float TensorProto types (a hand-written model's trainables: its float state variables)
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
 def check_threads(threads, sess_options) -> None:
@@ -56,33 +61,42 @@ def open_parts(model_or_path: ModelLike, config: RuntimeConfig
         TrainingOpError: a model without ``training_info``, or a damaged or mismatched checkpoint.
     """
     path = model_or_path if isinstance(model_or_path, (str, os.PathLike)) else None
-    opened = load_model(model_or_path, large=True)
+    opened = as_model(model_or_path)
     # values outside the message are checked as they are read (each once): state_tensors
     expected = checkpoint.verify(opened, path, data=False)
-    if not proto_of(opened).training_info:
+    if not opened.proto.training_info:
         raise TrainingOpError(
             "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
             "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
         )
-    empty = nominal_names(metadata(proto_of(opened)))
+    empty = nominal_names(metadata(opened.proto))
     if empty:  # a nominal checkpoint: zeros until the parameters are loaded
-        opened = materialize(attach(opened) if isinstance(opened, LargeModel) else opened)
-    large = is_large(opened)
+        opened = opened.with_proto(materialize(opened.to_proto()))
+    large = opened.remeasured().large
     # the session's own message stays small: every big tensor is an array beside it
-    model = opened if isinstance(opened, LargeModel) else detach(opened)
+    model = detach(opened)
     del opened
     meta = metadata(model.model_proto)
     protos = collect_state_protos(model.model_proto)
     arrays = state_tensors(model, protos, expected, f"checkpoint {os.fspath(path)!r}" if path else "the model")
-    store = StateStore(model, arrays, protos, meta)
-    trainable = [n for n in meta.get("trainable", "").split(",") if n in arrays] or \
-        [n for n, a in arrays.items() if a.dtype.kind == "f"]
+    if config.device is not None:  # the state on the device as OrtValues, no host copy kept
+        store: StateStore = DeviceStateStore(model, arrays, protos, meta, config.device, config.device_id)
+        del arrays
+    else:
+        store = StateStore(model, arrays, protos, meta)
+    sizes = {n: int(np.prod(p.dims, dtype=np.int64)) for n, p in protos.items()}
+    trainable = [n for n in meta.get("trainable", "").split(",") if n in sizes] or \
+        [n for n, p in protos.items() if p.data_type in _FLOATS]
     threads = config.threads if config.threads is not None else \
-        default_intra_op_threads(sum(arrays[n].size for n in trainable))
-    with announce_compiles():  # the first session after an install compiles the kernels
-        programs = SessionPrograms(store, meta, config, large, threads)
-    loop = TrainingLoop(programs)
-    files = Checkpointer(store, loop.rates, meta, large)
+        default_intra_op_threads(sum(sizes[n] for n in trainable))
+    if isinstance(store, DeviceStateStore):
+        programs = DevicePrograms(store, meta, config, large, threads)
+        loop = DeviceLoop(programs)
+    else:
+        with announce_compiles():  # the first session after an install compiles the kernels
+            programs = SessionPrograms(store, meta, config, large, threads)
+        loop = TrainingLoop(programs)
+    files = Checkpointer(store, loop.rates, meta)
     if empty:  # the optimizer state at its initial values
         store.reset(lambda init: InferenceSession(init, providers=config.providers))
         store.unfilled = set(store.parameters(trainable_only=False)) & set(empty)

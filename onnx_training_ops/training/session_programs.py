@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ..errors import TrainingOpError
@@ -28,7 +29,7 @@ from .inference import inference_session
 from .input_checks import input_checker
 from .options import fresh_options
 from .program import Program, build_program, program_feeds
-from .stages import evaluation_model, step_model
+from .stages import session_evaluation, step_model
 from .state_store import StateStore
 
 
@@ -42,6 +43,39 @@ class RuntimeConfig:
     sess_options: ort.SessionOptions | None = None
     session_config: Mapping[str, str] = field(default_factory=dict)
     threads: int | None = None  # as given (None: the package's default for the model's size)
+    device: str | None = None  # the state's device (device-resident session), None: host arrays
+    device_id: int = 0
+    input_shapes: Mapping[str, Sequence[int]] | None = None  # the step's data inputs fixed (device)
+    cuda_graph: bool | None = None  # None: CUDA graphs when safe
+
+
+class FeedChecks:
+    """The checks a session's feeds pass before onnxruntime runs: names, the batch (labels
+    against the loss's output) and the inputs (lengths, token ids against the vocabulary)."""
+
+    def __init__(self, proto: onnx.ModelProto, meta: Mapping[str, str]) -> None:
+        initializers = {t.name for t in proto.graph.initializer}
+        data_inputs = [vi for vi in proto.graph.input if vi.name not in initializers]
+        self._batch = {where: batch_checker(meta, data_inputs, where) for where in ("step", "backward", "evaluate")}
+        self._inputs = {where: input_checker(proto.graph, initializers, where)
+                        for where in ("step", "backward", "evaluate", "run")}
+
+    def check(self, feeds: Mapping[str, Any], required: set[str], optional: set[str], where: str) -> None:
+        """Names, then the batch's and the inputs' checks."""
+        if type(feeds) is not dict and not isinstance(feeds, Mapping):
+            raise TrainingOpError(f"{where}: feeds must be a mapping of input name to array, found "
+                                  f"{type(feeds).__name__}; inputs: {sorted(required)}")
+        check_feed_names(feeds, required, optional, where)
+        batch = self._batch.get(where)
+        if batch is not None:
+            batch(feeds)
+        self.check_inputs(feeds, where)
+
+    def check_inputs(self, feeds: Mapping[str, Any], where: str) -> None:
+        """The inputs' checks alone (``run``: after its own dtype and shape checks)."""
+        check = self._inputs.get(where)
+        if check is not None:
+            check(feeds)
 
 
 class SessionPrograms:
@@ -68,13 +102,7 @@ class SessionPrograms:
         self.required_names: frozenset[str] = frozenset(self.required)
         self.optional: set[str] = {spec.name for p in self.steps for spec, _ in p.optional_feeds}
         self.optional.update(name for p in self.steps for name in p.rate_inputs)
-        proto = self.model.model_proto
-        initializers = {t.name for t in proto.graph.initializer}
-        data_inputs = [vi for vi in proto.graph.input if vi.name not in initializers]
-        self._batch_checks = {where: batch_checker(meta, data_inputs, where)
-                              for where in ("step", "backward", "evaluate")}
-        self._input_checks = {where: input_checker(proto.graph, initializers, where)
-                              for where in ("step", "backward", "evaluate", "run")}
+        self.checks = FeedChecks(self.model.model_proto, meta)
         self._with_outputs: dict[tuple[str, ...], list[Program]] = {}
         self.evaluations: dict[tuple[str, ...], Program] = {}
         self.inference: tuple[Any, list[str]] | None = None
@@ -125,12 +153,7 @@ class SessionPrograms:
     def for_evaluation(self, outputs: tuple[str, ...]) -> Program:
         """The evaluation program computing the eval-mode loss (if any) and ``outputs``."""
         if outputs not in self.evaluations:
-            loss = self.meta.get("eval_loss") or self.meta.get("loss", "")
-            if not loss and not outputs:
-                raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
-            proto = self.model.model_proto
-            derived = evaluation_model(proto, loss, list(outputs)) if loss else \
-                evaluation_model(proto, outputs[0], list(outputs[1:]))
+            derived = session_evaluation(self.model.model_proto, self.meta, outputs)
             graph, analysis = build_program(self.model.with_proto(derived), 0, self.store.arrays,
                                             self.store.protos, self.meta, False, prune_inputs=True, where="evaluate")
             self.evaluations[outputs] = open_program(graph, analysis, self.store.arrays, self.options(),
@@ -149,13 +172,7 @@ class SessionPrograms:
     def check_feeds(self, feeds: Mapping[str, Any], required: set[str], optional: set[str],
                     where: str = "step") -> None:
         """Names, then the batch's and the inputs' checks, before onnxruntime runs."""
-        if type(feeds) is not dict and not isinstance(feeds, Mapping):
-            raise TrainingOpError(f"{where}: feeds must be a mapping of input name to array, found "
-                                  f"{type(feeds).__name__}; inputs: {sorted(required)}")
-        check_feed_names(feeds, required, optional, where)
-        for check in (self._batch_checks[where], self._input_checks[where]):
-            if check is not None:
-                check(feeds)
+        self.checks.check(feeds, required, optional, where)
 
     def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]) -> list[np.ndarray]:
         """The main graph with the current state (``TrainingSession.run``)."""
@@ -169,8 +186,7 @@ class SessionPrograms:
             raise TrainingOpError(f"run: feeds must be a mapping of input name to array, found {type(feeds).__name__}")
         full = {name: feed_array(self._run_specs[name], value, "run") if name in self._run_specs else value
                 for name, value in feeds.items()}  # a wrong dtype or shape: one line, as in step
-        if self._input_checks["run"] is not None:
-            self._input_checks["run"](full)
+        self.checks.check_inputs(full, "run")
         for name in state_inputs:
             if name in full:
                 raise TrainingOpError(f"run: {name!r} is a state variable, not a feed")
@@ -195,6 +211,18 @@ class SessionPrograms:
             if message:
                 raise TrainingOpError(message) from None
         raise error
+
+    def eval_feeds(self, outputs: tuple[str, ...]) -> list[Feed]:
+        """What the evaluation program for ``outputs`` takes."""
+        return feed_list(*program_feeds(self.for_evaluation(outputs)))
+
+    def graph_capture(self) -> bool:
+        """Whether a step replays a CUDA graph (never: the host-array session runs on the CPU)."""
+        return False
+
+    def fast_path_nodes(self) -> list[Any]:
+        """The optimizer nodes the fused kernels apply in place."""
+        return [n for p in self.steps for n in p.cut_nodes]
 
     def sessions(self) -> list[Any]:
         """The onnxruntime sessions opened so far (steps, evaluations, inference)."""

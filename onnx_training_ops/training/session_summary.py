@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from onnx import numpy_helper
 
 from ..errors import TrainingOpError
 from ..storage.large_model import LargeModel
@@ -31,12 +30,7 @@ def torch_state_dict(model: LargeModel, state: Mapping[str, np.ndarray], mapping
     proto = model.model_proto
     values: dict[str, np.ndarray] = {}
     for t in proto.graph.initializer:
-        if t.name in state:
-            values[t.name] = state[t.name].copy()
-        elif isinstance(model, LargeModel):
-            values[t.name] = np.array(model.array(t))
-        else:
-            values[t.name] = numpy_helper.to_array(t)
+        values[t.name] = state[t.name].copy() if t.name in state else np.array(model.array(t))
     out = to_torch_names(values, mapping if mapping is not None else recorded_names(proto))
     if not tensors:
         return out

@@ -131,6 +131,17 @@ def evaluation_model(model: onnx.ModelProto, loss: str, outputs: list[str]) -> o
     return derived
 
 
+def session_evaluation(model: onnx.ModelProto, meta, outputs: Sequence[str]) -> onnx.ModelProto:
+    """What a session's ``evaluate(outputs=...)`` runs: :func:`evaluation_model` of the builder's
+    eval-mode loss (else its loss), or of ``outputs`` alone for a model that names no loss."""
+    loss = meta.get("eval_loss") or meta.get("loss", "")
+    if not loss and not outputs:
+        raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
+    if loss:
+        return evaluation_model(model, loss, list(outputs))
+    return evaluation_model(model, outputs[0], list(outputs[1:]))
+
+
 def step_model(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
     """The model whose first algorithm also outputs ``outputs`` (values of the same run, as
     onnxruntime-training's ``additional_output_names``); its bindings unchanged."""

@@ -69,13 +69,7 @@ class StateStore:
 
     def load(self, state: Mapping[str, np.ndarray], strict: bool = True) -> None:
         """Copy ``state`` into the state variables (``load_state_dict``): all checked first."""
-        unknown = [k for k in state if k not in self.arrays]
-        if unknown:
-            raise TrainingOpError(f"load_state_dict: unknown state variable(s) {unknown}; known: {self.names}")
-        if strict:
-            missing = [k for k in self.arrays if k not in state]
-            if missing:
-                raise TrainingOpError(f"load_state_dict: missing state variable(s) {missing}")
+        self.check_names(state, strict)
         checked = {}
         for name, value in state.items():
             target, value = self.arrays[name], np.asarray(value)
@@ -89,6 +83,20 @@ class StateStore:
         for name, value in checked.items():
             np.copyto(self.arrays[name], value)
         self.unfilled.difference_update(checked)
+
+    def for_writing(self) -> Mapping[str, Any]:
+        """The state as a writer that takes one tensor at a time reads it: the live arrays."""
+        return self.arrays
+
+    def check_names(self, state: Mapping[str, Any], strict: bool) -> None:
+        """``load_state_dict``'s names: none unknown, and (``strict``) none missing."""
+        unknown = [k for k in state if k not in self.arrays]
+        if unknown:
+            raise TrainingOpError(f"load_state_dict: unknown state variable(s) {unknown}; known: {self.names}")
+        if strict:
+            missing = [k for k in self.arrays if k not in state]
+            if missing:
+                raise TrainingOpError(f"load_state_dict: missing state variable(s) {missing}")
 
     def views(self, names: Sequence[str]) -> list[np.ndarray]:
         """The live arrays of ``names`` (``state_views``)."""

@@ -23,9 +23,7 @@ from ..autodiff.registry import has_rule
 from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError
 from ..passes._graph import value_types
-from ..storage.large_model import LargeModel
-from ..storage.model_files import ModelLike, load_model
-from ..storage.tensors import proto_of
+from ..storage.model_files import ModelLike, as_model
 
 FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                onnx.TensorProto.BFLOAT16)
@@ -191,7 +189,7 @@ def summary(model: ModelLike, state: Mapping[str, np.ndarray] | None = None) -> 
     Raises:
         TrainingOpError: the model cannot be read.
     """
-    proto = proto_of(model) if isinstance(model, LargeModel) else proto_of(load_model(model, large=True))
+    proto = as_model(model, copy=False).model_proto
     tensors = _all_tensors(proto)
     if state is not None:
         tensors.update({n: TensorInfo(n, tuple(a.shape), a.dtype.name) for n, a in state.items()})

@@ -14,9 +14,12 @@ import tempfile
 from collections.abc import Mapping, Sequence
 
 import onnx
+from onnx import helper
 
 from ..errors import TrainingOpError
 from ..passes.fold_static_shapes import fold_static_shapes
+from ..storage.tensors import location
+from .pruning import used_names
 
 
 def fix_input_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str, Sequence[int]],
@@ -89,3 +92,27 @@ def static_step(step: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str,
     model.CopyFrom(step)
     fix_input_shapes(model, data, shapes, what)
     return fold_static_shapes(fold_with_onnxruntime(fold_static_shapes(model)))
+
+
+def static_graph(model: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str, Sequence[int]],
+                 what: str) -> onnx.ModelProto:
+    """:func:`static_step` for a graph whose big initializers live outside the message (a
+    session's model: their ``location`` names an array beside it). They become inputs while
+    onnxruntime folds the shapes (nothing that reads a weight folds), then initializers again."""
+    detached = [t for t in model.graph.initializer if location(t) is not None]
+    if not detached:
+        return static_step(model, data, shapes, what)
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    names = {t.name for t in detached}
+    kept = [t for t in light.graph.initializer if t.name not in names]
+    del light.graph.initializer[:]
+    light.graph.initializer.extend(kept)
+    light.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in detached)
+    folded = static_step(light, data, shapes, what)
+    inputs = [vi for vi in folded.graph.input if vi.name not in names]
+    del folded.graph.input[:]
+    folded.graph.input.extend(inputs)
+    read = used_names(folded.graph)  # a weight only shape arithmetic read is folded away
+    folded.graph.initializer.extend(t for t in detached if t.name in read)
+    return folded

@@ -1,0 +1,328 @@
+"""TrainingSession with its state resident on the device (``device=`` or a device provider),
+run on the CPU through the same OrtValue machinery a GPU uses and checked against the host
+session: the state bit for bit (the returned loss within an ulp: the host session may reduce it
+in another kernel) for every optimizer, clipping, groups, schedules, sparse tables,
+accumulation, non-finite losses, checkpoints, exports and flat parameters.
+tests/test_gpu.py runs it on CUDA."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import onnx_training_ops as ot
+from onnx_training_ops import schedules
+from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.errors import TrainingOpError
+from onnx_training_ops.training.device_state import DeviceValues
+from onnx_training_ops.training.device_store import DeviceStateStore
+from onnx_training_ops.training.providers import placement
+from tests.test_device_trainer import _batches as _trainer_batches
+from tests.test_device_trainer import _model
+from tests.test_sparse_updates import batches as sparse_batches
+from tests.test_sparse_updates import emb_model
+
+
+def _batches(n=4, seed=0, rows=12):
+    return _trainer_batches(n, seed, rows)
+
+
+def _assert_same_state(device, host):
+    mine = device.state_dict()
+    assert set(mine) == set(host.state_dict())
+    for name, value in host.state_dict().items():
+        np.testing.assert_array_equal(mine[name], value, err_msg=name)
+
+
+OPTIMIZERS = [
+    ot.Adam(lr=1e-2), ot.AdamW(lr=1e-2, weight_decay=0.1), ot.Adam(lr=1e-2, weight_decay=0.01),
+    ot.Momentum(lr=0.05, momentum=0.9), ot.Momentum(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    ot.Adagrad(lr=0.1), ot.RMSProp(lr=1e-2, momentum=0.5), ot.OrtAdamW(lr=1e-2),
+]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: repr(o)[:40])
+def test_every_optimizer_steps_bit_for_bit_with_the_state_on_the_device(optimizer):
+    model = _model(optimizer, clip_grad_norm=0.5)
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    assert isinstance(device._store, DeviceStateStore)
+    assert all(isinstance(v, ort.OrtValue) for v in device._store.values.values.values())
+    for batch in _batches():
+        expected, got = host.step(batch), device.step(batch)
+        assert set(got) == set(expected)
+        for name in expected:  # the loss's reduction may run in another kernel: its last bit may differ
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, err_msg=name)
+        _assert_same_state(device, host)  # the state bit for bit, step by step
+
+
+def test_groups_schedules_and_lr_follow_the_host_session():
+    model = _model(ot.AdamW(lr=1e-2, weight_decay=0.1), param_groups=[{"params": ["b*"], "lr": 0.05}])
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    assert device.learning_rate_names == host.learning_rate_names and len(host.learning_rate_names) == 2
+    for s in (host, device):
+        s.set_lr_schedule(schedules.WarmupLinearLR(warmup_steps=2, total_steps=10))
+    for i, batch in enumerate(_batches(5)):
+        lr = 3e-3 if i == 3 else None
+        assert device.learning_rates == host.learning_rates
+        np.testing.assert_allclose(device.step(batch, lr=lr)["loss"], host.step(batch, lr=lr)["loss"], rtol=1e-6)
+    assert device.lr_schedule_step == host.lr_schedule_step == 5
+    _assert_same_state(device, host)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "sparse"])
+def test_sparse_tables_update_on_the_device(mode):
+    model = ot.build_training_model(emb_model(), "mse", ot.Adam(lr=0.05), trainable=["E", "W"],
+                                    sparse_updates={"E": mode})
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    for ids, target in sparse_batches()[:3]:
+        feeds = {"ids": ids, "target": target}
+        np.testing.assert_allclose(device.step(feeds)["loss"], host.step(feeds)["loss"], rtol=1e-6)
+    _assert_same_state(device, host)
+
+
+def test_accumulation_zero_grad_and_gradients():
+    model = _model(clip_grad_norm=0.5)
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    b = _batches(3)
+    for s in (host, device):
+        s.backward(b[0], scale=0.5)
+        s.zero_grad()
+        s.backward(b[1], scale=0.5)
+        s.backward(b[2], scale=0.5)
+    assert device.accumulated_batches == host.accumulated_batches == 2
+    for name, value in host.gradients().items():
+        np.testing.assert_array_equal(device.gradients()[name], value, err_msg=name)
+    np.testing.assert_array_equal(device.optimizer_step()["grad_norm"], host.optimizer_step()["grad_norm"])
+    assert device.accumulated_batches == 0 and all(not g.any() for g in device.gradients().values())
+    _assert_same_state(device, host)
+    with pytest.raises(TrainingOpError, match="live on the device.*gradients\\(\\)"):
+        device.gradient_buffers()
+    with pytest.raises(TrainingOpError, match="no gradients accumulated"):
+        device.optimizer_step()
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_nonfinite_loss_keeps_the_state(policy):
+    model = _model()
+    device = ot.TrainingSession(model, device="cpu", on_nonfinite=policy)
+    device.step(_batches(1)[0])
+    before = device.state_dict()
+    bad = dict(_batches(1, seed=3)[0])
+    bad["input"] = bad["input"].copy()
+    bad["input"][0, 0] = np.nan
+    if policy == "raise":
+        with pytest.raises(ot.NonFiniteLossError):
+            device.step(bad)
+    else:
+        assert not np.isfinite(device.step(bad)["loss"])
+        assert device.skipped_steps == 1
+    for name, value in device.state_dict().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    assert device.lr_schedule_step == 1
+
+
+def test_evaluate_and_run_any_batch_size_nothing_changes():
+    model = _model()
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    for s in (host, device):
+        s.step(_batches(1)[0])
+    before = device.state_dict()
+    for rows in (12, 5, 12):
+        batch = _batches(1, seed=rows, rows=rows)[0]
+        np.testing.assert_allclose(device.evaluate(batch)["loss"], host.evaluate(batch)["loss"], rtol=1e-6)
+        got = device.evaluate(batch, outputs=["logits"])["logits"]
+        np.testing.assert_array_equal(got, host.evaluate(batch, outputs=["logits"])["logits"])
+        np.testing.assert_array_equal(device.run(None, {"input": batch["input"]})[0],
+                                      host.run(None, {"input": batch["input"]})[0])
+    assert [f.name for f in device.eval_feeds()] == [f.name for f in host.eval_feeds()]
+    for name, value in device.state_dict().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    with pytest.raises(TrainingOpError, match="missing feed"):
+        device.step({"input": _batches(1)[0]["input"]})
+
+
+def test_checkpoints_resume_on_host_and_device(tmp_path):
+    model = _model()
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    b = _batches(4)
+    for batch in b[:2]:
+        host.step(batch)
+        device.step(batch)
+    device.properties["epoch"] = 3
+    path = device.save(tmp_path / "ckpt.onnx")
+    reopened_host = ot.TrainingSession(path)
+    reopened_device = ot.TrainingSession(path, device="cpu")
+    assert reopened_device.properties["epoch"] == 3
+    _assert_same_state(reopened_device, host)
+    for batch in b[2:]:
+        expected = host.step(batch)["loss"]
+        assert reopened_host.step(batch)["loss"] == expected
+        np.testing.assert_allclose(reopened_device.step(batch)["loss"], expected, rtol=1e-6)
+    reopened_device.load_state_dict(device.state_dict())
+    _assert_same_state(reopened_device, device)
+    with pytest.raises(TrainingOpError, match="float32"):
+        device.load_state_dict({k: v.astype(np.float64) for k, v in device.state_dict().items()})
+
+
+def test_exports_flat_parameters_and_initialize(tmp_path):
+    from onnx_training_ops.export import DeviceTrainer, export_step
+
+    model = _model()
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    for batch in _batches(2):
+        host.step(batch)
+        device.step(batch)
+    export_step(device, tmp_path / "export")
+    trainer = DeviceTrainer(tmp_path / "export")
+    batch = _batches(1, seed=9)[0]
+    np.testing.assert_allclose(trainer.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+    device.step(batch)
+    inference = device.export_inference_model()
+    got = ort.InferenceSession(inference.SerializeToString()).run(None, {"input": batch["input"]})[0]
+    np.testing.assert_array_equal(got, host.run(None, {"input": batch["input"]})[0])
+    flat = device.get_flat_parameters()
+    np.testing.assert_array_equal(flat, host.get_flat_parameters())
+    with pytest.raises(TrainingOpError, match="copy=True"):
+        device.get_flat_parameters(copy=False)
+    with pytest.raises(TrainingOpError, match="state_dict"):
+        device.state_views(["W0"] if "W0" in device.state_names else device.state_names[:1])
+    device.load_flat_parameters(np.zeros_like(flat))
+    assert not device.get_flat_parameters().any()
+    device.initialize()
+    host.initialize()
+    _assert_same_state(device, host)
+
+
+def test_placement_rules():
+    assert placement(None).device is None
+    assert placement(None, "cpu").device == "cpu"
+    cuda = placement(["CUDAExecutionProvider", "CPUExecutionProvider"],
+                     available=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert (cuda.device, cuda.device_id) == ("cuda", 0)
+    second = placement(None, "cuda:1", available=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert second.providers == [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
+    assert second.device_id == 1
+    for bad in ("gpu", "cuda:x", "cpu:1", 3):
+        with pytest.raises(TrainingOpError, match="device"):
+            placement(None, bad)
+    with pytest.raises(TrainingOpError, match="none for it"):
+        placement(["CPUExecutionProvider"], "cuda", available=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="onnxruntime-gpu installed")
+def test_cuda_without_onnxruntime_gpu_is_a_clear_error_not_a_cpu_run():
+    with pytest.raises(TrainingOpError, match="not available.*onnxruntime-gpu"):
+        ot.TrainingSession(_model(), device="cuda")
+    with pytest.raises(TrainingOpError, match="not available"):
+        ot.TrainingSession(_model(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONNX_TRAINING_OPS_LARGE_MODEL_BYTES", str(32 * 1024))
+    source = str(tmp_path / "mlp.onnx")
+    import onnx
+
+    onnx.save(make_mlp((64, 256, 64, 4)), source, save_as_external_data=True, location="mlp.onnx.data",
+              size_threshold=1024)
+    model = ot.build_training_model(source, "cross_entropy", ot.AdamW(lr=1e-2), trainable=["W1", "b1", "W2", "b2"])
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    assert host._store.model.large and device._store.model.large  # W0 frozen: a constant of the graph
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        batch = {"input": rng.standard_normal((16, 64)).astype(np.float32), "labels": rng.integers(0, 4, 16)}
+        np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+    _assert_same_state(device, host)
+    alive, most = [], [0]
+    download = DeviceValues.download
+
+    def tracked(self, name):  # the host copies a save makes: one big tensor at a time, not the state
+        array = download(self, name)
+        alive[:] = [r for r in alive if r() is not None]
+        if array.nbytes >= 1024:
+            alive.append(weakref.ref(array))
+            most[0] = max(most[0], len(alive))
+        return array
+
+    monkeypatch.setattr(DeviceValues, "download", tracked)
+    path = device.save(tmp_path / "ckpt.onnx")
+    big = sum(1 for n in device.state_names if device._store.values.dtype(n).itemsize
+              * np.prod(device._store.values.shape(n)) >= 1024)
+    assert big >= 6 and most[0] <= 2, (big, most)
+    monkeypatch.setattr(DeviceValues, "download", download)
+    _assert_same_state(ot.TrainingSession(path), host)
+    exported = device.export_inference_model(tmp_path / "inference.onnx")
+    got = ort.InferenceSession(str(tmp_path / "inference.onnx")).run(None, {"input": batch["input"]})[0]
+    np.testing.assert_array_equal(got, host.run(None, {"input": batch["input"]})[0])
+    assert exported is not None
+
+
+def test_static_input_shapes_bind_fixed_addresses_and_step_the_same():
+    model = _model(clip_grad_norm=0.5)
+    host = ot.TrainingSession(model)
+    device = ot.TrainingSession(model, device="cpu", input_shapes={"input": [12, 8], "labels": [12]})
+    program = device._programs.steps[0].program
+    assert program.not_fixed is None and not device.cuda_graph  # CUDA graphs need a CUDA device
+    assert device.device == "cpu" and host.device is None
+    ops = {n.op_type for n in program.session.prepared_model.graph.node}
+    assert not ops & {"Shape", "Size"}  # the shape arithmetic is folded
+    for batch in _batches(4):
+        np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+        _assert_same_state(device, host)
+    batch = _batches(1, rows=5)[0]
+    with pytest.raises(TrainingOpError, match="'input'.*shape"):
+        device.step(batch)
+    np.testing.assert_allclose(device.evaluate(batch)["loss"], host.evaluate(batch)["loss"], rtol=1e-6)
+
+
+def test_device_options_are_checked():
+    with pytest.raises(TrainingOpError, match="input_shapes applies to a device-resident session"):
+        ot.TrainingSession(_model(), input_shapes={"input": [4, 8]})
+    with pytest.raises(TrainingOpError, match="whole numbers"):
+        ot.TrainingSession(_model(), device="cpu", input_shapes={"input": [4, -1]})
+    with pytest.raises(TrainingOpError, match="input_shapes.*'labels'"):  # every symbolic data input
+        ot.TrainingSession(_model(), device="cpu", input_shapes={"input": [4, 8]})
+    with pytest.raises(TrainingOpError, match="cuda_graph=True but.*not a CUDA device"):
+        ot.TrainingSession(_model(), device="cpu", input_shapes={"input": [4, 8], "labels": [4]}, cuda_graph=True)
+    with pytest.raises(TrainingOpError, match="cuda_graph=True but.*no static shape"):
+        ot.TrainingSession(_model(), device="cpu", cuda_graph=True)
+
+
+@pytest.mark.parametrize("name", ["gpt2"])
+def test_a_transformers_model_from_the_default_exporter_trains_on_the_device_as_on_the_host(name):
+    """torch.onnx.export's defaults (dynamo). The host session's native gradient kernels
+    (cross-entropy, LayerNorm) and the device session's standard ops differ in the last bits."""
+    from tests.test_dynamo_export import VOCAB, _export, _loss
+
+    _, exported = _export(name)
+    model = ot.build_training_model(exported, _loss(name), ot.AdamW(lr=1e-3, weight_decay=0.01), clip_grad_norm=1.0)
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        ids = rng.integers(0, VOCAB, (2, 8))
+        labels = rng.integers(0, VOCAB, (2, 8)) if name == "gpt2" else rng.integers(0, 3, 2)
+        batch = {"input_ids": ids, "labels": labels}
+        np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+    want = host.state_dict()
+    for key, value in device.state_dict().items():
+        np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_a_nominal_checkpoint_opens_on_the_device_and_trains_once_filled(tmp_path):
+    model = _model()
+    host = ot.TrainingSession(model)
+    host.step(_batches(1)[0])
+    path = host.save(tmp_path / "nominal.onnx", nominal=True)
+    device = ot.TrainingSession(path, device="cpu")
+    assert device.nominal
+    with pytest.raises(TrainingOpError, match="nominal"):
+        device.step(_batches(1)[0])
+    device.load_flat_parameters(host.get_flat_parameters(trainable_only=False), trainable_only=False)
+    reference = ot.TrainingSession(path)
+    reference.load_flat_parameters(host.get_flat_parameters(trainable_only=False), trainable_only=False)
+    assert not device.nominal
+    for batch in _batches(2, seed=5):
+        np.testing.assert_allclose(device.step(batch)["loss"], reference.step(batch)["loss"], rtol=1e-6)
+    _assert_same_state(device, reference)
