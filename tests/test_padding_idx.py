@@ -364,3 +364,19 @@ def test_export_for_training_records_the_rows(tmp_path, dynamo):
     assert metadata(training)["padding_rows"] == recorded
     state, names = _train_both(module, training)
     _assert_parameters(module, state, initial, names)
+
+
+def test_a_device_resident_session_keeps_the_padding_row():
+    """TrainingSession(device=...) runs the export's standard-op graphs: the same rows as the host."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        training = ot.build_training_model(_export(Tiny(), True), "cross_entropy", ot.AdamW(lr=1e-2))
+    host, device = ot.TrainingSession(training), ot.TrainingSession(training, device="cpu")
+    before = host.state_dict()["words.weight"][0].copy()
+    for ids, kinds, labels in _batches(np.random.default_rng(4), 2):
+        for session in (host, device):
+            session.step({"ids": ids, "kinds": kinds, "labels": labels})
+    for name, value in host.state_dict().items():
+        np.testing.assert_allclose(device.state_dict()[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(device.state_dict()["words.weight"][0], before * (1 - 1e-2 * 1e-2) ** 2, rtol=1e-6)
