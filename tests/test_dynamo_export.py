@@ -120,8 +120,9 @@ def test_every_torch_parameter_trains_and_matches_torch(exported):
     initial = {n: v.copy() for n, v in session.state_dict().items()}
     rng = np.random.default_rng(0)
 
-    def batch(size):  # BERT's padding_idx 0: torch zeroes that row's gradient, ONNX has no such notion
-        ids = rng.integers(1, VOCAB, (size, 8))
+    def batch(size):  # BERT's padding_idx 0 (pad_token_id) included: the builder keeps torch's zero gradient
+        ids = rng.integers(0, VOCAB, (size, 8))
+        ids[:, -2:] = 0
         return ids, rng.integers(0, VOCAB if name == "gpt2" else 3, (size, 8) if name == "gpt2" else (size,))
 
     ids, labels = batch(2)  # gradients first: each torch parameter's own

@@ -197,6 +197,37 @@ def test_no_announcement_without_a_compile(monkeypatch, capsys):
     assert compile_notice.MESSAGE not in capsys.readouterr().err
 
 
+def test_a_compile_on_the_first_step_is_announced(monkeypatch, capsys):
+    """A kernel the first step compiles on first use (here the label check, made fresh so that
+    numba really compiles it): the same one line, on the first step only; a first step that
+    compiles nothing stays silent."""
+    import numba
+
+    from onnx_training_ops.training import checks
+
+    def build():
+        return ot.TrainingSession(ot.build_training_model(make_mlp(sizes=(6, 8, 4)), "cross_entropy", ot.Adam()))
+
+    feeds = {"input": np.ones((3, 6), np.float32), "labels": np.array([0, 1, 3])}
+    session = build()
+    monkeypatch.setattr(compile_notice, "_announced", False)
+    capsys.readouterr()
+    session.step(feeds)  # its kernels are in memory: nothing compiles, nothing said
+    assert compile_notice.MESSAGE not in capsys.readouterr().err
+
+    session = build()
+    kernel = checks._in_range.py_func
+    monkeypatch.setattr(checks, "_in_range", numba.njit(cache=False)(kernel))
+    session.step(feeds)
+    assert capsys.readouterr().err.count(compile_notice.MESSAGE) == 1
+    monkeypatch.setattr(compile_notice, "_announced", False)
+    monkeypatch.setattr(checks, "_in_range", numba.njit(cache=False)(kernel))
+    session.step(feeds)  # later steps are not watched: no listener per step
+    assert compile_notice.MESSAGE not in capsys.readouterr().err
+    session.evaluate(feeds)  # the first evaluate is, and compiles nothing new
+    assert compile_notice.MESSAGE not in capsys.readouterr().err
+
+
 def test_a_cache_load_is_silent_in_a_fresh_process():
     """A fresh process whose kernels come from numba's disk cache (this suite has compiled them
     by now, into the same cache) prints nothing; only a real compile would."""

@@ -17,6 +17,7 @@ import pytest
 
 import onnx_training_ops
 from onnx_training_ops import _moved
+from onnx_training_ops.autodiff.rules_shape import PADDING_ROW_KEY
 from onnx_training_ops.export.manifest import FEEDBACK_KEY
 from onnx_training_ops.storage.checkpoint import CHECKSUM_KEY
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "examples").rglob("*.py"))]
 FROM_IMPORT = re.compile(r"from (onnx_training_ops(?:\.\w+)*) import (?:\(([^)]*)\)|([\w, ]+))")
 DOTTED = re.compile(r"`(onnx_training_ops(?:\.\w+)+)")
-NOT_PYTHON = {CHECKSUM_KEY, FEEDBACK_KEY}  # metadata_props keys the documents name in the same form
+NOT_PYTHON = {CHECKSUM_KEY, FEEDBACK_KEY, PADDING_ROW_KEY}  # metadata_props keys the documents name in the same form
 
 
 def _resolve(dotted: str):

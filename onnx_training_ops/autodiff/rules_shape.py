@@ -13,6 +13,22 @@ from .emitter import static_dims
 from .registry import RuleContext, RuleError, register
 from .rules_slicing import pad_back
 
+# Node metadata on an axis-0 Gather: torch's nn.Embedding(padding_idx=...), the table row whose
+# lookups give it no gradient (written by the builder, onnx_training_ops.builder.padding_rows).
+PADDING_ROW_KEY = "onnx_training_ops.padding_idx"
+
+
+def padding_row(node) -> int | None:
+    """The padding row a Gather node's metadata names (:data:`PADDING_ROW_KEY`), or None."""
+    value = next((m.value for m in node.metadata_props if m.key == PADDING_ROW_KEY), None)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise RuleError(f"Gather node {node.name!r}: metadata {PADDING_ROW_KEY} must be an integer row, "
+                        f"found {value!r}") from None
+
 
 @register("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 def _reshape(ctx: RuleContext) -> list:
@@ -76,13 +92,16 @@ def _gather(ctx: RuleContext) -> list:
     """Indices that are a constant window of consecutive positions (``x[:, 0]``, a slice
     written as a Gather): the gradient padded back with zeros, one Pad. Others: scatter-add
     the gradient rows back into zeros shaped like ``data`` on the gathered axis (ScatterND
-    with ``reduction="add"``, opset >= 16), so repeated indices accumulate."""
+    with ``reduction="add"``, opset >= 16), so repeated indices accumulate. A padding row in
+    the node's metadata (:data:`PADDING_ROW_KEY`, axis 0): the positions looking it up add
+    nothing, as torch's ``embedding_backward``."""
     em, g = ctx.em, ctx.grad(0)
     data = ctx.node.input[0]
     axis = int(ctx.attr("axis", 0))
     if axis < 0:
         axis += ctx.rank(data)
-    window = _gathered_window(ctx, axis)
+    padding = padding_row(ctx.node) if axis == 0 else None
+    window = _gathered_window(ctx, axis) if padding is None else None
     if window is not None:
         first, count = window
         r = ctx.rank(data)
@@ -106,6 +125,14 @@ def _gather(ctx: RuleContext) -> list:
         negative = em.op("Less", [idx, em.const(np.int64(0))])
         idx = em.op("Where", [negative, em.op("Add", [idx, dim]), idx])
     idx = em.unsqueeze(idx, [-1])
+    if padding is not None:  # [*ids, 1] against g [*ids, *row]: a table of rank 2 broadcasts as it is
+        is_pad = em.op("Equal", [idx, em.const(np.int64(padding))], "padding")
+        r = ctx.rank(data)
+        if r > 2:
+            q = ctx.rank(indices)
+            is_pad = em.unsqueeze(is_pad, list(range(q + 1, q + r - 1)))
+        zero = em.const(np.zeros((), helper.tensor_dtype_to_np_dtype(em.dtype(data))))
+        g = em.op("Where", [is_pad, zero, g], "padding_masked")
     if axis == 0:
         zeros = em.filled_like(0.0, data)
         return [em.op("ScatterND", [zeros, idx, g], "scatter", reduction="add"), None]

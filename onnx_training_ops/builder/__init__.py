@@ -10,6 +10,8 @@
   parameter group (:mod:`.param_groups`), row updates of tables (:mod:`.sparse_updates`);
 * :mod:`.loss_scaling` — dynamic loss scaling for mixed precision (``precision=``; the 16-bit
   graph itself is :mod:`onnx_training_ops.passes.mixed_precision`);
+* :mod:`.padding_rows` — ``nn.Embedding(padding_idx=...)``: the rows read from a dynamo export
+  (or given), the tables' lookups marked for the ``Gather`` derivative rule;
 * :mod:`.initialization` — the initialization graph;
 * :mod:`.algorithm`, :mod:`.ops` — the algorithm graph under construction, node emission;
 * :mod:`.model_metadata` — what the builder records in the model for the session to read.

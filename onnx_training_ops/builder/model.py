@@ -54,6 +54,8 @@ from .loss_scaling import LossScaler, LossScaling, checked_scaling
 from .losses import Loss
 from .model_metadata import set_metadata
 from .optimizers import OPTIMIZER_CLASSES, Optimizer, to_json
+from .padding_rows import detect_padding_rows, mark_lookups, recorded_padding_rows, resolve_padding_rows
+from .padding_rows import to_json as padding_json
 from .param_groups import groups_to_json, resolve_groups
 from .rmsprop import RMSProp
 from .train_mode import fit_opset, training_forward
@@ -147,6 +149,7 @@ def build_training_model(
     precision: str = "fp32",
     precision_provider: str | None = None,
     loss_scaling: LossScaling | bool | None = None,
+    padding_rows: Mapping[str, int | None] | None = None,
 ) -> onnx.ModelProto | LargeModel:
     """An ONNX training model (one ModelProto with ``training_info``) for ``model``.
 
@@ -211,13 +214,20 @@ def build_training_model(
         loss_scaling: dynamic loss scaling (:class:`~onnx_training_ops.builder.loss_scaling.LossScaling`,
             torch ``GradScaler``'s semantics, state in the graph); default on for fp16 with
             torch's defaults, off otherwise; ``False`` turns it off.
+        padding_rows: ``{embedding table name: row}``: torch's ``nn.Embedding(padding_idx=row)``,
+            the row's gradient from the table's lookups kept zero (weight decay still applies).
+            Read from a dynamo export's node metadata (torch's default exporter); the
+            TorchScript exporter keeps nothing of it, so pass it then. Entries here override
+            what was read; ``None`` trains that table's padding row. See
+            :mod:`onnx_training_ops.builder.padding_rows`.
 
     Returns:
         The training model: a ModelProto, or a ``LargeModel`` as said above. It passes
         ``onnx.checker.check_model(full_check=True)``.
 
     Raises:
-        TrainingOpError: bad arguments, a model that already has ``training_info``, no
+        TrainingOpError: bad arguments (a ``padding_rows`` entry naming no table looked up
+            on axis 0, or a row out of range), a model that already has ``training_info``, no
             trainable tensor, or ops on the path to the loss without a derivative rule (all
             of them listed at once, with a hint).
     """
@@ -241,6 +251,8 @@ def build_training_model(
     untied = untie_merged_initializers(model)
     if untied:
         warnings.warn(describe_untied(untied), stacklevel=2)
+    padding = resolve_padding_rows(padding_rows, detect_padding_rows(model.graph, recorded_padding_rows(model)),
+                                   model)
     mixed = mixed_precision(model, precision, precision_provider)[1] if precision != "fp32" else None
     types = value_types(model)
     elem_types = {name: vt.elem_type for name, vt in types.items()}
@@ -259,8 +271,10 @@ def build_training_model(
     tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
                                          algo.nodes if mode == "train" else model.graph.node)
     scaler = LossScaler(scaling, algo) if scaling is not None else None
+    padding = mark_lookups(padding, params, *((algo.nodes, model.graph.node) if mode == "train"
+                                              else (model.graph.node, ())), given=set(padding_rows or ()))
     state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
-                                     clip_grad_value, algo, tables, scaler)
+                                        clip_grad_value, algo, tables, scaler, padding)
     # the optimizer state as constant arrays (no memory): a small model gets its values at the end
     initialization, init_binding = initialization_graph(params, groups, state_names, t_name,
                                                         algo.taken, algo.inits, opened.large_initializers)
@@ -299,5 +313,7 @@ def build_training_model(
         meta["precision_nodes"] = json.dumps({"16-bit": list(mixed.converted), "fp32": list(mixed.kept_fp32)})
     if scaler is not None:
         meta["loss_scaling"] = scaler.metadata()
+    if padding:
+        meta["padding_rows"] = padding_json(padding)
     model = _finish(model, meta)
     return opened.with_proto(model).remeasured().public()

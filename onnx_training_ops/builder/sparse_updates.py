@@ -63,6 +63,7 @@ class Table:
     dims: tuple[int, ...]
     dtype: np.dtype
     lookups: list[tuple[str, str]] = field(default_factory=list)
+    padding: int | None = None  # nn.Embedding's padding_idx (.padding_rows): its lookups leave that row alone
 
 
 def resolve_modes(option: Mapping[str, str] | None, names: Sequence[str]) -> dict[str, str]:

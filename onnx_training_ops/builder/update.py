@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -15,6 +15,7 @@ from .emit_update import emit_update
 from .grad_clip import clip_by_global_norm, clip_by_value
 from .loss_scaling import LossScaler
 from .ops import Ops
+from .padding_rows import mask_lookup
 from .param_groups import Group
 
 
@@ -75,11 +76,13 @@ def _decoupled_decay(group: Group, params, r_type: int, algo: Algorithm) -> list
 def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_grad_norm,
             clip_grad_value, algo: Algorithm,
             tables: Sequence[sparse_updates_.Table] = (),
-            scaler: LossScaler | None = None) -> tuple[dict[str, dict[str, str]], str]:
+            scaler: LossScaler | None = None,
+            padding: Mapping[str, int] | None = None) -> tuple[dict[str, dict[str, str]], str]:
     """T <- T + 1, one Gradient node for all ``params``, clipping, and one optimizer update
     per group (:func:`.update_graph.emit_update`: one multi-tensor node of the domain, or
     standard ops for RMSProp); every new value bound to its state. ``tables``
-    (:mod:`.sparse_updates`) are differentiated at their lookups and updated by rows.
+    (:mod:`.sparse_updates`) are differentiated at their lookups and updated by rows, the
+    ``padding`` row of a table (:mod:`.padding_rows`) with a zero gradient.
     Returns each parameter's optimizer state variables (``{param: {state: name}}``, in the
     optimizer's state order) and the name of
     the norm before clipping ("" without clip_grad_norm). With a ``scaler``
@@ -144,7 +147,9 @@ def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_gr
             if getattr(optimizer, "decoupled_weight_decay", 0.0):
                 raise TrainingOpError(f"sparse_updates of {tb.name!r}: AdamW's decoupled weight decay "
                                       "is not supported on row updates; use Adam(weight_decay=...)")
-            unique, grad_rows = sparse_updates_.gradient_rows(ops, tb, [raw[o] for _, o in tb.lookups])
+            grads = [raw[o] if tb.name not in (padding or {}) else
+                     mask_lookup(ops, ids, raw[o], padding[tb.name], tb.dims, tb.dtype) for ids, o in tb.lookups]
+            unique, grad_rows = sparse_updates_.gradient_rows(ops, tb, grads)
             sparse_updates_.emit_table_update(ops, optimizer, tb, group.learning_rate, t, unique, grad_rows,
                                               {s: v[i] for s, v in states.items()}, new_params[names[i]],
                                               {s: v[i] for s, v in new_states.items()})

@@ -55,6 +55,10 @@ def add_parser(commands) -> None:
     b.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
                    help="mixed precision: MatMul/Gemm/Conv/ConvTranspose/Einsum in 16-bit, weights and optimizer "
                         "state float32; fp16 with dynamic loss scaling (default fp32)")
+    b.add_argument("--padding-row", action="append", default=None, metavar="TABLE=ROW",
+                   help="nn.Embedding(padding_idx=ROW) of embedding table TABLE: its lookups give that row no "
+                        "gradient, as in torch (read from a dynamo export; a TorchScript export keeps nothing "
+                        "of it); ROW 'none' trains the row; repeatable")
 
 
 def make_optimizer(args: argparse.Namespace):
@@ -86,6 +90,30 @@ def make_optimizer(args: argparse.Namespace):
     cls = {"adam": Adam, "adamw": AdamW, "momentum": Momentum, "sgd": Momentum, "adagrad": Adagrad,
            "rmsprop": RMSProp}[kind]
     return cls(**{k: v for k, v in values.items() if v is not None})
+
+
+def padding_rows(entries: list[str] | None) -> dict[str, int | None] | None:
+    """``--padding-row TABLE=ROW`` entries as ``build_training_model``'s ``padding_rows``.
+
+    Args:
+        entries: the option's values (None when not given).
+
+    Returns:
+        ``{table: row}`` (None for ``none``), or None.
+
+    Raises:
+        TrainingOpError: an entry that is not ``TABLE=ROW`` with an integer or ``none`` ROW.
+    """
+    if not entries:
+        return None
+    out: dict[str, int | None] = {}
+    for entry in entries:
+        table, _, row = entry.rpartition("=")
+        if not table or not (row.lower() == "none" or row.lstrip("-").isdigit()):
+            raise TrainingOpError(f"--padding-row {entry!r}: expected TABLE=ROW with an integer ROW (or none), "
+                                  "e.g. --padding-row embeddings.word_embeddings.weight=0")
+        out[table] = None if row.lower() == "none" else int(row)
+    return out
 
 
 def _matching(patterns, names: list[str], option: str) -> list[str]:
@@ -140,7 +168,8 @@ def build(args: argparse.Namespace) -> int:
         param_groups = [{"params": list(args.freeze), "frozen": True, "name": "frozen"}]
     training = build_training_model(
         model, loss, optimizer, trainable, output=args.loss_output, labels=args.labels, mode=args.mode,
-        seed=args.seed, clip_grad_norm=args.clip_grad_norm, param_groups=param_groups, precision=args.precision)
+        seed=args.seed, clip_grad_norm=args.clip_grad_norm, param_groups=param_groups, precision=args.precision,
+        padding_rows=padding_rows(args.padding_row))
     save_model(training, args.output)
     s = summary(training)
     print(f"built {args.input} -> {args.output}: {len(s.trainable)} trainable tensors ({s.trainable_count:,} "

@@ -18,6 +18,7 @@ names, and warns about parameters the export lost (unused by ``forward``, or fol
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -25,9 +26,10 @@ from typing import Any
 
 import onnx
 
+from ..builder.padding_rows import TORCH_PADDING_KEY
 from ..errors import TrainingOpError
 from ..storage.save import save_model
-from ..training.torch_names import record_torch_names
+from ..training.torch_names import record_torch_names, recorded_names
 
 
 def export_for_training(
@@ -93,9 +95,28 @@ def export_for_training(
             if os.path.exists(leftover):
                 os.remove(leftover)
     record_torch_names(model, module.state_dict())
+    _record_padding_rows(model, module)
     _warn_lost(model, module)
     save_model(model, path)
     return model
+
+
+def _record_padding_rows(model: onnx.ModelProto, module: Any) -> None:
+    """Record each ``nn.Embedding(padding_idx=...)``'s row under its initializer's name
+    (:data:`~onnx_training_ops.builder.padding_rows.TORCH_PADDING_KEY`): the TorchScript
+    export keeps nothing of it, and the builder reads it from there."""
+    import torch
+
+    tables = {f"{name}.weight" if name else "weight": m.padding_idx for name, m in module.named_modules()
+              if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None}
+    mapping = recorded_names(model) or {}
+    rows = {init: tables[t] for init, entry in mapping.items() if not entry.get("transpose")
+            for t in entry["torch"] if t in tables}
+    kept = [m for m in model.metadata_props if m.key != TORCH_PADDING_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    if rows:
+        model.metadata_props.add(key=TORCH_PADDING_KEY, value=json.dumps(dict(sorted(rows.items()))))
 
 
 def _warn_lost(model: onnx.ModelProto, module: Any) -> None:

@@ -4,19 +4,26 @@ The first session after an install compiles the fused and native kernels (tens o
 on a slow machine) and stores them in numba's disk cache; later processes load them in
 about a second. :func:`announce_compiles` says so while it happens, once per process, and
 stays silent when everything comes from the cache: it listens to numba's ``numba:run_pass``
-event, which fires only for compiler passes, never for a cache load.
+event, which fires only for compiler passes, never for a cache load. Session creation runs
+under it, and so does the first call of a session's ``step``/``evaluate``/``backward``/
+``optimizer_step`` (:func:`announced_on_first_call`): kernels compiled lazily on first use
+(the label check, a parallel variant) are announced too, and later calls pay nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 MESSAGE = "onnx-training-ops: compiling optimizer kernels (first run only, cached)..."
 _announced = False
 _lock = threading.Lock()
+F = TypeVar("F", bound=Callable)
 
 
 def _announce() -> None:
@@ -53,3 +60,26 @@ def announce_compiles() -> Iterator[None]:
         yield
     finally:
         event.unregister("numba:run_pass", listener)
+
+
+def announced_on_first_call(method: F) -> F:
+    """Decorate a method so that its first call on each object runs under
+    :func:`announce_compiles` (a session's first step may compile the kernels it uses first).
+
+    Args:
+        method: the method; later calls (or any call once the process has announced) run it as is.
+
+    Returns:
+        The wrapped method.
+    """
+    seen: weakref.WeakSet = weakref.WeakSet()
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if _announced or self in seen:
+            return method(self, *args, **kwargs)
+        seen.add(self)
+        with announce_compiles():
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TrainingOpError
+from ..kernels.compile_notice import announced_on_first_call
 from .accumulation import GradientAccumulation
 from .checks import label_mismatch
 from .feeds import checked_learning_rate
@@ -49,6 +50,7 @@ class LoopSteps:
         """Run one step program; its returned values."""
         raise NotImplementedError
 
+    @announced_on_first_call
     def step(self, feeds: Mapping[str, Any], lr: Any, outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """One training step (``TrainingSession.step``): each program in order, the optimizer step
         counted if none was skipped."""
@@ -152,6 +154,7 @@ class TrainingLoop(LoopSteps):
             self.programs.explain_failure(feeds, "step", error)
             raise
 
+    @announced_on_first_call
     def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """The loss and ``outputs`` with the current weights (``TrainingSession.evaluate``)."""
         self.store.check_filled("evaluate")
@@ -165,6 +168,7 @@ class TrainingLoop(LoopSteps):
             self.programs.explain_failure(feeds, "evaluate", error)
         return self.evaluated(feeds, result, watch, extra, outputs)
 
+    @announced_on_first_call
     def backward(self, feeds: Mapping[str, Any], scale: float = 1.0) -> dict[str, np.ndarray]:
         """Add this batch's gradients times ``scale`` (``TrainingSession.backward``)."""
         self.store.check_filled("backward")
@@ -178,6 +182,7 @@ class TrainingLoop(LoopSteps):
         except TrainingOpError as error:
             self.programs.explain_failure(feeds, "backward", error)
 
+    @announced_on_first_call
     def optimizer_step(self, lr: Any = None) -> dict[str, np.ndarray]:
         """Apply the accumulated gradients, then zero them (``TrainingSession.optimizer_step``)."""
         self.check_accumulated()

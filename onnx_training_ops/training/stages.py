@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..autodiff.rules_shape import padding_row
 from ..builder.ops import Ops
 from ..builder.sparse_updates import Table, find_gradient_rows, lookup_rows
 from ..errors import TrainingOpError
@@ -291,19 +292,29 @@ def _sparse_tables(nodes: Sequence[onnx.NodeProto], grads: dict[str, str],
             dtype = helper.tensor_dtype_to_np_dtype(table.data_type)  # (its mode is the apply graph's)
             tables[table.name] = (Table(table.name, "", tuple(int(d) for d in table.dims), dtype), [])
         tables[table.name][0].lookups.append((gather.input[1], x))
+        if padding_row(gather) is not None:  # nn.Embedding(padding_idx=...) (builder.padding_rows)
+            tables[table.name][0].padding = padding_row(gather)
         tables[table.name][1].append(g)
     return tables
 
 
 def _accumulate_rows(ops: Ops, table: Table, grads: Sequence[str], acc: str, touched: str) -> tuple[str, str]:
     """Backward of a sparse table: ``acc[i] += grad_scale * g`` and ``touched[i] += 1`` for each
-    looked-up row ``i`` (duplicates added in order); returns the new (acc, touched)."""
+    looked-up row ``i`` (duplicates added in order) but the table's padding row, which its
+    lookups leave alone, as torch's sparse embedding gradient; returns the new (acc, touched)."""
     idx, g = lookup_rows(ops, table, grads)
     at = ops.op("Unsqueeze", [idx, ops.const(np.array([1], np.int64))])
     elem = helper.np_dtype_to_tensor_dtype(table.dtype)
     scaled = ops.op("Mul", [g, ops.op("Cast", [GRAD_SCALE], to=elem)])
     ones = ops.op("ConstantOfShape", [ops.op("Shape", [idx])],
                   value=numpy_helper.from_array(np.ones(1, table.dtype)))
+    if table.padding is not None:
+        is_pad = ops.op("Equal", [idx, ops.const(np.array(table.padding, np.int64))])
+        zero = ops.const(np.zeros((), table.dtype))
+        ones = ops.op("Where", [is_pad, zero, ones])
+        if len(table.dims) > 1:
+            is_pad = ops.op("Unsqueeze", [is_pad, ops.const(np.arange(1, len(table.dims), dtype=np.int64))])
+        scaled = ops.op("Where", [is_pad, zero, scaled])
     return (ops.op("ScatterND", [acc, at, scaled], reduction="add"),
             ops.op("ScatterND", [touched, at, ones], reduction="add"))
 
