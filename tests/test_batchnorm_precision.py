@@ -136,18 +136,10 @@ def _torch_relu_inputs(module, x, dtype) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("make", [
-    pytest.param(densenet121, marks=pytest.mark.xfail(strict=False, reason=(
-        "measured: block 4's last norm1 (1x1 maps, 4 values a channel) amplifies its input's error by "
-        "1/std = 83 on channel 288; on torch float32's own input our BatchNorm arithmetic (emulated in numpy: "
-        "float64 statistics, x*a+b) gives torch's error (1.5e-4), so our input to it is ~6x further off on that "
-        "channel: 8.8e-4 vs 1.5e-4. The cause: the native path's Gemm form of the forward Conv "
-        "(passes/conv_forward_gemm.py, im2col + one MLAS Gemm) rounds further from float64 than onnxruntime's "
-        "Conv, whose error equals torch float32's: 3x3 convs on 1x1 maps 1.5x the median error (2-2.5x the max), "
-        "on 2x2 maps 1.9x (3.2x) at 16 output columns falling to 1.2x (1.4x) at 128 and more, equal from 8x8 "
-        "maps; splitting the Gemm per kernel offset (MatMul + ReduceSum) helps 2x2 maps but not 1x1. With "
-        "onnxruntime's Conv kept below 256 output columns this case passes (worst ReLU input 1.47x torch's; "
-        "seeds 1-6 worst 1.3-5.8x become 1.3-1.9x) but ResNet-18's step at 32-64 px is 1.06-1.17x slower, so "
-        "that is left to a decision. Seeds 2-6 pass: at 4 values a channel the maximum over a tensor is noisy"))),
+    # DenseNet-121's block 4 norm1 (1x1 maps, 4 values a channel) amplifies its input's error by
+    # 1/std = 83: it passes since the forward Conv on so few output positions stays onnxruntime's
+    # (passes/conv_forward_gemm.py, _few_columns); with the Gemm form its worst was 5.8x torch's
+    densenet121,
     regnet_y_400mf])
 def test_train_mode_forward_is_as_accurate_as_torchs(make):
     """The flip-free half of the comparison: the value entering every ReLU of the train-mode

@@ -9,7 +9,8 @@ ResNet-18's small feature maps took as long as both gradient Gemms together; the
 are computed once and live from the forward to the backward pass.
 
 Columns are the input read k*k times, so only a Conv whose columns hold at most
-:data:`MAX_COLUMN_ELEMENTS` is rewritten; a bigger one stays onnxruntime's Conv, and its
+:data:`MAX_COLUMN_ELEMENTS`, and at least :data:`MIN_GEMM_COLUMNS` output positions (precision,
+:func:`_few_columns`), is rewritten; a bigger one stays onnxruntime's Conv, and its
 columns live only in the backward pass. Measured (ResNet-18, AdamW, 2 threads, interleaved
 rounds, peak RSS / ms per step): at 64 x 64, batch 16 every Conv is under the cap (810 MB,
 every Conv onnxruntime's: 746 MB for 1.14-1.34x the step); at 224 x 224, batch 8, without the
@@ -44,7 +45,8 @@ def conv_forward_gemm(model: ModelProto) -> ModelProto:
             im2col = cols.get(node.name) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else None
             geometry = constants.get(im2col.input[1]) if im2col is not None else None
             geometry = None if geometry is None else [int(v) for v in geometry]
-            if geometry is None or im2col.input[0] != node.input[0] or _patchify(geometry) or not _small(geometry):
+            if (geometry is None or im2col.input[0] != node.input[0] or _patchify(geometry)
+                    or not _small(geometry) or _few_columns(geometry)):
                 nodes.append(node)
                 continue
             nodes += _as_gemm(node, im2col.output[0], geometry, taken)
@@ -60,6 +62,20 @@ def _small(geometry: list[int]) -> bool:
     """The Conv's columns ``[C*kh*kw, N*oh*ow]`` hold at most :data:`MAX_COLUMN_ELEMENTS`."""
     n, c, _, _, oh, ow, kh, kw = geometry[:8]
     return n * c * kh * kw * oh * ow <= MAX_COLUMN_ELEMENTS
+
+
+MIN_GEMM_COLUMNS = 256  # output positions (N*oh*ow) below which onnxruntime's Conv is kept
+
+
+def _few_columns(geometry: list[int]) -> bool:
+    """Fewer than :data:`MIN_GEMM_COLUMNS` output positions (the smallest feature maps of a deep
+    CNN: DenseNet-121's block 4 at 1x1): there the Gemm form rounds further from float64 than
+    onnxruntime's Conv, whose error equals torch float32's (3x3 convs on 1x1 maps: 1.5x the median,
+    up to 2.6x the max; on 2x2 maps at 16 columns 1.9x / 3.2x; equal from 8x8), and a BatchNorm
+    with 4 values a channel amplifies it past 4x torch's error (test_batchnorm_precision). Costs
+    ResNet-18 1.06-1.17x at 32-64 px, where its last stages are that small; nothing at 224 px."""
+    n, _, _, _, oh, ow = geometry[:6]
+    return n * oh * ow < MIN_GEMM_COLUMNS
 
 
 def _patchify(geometry: list[int]) -> bool:
