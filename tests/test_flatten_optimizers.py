@@ -84,15 +84,13 @@ def test_an_export_with_a_flat_optimizer_trains_like_the_default_one(tmp_path):
 def test_the_flat_buffers_are_two_dimensional_so_shape_inference_stays_cheap():
     """onnx's data propagation treats a 1-D tensor as shape data, one dim per element: on a
     [16M] buffer the lowering's shape inference took 16 GB and 40 s (GPT-2 4L/256)."""
-    import time
-
     from onnx_training_ops.passes._graph import value_types
 
     model = optimizer_model("Adam", n=2, shapes=[[1000, 1000], [1000, 1000]])
     flattened = flatten_optimizers(model)
     concats = [n for n in flattened.graph.node if n.op_type == "Concat"]
     assert concats and all(next(a.i for a in n.attribute if a.name == "axis") == 1 for n in concats)
-    start = time.perf_counter()
     types = value_types(flattened)
-    assert time.perf_counter() - start < 2.0
     assert types[concats[0].output[0]].shape == (1, 2_000_000)
+    slices = [n for n in flattened.graph.node if n.op_type == "Slice"]
+    assert slices and all(len(types[n.output[0]].shape) == 2 for n in slices)

@@ -36,8 +36,17 @@ def _conv(case):
     return [node], feeds
 
 
+@pytest.fixture
+def gemm_for_small_convs(monkeypatch):
+    """The Gemm form for these small Convs too (below ``MIN_GEMM_COLUMNS`` output positions a
+    session keeps onnxruntime's Conv, for precision: test_few_output_positions_keep_onnxruntimes_conv)."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["onnx_training_ops.passes.conv_forward_gemm"], "MIN_GEMM_COLUMNS", 0)
+
+
 @pytest.mark.parametrize("case", CONV, ids=str)
-def test_im2col_col2im_equal_the_standard_op_rule_and_finite_differences(case):
+def test_im2col_col2im_equal_the_standard_op_rule_and_finite_differences(case, gemm_for_small_convs):
     """The native path also computes the forward Conv from the same columns (one Gemm,
     ``passes.conv_forward_gemm``): y equals onnxruntime's Conv."""
     nodes, feeds = _conv(case)
@@ -61,7 +70,17 @@ def test_im2col_col2im_equal_the_standard_op_rule_and_finite_differences(case):
         np.testing.assert_allclose(g.reshape(-1)[idx], fd, rtol=2e-4, atol=2e-4, err_msg=name)
 
 
-def test_a_conv_with_big_columns_stays_onnxruntimes(monkeypatch):
+def test_few_output_positions_keep_onnxruntimes_conv():
+    """Fewer than ``MIN_GEMM_COLUMNS`` output positions (N*oh*ow): onnxruntime's Conv, whose
+    rounding equals torch float32's there, not the Gemm form (test_batchnorm_precision)."""
+    nodes, feeds = _conv(CONV[1])
+    f32 = {k: v.astype(np.float32) for k, v in feeds.items()}
+    ops = [n.op_type for n in ot.prepare(gradient_model(nodes, f32, "y", list(feeds), opset=17),
+                                         kernels="native").graph.node]
+    assert ops.count("Conv") == 1 and "TrainingIm2Col" in ops
+
+
+def test_a_conv_with_big_columns_stays_onnxruntimes(monkeypatch, gemm_for_small_convs):
     """Past ``MAX_COLUMN_ELEMENTS`` the forward Conv is not rewritten (its columns would live
     from the forward to the backward pass); the gradients still use the native columns and
     every value is the same."""
