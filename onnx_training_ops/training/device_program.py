@@ -106,6 +106,8 @@ def fixed_address_plan(model: onnx.ModelProto, state: DeviceValues, returned: Se
     for name in returned:
         if name not in outputs or _static(outputs[name]) is None:
             return f"output {name!r} has no static shape"
+        if outputs[name].type.tensor_type.elem_type not in _FIXED_TYPES:
+            return f"output {name!r} is of a type the fixed buffers do not hold"
     return None
 
 
@@ -266,6 +268,9 @@ class DeviceProgram:
         return self._io
 
 
+# the returned outputs' element types a fixed buffer is made for (TensorProto enum)
+_FIXED_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.INT64,
+                onnx.TensorProto.INT32, onnx.TensorProto.BOOL}
 # onnxruntime's NodeArg type text -> numpy dtype (the returned outputs' buffers)
 _ONNX_TYPES = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
