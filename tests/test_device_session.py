@@ -326,3 +326,16 @@ def test_a_nominal_checkpoint_opens_on_the_device_and_trains_once_filled(tmp_pat
     for batch in _batches(2, seed=5):
         np.testing.assert_allclose(device.step(batch)["loss"], reference.step(batch)["loss"], rtol=1e-6)
     _assert_same_state(device, reference)
+
+
+def test_repr_and_summary_read_no_device_values(monkeypatch):
+    model = _model()
+    device = ot.TrainingSession(model, device="cpu")
+    expected = ot.TrainingSession(model).summary().to_dict()
+
+    def refused(self, name):
+        raise AssertionError(f"{name} copied from the device")
+
+    monkeypatch.setattr(DeviceValues, "download", refused)
+    assert "state on 'cpu'" in repr(device)
+    assert device.summary().to_dict() == expected

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,18 @@ class DeviceArrays(Mapping[str, np.ndarray]):
         return name in self._names
 
 
+@dataclass(frozen=True)
+class Described:
+    """A device tensor's shape and dtype, known without a copy to the host."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
 class DeviceStateStore(StateStore):
     """The state variables of one training model as OrtValues on a device.
 
@@ -79,6 +92,10 @@ class DeviceStateStore(StateStore):
         for name, value in checked.items():
             self.values.upload(name, value)
         self.unfilled.difference_update(checked)
+
+    def described(self) -> Mapping[str, Any]:
+        """Shapes and dtypes of the device tensors, nothing copied."""
+        return {name: Described(self.values.shape(name), self.values.dtype(name)) for name in self.arrays}
 
     def for_writing(self) -> Mapping[str, Any]:
         """Each big tensor :class:`~onnx_training_ops.storage.tensors.Deferred` (copied from the
@@ -130,4 +147,4 @@ class DeviceStateStore(StateStore):
         return {n: v for n, v in values.items() if n not in self.arrays and not np.array_equal(v, params[n])}
 
 
-__all__ = ["DeviceArrays", "DeviceStateStore"]
+__all__ = ["Described", "DeviceArrays", "DeviceStateStore"]

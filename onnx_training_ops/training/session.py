@@ -641,11 +641,11 @@ class TrainingSession:
             A :class:`~onnx_training_ops.training.summary.ModelSummary` over the session's
             live state (``print`` it for a table).
         """
-        return summary(self._store.model, self._store.arrays)
+        return summary(self._store.model, self._store.described())
 
     def __repr__(self) -> str:  # cheap: no shape inference (summary() walks the graph)
-        return describe(self._store.arrays, self._programs.meta, self.learning_rates, self.lr_schedule_step,
-                        self.providers)
+        return describe(self._store.described(), self._programs.meta, self.learning_rates, self.lr_schedule_step,
+                        self.providers, self.device)
 
     @locked
     def to_torch_state_dict(self, mapping: Mapping[str, dict] | None = None, tensors: bool = True) -> dict[str, Any]:

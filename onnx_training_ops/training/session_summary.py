@@ -12,16 +12,18 @@ from ..storage.large_model import LargeModel
 from .torch_names import recorded_names, to_torch_names
 
 
-def describe(state: Mapping[str, np.ndarray], meta: Mapping[str, str], rates: Mapping[str, float],
-             step: int, providers: list[str]) -> str:
-    """A session's one-line ``repr`` (cheap: no shape inference, unlike ``summary()``)."""
+def describe(state: Mapping[str, Any], meta: Mapping[str, str], rates: Mapping[str, float],
+             step: int, providers: list[str], device: str | None = None) -> str:
+    """A session's one-line ``repr`` (cheap: no shape inference, unlike ``summary()``; ``state``
+    gives sizes, no values)."""
     names = [n for n in meta.get("trainable", "").split(",") if n in state]
     count = sum(state[n].size for n in names)
     opt = meta.get("optimizer", "")
     opt = opt.split('"type": "', 1)[1].split('"', 1)[0] if '"type": "' in opt else "?"
     lr = ", ".join(f"{k}={v:g}" for k, v in rates.items())
     return (f"<TrainingSession {len(names)} trainable tensors ({count:,} parameters), optimizer {opt} ({lr}), "
-            f"loss {meta.get('loss')!r}, step {step}, providers {providers}>")
+            f"loss {meta.get('loss')!r}, step {step}, providers {providers}"
+            f"{f', state on {device!r}' if device else ''}>")
 
 
 def torch_state_dict(model: LargeModel, state: Mapping[str, np.ndarray], mapping: Mapping[str, dict] | None,

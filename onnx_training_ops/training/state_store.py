@@ -84,6 +84,10 @@ class StateStore:
             np.copyto(self.arrays[name], value)
         self.unfilled.difference_update(checked)
 
+    def described(self) -> Mapping[str, Any]:
+        """Each state variable's ``shape``, ``dtype`` and ``size`` (what summaries read): the arrays."""
+        return self.arrays
+
     def for_writing(self) -> Mapping[str, Any]:
         """The state as a writer that takes one tensor at a time reads it: the live arrays."""
         return self.arrays
