@@ -131,6 +131,11 @@ class DistributedTrainingSession:
             if not isinstance(session, TrainingSession):
                 session = TrainingSession(session, **session_kwargs)
             self._fingerprint = fingerprint(proto_of(session._store.model))
+        if session.device is not None:
+            raise TrainingOpError(
+                f"DistributedTrainingSession: the session keeps its state on {session.device!r} (device=...), "
+                "but data-parallel training all-reduces host gradient buffers; open the ranks' sessions "
+                "without a device (data-parallel training on GPUs is not supported yet)")
         self.session = session
         self._check_same_model()
         self._rate_names = sorted({name for names in self._gather(session.learning_rate_names) for name in names})

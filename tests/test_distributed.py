@@ -321,6 +321,8 @@ def test_wrapper_errors_name_the_problem(one_rank):
     session = TrainingSession(training_model(np.float64))
     with pytest.raises(TrainingOpError, match=r"\['fast'\] apply only when a model is given"):
         DistributedTrainingSession(session, fast=False)
+    with pytest.raises(TrainingOpError, match="state on 'cpu'.*host gradient buffers"):
+        DistributedTrainingSession(TrainingSession(training_model(np.float64), device="cpu"))
     ddp = DistributedTrainingSession(session, shard_optimizer_state=True)
     x, y = batch(0)
     ddp.backward({"input": x, "labels": y})
