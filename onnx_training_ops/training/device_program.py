@@ -164,6 +164,7 @@ class DeviceProgram:
         if missing:
             raise TrainingOpError(f"{where}: the state variable(s) {missing} are fed back but not read")
         self._io: Any = None  # the one binding of a fixed-address program (made on its first run)
+        self._bound: dict[tuple, Any] = {}  # the state's buffers (ids) -> a binding to them
         self._fixed_inputs: dict[str, ort.OrtValue] = {}
         self._fixed_outputs: list[ort.OrtValue] = []
 
@@ -221,18 +222,28 @@ class DeviceProgram:
         return result, skipped
 
     def _binding(self, feeds: Mapping[str, np.ndarray]) -> Any:
-        """A binding for this run: the state's current values, the feeds from the host."""
-        io = self.session.io_binding()
+        """A binding for this run: the state's current values, the feeds from the host. The
+        state's part is bound again only when its buffers changed (a two-set swap, here or in
+        another program over the same state): hundreds of binds a step otherwise."""
         values = self.state.values
-        for name in self.reads:
-            io.bind_ortvalue_input(name, values[name])
+        reads = [values[name] for name in self.reads]
+        writes = [values[name] if self.in_place else self.state.spare(name) for name in self.feedback]
+        key = tuple(map(id, reads)) + tuple(map(id, writes))
+        cached = self._bound.get(key)
+        if cached is None:
+            cached = self.session.io_binding()
+            for name, value in zip(self.reads, reads):
+                cached.bind_ortvalue_input(name, value)
+            for output, value in zip(self.feedback.values(), writes):
+                cached.bind_ortvalue_output(output, value)
+            if len(self._bound) >= 2:  # two sets: two bindings in turn
+                self._bound.pop(next(iter(self._bound)))
+            self._bound[key] = cached
         for name, array in feeds.items():
-            io.bind_cpu_input(name, array)  # copied up by onnxruntime
-        for name, output in self.feedback.items():
-            io.bind_ortvalue_output(output, values[name] if self.in_place else self.state.spare(name))
-        for name in self.returned:
-            io.bind_output(name, "cpu")
-        return io
+            cached.bind_cpu_input(name, array)  # copied up by onnxruntime
+        for name in self.returned:  # allocated by onnxruntime each run (a shape may change)
+            cached.bind_output(name, "cpu")
+        return cached
 
     def _fixed_binding(self, feeds: Mapping[str, np.ndarray]) -> Any:
         """The one binding, made on the first run (every input and output in a device buffer of
