@@ -183,7 +183,7 @@ def _bench(args: argparse.Namespace) -> int:
         return memory_main(args.bench_args[1:])
 
     if args.bench_args[:1] == ["gpu"]:  # ours (state on the device) vs torch fp32 and AMP bf16, on a GPU
-        from .bench.gpu import main as gpu_main
+        from ..bench.gpu import main as gpu_main
 
         return gpu_main(args.bench_args[1:])
 

@@ -13,8 +13,8 @@ from ..errors import TrainingOpError
 from ..passes.mixed_precision import CPU
 
 BF16_HINT = (
-    "bfloat16 needs an execution provider with bfloat16 kernels (CUDAExecutionProvider: export the step "
-    "with onnx_training_ops.export.export_step and train it with DeviceTrainer(directory, "
+    "bfloat16 needs an execution provider with bfloat16 kernels (CUDAExecutionProvider: "
+    "TrainingSession(model, device='cuda'), or an exported step in DeviceTrainer(directory, "
     "providers=['CUDAExecutionProvider', 'CPUExecutionProvider'])); onnxruntime's CPU EP has none "
     "(MatMul, Gemm, Add, Mul, Softmax: NOT_IMPLEMENTED). fp16 runs on the CPU: build with precision='fp16'"
 )
