@@ -339,3 +339,25 @@ def test_repr_and_summary_read_no_device_values(monkeypatch):
     monkeypatch.setattr(DeviceValues, "download", refused)
     assert "state on 'cpu'" in repr(device)
     assert device.summary().to_dict() == expected
+
+
+def test_an_optional_input_left_out_goes_back_to_its_default():
+    """A reused binding must not keep the value an earlier step fed to an input with a default."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    base = make_mlp((8, 16, 4))
+    graph = base.graph
+    logits = graph.output[0].name
+    graph.node.append(helper.make_node("Add", [logits, "shift"], ["shifted"]))
+    graph.input.append(helper.make_tensor_value_info("shift", onnx.TensorProto.FLOAT, [4]))
+    graph.initializer.append(numpy_helper.from_array(np.zeros(4, np.float32), "shift"))
+    graph.output[0].name = "shifted"
+    model = ot.build_training_model(base, "cross_entropy", ot.AdamW(lr=1e-2), trainable=["W0", "b0", "W1", "b1"])
+    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    assert "shift" in device.optional_feed_names
+    shift = np.array([3.0, -3.0, 0.0, 1.0], np.float32)
+    for i, batch in enumerate(_batches(4)):
+        feeds = {**batch, "shift": shift} if i % 2 == 0 else batch
+        np.testing.assert_allclose(device.step(feeds)["loss"], host.step(feeds)["loss"], rtol=1e-6)
+    _assert_same_state(device, host)

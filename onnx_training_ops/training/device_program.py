@@ -228,7 +228,8 @@ class DeviceProgram:
         values = self.state.values
         reads = [values[name] for name in self.reads]
         writes = [values[name] if self.in_place else self.state.spare(name) for name in self.feedback]
-        key = tuple(map(id, reads)) + tuple(map(id, writes))
+        # the feeds' names too: a binding never keeps a value an earlier run fed that this one does not
+        key = tuple(map(id, reads)) + tuple(map(id, writes)) + tuple(feeds)
         cached = self._bound.get(key)
         if cached is None:
             cached = self.session.io_binding()
@@ -275,7 +276,9 @@ class DeviceProgram:
         for name, value in self._fixed_inputs.items():
             if name not in feeds:
                 raise TrainingOpError(f"{self.where}: input {name!r} is missing")
-            value.update_inplace(np.array(feeds[name], order="C"))
+            array = feeds[name]
+            value.update_inplace(array if isinstance(array, np.ndarray) and array.flags.c_contiguous
+                                 else np.array(array, order="C"))  # no host copy of a batch that needs none
         return self._io
 
 

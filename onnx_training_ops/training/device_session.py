@@ -30,6 +30,7 @@ from onnx import helper
 from ..errors import TrainingOpError
 from ..runtime.pipeline import prepare_model
 from ..storage.large_model import LargeModel
+from ..storage.tensors import tensor_value
 from ..walk import drop_named
 from .device_accumulation import DeviceAccumulation
 from .device_program import DeviceProgram
@@ -49,16 +50,20 @@ class DeviceGraph:
     """A :class:`~.device_program.DeviceProgram` and what it takes from the host."""
 
     def __init__(self, program: DeviceProgram, required: list[FeedSpec], optional: list[FeedSpec],
-                 rate_defaults: Mapping[str, np.ndarray | None]) -> None:
+                 rate_defaults: Mapping[str, np.ndarray | None], input_defaults: Mapping[str, np.ndarray]) -> None:
         self.program, self.required, self.optional = program, required, optional
         self.specs = {s.name: s for s in (*required, *optional)}
         self.rate_defaults = dict(rate_defaults)
+        self.input_defaults = dict(input_defaults)
 
     def host_feeds(self, feeds: Mapping[str, Any], rates: float | Mapping[str, float] | None,
                    where: str) -> dict[str, np.ndarray]:
-        """The batch (checked against the graph's inputs) and this run's learning rates."""
+        """Every input's value for this run: the batch (checked against the graph's inputs), an
+        optional input's default when it is not fed, the learning rates."""
         arrays = {name: feed_array(self.specs[name], value, where) for name, value in feeds.items()
                   if name in self.specs and name not in self.rate_defaults}
+        for name, default in self.input_defaults.items():
+            arrays.setdefault(name, default)
         for name, default in self.rate_defaults.items():
             spec = self.specs[name]
             if isinstance(rates, Mapping):
@@ -110,10 +115,15 @@ class DevicePrograms:
         named = tuple(filter(None, [self.meta.get("learning_rate")]))
         _, rate_defaults = learning_rate_inputs(graph, {n: None for n in state}, types, initial, named)
         returned = [o.name for o in graph.output if o.name not in set(feedback.values())]
+        input_defaults = {vi.name: np.ascontiguousarray(tensor_value(initial[vi.name], model.large_initializers))
+                          for vi in graph.input
+                          if vi.name in initial and vi.name not in state and vi.name not in rate_defaults}
         portable = prepare_model(model.with_proto(combined), portable=True, flat=True)
-        # the learning rates as plain inputs, fed every run (onnxruntime folds an input with a
-        # stored default that no binding names, and refuses to bind it then)
-        drop_named(portable.model_proto.graph.initializer, set(rate_defaults))
+        # every input with a stored default (the learning rates among them) a plain input, fed
+        # every run with the default when not given: onnxruntime's IOBinding cannot bind such an
+        # input ("Failed to find NodeArg"), and a binding kept from run to run must never hold a
+        # value an earlier run fed
+        drop_named(portable.model_proto.graph.initializer, set(rate_defaults) | set(input_defaults))
         shapes = self.config.input_shapes
         if static and shapes is not None:
             data = [vi.name for vi in portable.model_proto.graph.input if vi.name not in state]
@@ -131,7 +141,7 @@ class DevicePrograms:
         if static and self.config.cuda_graph and not program.graph_capture:
             reason = program.not_fixed or f"the state is on {state.device!r}, not a CUDA device"
             raise TrainingOpError(f"cuda_graph=True but this step cannot be captured: {reason}")
-        return DeviceGraph(program, required, optional, rate_defaults)
+        return DeviceGraph(program, required, optional, rate_defaults, input_defaults)
 
     def _loss(self, returned: Sequence[str]) -> str | None:
         return next((n for n in self.meta.get("loss", "").split(",") if n and n in returned), None)

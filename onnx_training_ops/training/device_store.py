@@ -115,16 +115,12 @@ class DeviceStateStore(StateStore):
     def reset(self, open_session: Callable[[onnx.ModelProto], Any]) -> None:
         """Every state variable back to its initializer and the initialization graphs run (on
         host copies), then copied to the device."""
-        host = {name: np.array(self.protos_value(name)) for name in self.arrays}
+        host = {name: np.empty(self.values.shape(name), self.values.dtype(name)) for name in self.arrays}
         for name, proto in self.protos.items():
             reset_state(host, name, proto, self.model)
         run_initialization(self.model.model_proto, host, self._init_sessions, open_session)
         for name, value in host.items():
             self.values.upload(name, value)
-
-    def protos_value(self, name: str) -> np.ndarray:
-        """A host buffer shaped like ``name`` (what :func:`~.state.reset_state` writes into)."""
-        return np.empty(self.values.shape(name), self.values.dtype(name))
 
     def parameters(self, trainable_only: bool) -> dict[str, np.ndarray]:
         """name -> host copy (trainables) or the model's value (frozen), in flat order."""

@@ -98,7 +98,7 @@ class TrainingSession:
             ``step`` batch must have these shapes (``evaluate`` takes any).
         cuda_graph: with a CUDA device, replay the step as a CUDA graph. None (default): when
             safe, i.e. static step inputs (their own or ``input_shapes``), the state written in
-            place, no input with a stored default, and every node on the CUDA EP; True: an error
+            place, and every node on the CUDA EP; True: an error
             naming what prevents it; False: never.
 
     Raises:
