@@ -178,3 +178,17 @@ def test_the_buffer_width_keeps_the_host_table_small_on_real_models():
     assert _width(bert, True) == 768
     assert _width(bert, False) == 2  # no Pad kernel for the type: the common divisor
     assert _width([8192, 128, 1280, 10], True) == 2  # an MLP: padding would cost more than it saves
+
+
+def test_onnxruntime_does_not_merge_the_cut_back_into_a_ragged_split(tmp_path):
+    """onnxruntime's GatherSliceToSplitFusion merges single-axis Slices that cover a tensor into
+    one Split; a Split of unequal pieces on CUDA uploads an int64 per element of the buffer on
+    every run (three 124M-entry tables per GPT-2 124M step). The cut's Slices take two axes."""
+    model = optimizer_model("Adam", n=4, shapes=[[6], [10], [4, 3], [12]])
+    flat = prepare(model, portable=True, flat=True)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(flat.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(options.optimized_model_filepath)
+    assert "Split" not in {n.op_type for n in optimized.graph.node}
+    assert sum(n.op_type == "Slice" for n in optimized.graph.node) == 3 * 4

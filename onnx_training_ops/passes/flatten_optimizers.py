@@ -21,7 +21,10 @@ per piece); the padding is computed and cut away, never read back.
 Every update the spec defines is elementwise, with the same scalars (R, T, the attributes)
 for every tensor of a node, so the flat chains compute each element exactly as the
 per-tensor chains do: bit for bit. The cut uses one ``Slice`` per tensor, not ``Split``
-(the CUDA ``Split`` has the same table). A node is left as it is (and :func:`flatten_optimizers`
+(the CUDA ``Split`` of unequal pieces fills and uploads the same table, one int64 per element
+of the buffer), each over two axes: onnxruntime's ``GatherSliceToSplitFusion`` merges
+single-axis Slices that cover a tensor into such a Split (GPT-2 124M: three Splits with
+124M-entry tables per step before, besides the four Concats). A node is left as it is (and :func:`flatten_optimizers`
 says why in a warning) when an X's shape is not static, a G, V or H is statically
 shaped unlike its X (the spec allows broadcasting), the tensors differ in dtype, or it has one
 tensor (nothing to gain). A G whose shape inference does not know (a gradient of a graph with
@@ -121,7 +124,7 @@ def _flatten_node(node: onnx.NodeProto, shapes: list[tuple[int, ...]], dtype: in
     def named(hint: str) -> str:
         return unique_name(taken, hint)
 
-    axes = constant([1])
+    axes = constant([0, 1])
     nodes: list[onnx.NodeProto] = []
     for g, members in enumerate(_chunks(n)):
         tag = f"{base}/flat{g}" if len(_chunks(n)) > 1 else f"{base}/flat"
@@ -166,7 +169,9 @@ def _flatten_node(node: onnx.NodeProto, shapes: list[tuple[int, ...]], dtype: in
                 if not out:
                     continue
                 piece = named(f"{out}/flat_slice")
-                start, end = constant([offsets[i]]), constant([offsets[i] + sizes[i]])
+                # row 0 and the piece's columns: two axes, so that onnxruntime's
+                # GatherSliceToSplitFusion does not merge the slices into one ragged Split
+                start, end = constant([0, offsets[i]]), constant([1, offsets[i] + sizes[i]])
                 nodes.append(helper.make_node("Slice", [line, start, end, axes], [piece]))
                 nodes.append(helper.make_node("Reshape", [piece, constant(list(shapes[i]))], [out]))
     return nodes
