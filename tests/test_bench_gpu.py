@@ -61,3 +61,10 @@ def test_the_command_line_reaches_bench_gpu(capsys):
 
     assert main(["bench", "gpu", "--models", "nope"]) == 2
     assert "unknown contender or model nope" in capsys.readouterr().err
+
+
+def test_a_contender_past_its_budget_still_reports():
+    """A slow contender (the GPU run's first session took 6 s a step) stops its steps when its
+    time is up, keeping two losses and one timed step, rather than being killed with nothing."""
+    result = gpu.worker("session", "mlp", "cpu", losses=5, timed=5, batch=None, seq=None, budget=0.0)
+    assert len(result["losses"]) == 2 and result["timed_steps"] == 1 and result["ms_per_step"] > 0

@@ -234,8 +234,14 @@ def _torch(spec: zoo.Spec, device: str, bf16: bool):
 
 
 def worker(contender: str, name: str, device: str, losses: int, timed: int, batch: int | None,
-           seq: int | None) -> dict:
-    """One contender on one model, in this process: losses, step times, peak memory."""
+           seq: int | None, budget: float | None = None) -> dict:
+    """One contender on one model, in this process: losses, step times, peak memory. ``budget``:
+    seconds for the whole (steps stop early past it, at least two losses and one timed step
+    kept, so a slow contender still reports)."""
+    began = time.perf_counter()
+
+    def over() -> bool:
+        return budget is not None and time.perf_counter() - began > budget
     memory = DeviceMemory() if device == "cuda" else None  # the baseline, before anything touches the GPU
     if memory is not None:
         memory.start()
@@ -250,16 +256,23 @@ def worker(contender: str, name: str, device: str, losses: int, timed: int, batc
     else:
         step, sync, facts = _torch(spec, device, contender == "torch_bf16")
     setup = time.perf_counter() - started
-    seen = [step(i) for i in range(losses)]
+    seen: list[float] = []
+    for i in range(losses):
+        if len(seen) >= 2 and over():
+            break
+        seen.append(step(i))
     sync()
-    times = []
+    times: list[float] = []
     for i in range(timed):
+        if times and over():
+            break
         start = time.perf_counter()
-        step(losses + i)
+        step(len(seen) + i)
         sync()
         times.append(time.perf_counter() - start)
     return {"contender": contender, "model": spec.name, "device": device, "losses": seen,
-            "ms_per_step": 1e3 * statistics.median(times) if times else None, "setup_s": setup,
+            "ms_per_step": 1e3 * statistics.median(times) if times else None, "timed_steps": len(times),
+            "setup_s": setup,
             "peak_device_mb": memory.stop() if memory is not None else None,
             "baseline_device_mb": memory.baseline if memory is not None else None,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -269,16 +282,19 @@ def worker(contender: str, name: str, device: str, losses: int, timed: int, batc
 def _run_worker(contender: str, name: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "onnx_training_ops.bench.gpu", "--worker", contender, name,
                "--device", args.device, "--losses", str(args.losses), "--timed", str(args.timed)]
+    if args.worker_timeout:  # the steps stop early, so that a slow contender reports before it is killed
+        command += ["--budget", str(0.8 * args.worker_timeout)]
     if args.batch:
         command += ["--batch", str(args.batch)]
     if args.seq:
         command += ["--seq", str(args.seq)]
+    model = model_spec(name, args.batch, args.seq).name
     try:
         run = subprocess.run(command, capture_output=True, text=True, timeout=args.worker_timeout)
     except subprocess.TimeoutExpired:
-        return {"contender": contender, "model": name, "error": f"timed out after {args.worker_timeout} s"}
+        return {"contender": contender, "model": model, "error": f"timed out after {args.worker_timeout} s"}
     if run.returncode != 0:
-        return {"contender": contender, "model": name, "error": (run.stderr.strip().splitlines() or ["?"])[-1]}
+        return {"contender": contender, "model": model, "error": (run.stderr.strip().splitlines() or ["?"])[-1]}
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -291,7 +307,7 @@ def format_table(results: list[dict], last: int | None = None) -> str:
     memory (MiB above the process's baseline; on the CPU the peak RSS), whether the step replays
     a CUDA graph (``graph``), the seconds to build and open it (``setup s``), and the losses.
     ``last``: only the last ``last`` rows, their ratios against every row so far."""
-    lines = [f"{'model':<14} {'contender':<15} {'ms/step':>9} {'/fp32':>6} {'/bf16':>6} {'peak MB':>9} "
+    lines = [f"{'model':<20} {'contender':<15} {'ms/step':>9} {'/fp32':>6} {'/bf16':>6} {'peak MB':>9} "
              f"{'graph':>5} {'setup s':>7}  losses"]
     by_model: dict[str, dict[str, dict]] = {}
     for r in results:
@@ -300,7 +316,7 @@ def format_table(results: list[dict], last: int | None = None) -> str:
     for r in shown:
         model, contender, rows = r["model"], r["contender"], by_model[r["model"]]
         if "error" in r:
-            lines.append(f"{model:<14} {contender:<15} failed: {r['error']}")
+            lines.append(f"{model:<20} {contender:<15} failed: {r['error'][:240]}")
             continue
         ratio = {k: (r["ms_per_step"] / rows[k]["ms_per_step"])
                  if r.get("ms_per_step") and rows.get(k, {}).get("ms_per_step") else None
@@ -308,7 +324,7 @@ def format_table(results: list[dict], last: int | None = None) -> str:
         peak = r["peak_device_mb"] if r.get("peak_device_mb") is not None else r.get("peak_rss_mb")
         graph = {True: "yes", False: "no"}.get(r.get("cuda_graph"), "-")
         losses = " ".join(f"{x:.6f}" for x in r["losses"])
-        lines.append(f"{model:<14} {contender:<15} {_cell(r.get('ms_per_step'), 9, 2)} "
+        lines.append(f"{model:<20} {contender:<15} {_cell(r.get('ms_per_step'), 9, 2)} "
                      f"{_cell(ratio['torch_fp32'], 6, 2)} {_cell(ratio['torch_bf16'], 6, 2)} "
                      f"{_cell(peak, 9, 0)} {graph:>5} {_cell(r.get('setup_s'), 7, 1)}  {losses}")
     return "\n".join(lines)
@@ -325,10 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the results here (after each contender)")
     ap.add_argument("--worker-timeout", type=float, default=None, help="seconds one contender may take")
+    ap.add_argument("--prepare", action="store_true", help="only export the models into the cache (what every "
+                    "contender then reuses) and exit")
     ap.add_argument("--worker", nargs=2, metavar=("CONTENDER", "MODEL"), help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.device, args.losses, args.timed, args.batch, args.seq)))
+        print(json.dumps(worker(*args.worker, args.device, args.losses, args.timed, args.batch, args.seq,
+                                args.budget)))
         return 0
     contenders = [c for c in args.contenders.split(",") if c]
     unknown = [c for c in contenders if c not in CONTENDERS]
@@ -338,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench gpu: unknown contender or model {', '.join(unknown)}; contenders: {', '.join(CONTENDERS)}; "
               f"models: {', '.join(zoo.SPECS)}", file=sys.stderr)
         return 2
+    if args.prepare:
+        for name in models:
+            spec = model_spec(name, args.batch, args.seq)
+            started = time.perf_counter()
+            path = lora.export(spec) if spec.family == "llama" else zoo.export(spec)
+            print(f"{spec.name}: {path} ({time.perf_counter() - started:.1f} s)", flush=True)
+        return 0
     print(f"device {args.device}; load average {os.getloadavg()[0]:.2f}", flush=True)
     results: list[dict] = []
     print(format_table([]), flush=True)
