@@ -76,7 +76,7 @@ def fold_constant_nodes(model: ModelProto, max_elements: int = MAX_ELEMENTS) -> 
         for name, value in zip(node.output, outputs):
             if name:
                 known[name] = value
-                nodes.append(helper.make_node("Constant", [], [name], name=f"{node.name or node.op_type}/folded",
+                nodes.append(helper.make_node("Constant", [], [name], name=f"{name}/folded",  # unique, as values are
                                               value=numpy_helper.from_array(value, name)))
         folded += 1
     del graph.node[:]
