@@ -190,3 +190,36 @@ def test_the_folded_step_computes_what_the_symbolic_one_does(block):
     for name, value in results[0].items():
         np.testing.assert_allclose(results[1][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
+
+
+def test_fold_constants_folds_shape_arithmetic_and_leaves_16_bit_and_big_values():
+    from onnx import helper, numpy_helper
+
+    from onnx_training_ops.passes.fold_constants import fold_constants
+
+    c = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "zero"], ["batch"], axis=0),
+        helper.make_node("Unsqueeze", ["batch", "zero1"], ["batch1"]),
+        helper.make_node("Concat", ["batch1", "minus1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["flat"]),
+        helper.make_node("Shape", ["flat"], ["flat_shape"]),  # static only once the Reshape's target folded
+        helper.make_node("ConstantOfShape", ["flat_shape"], ["zeros"]),
+        helper.make_node("Add", ["flat", "zeros"], ["y"]),
+        helper.make_node("Cast", ["one"], ["one16"], to=TensorProto.BFLOAT16),  # 16-bit: left to the provider
+        helper.make_node("ConstantOfShape", ["big"], ["huge"]),  # 4M elements: not stored in the graph
+        helper.make_node("Shape", ["x"], ["unread"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3, 2])],
+        [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in ("y", "one16", "huge")],
+        [c("zero", 0), c("zero1", [0]), c("minus1", [-1]), c("big", [2048, 2048]),
+         numpy_helper.from_array(np.array(1.0, np.float32), "one")])
+    model = fold_constants(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    ops = [n.op_type for n in model.graph.node]
+    assert sorted(op for op in ops if op != "Constant") == ["Add", "Cast", "ConstantOfShape", "Reshape"], ops
+    values = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"}
+    np.testing.assert_array_equal(values["target"], [4, -1])
+    np.testing.assert_array_equal(values["zeros"], np.zeros((4, 6), np.float32))
+    assert "unread" not in values and "big" in {t.name for t in model.graph.initializer}
