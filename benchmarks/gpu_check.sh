@@ -3,25 +3,28 @@
 # onnxruntime-gpu importable (on the lent machines: `source .gpu-b/setup.sh` first). From the
 # repository root:   bash benchmarks/gpu_check.sh [MODEL]   (default: gpt2-124m)
 #
-# In order, each phase under its own time limit, everything written under $OUT (default out/gpu)
-# as it goes, so a run cut short still leaves what it measured:
+# In order of what matters most, each phase under its own time limit, everything written under
+# $OUT (default out/gpu) as it goes, so a run cut short still leaves what it measured:
 #   1. the model exported once into the zoo cache (in the background, while the tests run);
 #   2. the GPU tests: the device session and DeviceTrainer on CUDA against the CPU, no Memcpy
-#      node, CUDA graphs (tests/test_gpu.py), bf16/fp16 on the CUDA EP (test_mixed_precision);
-#   3. bench gpu: ms/step, losses, peak device memory, CUDA-graph replay of each contender,
-#      each in its own process, the JSON rewritten after each one;
+#      node, CUDA graphs, a tiny GPT-2 (tests/test_gpu.py), bf16/fp16 on the CUDA EP
+#      (test_mixed_precision);
+#   3. bench gpu, first part (FIRST): ms/step, losses, peak device memory, CUDA-graph replay,
+#      each contender in its own process, bench_gpu.json rewritten after each one;
 #   4. benchmarks/gpu_diagnose.py: the static step's CPU-placed nodes, Memcpy lines, top nodes
-#      by host time (eager, profiler on).
+#      by host time (eager, profiler on) -> diagnose.txt;
+#   5. bench gpu, the other contenders (REST), appended to the same table and JSON.
 # DEVICE=cpu runs the same on the CPU (a dry run of the script: use a small MODEL, BATCH, SEQ).
-# Knobs: LOSSES, TIMED (steps), BATCH, SEQ, CONTENDERS, WORKER_TIMEOUT, TEST_TIMEOUT (seconds).
+# Knobs: LOSSES, TIMED (steps), BATCH, SEQ, FIRST, REST (contenders), WORKER_TIMEOUT, TEST_TIMEOUT (s).
 set -uo pipefail
 OUT=${OUT:-out/gpu}
 MODEL=${1:-gpt2-124m}
 DEVICE=${DEVICE:-cuda}
 LOSSES=${LOSSES:-6}
 TIMED=${TIMED:-8}
-CONTENDERS=${CONTENDERS:-session,torch_fp32,session_bf16,torch_bf16,ours,session_nograph}
-WORKER_TIMEOUT=${WORKER_TIMEOUT:-110}
+FIRST=${FIRST:-session,torch_fp32}
+REST=${REST:-session_bf16,torch_bf16,ours,session_nograph}
+WORKER_TIMEOUT=${WORKER_TIMEOUT:-100}
 TEST_TIMEOUT=${TEST_TIMEOUT:-170}
 SIZES=()
 [ -n "${BATCH:-}" ] && SIZES+=(--batch "$BATCH")
@@ -49,14 +52,23 @@ timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rs tests/test_
   2>&1 | tee "$OUT/tests.log"
 wait "$prepare"; cat "$OUT/prepare.log"
 
-# 3. the step times, losses and peak device memory against torch fp32 and bf16
-stamp "bench gpu: $CONTENDERS"
-python3 -m onnx_training_ops bench gpu --device "$DEVICE" --models "$MODEL" "${SIZES[@]}" --losses "$LOSSES" \
-  --timed "$TIMED" --contenders "$CONTENDERS" --worker-timeout "$WORKER_TIMEOUT" --json "$OUT/bench_gpu.json" \
-  2>&1 | tee "$OUT/bench_gpu.log"
+bench() {  # bench gpu over the contenders $1, appended to bench_gpu.json
+  python3 -m onnx_training_ops bench gpu --device "$DEVICE" --models "$MODEL" "${SIZES[@]}" --losses "$LOSSES" \
+    --timed "$TIMED" --contenders "$1" --worker-timeout "$WORKER_TIMEOUT" --json "$OUT/bench_gpu.json" --append \
+    2>&1 | tee -a "$OUT/bench_gpu.log"
+}
+rm -f "$OUT/bench_gpu.json" "$OUT/bench_gpu.log"
+
+# 3. the step times, losses and peak device memory: ours, and torch fp32 for the ratios
+stamp "bench gpu: $FIRST"
+bench "$FIRST"
 
 # 4. where the session's step time goes
 stamp "diagnose"
 timeout 150 python3 benchmarks/gpu_diagnose.py --model "$MODEL" --device "$DEVICE" "${SIZES[@]}" --steps 4 \
   --out "$OUT" 2>&1 | tail -40
+
+# 5. the other contenders (bf16, the exported step, no CUDA graph), in the same table
+stamp "bench gpu: $REST"
+bench "$REST"
 stamp "done"

@@ -68,3 +68,16 @@ def test_a_contender_past_its_budget_still_reports():
     time is up, keeping two losses and one timed step, rather than being killed with nothing."""
     result = gpu.worker("session", "mlp", "cpu", losses=5, timed=5, batch=None, seq=None, budget=0.0)
     assert len(result["losses"]) == 2 and result["timed_steps"] == 1 and result["ms_per_step"] > 0
+
+
+def test_a_run_in_parts_appends_to_one_table(tmp_path, capsys):
+    """gpu_check.sh runs the contenders in two parts (the diagnostic between them): the second
+    part starts from the first part's JSON, so its table and ratios cover both."""
+    out = tmp_path / "gpu.json"
+    for contender in ("session", "ours"):
+        assert gpu.main(["--device", "cpu", "--models", "mlp", "--contenders", contender, "--losses", "2",
+                         "--timed", "1", "--json", str(out), "--append"]) == 0
+    assert [r["contender"] for r in json.loads(out.read_text())] == ["session", "ours"]
+    lines = capsys.readouterr().out.splitlines()
+    last_table = lines[max(i for i, line in enumerate(lines) if line.startswith("model ")):]
+    assert [line.split()[1] for line in last_table[1:3]] == ["session", "ours"], last_table

@@ -341,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the results here (after each contender)")
     ap.add_argument("--worker-timeout", type=float, default=None, help="seconds one contender may take")
+    ap.add_argument("--append", action="store_true", help="start from the results already in --json (a run in "
+                    "parts: the ratios and the table take them all)")
     ap.add_argument("--prepare", action="store_true", help="only export the models into the cache (what every "
                     "contender then reuses) and exit")
     ap.add_argument("--worker", nargs=2, metavar=("CONTENDER", "MODEL"), help=argparse.SUPPRESS)
@@ -367,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"device {args.device}; load average {os.getloadavg()[0]:.2f}", flush=True)
     results: list[dict] = []
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            results = json.load(f)
     print(format_table([]), flush=True)
     for name in models:
         for contender in contenders:
