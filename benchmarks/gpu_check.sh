@@ -1,22 +1,74 @@
 #!/usr/bin/env bash
 # The GPU checks as one prepared script (docs/gpu.md), for a machine with an NVIDIA GPU and
 # onnxruntime-gpu importable (on the lent machines: `source .gpu-b/setup.sh` first). From the
-# repository root:   bash benchmarks/gpu_check.sh [MODELS]   (default: gpt2-124m)
-# Writes what it measures under $OUT (default out/gpu) as it goes, so a run cut short still
-# leaves its numbers. DEVICE=cpu runs the same commands on the CPU (a dry run of the script).
+# repository root:   bash benchmarks/gpu_check.sh [MODEL]   (default: gpt2-124m)
+#
+# In order of what matters most, each phase under its own time limit, everything written under
+# $OUT (default out/gpu) as it goes, so a run cut short still leaves what it measured:
+#   1. the model exported once into the zoo cache (in the background, while the tests run);
+#   2. the GPU tests: the device session and DeviceTrainer on CUDA against the CPU, no Memcpy
+#      node, CUDA graphs, a tiny GPT-2 (tests/test_gpu.py), bf16/fp16 on the CUDA EP
+#      (test_mixed_precision);
+#   3. bench gpu, first part (FIRST): ms/step, losses, peak device memory, CUDA-graph replay,
+#      each contender in its own process, bench_gpu.json rewritten after each one;
+#   4. benchmarks/gpu_diagnose.py: the static step's CPU-placed nodes, Memcpy lines, top nodes
+#      by host time (eager, profiler on) -> diagnose.txt;
+#   5. bench gpu, the other contenders (REST), appended to the same table and JSON.
+# DEVICE=cpu runs the same on the CPU (a dry run of the script: use a small MODEL, BATCH, SEQ).
+# Knobs: LOSSES, TIMED (steps), BATCH, SEQ, FIRST, REST (contenders), WORKER_TIMEOUT, TEST_TIMEOUT (s).
 set -uo pipefail
 OUT=${OUT:-out/gpu}
-MODELS=${1:-gpt2-124m}
+MODEL=${1:-gpt2-124m}
+DEVICE=${DEVICE:-cuda}
+LOSSES=${LOSSES:-6}
+TIMED=${TIMED:-8}
+FIRST=${FIRST:-session,torch_fp32}
+REST=${REST:-session_bf16,torch_bf16,ours,session_nograph}
+WORKER_TIMEOUT=${WORKER_TIMEOUT:-100}
+TEST_TIMEOUT=${TEST_TIMEOUT:-170}
+SIZES=()
+[ -n "${BATCH:-}" ] && SIZES+=(--batch "$BATCH")
+[ -n "${SEQ:-}" ] && SIZES+=(--seq "$SEQ")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+start=$SECONDS
+stamp() { echo "[gpu_check +$((SECONDS - start))s] $*"; }
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())"
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
+  python3 -c "import onnxruntime as o, os; print('onnxruntime', o.__version__, o.get_available_providers(), os.cpu_count(), 'cpus')"
+  python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())" 2>&1 | tail -1
 } 2>&1 | tee "$OUT/machine.txt"
-# correctness first: TrainingSession(device='cuda') and DeviceTrainer on CUDA against the CPU, no Memcpy
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_providers.py 2>&1 | tee "$OUT/tests.log"
-# mixed precision on the CUDA EP: bf16/fp16 against torch's 16-bit matmuls, no Memcpy node
-python3 -m pytest -q -p no:cacheprovider tests/test_mixed_precision.py -k cuda 2>&1 | tee "$OUT/tests_mixed.log"
-# then the step times, losses and peak memory against torch fp32 and bf16
-python3 -m onnx_training_ops bench gpu --device "${DEVICE:-cuda}" --models "$MODELS" --losses 10 --timed 20 \
-  --contenders session,session_nograph,session_bf16,ours,ours_bf16,torch_fp32,torch_bf16 --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
+
+# 1. the export every contender reuses (torch -> ONNX takes a while for GPT-2 124M): in the background
+stamp "exporting $MODEL into the zoo cache"
+python3 -m onnx_training_ops bench gpu --prepare --models "$MODEL" "${SIZES[@]}" > "$OUT/prepare.log" 2>&1 &
+prepare=$!
+
+# 2. correctness first: TrainingSession(device='cuda') and DeviceTrainer on CUDA against the CPU,
+#    no Memcpy node, CUDA graph replay (GPT-2 tiny too); bf16/fp16 blocks against torch on the GPU
+stamp "GPU tests"
+timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_providers.py \
+  "tests/test_mixed_precision.py::test_the_block_trains_on_cuda_like_torch_with_every_node_on_the_gpu" \
+  2>&1 | tee "$OUT/tests.log"
+wait "$prepare"; cat "$OUT/prepare.log"
+
+bench() {  # bench gpu over the contenders $1, appended to bench_gpu.json
+  python3 -m onnx_training_ops bench gpu --device "$DEVICE" --models "$MODEL" "${SIZES[@]}" --losses "$LOSSES" \
+    --timed "$TIMED" --contenders "$1" --worker-timeout "$WORKER_TIMEOUT" --json "$OUT/bench_gpu.json" --append \
+    2>&1 | tee -a "$OUT/bench_gpu.log"
+}
+rm -f "$OUT/bench_gpu.json" "$OUT/bench_gpu.log"
+
+# 3. the step times, losses and peak device memory: ours, and torch fp32 for the ratios
+stamp "bench gpu: $FIRST"
+bench "$FIRST"
+
+# 4. where the session's step time goes
+stamp "diagnose"
+timeout 150 python3 benchmarks/gpu_diagnose.py --model "$MODEL" --device "$DEVICE" "${SIZES[@]}" --steps 4 \
+  --out "$OUT" 2>&1 | tail -40
+
+# 5. the other contenders (bf16, the exported step, no CUDA graph), in the same table
+stamp "bench gpu: $REST"
+bench "$REST"
+stamp "done"

@@ -83,3 +83,28 @@ def test_device_trainer_on_cuda_equals_the_cpu_with_the_state_on_the_gpu(tmp_pat
         np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(gpu.evaluate(_batches(1, 1)[0])["loss"], cpu.evaluate(_batches(1, 1)[0])["loss"],
                                rtol=1e-5)
+
+
+def test_a_causal_lm_step_replays_a_cuda_graph_with_no_cpu_node_and_the_cpu_losses(capfd, tmp_path, monkeypatch):
+    """GPT-2 (tiny) with input_shapes on the CUDA EP: no Memcpy node (the label shift was an int64
+    Pad, which has no CUDA kernel), so the step replays a CUDA graph, its flat optimizer's Concats
+    of at most 32 pieces included (issue 39 items 4, 6); the losses are the host session's."""
+    pytest.importorskip("transformers")
+    from onnx_training_ops.bench import zoo
+    from onnx_training_ops.bench.model_runners import training_model
+
+    monkeypatch.setenv("ONNX_TRAINING_OPS_ZOO", str(tmp_path))
+    spec = zoo.spec("gpt2", layers=2, vocab=128, hidden=32, heads=2, batch=2, seq=8)
+    batches = zoo.batches(spec, 3)
+    options = ort.SessionOptions()
+    options.log_severity_level = 1
+    gpu = ot.TrainingSession(training_model(spec), _fp32_cuda(), sess_options=options,
+                             input_shapes={k: list(v.shape) for k, v in batches[0].items()})
+    cpu = ot.TrainingSession(training_model(spec))
+    ours = [float(gpu.step(batches[i % 3])["loss"]) for i in range(8)]
+    log = capfd.readouterr()
+    inserted = [line for line in (log.out + log.err).splitlines()
+                if "Memcpy" in line and any(w in line for w in ("added", " after ", " before "))]
+    assert not inserted, inserted
+    assert gpu.cuda_graph
+    np.testing.assert_allclose(ours, [float(cpu.step(batches[i % 3])["loss"]) for i in range(8)], rtol=1e-4)

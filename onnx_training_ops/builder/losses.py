@@ -306,12 +306,7 @@ class CrossEntropyLoss(Loss):
             # position is ignored. The logits are not sliced: no copy of them, and their
             # gradient is the loss node's own (zero where ignored)
             ignore_index = NEVER_A_LABEL if ignore_index is None else ignore_index
-            shifted = em.op("Slice", [labels, em.const([1], np.int64),
-                                      em.const([np.iinfo(np.int64).max], np.int64),
-                                      em.const([1], np.int64)])
-            label_rank = rank - 1
-            pads = [0] * label_rank + [0, 1] + [0] * (label_rank - 2)
-            labels = em.op("Pad", [shifted, em.const(pads, np.int64), em.const(ignore_index, np.int64)])
+            labels = self._shifted(em, labels, rank - 1, None if shape is None else shape[1], ignore_index)
         if shape is not None and rank > 2 and axis == rank - 1:
             # classes last ([N, T, C], an LM head): rows of classes, no transpose
             classes = shape[-1]
@@ -335,6 +330,30 @@ class CrossEntropyLoss(Loss):
         if not self.label_smoothing:
             return nll
         return self._smoothed(em, nll, log_probs, labels, rank, ignore_index)
+
+    @staticmethod
+    def _shifted(em: Emit, labels: str, label_rank: int, steps, ignore_index: int) -> str:
+        """``labels[:, 1:]`` with a last column of ``ignore_index``, by ``Gather`` (columns
+        1, 2, ..., T-1, T-1) and ``Where`` (the last one ignored): int64 ops with kernels on
+        every execution provider (onnxruntime's CUDA ``Pad`` takes no int64), and no ragged
+        ``Concat`` (a host table per run on CUDA). With the steps ``T`` symbolic, the
+        positions come from its Shape (constant once the shapes are fixed)."""
+        trailing = [1] * (label_rank - 2)  # the mask along axis 1 of labels [N, T, d...]
+        if isinstance(steps, int):
+            positions = np.arange(1, steps + 1, dtype=np.int64)
+            columns = em.const(np.minimum(positions, steps - 1), np.int64)
+            last = em.const((positions == steps).reshape([steps, *trailing]), np.bool_)
+        else:
+            count = em.op("Shape", [labels], start=1, end=2)
+            positions = em.op("Range", [em.const(1, np.int64), em.op("Add", [em.op("Squeeze", [count]),
+                                                                          em.const(1, np.int64)]),
+                                        em.const(1, np.int64)])
+            columns = em.op("Min", [positions, em.op("Sub", [count, em.const([1], np.int64)])])
+            last = em.op("Equal", [positions, count])
+            if trailing:
+                last = em.op("Unsqueeze", [last, em.const(list(range(1, 1 + len(trailing))), np.int64)])
+        gathered = em.op("Gather", [labels, columns], axis=1)
+        return em.op("Where", [last, em.const(ignore_index, np.int64), gathered])
 
     def _smoothed(self, em: Emit, nll: str, log_probs: str, labels: str, rank: int,
                   ignore_index: int | None) -> str:

@@ -35,7 +35,7 @@ from ..training.feeds import checked_learning_rate
 from ..training.precision import check_precision
 from ..training.providers import device_for, provider_name, require_available
 from ..training.schedules import checked_rate
-from ..training.static_shapes import static_step
+from ..training.static_shapes import checked_input_shapes, static_step
 from ..training.step import NONFINITE_POLICIES
 from . import manifest as manifest_
 from . import safetensors
@@ -94,7 +94,7 @@ class DeviceTrainer:
         step_model = onnx.load_model_from_string(manifest_.file_bytes(self.directory, manifest, "step", verify))
         manifest_.check_feedback(step_model, manifest, os.path.join(self.directory, files["step"]["path"]))
         feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
-        self.input_shapes = {n: [int(d) for d in dims] for n, dims in (input_shapes or {}).items()}
+        self.input_shapes = checked_input_shapes(input_shapes, "DeviceTrainer") if input_shapes is not None else {}
         if input_shapes is not None:
             data = [e["name"] for e in manifest["inputs"]]
             step_model = static_step(step_model, data, self.input_shapes, "DeviceTrainer")

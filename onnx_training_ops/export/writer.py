@@ -25,6 +25,7 @@ from ..storage import checkpoint
 from ..storage.model_files import ModelLike, as_model, load_model
 from ..training.nominal import nominal_names
 from ..training.state import collect_state_protos
+from ..training.static_shapes import checked_input_shapes
 from . import graphs, packing, safetensors, webgpu
 from . import manifest as manifest_
 
@@ -195,8 +196,15 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
     if (input_shapes or eval_input_shapes) and target != "webgpu":
         raise TrainingOpError("export: input_shapes and eval_input_shapes apply to target='webgpu' only")
+    input_shapes = checked_input_shapes(input_shapes, "export (webgpu)") if input_shapes is not None else None
+    if eval_input_shapes is not None:
+        eval_input_shapes = checked_input_shapes(eval_input_shapes, "export (webgpu eval)")
     model = _training_model(model_or_checkpoint)
     meta = metadata(model)
+    if target == "webgpu" and meta.get("precision") == "bf16":
+        raise TrainingOpError("export: precision='bf16' with target='webgpu': WebGPU has no bfloat16 kernels; build "
+                              "the model with precision='fp16' (or 'fp32') for WebGPU, or export target='portable' "
+                              "for a CUDA DeviceTrainer")
     state_protos = collect_state_protos(model)
     state = {name: numpy_helper.to_array(proto) for name, proto in state_protos.items()}
     step = graphs.step_graph(model, state_protos, meta, flat=flat_optimizer)

@@ -6,7 +6,9 @@
 * :mod:`.native` — the numba ``cfunc`` kernels as ``OrtCustomOp`` structs (zero-copy);
 * :mod:`.options` — :func:`session_options` and the choice of kernel path (:func:`select_kernels`);
 * :mod:`.pipeline` — :func:`prepare`: a pass pipeline of :mod:`..passes` for the chosen path;
-* :mod:`.session` — :class:`InferenceSession`, ``onnxruntime.InferenceSession`` that prepares first.
+* :mod:`.session` — :class:`InferenceSession`, ``onnxruntime.InferenceSession`` that prepares first;
+* :mod:`.kernel_table` — onnxruntime's CUDA EP kernels at their types: which nodes of a graph it
+  would run on the CPU (:func:`~.kernel_table.cpu_nodes`), which Concat/Split upload a table per run.
 
 May import: errors, schema, interrupts, walk, storage, optim, kernels, passes.
 """

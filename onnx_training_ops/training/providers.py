@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import onnxruntime as ort
 
 from ..errors import TrainingOpError
+from .static_shapes import checked_input_shapes
 
 CPU = "CPUExecutionProvider"
 
@@ -132,15 +133,4 @@ def device_inputs(shapes: Mapping[str, Sequence[int]] | None, device: str | None
     if device is None:
         raise TrainingOpError("input_shapes applies to a device-resident session: pass device='cuda' "
                               "(or device='cpu')")
-    if not isinstance(shapes, Mapping):
-        raise TrainingOpError(f"input_shapes must map input names to dims, found {type(shapes).__name__}")
-    checked = {}
-    for name, dims in shapes.items():
-        try:
-            values = [int(d) for d in dims]
-        except (TypeError, ValueError):
-            values = []
-        if not values or any(v < 1 or v != d for v, d in zip(values, dims)):
-            raise TrainingOpError(f"input_shapes[{name!r}] must be a list of whole numbers > 0, found {dims!r}")
-        checked[str(name)] = values
-    return checked
+    return checked_input_shapes(shapes, "input_shapes")

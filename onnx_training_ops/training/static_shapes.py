@@ -9,17 +9,59 @@ it at all. With the shapes fixed it is constant: :func:`static_step` folds it aw
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import onnx
 from onnx import helper
 
 from ..errors import TrainingOpError
-from ..passes.fold_static_shapes import fold_static_shapes
+from ..passes.fold_constants import fold_constants
 from ..storage.tensors import location
 from .pruning import used_names
+
+
+def checked_input_shapes(shapes: Any, what: str) -> dict[str, list[int]]:
+    """``input_shapes`` checked: a mapping of input names to lists of whole numbers > 0.
+
+    Raises:
+        TrainingOpError: anything else (a bare number, a string, 0, a negative or fractional
+            dim, nan), naming the input and what was given.
+    """
+    if not isinstance(shapes, Mapping):
+        raise TrainingOpError(f"{what}: input_shapes must map input names to lists of dims "
+                              f"({{'input_ids': [8, 256]}}), found {type(shapes).__name__} {shapes!r}")
+    checked = {}
+    for name, dims in shapes.items():
+        values = _whole_dims(dims)
+        if values is None:
+            raise TrainingOpError(f"{what}: input_shapes[{name!r}] must be a list of whole numbers > 0 "
+                                  f"(a static shape, e.g. [8, 256]), found {dims!r}")
+        checked[str(name)] = values
+    return checked
+
+
+def _whole_dims(dims: Any) -> list[int] | None:
+    if isinstance(dims, (str, bytes, Mapping)) or not hasattr(dims, "__iter__"):
+        return None
+    values = []
+    for d in dims:
+        if isinstance(d, (bool, np.bool_)):
+            return None
+        if isinstance(d, (int, np.integer)):
+            value = int(d)
+        elif isinstance(d, (float, np.floating)) and math.isfinite(d) and float(d).is_integer():
+            value = int(d)
+        else:
+            return None
+        if value < 1:
+            return None
+        values.append(value)
+    return values or None
 
 
 def fix_input_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str, Sequence[int]],
@@ -33,9 +75,17 @@ def fix_input_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mappin
         what: how messages name the caller (``"export (webgpu)"``).
 
     Raises:
-        TrainingOpError: a shape that does not fit the input, an input left symbolic, or a name
-            that is no data input.
+        TrainingOpError: invalid dims (:func:`checked_input_shapes`), a shape that does not fit
+            the input, two values for one named dim the inputs share (``N`` of ``input`` and of
+            ``labels``), shapes the graph's ops refuse together, an input left symbolic, or a
+            name that is no data input.
     """
+    shapes = checked_input_shapes(shapes, what)
+    unknown = set(shapes) - set(data)
+    if unknown:
+        raise TrainingOpError(f"{what}: input_shapes names {sorted(unknown)}, not data inputs "
+                              f"of the step ({', '.join(data)})")
+    named: dict[str, tuple[int, str]] = {}  # a symbolic dim -> its value and the input that gave it
     for vi in model.graph.input:
         if vi.name not in data:
             continue
@@ -43,21 +93,35 @@ def fix_input_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mappin
         found = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in dims]
         given = shapes.get(vi.name)
         if given is not None:
-            given = [int(d) for d in given]
             if len(given) != len(dims) or any(d.HasField("dim_value") and d.dim_value != g
                                               for d, g in zip(dims, given)):
                 raise TrainingOpError(f"{what}: input_shapes[{vi.name!r}] is {given}; the input's shape is {found}")
             for d, g in zip(dims, given):
+                if d.dim_param:
+                    first = named.setdefault(d.dim_param, (g, vi.name))
+                    if first[0] != g:
+                        raise TrainingOpError(
+                            f"{what}: input_shapes give the dim {d.dim_param!r} that {first[1]!r} and {vi.name!r} "
+                            f"share two values: {first[0]} ({first[1]!r}) and {g} ({vi.name!r})")
                 d.Clear()
                 d.dim_value = g
         elif not all(d.HasField("dim_value") for d in dims):
             raise TrainingOpError(f"{what}: input {vi.name!r} has shape {found}; the shapes are folded "
                                   "statically: pass input_shapes={name: [dims]} (--input-shape NAME=D,D,... in the "
                                   "CLI) for every data input")
-    unknown = set(shapes) - set(data)
-    if unknown:
-        raise TrainingOpError(f"{what}: input_shapes names {sorted(unknown)}, not data inputs "
-                              f"of the step ({', '.join(data)})")
+    _check_inferable(model, {n: shapes[n] for n in shapes}, what)
+
+
+def _check_inferable(model: onnx.ModelProto, shapes: Mapping[str, list[int]], what: str) -> None:
+    """onnx's shape inference over the graph with the fixed shapes, its refusal as a TrainingOpError
+    (data inputs whose shapes contradict each other: ``labels`` [5] for ``input`` [4, 8])."""
+    try:
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except onnx.shape_inference.InferenceError as error:
+        given = ", ".join(f"{k}: {v}" for k, v in shapes.items())
+        text = str(error).strip()  # "[ShapeInferenceError] Inference error(s): (op_type:Mul, node name: n): ..."
+        detail = text.splitlines()[0].partition("Inference error(s): ")[2] or text or type(error).__name__
+        raise TrainingOpError(f"{what}: the graph does not take these shapes together ({given}): {detail}") from None
 
 
 def fold_with_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -83,7 +147,9 @@ def fold_with_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
 def static_step(step: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str, Sequence[int]],
                 what: str) -> onnx.ModelProto:
     """A copy of ``step`` with the data inputs' shapes fixed and every Shape/Size they make
-    constant folded, with what reads them.
+    constant folded, with what reads them (:func:`~..passes.fold_constants.fold_constants`:
+    in numpy, not an onnxruntime CPU session, which refuses bfloat16 nodes and computes float16
+    ones in float32 between casts it would leave in the model).
 
     Raises:
         TrainingOpError: as :func:`fix_input_shapes`.
@@ -91,7 +157,7 @@ def static_step(step: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str,
     model = onnx.ModelProto()
     model.CopyFrom(step)
     fix_input_shapes(model, data, shapes, what)
-    return fold_static_shapes(fold_with_onnxruntime(fold_static_shapes(model)))
+    return fold_constants(model)
 
 
 def static_graph(model: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str, Sequence[int]],
