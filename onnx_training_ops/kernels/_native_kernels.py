@@ -23,7 +23,7 @@ Memory layouts (int64 words) shared with :mod:`onnx_training_ops.runtime.native`
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, njit
 
 from ..optim import adagrad as _adagrad
 from ..optim import adam as _adam
@@ -39,61 +39,43 @@ from ._ort_api import (
     API_KERNEL_CONTEXT_GET_OUTPUT_COUNT,
     API_KERNEL_CONTEXT_PARALLEL_FOR,
     API_TABLE_LENGTH,
+    COMPUTE,
     ELEM_DOUBLE,
     ELEM_FLOAT,
     ELEM_INT64,
     ORT_INVALID_ARGUMENT,
+    WORKER,
     _addr,
     _broadcasts_to,
     _call2,
     _call5,
-    _call_void1,
+    _call_void2,
     _count,
     _expand,
     _input,
     _keep,
     _ptr,
-)
-
-# read by runtime/native.py and runtime/custom_op.py as nk.<name>
-from ._ort_api import (
-    API_GET_ERROR_CODE as API_GET_ERROR_CODE,
-)
-from ._ort_api import (
-    API_GET_ERROR_MESSAGE as API_GET_ERROR_MESSAGE,
-)
-from ._ort_api import (
-    API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE as API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE,
-)
-from ._ort_api import (
-    API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT as API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
-)
-from ._ort_api import (
-    API_KERNEL_INFO_GET_ATTRIBUTE_STRING as API_KERNEL_INFO_GET_ATTRIBUTE_STRING,
-)
-from ._ort_api import (
-    API_KERNEL_INFO_GET_NODE_NAME as API_KERNEL_INFO_GET_NODE_NAME,
-)
-from ._ort_api import (
-    API_RELEASE_STATUS as API_RELEASE_STATUS,
-)
-from ._ort_api import (
-    SHAPE_REFERENCE_API as SHAPE_REFERENCE_API,
+    lazy_cfunc,
 )
 
 KIND_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD = 0, 1, 2, 3
 GROUPS_IN = (4, 3, 3, 3)  # X, G and the states per optimized tensor
 GROUPS_OUT = (3, 2, 2, 2)
 
-# kernel state words
-ST_API, ST_KIND, ST_CHUNK_F32, ST_CHUNK_F64, ST_FREE, ST_PARALLEL_MIN, ST_CHUNK = 0, 1, 2, 3, 4, 5, 6
-ST_SHAPE_REFERENCE = 7  # address of GetTensorElementTypeAndShapeDataReference, or 0 (API < 24)
-ST_ATTRS = 8  # 8 float64: adam alpha, beta, epsilon, norm, norm_post; momentum alpha, beta, norm;
+# kernel state words (after the header of _ort_api): the OrtApi table, the kind, the addresses of
+# the kind's chunk workers for float32 and float64 tensors (:data:`WORKERS`), the parallel
+# threshold and chunk (elements)
+ST_API, ST_KIND, ST_CHUNK_F32, ST_CHUNK_F64, ST_PARALLEL_MIN, ST_CHUNK = 0, 1, 2, 3, 4, 5
+ST_SHAPE_REFERENCE = 6  # address of GetTensorElementTypeAndShapeDataReference, or 0 (API < 24)
+ST_ATTRS = 7  # 8 float64: adam alpha, beta, epsilon, norm, norm_post; momentum alpha, beta, norm;
 #               adagrad decay_factor, epsilon, norm
-ST_MESSAGES = 16  # ERR_COUNT char* error messages (naming the node)
-ST_WORDS = 24
-ERR_ARITY, ERR_RATE, ERR_COUNT_T, ERR_DTYPE, ERR_SHAPE = 0, 1, 2, 3, 4
+ST_MESSAGES = 15  # ERR_COUNT char* error messages (naming the node)
+ST_WORDS = 20
+# numpy integers, not Python ints: numba types a Python int constant as a literal, and compiles
+# a function called with one once per value
+ERR_ARITY, ERR_RATE, ERR_COUNT_T, ERR_DTYPE, ERR_SHAPE = (np.int64(k) for k in range(5))
 ERR_COUNT = 5
+_ZERO, _ONE = np.int64(0), np.int64(1)
 
 # job words
 JOB_N, JOB_CHUNK, JOB_KIND = 0, 1, 2
@@ -138,61 +120,123 @@ def _adagrad_out(x, g, h, xo, ho, s):
 
 
 @njit(**_OPTIONS)
-def _run_chunk(job_addr, index, like, size):
-    """Run chunk ``index`` of the job at ``job_addr`` on arrays of ``like``'s dtype (``size`` bytes)."""
+def _chunk(job_addr, index, like, size):
+    """Chunk ``index`` of the job at ``job_addr`` on arrays of ``like``'s dtype (``size`` bytes):
+    ``(m, s, x, g, s1, xo, s1o, in_place)``, m 0 past the end. ``s`` holds the job's scalars
+    rounded to the arrays' dtype, as numpy rounds a Python float. ``in_place``: each output is
+    bound onto its input (IOBinding, one OrtValue each), the state after s1 included."""
     job = carray(_ptr(job_addr, _I64), JOB_WORDS)
     jf = carray(_ptr(job_addr, np.float64(0)), JOB_WORDS)
-    n, chunk, kind = job[JOB_N], job[JOB_CHUNK], job[JOB_KIND]
-    start = index * chunk
-    m = min(n, start + chunk) - start
-    if m <= 0:
-        return
+    start = index * job[JOB_CHUNK]
+    m = max(min(job[JOB_N], start + job[JOB_CHUNK]) - start, 0)
     offset = start * size
     s = np.full(JOB_SCALAR_WORDS, like)
     for k in range(JOB_SCALAR_WORDS):
-        s[k] = jf[JOB_SCALARS + k]  # rounded to the arrays' dtype, as numpy rounds a Python float
+        s[k] = jf[JOB_SCALARS + k]
     x = carray(_ptr(job[JOB_IN] + offset, like), m)
     g = carray(_ptr(job[JOB_IN + 1] + offset, like), m)
     s1 = carray(_ptr(job[JOB_IN + 2] + offset, like), m)
     xo = carray(_ptr(job[JOB_OUT] + offset, like), m)
     s1o = carray(_ptr(job[JOB_OUT + 1] + offset, like), m)
-    # Outputs bound onto their inputs (IOBinding, one OrtValue each): the in-place loops. The
-    # out-of-place ones stay correct on aliased memory but LLVM's overlap check then sends
-    # them down a scalar path, ~10x slower.
     in_place = job[JOB_OUT] == job[JOB_IN] and job[JOB_OUT + 1] == job[JOB_IN + 2] and (
-        kind != KIND_ADAM or job[JOB_OUT + 2] == job[JOB_IN + 3])
-    if kind == KIND_ADAM:
-        s2 = carray(_ptr(job[JOB_IN + 3] + offset, like), m)
-        if in_place:
-            _k.adam_serial(x, g, s1, s2, s)
-        else:
-            s2o = carray(_ptr(job[JOB_OUT + 2] + offset, like), m)
-            _adam_out(x, g, s1, s2, xo, s1o, s2o, s)
-    elif in_place:
-        if kind == KIND_MOMENTUM:
-            _k.momentum_serial(x, g, s1, s)
-        elif kind == KIND_NESTEROV:
-            _k.nesterov_serial(x, g, s1, s)
-        else:
-            _k.adagrad_serial(x, g, s1, s)
-    elif kind == KIND_MOMENTUM:
-        _momentum_out(x, g, s1, xo, s1o, s)
-    elif kind == KIND_NESTEROV:
-        _nesterov_out(x, g, s1, xo, s1o, s)
+        job[JOB_KIND] != KIND_ADAM or job[JOB_OUT + 2] == job[JOB_IN + 3])
+    return m, s, x, g, s1, xo, s1o, in_place
+
+
+# One loop per kind and dtype, each a cfunc of its own compiled when a node of that kind is first
+# created. Outputs bound onto their inputs take the in-place loops: the out-of-place ones stay
+# correct on aliased memory, but LLVM's overlap check then sends them down a scalar path, ~10x slower.
+
+
+@njit(**_OPTIONS)
+def _adam_chunk(job_addr, index, like, size):
+    m, s, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    if m == 0:
+        return
+    job = carray(_ptr(job_addr, _I64), JOB_WORDS)
+    h = carray(_ptr(job[JOB_IN + 3] + index * job[JOB_CHUNK] * size, like), m)
+    if in_place:
+        _k.adam_serial(x, g, v, h, s)
     else:
-        _adagrad_out(x, g, s1, xo, s1o, s)
+        _adam_out(x, g, v, h, xo, vo, carray(_ptr(job[JOB_OUT + 2] + index * job[JOB_CHUNK] * size, like), m), s)
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
-def chunk_f32(job, index):
-    """``KernelContext_ParallelFor`` worker for float32 tensors."""
-    _run_chunk(_addr(job), np.int64(index), np.float32(0), 4)
+@njit(**_OPTIONS)
+def _momentum_chunk(job_addr, index, like, size):
+    m, s, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    if m == 0:
+        return
+    if in_place:
+        _k.momentum_serial(x, g, v, s)
+    else:
+        _momentum_out(x, g, v, xo, vo, s)
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
-def chunk_f64(job, index):
-    """``KernelContext_ParallelFor`` worker for float64 tensors."""
-    _run_chunk(_addr(job), np.int64(index), np.float64(0), 8)
+@njit(**_OPTIONS)
+def _nesterov_chunk(job_addr, index, like, size):
+    m, s, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    if m == 0:
+        return
+    if in_place:
+        _k.nesterov_serial(x, g, v, s)
+    else:
+        _nesterov_out(x, g, v, xo, vo, s)
+
+
+@njit(**_OPTIONS)
+def _adagrad_chunk(job_addr, index, like, size):
+    m, s, x, g, h, xo, ho, in_place = _chunk(job_addr, index, like, size)
+    if m == 0:
+        return
+    if in_place:
+        _k.adagrad_serial(x, g, h, s)
+    else:
+        _adagrad_out(x, g, h, xo, ho, s)
+
+
+# ``KernelContext_ParallelFor`` workers (and the single-chunk call of a small tensor)
+@lazy_cfunc(WORKER)
+def adam_f32(job, index):
+    _adam_chunk(_addr(job), np.int64(index), np.float32(0), np.int64(4))
+
+
+@lazy_cfunc(WORKER)
+def adam_f64(job, index):
+    _adam_chunk(_addr(job), np.int64(index), np.float64(0), np.int64(8))
+
+
+@lazy_cfunc(WORKER)
+def momentum_f32(job, index):
+    _momentum_chunk(_addr(job), np.int64(index), np.float32(0), np.int64(4))
+
+
+@lazy_cfunc(WORKER)
+def momentum_f64(job, index):
+    _momentum_chunk(_addr(job), np.int64(index), np.float64(0), np.int64(8))
+
+
+@lazy_cfunc(WORKER)
+def nesterov_f32(job, index):
+    _nesterov_chunk(_addr(job), np.int64(index), np.float32(0), np.int64(4))
+
+
+@lazy_cfunc(WORKER)
+def nesterov_f64(job, index):
+    _nesterov_chunk(_addr(job), np.int64(index), np.float64(0), np.int64(8))
+
+
+@lazy_cfunc(WORKER)
+def adagrad_f32(job, index):
+    _adagrad_chunk(_addr(job), np.int64(index), np.float32(0), np.int64(4))
+
+
+@lazy_cfunc(WORKER)
+def adagrad_f64(job, index):
+    _adagrad_chunk(_addr(job), np.int64(index), np.float64(0), np.int64(8))
+
+
+WORKERS = {KIND_ADAM: (adam_f32, adam_f64), KIND_MOMENTUM: (momentum_f32, momentum_f64),
+           KIND_NESTEROV: (nesterov_f32, nesterov_f64), KIND_ADAGRAD: (adagrad_f32, adagrad_f64)}
 
 
 # ---- compute ----
@@ -218,7 +262,7 @@ def _counts(fns, context, out):
 def _rate_and_count(fns, state, shape_reference, context, out):
     """``(status, R, T)``: the learning rate (float32 or float64 scalar, as float64) and the
     update count (int64 scalar), or an error status naming the node."""
-    status, elem, dims, data = _input(fns, shape_reference, context, 0, out)
+    status, elem, dims, data = _input(fns, shape_reference, context, _ZERO, out)
     if status != 0:
         return status, 0.0, 0
     if dims.size > 1 or _count(dims) != 1:
@@ -229,7 +273,7 @@ def _rate_and_count(fns, state, shape_reference, context, out):
         r = carray(_ptr(data, np.float64(0)), 1)[0]
     else:
         return _error(fns, state, ERR_RATE), 0.0, 0
-    status, elem, dims, data = _input(fns, shape_reference, context, 1, out)
+    status, elem, dims, data = _input(fns, shape_reference, context, _ONE, out)
     if status != 0:
         return status, 0.0, 0
     if elem != ELEM_INT64 or dims.size > 1 or _count(dims) != 1:
@@ -317,10 +361,7 @@ def _run_job(fns, state, context, job, count, size, expanded):
         return _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, worker,
                       np.int64((count + chunk - 1) // chunk), np.int64(0), job.ctypes.data)
     job[JOB_CHUNK] = max(count, 1)
-    if size == 4:
-        _run_chunk(job.ctypes.data, 0, np.float32(0), 4)
-    else:
-        _run_chunk(job.ctypes.data, 0, np.float64(0), 8)
+    _call_void2(state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64], np.int64(job.ctypes.data), _ZERO)
     return 0
 
 
@@ -363,14 +404,8 @@ def _compute(state_addr, context):
     return 0
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
-def kernel_compute(op_kernel, context):
-    """``OrtCustomOp.KernelComputeV2``: returns NULL or an OrtStatus naming the node."""
-    return _compute(_addr(op_kernel), _addr(context))
-
-
-@cfunc(types.void(types.voidptr), **_OPTIONS)
-def kernel_destroy(op_kernel):
-    """``OrtCustomOp.KernelDestroy``: frees the state block with the ``free`` it names."""
-    state = carray(_ptr(_addr(op_kernel), _I64), ST_WORDS)
-    _call_void1(state[ST_FREE], _addr(op_kernel))
+@lazy_cfunc(COMPUTE)
+def optimizer_compute(state, context):
+    """The compute function of every native optimizer node (its kind in the state): returns NULL
+    or an OrtStatus naming the node."""
+    return _compute(_addr(state), _addr(context))
