@@ -351,17 +351,19 @@ def _bind_outputs(fns, context, i, n, k_out, x_dims, job, out):
 
 @njit(**_OPTIONS)
 def _run_job(fns, state, context, job, count, size, expanded):
-    """Run the job's element loop: in chunks on onnxruntime's thread pool when large (and not
-    expanded), else here in one chunk. Returns a status."""
+    """Run the job's element loop (the kind's worker for the dtype): in chunks on onnxruntime's
+    thread pool when large (and not expanded), else here in one chunk. Returns a status."""
     job[JOB_N] = count
+    worker = state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64]
+    if worker == 0:  # a dtype other than the one onnxruntime gave when it created the kernel
+        return _error(fns, state, ERR_DTYPE)
     if count >= state[ST_PARALLEL_MIN] and not expanded:
         chunk = state[ST_CHUNK]
         job[JOB_CHUNK] = chunk
-        worker = state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64]
         return _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, worker,
                       np.int64((count + chunk - 1) // chunk), np.int64(0), job.ctypes.data)
     job[JOB_CHUNK] = max(count, 1)
-    _call_void2(state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64], np.int64(job.ctypes.data), _ZERO)
+    _call_void2(worker, np.int64(job.ctypes.data), _ZERO)
     return 0
 
 

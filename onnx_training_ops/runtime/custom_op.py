@@ -79,6 +79,11 @@ _GetAttrFloat = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char
 _GetAttrString = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
                                   ctypes.POINTER(ctypes.c_size_t))
 _GetNodeName = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
+_GetInputTypeInfo = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.POINTER(ctypes.c_void_p))
+_CastToTensorInfo = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+_GetElementType = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+_ReleaseTypeInfo = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 # ---------------------------------------------------------------- the OrtApi table, from Python
@@ -98,6 +103,10 @@ class _Api:
         self.get_attr_float = _GetAttrFloat(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT])
         self.get_attr_string = _GetAttrString(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_STRING])
         self.get_node_name = _GetNodeName(table[nk.API_KERNEL_INFO_GET_NODE_NAME])
+        self.get_input_type_info = _GetInputTypeInfo(table[nk.API_KERNEL_INFO_GET_INPUT_TYPE_INFO])
+        self.cast_to_tensor_info = _CastToTensorInfo(table[nk.API_CAST_TYPE_INFO_TO_TENSOR_INFO])
+        self.get_element_type = _GetElementType(table[nk.API_GET_TENSOR_ELEMENT_TYPE])
+        self.release_type_info = _ReleaseTypeInfo(table[nk.API_RELEASE_TYPE_INFO])
 
     def check(self) -> None:
         """Round-trip a status through the table: catches a layout we do not know."""
@@ -131,6 +140,25 @@ class _Api:
             self.release_status(status)
             return None
         return buffer.value.decode(errors="replace")
+
+    def input_element_type(self, info: int, index: int) -> int | None:
+        """The element type (ONNX's number) of the node's input ``index``, None when onnxruntime
+        does not say (not a tensor, or an error)."""
+        type_info, tensor_info, elem = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int(0)
+        status = self.get_input_type_info(info, index, ctypes.byref(type_info))
+        if status:
+            self.release_status(status)
+            return None
+        try:
+            status = self.cast_to_tensor_info(type_info, ctypes.byref(tensor_info))
+            if status or not tensor_info.value:
+                return None
+            status = self.get_element_type(tensor_info, ctypes.byref(elem))
+            return None if status else elem.value
+        finally:
+            if status:
+                self.release_status(status)
+            self.release_type_info(type_info)
 
     def node_name(self, info: int) -> str:
         size = ctypes.c_size_t(0)

@@ -98,7 +98,7 @@ def _messages(op_type: str, node: str) -> list[str]:
 def _state_block(op_type: str, api: int, info: int, calls: _Api) -> int:
     """A kernel state for one node (see ``ST_*`` in ``_native_kernels``). The first node of a
     kind compiles (or loads from numba's cache) the shared compute function and that kind's
-    two loops, float32 and float64."""
+    loop for the node's dtype (both loops when onnxruntime does not say which)."""
     from ..kernels import _native_kernels as nk
 
     node = calls.node_name(info)
@@ -118,12 +118,13 @@ def _state_block(op_type: str, api: int, info: int, calls: _Api) -> int:
                 raise ValueError(f"{op_type} node {node!r}: attribute {name!r} is required")
             value = float(spec.defaults[name])
         attrs.append(value)
+    elem = calls.input_element_type(info, 2)  # X of the first tensor: the inputs after R, T share its type
     f32, f64 = nk.WORKERS[kind]
     words = [0] * nk.ST_WORDS
     words[nk.ST_API] = api
     words[nk.ST_KIND] = kind
-    words[nk.ST_CHUNK_F32] = f32.address
-    words[nk.ST_CHUNK_F64] = f64.address
+    words[nk.ST_CHUNK_F32] = f32.address if elem != nk.ELEM_DOUBLE else 0  # 0: the dtype error, never called
+    words[nk.ST_CHUNK_F64] = f64.address if elem != nk.ELEM_FLOAT else 0
     words[nk.ST_PARALLEL_MIN] = PARALLEL_MIN
     words[nk.ST_CHUNK] = CHUNK
     words[nk.ST_SHAPE_REFERENCE] = shape_reference(api)
