@@ -162,13 +162,34 @@ class LazyCFunc:
         if self.compiled is None:
             with _compile_lock, announce_compiles():
                 if self.compiled is None:
-                    self.compiled = cfunc(self.signature, **_OPTIONS)(self.func)
+                    self.compiled = _compile(self.signature, self.func)
         return self.compiled.address
 
     @property
     def cache_hits(self) -> int:
         """numba's cache-hit counter of the compiled function (empty before the first use)."""
         return self.compiled.cache_hits if self.compiled is not None else 0
+
+
+_uncached_warned = False
+
+
+def _compile(signature, func):
+    """``cfunc`` with numba's disk cache; where no cache directory is writable (numba raises at
+    decoration), compiled for this process only, with one warning naming NUMBA_CACHE_DIR."""
+    global _uncached_warned
+    try:
+        return cfunc(signature, **_OPTIONS)(func)
+    except RuntimeError as error:  # "cannot cache function ...: no locator available"
+        if "cache" not in str(error):
+            raise
+        if not _uncached_warned:
+            import warnings
+
+            _uncached_warned = True
+            warnings.warn(f"numba cannot cache the native kernels ({error}); compiling them once per process. "
+                          "Set NUMBA_CACHE_DIR to a writable directory to keep them between runs", stacklevel=3)
+        return cfunc(signature, **dict(_OPTIONS, cache=False))(func)
 
 
 def lazy_cfunc(signature):
