@@ -81,10 +81,10 @@ _ZERO, _ONE = np.int64(0), np.int64(1)
 JOB_N, JOB_CHUNK, JOB_KIND = 0, 1, 2
 JOB_IN = 3  # x, g, s1, s2 (s1/s2: v/h for Adam, v for Momentum, h for Adagrad)
 JOB_OUT = 7  # x_new, s1_new, s2_new
-JOB_SCALARS = 10  # float64: the optimizer's named tuple (AdamScalars, ...), the fused kernels' layout
-JOB_SCALAR_WORDS = max(len(t._fields) for t in (_adam.AdamScalars, _momentum.MomentumScalars,
-                                                _adagrad.AdagradScalars))
-JOB_WORDS = JOB_SCALARS + JOB_SCALAR_WORDS
+JOB_R, JOB_T, JOB_ATTRS = 10, 11, 12  # the step's R (float64) and T, the node's 5 attributes (float64)
+JOB_WORDS = JOB_ATTRS + 5
+# the scalars a loop reads: the optimizer's named tuple (AdamScalars, ...), the fused kernels' layout
+SCALAR_WORDS = max(len(t._fields) for t in (_adam.AdamScalars, _momentum.MomentumScalars, _adagrad.AdagradScalars))
 
 
 
@@ -119,20 +119,33 @@ def _adagrad_out(x, g, h, xo, ho, s):
         xo[i], ho[i] = _adagrad.adagrad_element(x[i], g[i], h[i], c)
 
 
-@njit(**_OPTIONS)
-def _chunk(job_addr, index, like, size):
-    """Chunk ``index`` of the job at ``job_addr`` on arrays of ``like``'s dtype (``size`` bytes):
-    ``(m, s, x, g, s1, xo, s1o, in_place)``, m 0 past the end. ``s`` holds the job's scalars
-    rounded to the arrays' dtype, as numpy rounds a Python float. ``in_place``: each output is
-    bound onto its input (IOBinding, one OrtValue each), the state after s1 included."""
+@njit(inline="always", **_OPTIONS)
+def _scalars(scalars, like):
+    """An optimizer's scalars (its named tuple, float64) rounded to the arrays' dtype, as numpy
+    rounds a Python float meeting an array of that dtype."""
+    s = np.full(SCALAR_WORDS, like)
+    for k in range(len(scalars)):
+        s[k] = scalars[k]
+    return s
+
+
+@njit(inline="always", **_OPTIONS)
+def _step(job_addr):
+    """The job's R (float64), T and attributes."""
     job = carray(_ptr(job_addr, _I64), JOB_WORDS)
     jf = carray(_ptr(job_addr, np.float64(0)), JOB_WORDS)
+    return jf[JOB_R], job[JOB_T], jf[JOB_ATTRS:JOB_ATTRS + 5]
+
+
+@njit(inline="always", **_OPTIONS)
+def _chunk(job_addr, index, like, size):
+    """Chunk ``index`` of the job at ``job_addr`` on arrays of ``like``'s dtype (``size`` bytes):
+    ``(m, x, g, s1, xo, s1o, in_place)``, m 0 past the end. ``in_place``: each output is bound
+    onto its input (IOBinding, one OrtValue each), the state after s1 included."""
+    job = carray(_ptr(job_addr, _I64), JOB_WORDS)
     start = index * job[JOB_CHUNK]
     m = max(min(job[JOB_N], start + job[JOB_CHUNK]) - start, 0)
     offset = start * size
-    s = np.full(JOB_SCALAR_WORDS, like)
-    for k in range(JOB_SCALAR_WORDS):
-        s[k] = jf[JOB_SCALARS + k]
     x = carray(_ptr(job[JOB_IN] + offset, like), m)
     g = carray(_ptr(job[JOB_IN + 1] + offset, like), m)
     s1 = carray(_ptr(job[JOB_IN + 2] + offset, like), m)
@@ -140,19 +153,23 @@ def _chunk(job_addr, index, like, size):
     s1o = carray(_ptr(job[JOB_OUT + 1] + offset, like), m)
     in_place = job[JOB_OUT] == job[JOB_IN] and job[JOB_OUT + 1] == job[JOB_IN + 2] and (
         job[JOB_KIND] != KIND_ADAM or job[JOB_OUT + 2] == job[JOB_IN + 3])
-    return m, s, x, g, s1, xo, s1o, in_place
+    return m, x, g, s1, xo, s1o, in_place
 
 
 # One loop per kind and dtype, each a cfunc of its own compiled when a node of that kind is first
-# created. Outputs bound onto their inputs take the in-place loops: the out-of-place ones stay
-# correct on aliased memory, but LLVM's overlap check then sends them down a scalar path, ~10x slower.
+# created, with the step's scalars prepared by the optimizer's own ``step_scalars`` (as the
+# reference; a few flops per chunk). Outputs bound onto their inputs take the in-place loops: the
+# out-of-place ones stay correct on aliased memory, but LLVM's overlap check then sends them down
+# a scalar path, ~10x slower.
 
 
 @njit(**_OPTIONS)
 def _adam_chunk(job_addr, index, like, size):
-    m, s, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    m, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
     if m == 0:
         return
+    r, t, a = _step(job_addr)
+    s = _scalars(_adam.step_scalars(r, t, a[0], a[1], a[2], a[3], a[4]), like)
     job = carray(_ptr(job_addr, _I64), JOB_WORDS)
     h = carray(_ptr(job[JOB_IN + 3] + index * job[JOB_CHUNK] * size, like), m)
     if in_place:
@@ -163,9 +180,11 @@ def _adam_chunk(job_addr, index, like, size):
 
 @njit(**_OPTIONS)
 def _momentum_chunk(job_addr, index, like, size):
-    m, s, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    m, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
     if m == 0:
         return
+    r, t, a = _step(job_addr)
+    s = _scalars(_momentum.step_scalars(r, t, a[0], a[1], a[2]), like)
     if in_place:
         _k.momentum_serial(x, g, v, s)
     else:
@@ -174,9 +193,11 @@ def _momentum_chunk(job_addr, index, like, size):
 
 @njit(**_OPTIONS)
 def _nesterov_chunk(job_addr, index, like, size):
-    m, s, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    m, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
     if m == 0:
         return
+    r, t, a = _step(job_addr)
+    s = _scalars(_momentum.step_scalars(r, t, a[0], a[1], a[2]), like)
     if in_place:
         _k.nesterov_serial(x, g, v, s)
     else:
@@ -185,9 +206,11 @@ def _nesterov_chunk(job_addr, index, like, size):
 
 @njit(**_OPTIONS)
 def _adagrad_chunk(job_addr, index, like, size):
-    m, s, x, g, h, xo, ho, in_place = _chunk(job_addr, index, like, size)
+    m, x, g, h, xo, ho, in_place = _chunk(job_addr, index, like, size)
     if m == 0:
         return
+    r, t, a = _step(job_addr)
+    s = _scalars(_adagrad.step_scalars(r, t, a[0], a[1], a[2]), like)
     if in_place:
         _k.adagrad_serial(x, g, h, s)
     else:
@@ -242,12 +265,12 @@ WORKERS = {KIND_ADAM: (adam_f32, adam_f64), KIND_MOMENTUM: (momentum_f32, moment
 # ---- compute ----
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _error(fns, state, code):
     return _call2(fns[API_CREATE_STATUS], np.int64(ORT_INVALID_ARGUMENT), state[ST_MESSAGES + code])
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _counts(fns, context, out):
     """``(status, inputs, outputs)``: the node's input and output counts."""
     status = _call2(fns[API_KERNEL_CONTEXT_GET_INPUT_COUNT], context, out.ctypes.data)
@@ -258,7 +281,7 @@ def _counts(fns, context, out):
     return status, n_in, out[0]
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _rate_and_count(fns, state, shape_reference, context, out):
     """``(status, R, T)``: the learning rate (float32 or float64 scalar, as float64) and the
     update count (int64 scalar), or an error status naming the node."""
@@ -281,26 +304,7 @@ def _rate_and_count(fns, state, shape_reference, context, out):
     return 0, r, carray(_ptr(data, _I64), 1)[0]
 
 
-@njit(**_OPTIONS)
-def _store(job, scalars):
-    """An optimizer's scalars (its named tuple, float64) into the job's scalar words."""
-    jf = carray(_ptr(job.ctypes.data, np.float64(0)), JOB_WORDS)
-    for k in range(len(scalars)):
-        jf[JOB_SCALARS + k] = scalars[k]
-
-
-@njit(**_OPTIONS)
-def _store_scalars(kind, r, t, attrs, job):
-    """This step's scalars, prepared by the optimizer's own ``step_scalars`` (as the reference)."""
-    if kind == KIND_ADAM:
-        _store(job, _adam.step_scalars(r, t, attrs[0], attrs[1], attrs[2], attrs[3], attrs[4]))
-    elif kind == KIND_ADAGRAD:
-        _store(job, _adagrad.step_scalars(r, t, attrs[0], attrs[1], attrs[2]))
-    else:
-        _store(job, _momentum.step_scalars(r, t, attrs[0], attrs[1], attrs[2]))
-
-
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _bind_inputs(fns, state, shape_reference, context, i, n, k_in, job, out):
     """X, G and the states of tensor ``i`` into the job; inputs that broadcast to X's shape
     are expanded into a scratch buffer. Returns ``(status, X's dims, element size in bytes,
@@ -334,7 +338,7 @@ def _bind_inputs(fns, state, shape_reference, context, i, n, k_in, job, out):
     return 0, x_dims, size, count, scratch, expanded
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _bind_outputs(fns, context, i, n, k_out, x_dims, job, out):
     """The output buffers of tensor ``i`` (X's shape) into the job; returns a status."""
     for j in range(k_out):
@@ -349,7 +353,7 @@ def _bind_outputs(fns, context, i, n, k_out, x_dims, job, out):
     return 0
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _run_job(fns, state, context, job, count, size, expanded):
     """Run the job's element loop (the kind's worker for the dtype): in chunks on onnxruntime's
     thread pool when large (and not expanded), else here in one chunk. Returns a status."""
@@ -369,8 +373,8 @@ def _run_job(fns, state, context, job, count, size, expanded):
 
 @njit(**_OPTIONS)
 def _compute(state_addr, context):
-    """One node's step: check the arity, R and T, store the step's scalars, then per tensor
-    bind its inputs and outputs and run the element loop. Returns 0 or an OrtStatus."""
+    """One node's step: check the arity, R and T, store them and the attributes in the job, then
+    per tensor bind its inputs and outputs and run the kind's loop. Returns 0 or an OrtStatus."""
     state = carray(_ptr(state_addr, _I64), ST_WORDS)
     attrs = carray(_ptr(state_addr, np.float64(0)), ST_WORDS)[ST_ATTRS:ST_ATTRS + 8]
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
@@ -391,7 +395,11 @@ def _compute(state_addr, context):
     if status != 0:
         return status
     job[JOB_KIND] = kind
-    _store_scalars(kind, r, t, attrs, job)
+    job[JOB_T] = t
+    jf = carray(_ptr(job.ctypes.data, np.float64(0)), JOB_WORDS)
+    jf[JOB_R] = r
+    for k in range(5):
+        jf[JOB_ATTRS + k] = attrs[k]
     for i in range(n):
         status, x_dims, size, count, scratch, expanded = _bind_inputs(fns, state, shape_reference, context,
                                                                       i, n, k_in, job, out)

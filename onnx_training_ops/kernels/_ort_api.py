@@ -263,7 +263,7 @@ def _input(fns, shape_reference, context, index, out):
     return _tensor(fns, shape_reference, out[0], out)
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _count(dims):
     n = 1
     for d in dims:
@@ -311,6 +311,6 @@ def _expand(src, dims, target, dst, size):
             index[k] = 0
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _keep(a):
     return a.size

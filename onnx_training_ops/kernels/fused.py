@@ -15,11 +15,11 @@ to the arrays' dtype::
     else:
         x, v, h = adam_update(x, g, v, h, ...)
 
-The ``*_prepared`` forms (the training session's fast path) compile, or load from numba's
-on-disk cache, the loops their arrays need when they are prepared: the dtype's serial loop, and
-past the op's parallel threshold the parallel one (starting numba's thread pool), nothing else.
-The other entry points compile a specialization on its first call; :func:`warm_up` compiles
-every one at once (benchmarks call it before the clock starts).
+Nothing is compiled before it is needed. The ``*_prepared`` forms (the training session's fast
+path) compile, or load from numba's on-disk cache, the loops their arrays need when they are
+prepared: the dtype's serial loop, and past the op's parallel threshold the parallel one
+(starting numba's thread pool). The other entry points compile a specialization on its first
+call; :func:`warm_up` compiles every one at once (benchmarks call it before the clock starts).
 """
 
 from __future__ import annotations
@@ -308,8 +308,9 @@ _READY: set = set()  # (serial loop, dtype, with its parallel twin) compiled or 
 
 def _ready(op: str, serial, parallel, dtype: np.dtype, n: int, arrays: int) -> None:
     """Compile (or load from numba's cache) the loops a tensor of ``n`` elements of ``dtype``
-    runs, before any step does: the serial loop, and the parallel one when ``n`` reaches the
-    op's threshold (its first launch starts numba's thread pool). Once per process each."""
+    runs, before its first update (so that the adaptive choice never times a compile): the
+    serial loop, and the parallel one when ``n`` reaches the op's threshold (its first launch
+    starts numba's thread pool). Once per process each."""
     key = (serial, dtype, n >= PARALLEL_THRESHOLDS[op])
     if key in _READY:
         return

@@ -132,8 +132,8 @@ class SessionPrograms:
         for program in programs:
             if program.guarded:
                 program.fallback = functools.partial(self._copying_program, program.index, model)
-        # the cut nodes' fused kernels were compiled (or loaded) as the programs prepared them:
-        # only the loops this model's tensors run (kernels.fused._ready)
+        # the fused loops compile (or load from numba's cache) when the first step plans the cut
+        # updates, announced: only those this model's tensors run, not every specialization
         return programs
 
     def _copying_program(self, index: int, model: LargeModel) -> Program:
