@@ -1,14 +1,27 @@
-"""mkdocs hook: the command-line reference, generated from the argparse parser at build time.
+"""The documentation site's build hooks.
 
-``reference/cli.md`` is written from ``onnx_training_ops.cli.build_parser()`` (every command,
-its usage line, description and arguments), so the page cannot drift from the code.
+* mkdocs hook: ``reference/cli.md`` is written from ``onnx_training_ops.cli.build_parser()``
+  (every command, its usage line, description and arguments) at build time, so the page cannot
+  drift from the code.
+* Griffe extension :class:`ReSTRoles` (mkdocs.yml, the python handler's ``extensions``): the
+  docstrings cross-reference in Sphinx's reST roles (``:class:`~onnx_training_ops.TrainingSession```,
+  ``:func:`.prepare```, ``:meth:`save```), which Markdown would show as literal text. Each
+  becomes a cross-reference that mkdocs-autorefs renders as a link where the site documents
+  the target, and as the name in code font where it does not (an internal module).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+from html import escape
 
 from mkdocs.structure.files import File
+
+try:  # the docs extra installs griffe (with mkdocstrings); the CLI page needs only mkdocs
+    from griffe import AliasResolutionError, Extension, NameResolutionError
+except ImportError:  # pragma: no cover
+    Extension = object
 
 PAGE = "reference/cli.md"
 
@@ -96,3 +109,67 @@ def on_files(files, config):
     """Add the generated command-line page to the site's files."""
     files.append(File.generated(config, PAGE, content=cli_markdown()))
     return files
+
+
+# ---- reST roles in docstrings -> autorefs cross-references ----
+
+ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):`(~?)(\.*)([\w.]+)`")
+
+
+def _members(obj):
+    """``obj`` and everything it defines (not what it imports), depth first."""
+    yield obj
+    for member in obj.members.values():
+        if not member.is_alias:
+            yield from _members(member)
+
+
+def _find(collection, path: str):
+    try:
+        found = collection[path]
+        return found.canonical_path if found.is_alias else found.path
+    except (KeyError, AliasResolutionError, ValueError):
+        return None
+
+
+def _target(obj, collection, dots: str, name: str) -> str | None:
+    """The canonical path of the object a role in ``obj``'s docstring names, or None. Sphinx's
+    lookup: relative names (``.x``) and bare ones are searched from ``obj`` outwards (its
+    class, its module, the packages above), bare names also through ``obj``'s imports."""
+    head, _, rest = name.partition(".")
+    scopes = []
+    scope = obj
+    while scope is not None:
+        scopes.append(scope.path)
+        scope = scope.parent
+    candidates = [f"{base}.{name}" for base in scopes] + ([] if dots else [name])
+    if not dots:
+        try:
+            resolved = obj.resolve(head)
+            candidates.insert(0, f"{resolved}.{rest}" if rest else resolved)
+        except (NameResolutionError, AliasResolutionError, KeyError, ValueError):
+            pass
+    for candidate in candidates:
+        found = _find(collection, candidate)
+        if found is not None:
+            return found
+    return None
+
+
+class ReSTRoles(Extension):
+    """Rewrite the reST roles of every docstring of the package as autorefs cross-references
+    (``optional``: a target the site does not document is shown as code, not an error)."""
+
+    def on_package(self, *, pkg, loader, **kwargs) -> None:
+        collection = loader.modules_collection
+        for obj in _members(pkg):
+            if obj.docstring is None or ":`" not in obj.docstring.value:
+                continue
+
+            def replace(match: re.Match, obj=obj) -> str:
+                short, dots, name = match.groups()
+                shown = name.rsplit(".", 1)[-1] if short else name
+                target = _target(obj, collection, dots, name) or name
+                return f'<autoref identifier="{escape(target)}" optional><code>{escape(shown)}</code></autoref>'
+
+            obj.docstring.value = ROLE.sub(replace, obj.docstring.value)

@@ -136,12 +136,7 @@ def train(
     n = len(x_train)
     steps_per_epoch = (n + batch_size - 1) // batch_size
     losses: list[float] = []
-    try:  # compile (or load from numba's cache) the fused kernels before the clock starts
-        from .kernels import fused
-
-        fused.warm_up()
-    except ImportError:  # pragma: no cover - without numba the reference kernels run
-        pass
+    # the session compiled (or loaded from numba's cache) the kernels its steps run: the clock starts now
     bar = None
     # a terminal gets a tqdm bar; a log file or CI plain lines, one per epoch (tqdm's
     # carriage-return redraws would pile up there)

@@ -2,8 +2,6 @@
 .csv, .safetensors), resume, summary; bad input exits 2 with one line."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -156,19 +154,6 @@ def test_bad_input_exits_2_with_one_line(digits, tmp_path, capsys, argv, message
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (tmp_path / "o.onnx").exists()
-
-
-def test_a_missing_progress_bar_is_a_one_line_hint(digits, tmp_path, monkeypatch):
-    root, _, _ = digits
-    code = "\n".join([
-        "import sys, importlib.util", "real = importlib.util.find_spec",
-        "importlib.util.find_spec = lambda n, *a: None if n == 'tqdm' else real(n, *a)",
-        "from onnx_training_ops.cli import main",
-        f"sys.exit(main(['train', {str(root / 'train.onnx')!r}, '--data', {str(root / 'train.npz')!r}, "
-        f"'--out', {str(tmp_path)!r}]))"])
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip() == "error: this command needs 'tqdm': pip install 'onnx-training-ops[demo]'"
 
 
 def test_trainable_patterns_see_parameters_the_torchscript_exporter_merged(tmp_path, capsys):

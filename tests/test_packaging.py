@@ -48,3 +48,25 @@ def test_the_demo_progress_bar_writes_no_carriage_returns_into_a_log(tmp_path, c
     train(out_dir=str(tmp_path), epochs=1, progress=True)
     err = capsys.readouterr().err  # stderr is not a terminal here
     assert "\r" not in err and "epoch 1/1, loss" in err
+
+
+def test_a_native_kernel_compiles_uncached_where_numba_cannot_cache(monkeypatch):
+    """No writable cache directory: the lazily compiled cfunc still works, with one warning."""
+    from onnx_training_ops.kernels import _ort_api
+
+    real = _ort_api.cfunc
+
+    def no_locator(signature, cache=False, **kwargs):
+        if cache:
+            def decorate(func):
+                raise RuntimeError("cannot cache function 'f': no locator available for file '<string>'")
+            return decorate
+        return real(signature, cache=False, **kwargs)
+
+    monkeypatch.setattr(_ort_api, "cfunc", no_locator)
+    monkeypatch.setattr(_ort_api, "_uncached_warned", False)
+    lazy = _ort_api.LazyCFunc(_ort_api.kernel_destroy.signature, _ort_api._destroy_trampoline)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert lazy.address and lazy.address == lazy.address
+    assert [str(w.message) for w in caught if "NUMBA_CACHE_DIR" in str(w.message)]

@@ -50,13 +50,20 @@ def test_most_documented_examples_run():
     assert len(skipped) <= 8 and len(BLOCKS) >= 3 * len(skipped), skipped
 
 
-def test_the_readme_is_short_and_its_links_are_absolute():
+def test_the_readme_is_short_and_links_only_to_what_exists():
+    """No link to a repository or index that does not exist: the README's links are the checkout's
+    own files (and anchors in them), and the package metadata names no project URL."""
     text = README.read_text()
     assert len(text.encode()) < README_SIZE_LIMIT
     links = re.findall(r"\]\(([^)]+)\)", text)
-    assert links and all(link.startswith("https://") for link in links), links  # the wheel's description on PyPI
-    source = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Source"]
-    pages = [link for link in links if link.startswith(source + "/blob/main/")]
-    assert pages, f"the README links into the site at {source}"
-    for link in pages:  # each names a file of this checkout
-        assert (ROOT / link.removeprefix(source + "/blob/main/").split("#")[0]).is_file(), link
+    assert links and not [link for link in links if "://" in link], links
+    for link in links:
+        path, _, anchor = link.partition("#")
+        assert (ROOT / path).is_file(), link
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.M)
+            assert anchor in {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}, link
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "urls" not in project
+    for path in [README, *DOCUMENTS]:
+        assert "github.com/onnx-training-ops" not in path.read_text(), path

@@ -7,7 +7,8 @@ without a model trains the demo.
 Exit status: 0 success; 1 the command ran and reports a failure (a conformance case
 failed, the demo's accuracy is below ``--min-accuracy``); 2 bad usage or input (argparse's
 own errors, an unreadable or invalid model, a missing extra); 3 an internal error (a bug of
-this package: the traceback is printed, please report it); 130 interrupted (Ctrl-C).
+this package: the traceback is printed, please report it); 130 interrupted (Ctrl-C); 141 the
+reader of stdout went away (``summary | head``: quietly, as SIGPIPE ends Unix tools).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .extras import MissingExtra
 from .extras import require as _require
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a tool its reader stopped
 
 
 def _positive_int(text: str) -> int:
@@ -206,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnx-training-ops", description="Run ONNX training-domain graphs in onnxruntime.",
         epilog="exit status: 0 ok, 1 failure reported (conformance, --min-accuracy), "
-               "2 usage or input error, 3 internal error (a bug: please report), 130 interrupted",
+               "2 usage or input error, 3 internal error (a bug: please report), 130 interrupted, "
+               "141 stdout closed by its reader",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -334,6 +337,19 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
     t.set_defaults(func=_train)
 
 
+def _closed_stdout() -> int:
+    """The reader of stdout went away (``summary | head``): stop quietly, as Unix tools do on
+    SIGPIPE. stdout is pointed at /dev/null so that the interpreter's last flush does not report
+    the broken pipe again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (a replaced sys.stdout): nothing left to flush
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ..errors import TrainingOpError
 
@@ -344,15 +360,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is told apart below
+        return status
+    except BrokenPipeError:
+        return _closed_stdout()
     except MissingExtra as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except (TrainingOpError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as error:  # a command may say how to go on (train: the same command resumes)
+        print("interrupted" + (f": {error}" if error.args else ""), file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception:  # noqa: BLE001 - not a reported failure: a bug, told apart by its status
         import traceback

@@ -6,7 +6,7 @@
   value per sample); columns ``NAME[0]``, ``NAME[1]``... are the flattened values of input
   ``NAME`` per sample (C order), reshaped to the input's per-sample shape when the model
   fixes it. The label input (``labels``/``target``) may go unnamed: then it is the last
-  column. Values are parsed as numbers.
+  column. Values are parsed as numbers. The text is UTF-8 (a byte-order mark allowed).
 
 Each array is cast to its input's element type when that loses no kind (integers to int64,
 floats to float32...); a float column for an integer input is refused.
@@ -14,7 +14,9 @@ floats to float32...); a float column for an integer input is refused.
 
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -59,9 +61,30 @@ def read_columns(path: str, label: str | None = None) -> dict[str, np.ndarray]:
     raise TrainingOpError(f"data file {path!r}: expected .npz, .safetensors or .csv, found {ext or 'no extension'!r}")
 
 
+def _text(path: str) -> str:
+    """The file as UTF-8 text (a byte-order mark allowed); anything else is refused in one line."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    for bom, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                      (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16")):
+        if raw.startswith(bom):
+            raise TrainingOpError(f"data file {path!r} is {name} text: save it as UTF-8 (CSV UTF-8)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise TrainingOpError(f"data file {path!r} is not UTF-8 text (byte 0x{raw[error.start]:02x} on line {line}): "
+                              "save it as UTF-8 (CSV UTF-8)") from None
+    if "\0" in text:
+        raise TrainingOpError(f"data file {path!r} holds NUL bytes: expected CSV text")
+    return text
+
+
 def _read_csv(path: str, label: str | None) -> dict[str, np.ndarray]:
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
+    try:
+        rows = list(csv.reader(io.StringIO(_text(path), newline="")))
+    except csv.Error as error:
+        raise TrainingOpError(f"data file {path!r}: not a CSV file: {error}") from None
     if not rows or not rows[0]:
         raise TrainingOpError(f"data file {path!r}: expected a header row naming the columns, found an empty file")
     header, body = [h.strip() for h in rows[0]], rows[1:]

@@ -18,6 +18,7 @@ At the end, ``inference_model.onnx``: the trained weights without training_info.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import os
@@ -30,7 +31,7 @@ import numpy as np
 from ..errors import TrainingOpError
 from ..storage.checkpoint import atomic_write
 from .data import match_feeds, read_columns
-from .extras import require
+from .progress import progress_bar
 
 CHECKPOINT, METRICS, CURVE, INFERENCE = "checkpoint.onnx", "metrics.jsonl", "loss_curve.png", "inference_model.onnx"
 
@@ -88,11 +89,32 @@ def _evaluate(session, data: Mapping[str, np.ndarray]) -> float:
 
 
 def _read_metrics(path: str, done: int) -> list[dict]:
+    """The log's rows up to epoch ``done`` (a crash after the log, before the checkpoint, left
+    later ones). The log only reports: a damaged one (edited, cut short, not text) never stops a
+    resume. Its readable rows are kept, the file as found is copied to ``metrics.jsonl.damaged``
+    and one line on stderr says so."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["epoch"] <= done]  # a crash after the log, before the checkpoint
+    with open(path, "rb") as f:
+        raw = f.read()
+    rows, bad = [], []
+    for number, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("epoch"), int) and isinstance(row.get("train_loss"), float):
+            rows.append(row)
+        else:
+            bad.append(number)
+    if bad:
+        atomic_write(path + ".damaged", raw)
+        print(f"warning: {path}: line(s) {', '.join(map(str, bad[:5]))}{'...' if len(bad) > 5 else ''} are not "
+              f"rows this command wrote; the run resumes from its checkpoint all the same (the file as found: "
+              f"{path}.damaged)", file=sys.stderr)
+    return [r for r in rows if r["epoch"] <= done]
 
 
 def _plot(path: str, rows: list[dict]) -> None:
@@ -172,23 +194,23 @@ def train_model(args: argparse.Namespace) -> int:
         raise TrainingOpError("give --lr or --schedule, not both (a schedule starts from the model's learning rate)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise TrainingOpError(f"--out {args.out!r} is a file; give a directory")
-    tqdm = None
-    if not args.no_progress:
-        require("tqdm", "demo")
-        from tqdm import tqdm
-    if not args.no_plot:
-        require("matplotlib", "demo")
+    plot = not args.no_plot
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        plot = False
+        print(f"note: no {CURVE}: matplotlib is not installed (pip install 'onnx-training-ops[cli]'; --no-plot "
+              "silences this)", file=sys.stderr)
 
     session, resumed = _open(args)
     labels = session.metadata.get("labels")
-    data = match_feeds(read_columns(args.data, labels), session.feeds, args.data)
+    rates = set(session.learning_rates)  # --lr/--schedule set them, never a data column
+    data = match_feeds(read_columns(args.data, labels), [f for f in session.feeds if f.name not in rates], args.data)
     eval_data = None
     if args.eval_data:
         eval_data = match_feeds(read_columns(args.eval_data, labels), session.eval_feeds(), args.eval_data)
     n = len(next(iter(data.values())))
+    checkpoint, inference = os.path.join(args.out, CHECKPOINT), os.path.join(args.out, INFERENCE)
     if resumed and session.properties.get("cli.samples", n) != n:
-        raise TrainingOpError(f"{os.path.join(args.out, CHECKPOINT)} was trained on "
-                              f"{session.properties['cli.samples']} "
+        raise TrainingOpError(f"{checkpoint} was trained on {session.properties['cli.samples']} "
                               f"samples, --data {args.data} holds {n}: use another --out to start afresh")
     steps_per_epoch = -(-n // args.batch_size)
     done = int(session.properties.get("epoch", 0)) if resumed else 0
@@ -197,40 +219,69 @@ def train_model(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     metrics_path = os.path.join(args.out, METRICS)
     rows = _read_metrics(metrics_path, done)
+    if done == args.epochs and not _is_current(inference, session):  # stopped after its last checkpoint
+        session.export_inference_model(inference)
+        print(f"{checkpoint} already holds all {done} epoch(s): wrote {inference}, which the interrupted run had "
+              "not written")
+        return 0
     if done >= args.epochs:  # no silent no-op (as the data-parallel demo)
-        raise TrainingOpError(f"{os.path.join(args.out, CHECKPOINT)} already holds {done} epoch(s) and --epochs is "
+        raise TrainingOpError(f"{checkpoint} already holds {done} epoch(s) and --epochs is "
                               f"{args.epochs}: nothing to train (raise --epochs, or use another --out)")
     if resumed:
-        print(f"resuming from {os.path.join(args.out, CHECKPOINT)} after epoch {done}", file=sys.stderr)
-    bar = tqdm(total=(args.epochs - done) * steps_per_epoch, unit="step", desc="training") if tqdm else None
-    for epoch in range(done + 1, args.epochs + 1):
-        start, losses = time.perf_counter(), []
-        lr = next(iter(session.learning_rates.values()), None) if args.lr is None else args.lr
-        for idx in _batches(n, args.batch_size, args.seed, epoch):
-            losses.append(float(session.step({k: v[idx] for k, v in data.items()}, lr=args.lr)["loss"]))
+        print(f"resuming from {checkpoint} after epoch {done}", file=sys.stderr)
+    bar = None if args.no_progress else progress_bar((args.epochs - done) * steps_per_epoch, "training")
+    try:
+        for epoch in range(done + 1, args.epochs + 1):
+            start, losses = time.perf_counter(), []
+            lr = next(iter(session.learning_rates.values()), None) if args.lr is None else args.lr
+            for idx in _batches(n, args.batch_size, args.seed, epoch):
+                losses.append(float(session.step({k: v[idx] for k, v in data.items()}, lr=args.lr)["loss"]))
+                if bar is not None:
+                    bar.update(1)
+            row = {"epoch": epoch, "steps": epoch * steps_per_epoch, "train_loss": float(np.mean(losses)),
+                   "eval_loss": _evaluate(session, eval_data) if eval_data else None,
+                   "lr": lr, "seconds": round(time.perf_counter() - start, 3)}
             if bar is not None:
-                bar.update(1)
-        row = {"epoch": epoch, "steps": epoch * steps_per_epoch, "train_loss": float(np.mean(losses)),
-               "eval_loss": _evaluate(session, eval_data) if eval_data else None,
-               "lr": lr, "seconds": round(time.perf_counter() - start, 3)}
+                bar.set_postfix(epoch=epoch, loss=f"{row['train_loss']:.4f}")
+            else:
+                print(json.dumps(row), file=sys.stderr)
+            rows.append(row)  # the log first: a resumed run drops rows past its checkpoint's epoch
+            atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+            if plot:
+                _plot(os.path.join(args.out, CURVE), rows)
+            session.properties.update({"epoch": epoch, **_run_settings(args, n)})
+            if args.schedule and not resumed:
+                session.properties.update({"cli.schedule": args.schedule, "cli.schedule_epochs": args.epochs})
+            session.save(checkpoint)
         if bar is not None:
-            bar.set_postfix(epoch=epoch, loss=f"{row['train_loss']:.4f}")
-        else:
-            print(json.dumps(row), file=sys.stderr)
-        rows.append(row)  # the log first: a resumed run drops rows past its checkpoint's epoch
-        atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
-        if not args.no_plot:
-            _plot(os.path.join(args.out, CURVE), rows)
-        session.properties.update({"epoch": epoch, **_run_settings(args, n)})
-        if args.schedule and not resumed:
-            session.properties.update({"cli.schedule": args.schedule, "cli.schedule_epochs": args.epochs})
-        session.save(os.path.join(args.out, CHECKPOINT))
-    if bar is not None:
-        bar.close()
-    session.export_inference_model(os.path.join(args.out, INFERENCE))
+            bar.close()
+        session.export_inference_model(inference)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        raise KeyboardInterrupt(f"the same command resumes from {checkpoint}" if os.path.exists(checkpoint)
+                                else "no checkpoint was written yet: the same command starts again") from None
     last = rows[-1]
     print(f"trained {args.epochs} epoch{'' if args.epochs == 1 else 's'}: training loss {last['train_loss']:.4f}"
           + (f", held-out loss {last['eval_loss']:.4f}" if last["eval_loss"] is not None else "")
-          + f"; wrote {args.out}/{{{CHECKPOINT}, {METRICS}, {INFERENCE}"
-          + ("" if args.no_plot else f", {CURVE}") + "}")
+          + f"; wrote {os.path.join(args.out, '')}{{{CHECKPOINT}, {METRICS}, {INFERENCE}"
+          + ("" if not plot else f", {CURVE}") + "}")
     return 0
+
+
+def _is_current(path: str, session) -> bool:
+    """Whether ``path`` is the inference model of the session's weights (a run stopped between
+    its last checkpoint and this file leaves it missing, or an earlier run's)."""
+    from ..storage.model_files import as_model
+
+    if not os.path.exists(path):
+        return False
+    try:
+        found = as_model(path, copy=False)
+    except TrainingOpError:  # damaged: written again
+        return False
+    want = as_model(session.export_inference_model(), copy=False)
+    have = {t.name: t for t in found.model_proto.graph.initializer}
+    return list(found.model_proto.graph.node) == list(want.model_proto.graph.node) and all(
+        t.name in have and np.array_equal(found.array(have[t.name]), want.array(t))
+        for t in want.model_proto.graph.initializer) and len(have) == len(want.model_proto.graph.initializer)

@@ -36,7 +36,7 @@ optimizers: ``AddExternalCustomOp`` of onnxruntime-extensions); the OrtApi helpe
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, njit
 
 from ._ort_api import (
     API_CREATE_STATUS,
@@ -44,17 +44,19 @@ from ._ort_api import (
     API_KERNEL_CONTEXT_GET_OUTPUT,
     API_KERNEL_CONTEXT_PARALLEL_FOR,
     API_TABLE_LENGTH,
+    COMPUTE,
     ELEM_FLOAT,
     ELEM_INT64,
     ORT_INVALID_ARGUMENT,
+    WORKER,
     _addr,
     _call2,
     _call5,
-    _call_void1,
     _count,
     _input,
     _keep,
     _ptr,
+    lazy_cfunc,
 )
 
 # geometry words
@@ -62,12 +64,12 @@ GEO_N, GEO_C, GEO_H, GEO_W, GEO_OH, GEO_OW, GEO_KH, GEO_KW = range(8)
 GEO_SH, GEO_SW, GEO_PH, GEO_PW, GEO_DH, GEO_DW = range(8, 14)
 GEO_WORDS = 14
 
-# kernel state words (malloc-ed by runtime.native_grads): the OrtApi table, the error message
-# (a C string naming the node), libc's free, the ParallelFor worker's address, the address of
-# GetTensorElementTypeAndShapeDataReference (0 below API 24), elementwise ops' parallel
-# threshold and chunk (elements)
-ST_API, ST_MESSAGE, ST_FREE, ST_WORKER, ST_SHAPE_REFERENCE, ST_PARALLEL_MIN, ST_CHUNK = range(7)
-ST_WORDS = 7
+# kernel state words (after the header of _ort_api; made by runtime.native_grads): the OrtApi
+# table, the error message (a C string naming the node), the ParallelFor worker's address, the
+# address of GetTensorElementTypeAndShapeDataReference (0 below API 24), elementwise ops'
+# parallel threshold and chunk (elements)
+ST_API, ST_MESSAGE, ST_WORKER, ST_SHAPE_REFERENCE, ST_PARALLEL_MIN, ST_CHUNK = range(6)
+ST_WORDS = 6
 
 # job words: geometry, then the source and destination addresses
 JOB_SRC, JOB_DST = GEO_WORDS, GEO_WORDS + 1
@@ -155,13 +157,13 @@ def _col2im_channel(job, c):
                             dx[row + b * sw] += rows[src + b]
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
+@lazy_cfunc(WORKER)
 def im2col_worker(job, index):
     """``KernelContext_ParallelFor`` task: one channel of Im2Col."""
     _im2col_channel(carray(_ptr(_addr(job), _I64), JOB_WORDS), np.int64(index))
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
+@lazy_cfunc(WORKER)
 def col2im_worker(job, index):
     """``KernelContext_ParallelFor`` task: one channel of Col2Im."""
     _col2im_channel(carray(_ptr(_addr(job), _I64), JOB_WORDS), np.int64(index))
@@ -190,13 +192,13 @@ def _compute(state_addr, context, col2im):
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
     work = np.zeros(JOB_WORDS + 8, np.int64)
     job, out = work[:JOB_WORDS], work[JOB_WORDS:]
-    status, elem, dims, src = _input(fns, state[ST_SHAPE_REFERENCE], context, 0, out)
+    status, elem, dims, src = _input(fns, state[ST_SHAPE_REFERENCE], context, np.int64(0), out)
     if status != 0:
         return status
     if elem != ELEM_FLOAT:
         return _invalid(fns, state)
     x_dims = dims.copy()
-    status, elem, dims, geo = _input(fns, state[ST_SHAPE_REFERENCE], context, 1, out)
+    status, elem, dims, geo = _input(fns, state[ST_SHAPE_REFERENCE], context, np.int64(1), out)
     if status != 0:
         return status
     if elem != ELEM_INT64 or dims.size != 1 or dims[0] != GEO_WORDS:
@@ -228,13 +230,13 @@ def _compute(state_addr, context, col2im):
     return status
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+@lazy_cfunc(COMPUTE)
 def im2col_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingIm2Col."""
     return _compute(_addr(op_kernel), _addr(context), False)
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+@lazy_cfunc(COMPUTE)
 def col2im_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingCol2Im."""
     return _compute(_addr(op_kernel), _addr(context), True)
@@ -262,7 +264,7 @@ def _relu_grad_chunk(job, index):
         dx[i] = dy[i] * np.float32(y[i] > 0)
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
+@lazy_cfunc(WORKER)
 def relu_grad_worker(job, index):
     """``KernelContext_ParallelFor`` task: one chunk of ReluGrad."""
     _relu_grad_chunk(carray(_ptr(_addr(job), _I64), RJ_WORDS), np.int64(index))
@@ -274,13 +276,13 @@ def _relu_grad(state_addr, context):
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
     work = np.zeros(RJ_WORDS + 4, np.int64)
     job, out = work[:RJ_WORDS], work[RJ_WORDS:]
-    status, elem, dims, dy = _input(fns, state[ST_SHAPE_REFERENCE], context, 0, out)
+    status, elem, dims, dy = _input(fns, state[ST_SHAPE_REFERENCE], context, np.int64(0), out)
     if status != 0:
         return status
     if elem != ELEM_FLOAT:
         return _invalid(fns, state)
     dy_dims = dims
-    status, elem, dims, y = _input(fns, state[ST_SHAPE_REFERENCE], context, 1, out)
+    status, elem, dims, y = _input(fns, state[ST_SHAPE_REFERENCE], context, np.int64(1), out)
     if status != 0:
         return status
     if elem != ELEM_FLOAT or dims.size != dy_dims.size:
@@ -306,7 +308,7 @@ def _relu_grad(state_addr, context):
     return status
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+@lazy_cfunc(COMPUTE)
 def relu_grad_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingReluGrad."""
     return _relu_grad(_addr(op_kernel), _addr(context))
@@ -323,7 +325,7 @@ def _cross_entropy(state_addr, context, grad):
     first = 1 if grad else 0  # the gradient's first input: g
     scale = np.float32(1)
     if grad:
-        status, elem, dims, data = _input(fns, shape_reference, context, 0, out)
+        status, elem, dims, data = _input(fns, shape_reference, context, np.int64(0), out)
         if status != 0:
             return status
         if elem != ELEM_FLOAT or _count(dims) != 1:
@@ -396,20 +398,13 @@ def _scaled_rows(d, prob, labels, classes, has_ignore, ignore, s, divide):
             d[row + c] = v / s if divide else v * s
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+@lazy_cfunc(COMPUTE)
 def cross_entropy_loss_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingCrossEntropyLoss."""
     return _cross_entropy(_addr(op_kernel), _addr(context), False)
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+@lazy_cfunc(COMPUTE)
 def cross_entropy_grad_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingCrossEntropyGrad."""
     return _cross_entropy(_addr(op_kernel), _addr(context), True)
-
-
-@cfunc(types.void(types.voidptr), **_OPTIONS)
-def kernel_destroy(op_kernel):
-    """``OrtCustomOp.KernelDestroy``: frees the state block with the ``free`` it names."""
-    state = carray(_ptr(_addr(op_kernel), _I64), ST_WORDS)
-    _call_void1(state[ST_FREE], _addr(op_kernel))

@@ -23,7 +23,7 @@ Memory layouts (int64 words) shared with :mod:`onnx_training_ops.runtime.native`
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, njit
 
 from ..optim import adagrad as _adagrad
 from ..optim import adam as _adam
@@ -39,70 +39,52 @@ from ._ort_api import (
     API_KERNEL_CONTEXT_GET_OUTPUT_COUNT,
     API_KERNEL_CONTEXT_PARALLEL_FOR,
     API_TABLE_LENGTH,
+    COMPUTE,
     ELEM_DOUBLE,
     ELEM_FLOAT,
     ELEM_INT64,
     ORT_INVALID_ARGUMENT,
+    WORKER,
     _addr,
     _broadcasts_to,
     _call2,
     _call5,
-    _call_void1,
+    _call_void2,
     _count,
     _expand,
     _input,
     _keep,
     _ptr,
-)
-
-# read by runtime/native.py and runtime/custom_op.py as nk.<name>
-from ._ort_api import (
-    API_GET_ERROR_CODE as API_GET_ERROR_CODE,
-)
-from ._ort_api import (
-    API_GET_ERROR_MESSAGE as API_GET_ERROR_MESSAGE,
-)
-from ._ort_api import (
-    API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE as API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE,
-)
-from ._ort_api import (
-    API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT as API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT,
-)
-from ._ort_api import (
-    API_KERNEL_INFO_GET_ATTRIBUTE_STRING as API_KERNEL_INFO_GET_ATTRIBUTE_STRING,
-)
-from ._ort_api import (
-    API_KERNEL_INFO_GET_NODE_NAME as API_KERNEL_INFO_GET_NODE_NAME,
-)
-from ._ort_api import (
-    API_RELEASE_STATUS as API_RELEASE_STATUS,
-)
-from ._ort_api import (
-    SHAPE_REFERENCE_API as SHAPE_REFERENCE_API,
+    lazy_cfunc,
 )
 
 KIND_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD = 0, 1, 2, 3
 GROUPS_IN = (4, 3, 3, 3)  # X, G and the states per optimized tensor
 GROUPS_OUT = (3, 2, 2, 2)
 
-# kernel state words
-ST_API, ST_KIND, ST_CHUNK_F32, ST_CHUNK_F64, ST_FREE, ST_PARALLEL_MIN, ST_CHUNK = 0, 1, 2, 3, 4, 5, 6
-ST_SHAPE_REFERENCE = 7  # address of GetTensorElementTypeAndShapeDataReference, or 0 (API < 24)
-ST_ATTRS = 8  # 8 float64: adam alpha, beta, epsilon, norm, norm_post; momentum alpha, beta, norm;
+# kernel state words (after the header of _ort_api): the OrtApi table, the kind, the addresses of
+# the kind's chunk workers for float32 and float64 tensors (:data:`WORKERS`), the parallel
+# threshold and chunk (elements)
+ST_API, ST_KIND, ST_CHUNK_F32, ST_CHUNK_F64, ST_PARALLEL_MIN, ST_CHUNK = 0, 1, 2, 3, 4, 5
+ST_SHAPE_REFERENCE = 6  # address of GetTensorElementTypeAndShapeDataReference, or 0 (API < 24)
+ST_ATTRS = 7  # 8 float64: adam alpha, beta, epsilon, norm, norm_post; momentum alpha, beta, norm;
 #               adagrad decay_factor, epsilon, norm
-ST_MESSAGES = 16  # ERR_COUNT char* error messages (naming the node)
-ST_WORDS = 24
-ERR_ARITY, ERR_RATE, ERR_COUNT_T, ERR_DTYPE, ERR_SHAPE = 0, 1, 2, 3, 4
+ST_MESSAGES = 15  # ERR_COUNT char* error messages (naming the node)
+ST_WORDS = 20
+# numpy integers, not Python ints: numba types a Python int constant as a literal, and compiles
+# a function called with one once per value
+ERR_ARITY, ERR_RATE, ERR_COUNT_T, ERR_DTYPE, ERR_SHAPE = (np.int64(k) for k in range(5))
 ERR_COUNT = 5
+_ZERO, _ONE = np.int64(0), np.int64(1)
 
 # job words
 JOB_N, JOB_CHUNK, JOB_KIND = 0, 1, 2
 JOB_IN = 3  # x, g, s1, s2 (s1/s2: v/h for Adam, v for Momentum, h for Adagrad)
 JOB_OUT = 7  # x_new, s1_new, s2_new
-JOB_SCALARS = 10  # float64: the optimizer's named tuple (AdamScalars, ...), the fused kernels' layout
-JOB_SCALAR_WORDS = max(len(t._fields) for t in (_adam.AdamScalars, _momentum.MomentumScalars,
-                                                _adagrad.AdagradScalars))
-JOB_WORDS = JOB_SCALARS + JOB_SCALAR_WORDS
+JOB_R, JOB_T, JOB_ATTRS = 10, 11, 12  # the step's R (float64) and T, the node's 5 attributes (float64)
+JOB_WORDS = JOB_ATTRS + 5
+# the scalars a loop reads: the optimizer's named tuple (AdamScalars, ...), the fused kernels' layout
+SCALAR_WORDS = max(len(t._fields) for t in (_adam.AdamScalars, _momentum.MomentumScalars, _adagrad.AdagradScalars))
 
 
 
@@ -137,73 +119,158 @@ def _adagrad_out(x, g, h, xo, ho, s):
         xo[i], ho[i] = _adagrad.adagrad_element(x[i], g[i], h[i], c)
 
 
-@njit(**_OPTIONS)
-def _run_chunk(job_addr, index, like, size):
-    """Run chunk ``index`` of the job at ``job_addr`` on arrays of ``like``'s dtype (``size`` bytes)."""
+@njit(inline="always", **_OPTIONS)
+def _scalars(scalars, like):
+    """An optimizer's scalars (its named tuple, float64) rounded to the arrays' dtype, as numpy
+    rounds a Python float meeting an array of that dtype."""
+    s = np.full(SCALAR_WORDS, like)
+    for k in range(len(scalars)):
+        s[k] = scalars[k]
+    return s
+
+
+@njit(inline="always", **_OPTIONS)
+def _step(job_addr):
+    """The job's R (float64), T and attributes."""
     job = carray(_ptr(job_addr, _I64), JOB_WORDS)
     jf = carray(_ptr(job_addr, np.float64(0)), JOB_WORDS)
-    n, chunk, kind = job[JOB_N], job[JOB_CHUNK], job[JOB_KIND]
-    start = index * chunk
-    m = min(n, start + chunk) - start
-    if m <= 0:
-        return
+    return jf[JOB_R], job[JOB_T], jf[JOB_ATTRS:JOB_ATTRS + 5]
+
+
+@njit(inline="always", **_OPTIONS)
+def _chunk(job_addr, index, like, size):
+    """Chunk ``index`` of the job at ``job_addr`` on arrays of ``like``'s dtype (``size`` bytes):
+    ``(m, x, g, s1, xo, s1o, in_place)``, m 0 past the end. ``in_place``: each output is bound
+    onto its input (IOBinding, one OrtValue each), the state after s1 included."""
+    job = carray(_ptr(job_addr, _I64), JOB_WORDS)
+    start = index * job[JOB_CHUNK]
+    m = max(min(job[JOB_N], start + job[JOB_CHUNK]) - start, 0)
     offset = start * size
-    s = np.full(JOB_SCALAR_WORDS, like)
-    for k in range(JOB_SCALAR_WORDS):
-        s[k] = jf[JOB_SCALARS + k]  # rounded to the arrays' dtype, as numpy rounds a Python float
     x = carray(_ptr(job[JOB_IN] + offset, like), m)
     g = carray(_ptr(job[JOB_IN + 1] + offset, like), m)
     s1 = carray(_ptr(job[JOB_IN + 2] + offset, like), m)
     xo = carray(_ptr(job[JOB_OUT] + offset, like), m)
     s1o = carray(_ptr(job[JOB_OUT + 1] + offset, like), m)
-    # Outputs bound onto their inputs (IOBinding, one OrtValue each): the in-place loops. The
-    # out-of-place ones stay correct on aliased memory but LLVM's overlap check then sends
-    # them down a scalar path, ~10x slower.
     in_place = job[JOB_OUT] == job[JOB_IN] and job[JOB_OUT + 1] == job[JOB_IN + 2] and (
-        kind != KIND_ADAM or job[JOB_OUT + 2] == job[JOB_IN + 3])
-    if kind == KIND_ADAM:
-        s2 = carray(_ptr(job[JOB_IN + 3] + offset, like), m)
-        if in_place:
-            _k.adam_serial(x, g, s1, s2, s)
-        else:
-            s2o = carray(_ptr(job[JOB_OUT + 2] + offset, like), m)
-            _adam_out(x, g, s1, s2, xo, s1o, s2o, s)
-    elif in_place:
-        if kind == KIND_MOMENTUM:
-            _k.momentum_serial(x, g, s1, s)
-        elif kind == KIND_NESTEROV:
-            _k.nesterov_serial(x, g, s1, s)
-        else:
-            _k.adagrad_serial(x, g, s1, s)
-    elif kind == KIND_MOMENTUM:
-        _momentum_out(x, g, s1, xo, s1o, s)
-    elif kind == KIND_NESTEROV:
-        _nesterov_out(x, g, s1, xo, s1o, s)
+        job[JOB_KIND] != KIND_ADAM or job[JOB_OUT + 2] == job[JOB_IN + 3])
+    return m, x, g, s1, xo, s1o, in_place
+
+
+# One loop per kind and dtype, each a cfunc of its own compiled when a node of that kind is first
+# created, with the step's scalars prepared by the optimizer's own ``step_scalars`` (as the
+# reference; a few flops per chunk). Outputs bound onto their inputs take the in-place loops: the
+# out-of-place ones stay correct on aliased memory, but LLVM's overlap check then sends them down
+# a scalar path, ~10x slower.
+
+
+@njit(**_OPTIONS)
+def _adam_chunk(job_addr, index, like, size):
+    m, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    if m == 0:
+        return
+    r, t, a = _step(job_addr)
+    s = _scalars(_adam.step_scalars(r, t, a[0], a[1], a[2], a[3], a[4]), like)
+    job = carray(_ptr(job_addr, _I64), JOB_WORDS)
+    h = carray(_ptr(job[JOB_IN + 3] + index * job[JOB_CHUNK] * size, like), m)
+    if in_place:
+        _k.adam_serial(x, g, v, h, s)
     else:
-        _adagrad_out(x, g, s1, xo, s1o, s)
+        _adam_out(x, g, v, h, xo, vo, carray(_ptr(job[JOB_OUT + 2] + index * job[JOB_CHUNK] * size, like), m), s)
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
-def chunk_f32(job, index):
-    """``KernelContext_ParallelFor`` worker for float32 tensors."""
-    _run_chunk(_addr(job), np.int64(index), np.float32(0), 4)
+@njit(**_OPTIONS)
+def _momentum_chunk(job_addr, index, like, size):
+    m, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    if m == 0:
+        return
+    r, t, a = _step(job_addr)
+    s = _scalars(_momentum.step_scalars(r, t, a[0], a[1], a[2]), like)
+    if in_place:
+        _k.momentum_serial(x, g, v, s)
+    else:
+        _momentum_out(x, g, v, xo, vo, s)
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
-def chunk_f64(job, index):
-    """``KernelContext_ParallelFor`` worker for float64 tensors."""
-    _run_chunk(_addr(job), np.int64(index), np.float64(0), 8)
+@njit(**_OPTIONS)
+def _nesterov_chunk(job_addr, index, like, size):
+    m, x, g, v, xo, vo, in_place = _chunk(job_addr, index, like, size)
+    if m == 0:
+        return
+    r, t, a = _step(job_addr)
+    s = _scalars(_momentum.step_scalars(r, t, a[0], a[1], a[2]), like)
+    if in_place:
+        _k.nesterov_serial(x, g, v, s)
+    else:
+        _nesterov_out(x, g, v, xo, vo, s)
+
+
+@njit(**_OPTIONS)
+def _adagrad_chunk(job_addr, index, like, size):
+    m, x, g, h, xo, ho, in_place = _chunk(job_addr, index, like, size)
+    if m == 0:
+        return
+    r, t, a = _step(job_addr)
+    s = _scalars(_adagrad.step_scalars(r, t, a[0], a[1], a[2]), like)
+    if in_place:
+        _k.adagrad_serial(x, g, h, s)
+    else:
+        _adagrad_out(x, g, h, xo, ho, s)
+
+
+# ``KernelContext_ParallelFor`` workers (and the single-chunk call of a small tensor)
+@lazy_cfunc(WORKER)
+def adam_f32(job, index):
+    _adam_chunk(_addr(job), np.int64(index), np.float32(0), np.int64(4))
+
+
+@lazy_cfunc(WORKER)
+def adam_f64(job, index):
+    _adam_chunk(_addr(job), np.int64(index), np.float64(0), np.int64(8))
+
+
+@lazy_cfunc(WORKER)
+def momentum_f32(job, index):
+    _momentum_chunk(_addr(job), np.int64(index), np.float32(0), np.int64(4))
+
+
+@lazy_cfunc(WORKER)
+def momentum_f64(job, index):
+    _momentum_chunk(_addr(job), np.int64(index), np.float64(0), np.int64(8))
+
+
+@lazy_cfunc(WORKER)
+def nesterov_f32(job, index):
+    _nesterov_chunk(_addr(job), np.int64(index), np.float32(0), np.int64(4))
+
+
+@lazy_cfunc(WORKER)
+def nesterov_f64(job, index):
+    _nesterov_chunk(_addr(job), np.int64(index), np.float64(0), np.int64(8))
+
+
+@lazy_cfunc(WORKER)
+def adagrad_f32(job, index):
+    _adagrad_chunk(_addr(job), np.int64(index), np.float32(0), np.int64(4))
+
+
+@lazy_cfunc(WORKER)
+def adagrad_f64(job, index):
+    _adagrad_chunk(_addr(job), np.int64(index), np.float64(0), np.int64(8))
+
+
+WORKERS = {KIND_ADAM: (adam_f32, adam_f64), KIND_MOMENTUM: (momentum_f32, momentum_f64),
+           KIND_NESTEROV: (nesterov_f32, nesterov_f64), KIND_ADAGRAD: (adagrad_f32, adagrad_f64)}
 
 
 # ---- compute ----
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _error(fns, state, code):
     return _call2(fns[API_CREATE_STATUS], np.int64(ORT_INVALID_ARGUMENT), state[ST_MESSAGES + code])
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _counts(fns, context, out):
     """``(status, inputs, outputs)``: the node's input and output counts."""
     status = _call2(fns[API_KERNEL_CONTEXT_GET_INPUT_COUNT], context, out.ctypes.data)
@@ -214,11 +281,11 @@ def _counts(fns, context, out):
     return status, n_in, out[0]
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _rate_and_count(fns, state, shape_reference, context, out):
     """``(status, R, T)``: the learning rate (float32 or float64 scalar, as float64) and the
     update count (int64 scalar), or an error status naming the node."""
-    status, elem, dims, data = _input(fns, shape_reference, context, 0, out)
+    status, elem, dims, data = _input(fns, shape_reference, context, _ZERO, out)
     if status != 0:
         return status, 0.0, 0
     if dims.size > 1 or _count(dims) != 1:
@@ -229,7 +296,7 @@ def _rate_and_count(fns, state, shape_reference, context, out):
         r = carray(_ptr(data, np.float64(0)), 1)[0]
     else:
         return _error(fns, state, ERR_RATE), 0.0, 0
-    status, elem, dims, data = _input(fns, shape_reference, context, 1, out)
+    status, elem, dims, data = _input(fns, shape_reference, context, _ONE, out)
     if status != 0:
         return status, 0.0, 0
     if elem != ELEM_INT64 or dims.size > 1 or _count(dims) != 1:
@@ -237,26 +304,7 @@ def _rate_and_count(fns, state, shape_reference, context, out):
     return 0, r, carray(_ptr(data, _I64), 1)[0]
 
 
-@njit(**_OPTIONS)
-def _store(job, scalars):
-    """An optimizer's scalars (its named tuple, float64) into the job's scalar words."""
-    jf = carray(_ptr(job.ctypes.data, np.float64(0)), JOB_WORDS)
-    for k in range(len(scalars)):
-        jf[JOB_SCALARS + k] = scalars[k]
-
-
-@njit(**_OPTIONS)
-def _store_scalars(kind, r, t, attrs, job):
-    """This step's scalars, prepared by the optimizer's own ``step_scalars`` (as the reference)."""
-    if kind == KIND_ADAM:
-        _store(job, _adam.step_scalars(r, t, attrs[0], attrs[1], attrs[2], attrs[3], attrs[4]))
-    elif kind == KIND_ADAGRAD:
-        _store(job, _adagrad.step_scalars(r, t, attrs[0], attrs[1], attrs[2]))
-    else:
-        _store(job, _momentum.step_scalars(r, t, attrs[0], attrs[1], attrs[2]))
-
-
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _bind_inputs(fns, state, shape_reference, context, i, n, k_in, job, out):
     """X, G and the states of tensor ``i`` into the job; inputs that broadcast to X's shape
     are expanded into a scratch buffer. Returns ``(status, X's dims, element size in bytes,
@@ -290,7 +338,7 @@ def _bind_inputs(fns, state, shape_reference, context, i, n, k_in, job, out):
     return 0, x_dims, size, count, scratch, expanded
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _bind_outputs(fns, context, i, n, k_out, x_dims, job, out):
     """The output buffers of tensor ``i`` (X's shape) into the job; returns a status."""
     for j in range(k_out):
@@ -305,29 +353,28 @@ def _bind_outputs(fns, context, i, n, k_out, x_dims, job, out):
     return 0
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _run_job(fns, state, context, job, count, size, expanded):
-    """Run the job's element loop: in chunks on onnxruntime's thread pool when large (and not
-    expanded), else here in one chunk. Returns a status."""
+    """Run the job's element loop (the kind's worker for the dtype): in chunks on onnxruntime's
+    thread pool when large (and not expanded), else here in one chunk. Returns a status."""
     job[JOB_N] = count
+    worker = state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64]
+    if worker == 0:  # a dtype other than the one onnxruntime gave when it created the kernel
+        return _error(fns, state, ERR_DTYPE)
     if count >= state[ST_PARALLEL_MIN] and not expanded:
         chunk = state[ST_CHUNK]
         job[JOB_CHUNK] = chunk
-        worker = state[ST_CHUNK_F32] if size == 4 else state[ST_CHUNK_F64]
         return _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, worker,
                       np.int64((count + chunk - 1) // chunk), np.int64(0), job.ctypes.data)
     job[JOB_CHUNK] = max(count, 1)
-    if size == 4:
-        _run_chunk(job.ctypes.data, 0, np.float32(0), 4)
-    else:
-        _run_chunk(job.ctypes.data, 0, np.float64(0), 8)
+    _call_void2(worker, np.int64(job.ctypes.data), _ZERO)
     return 0
 
 
 @njit(**_OPTIONS)
 def _compute(state_addr, context):
-    """One node's step: check the arity, R and T, store the step's scalars, then per tensor
-    bind its inputs and outputs and run the element loop. Returns 0 or an OrtStatus."""
+    """One node's step: check the arity, R and T, store them and the attributes in the job, then
+    per tensor bind its inputs and outputs and run the kind's loop. Returns 0 or an OrtStatus."""
     state = carray(_ptr(state_addr, _I64), ST_WORDS)
     attrs = carray(_ptr(state_addr, np.float64(0)), ST_WORDS)[ST_ATTRS:ST_ATTRS + 8]
     fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
@@ -348,7 +395,11 @@ def _compute(state_addr, context):
     if status != 0:
         return status
     job[JOB_KIND] = kind
-    _store_scalars(kind, r, t, attrs, job)
+    job[JOB_T] = t
+    jf = carray(_ptr(job.ctypes.data, np.float64(0)), JOB_WORDS)
+    jf[JOB_R] = r
+    for k in range(5):
+        jf[JOB_ATTRS + k] = attrs[k]
     for i in range(n):
         status, x_dims, size, count, scratch, expanded = _bind_inputs(fns, state, shape_reference, context,
                                                                       i, n, k_in, job, out)
@@ -363,14 +414,8 @@ def _compute(state_addr, context):
     return 0
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
-def kernel_compute(op_kernel, context):
-    """``OrtCustomOp.KernelComputeV2``: returns NULL or an OrtStatus naming the node."""
-    return _compute(_addr(op_kernel), _addr(context))
-
-
-@cfunc(types.void(types.voidptr), **_OPTIONS)
-def kernel_destroy(op_kernel):
-    """``OrtCustomOp.KernelDestroy``: frees the state block with the ``free`` it names."""
-    state = carray(_ptr(_addr(op_kernel), _I64), ST_WORDS)
-    _call_void1(state[ST_FREE], _addr(op_kernel))
+@lazy_cfunc(COMPUTE)
+def optimizer_compute(state, context):
+    """The compute function of every native optimizer node (its kind in the state): returns NULL
+    or an OrtStatus naming the node."""
+    return _compute(_addr(state), _addr(context))

@@ -15,7 +15,7 @@ One pass over dy and x for the sums (float64 accumulators), one writing dx (floa
 axis but 1, two passes (float64 accumulators), as the builder's standard nodes compute them
 (``builder/train_mode.py``; rewritten by ``passes.batch_statistics_native``). Work
 is split over channels by onnxruntime's thread pool (``KernelContext_ParallelFor``), as the
-native im2col/col2im; the kernel state, its creation and ``kernel_destroy`` are theirs
+native im2col/col2im; the kernel state and its creation are theirs
 (:mod:`._native_grad_kernels`, :mod:`onnx_training_ops.runtime.native_grads`).
 """
 
@@ -24,19 +24,22 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, njit
 
 from ._native_grad_kernels import ST_API, ST_SHAPE_REFERENCE, ST_WORDS, ST_WORKER, _invalid, _output
 from ._ort_api import (
     API_KERNEL_CONTEXT_PARALLEL_FOR,
     API_TABLE_LENGTH,
+    COMPUTE,
     ELEM_FLOAT,
+    WORKER,
     _addr,
     _call5,
     _count,
     _input,
     _keep,
     _ptr,
+    lazy_cfunc,
 )
 
 # job words: N, C, spatial size, then the addresses of the inputs and outputs
@@ -146,13 +149,13 @@ def _stats_channel(job, c):
     carray(_ptr(job[JOB_VAR_OUT], _F32), ch)[c] = np.float32(squares / m)
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
+@lazy_cfunc(WORKER)
 def stats_worker(job, index):
     """``KernelContext_ParallelFor`` task: one channel's statistics."""
     _stats_channel(carray(_ptr(_addr(job), _I64), JOB_WORDS), np.int64(index))
 
 
-@cfunc(types.void(types.voidptr, types.uintp), **_OPTIONS)
+@lazy_cfunc(WORKER)
 def bn_grad_worker(job, index):
     """``KernelContext_ParallelFor`` task: one channel."""
     _channel(carray(_ptr(_addr(job), _I64), JOB_WORDS), np.int64(index))
@@ -211,13 +214,13 @@ def _compute(state_addr, context, stats):
     return status
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+@lazy_cfunc(COMPUTE)
 def bn_grad_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingBatchNormGrad."""
     return _compute(_addr(op_kernel), _addr(context), False)
 
 
-@cfunc(types.int64(types.voidptr, types.voidptr), **_OPTIONS)
+@lazy_cfunc(COMPUTE)
 def stats_compute(op_kernel, context):
     """``KernelComputeV2`` of TrainingBatchStats."""
     return _compute(_addr(op_kernel), _addr(context), True)

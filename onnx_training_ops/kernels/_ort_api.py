@@ -6,16 +6,28 @@ stays valid in every later onnxruntime), with all arguments passed as 64-bit int
 (pointers, ``size_t`` and the ``int`` enums all travel in integer registers on the 64-bit
 Linux/macOS ABIs). Used by :mod:`._native_kernels` (optimizers), :mod:`._native_grad_kernels`
 and :mod:`._native_norm_kernels`.
+
+**Compiled on first use.** Their C entry points are :class:`LazyCFunc`: importing a kernel
+module compiles nothing, and a cfunc is compiled (or loaded from numba's disk cache) the first
+time its address is read, when onnxruntime creates a kernel of that op (its ``CreateKernelV2``
+runs in Python). A model with one Adam node compiles Adam's kernels, not the convolution's.
+Every registered op points onnxruntime at the same two small trampolines,
+:data:`kernel_compute` and :data:`kernel_destroy`: a kernel's state block starts with a
+header (``HEADER_WORDS``: the address of the op's own compute function and of ``free``) and
+the trampoline calls the op's function on the state after the header.
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
 from ..optim._numba import cache_covers_inlined_sources
+from .compile_notice import announce_compiles
 
 cache_covers_inlined_sources()  # the native kernels' caches cover the sources they inline
 
@@ -24,6 +36,7 @@ API_CREATE_STATUS = 0
 API_GET_ERROR_CODE = 1
 API_GET_ERROR_MESSAGE = 2
 API_GET_TENSOR_MUTABLE_DATA = 51
+API_CAST_TYPE_INFO_TO_TENSOR_INFO = 55
 API_GET_TENSOR_ELEMENT_TYPE = 60
 API_GET_DIMENSIONS_COUNT = 61
 API_GET_DIMENSIONS = 62
@@ -36,7 +49,9 @@ API_KERNEL_CONTEXT_GET_OUTPUT_COUNT = 89
 API_KERNEL_CONTEXT_GET_INPUT = 90
 API_KERNEL_CONTEXT_GET_OUTPUT = 91
 API_RELEASE_STATUS = 93
+API_RELEASE_TYPE_INFO = 98
 API_RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99
+API_KERNEL_INFO_GET_INPUT_TYPE_INFO = 234  # since API 12
 API_KERNEL_INFO_GET_NODE_NAME = 244  # since API 15
 API_KERNEL_CONTEXT_PARALLEL_FOR = 274  # since API 17
 API_GET_TENSOR_ELEMENT_TYPE_AND_SHAPE_DATA_REFERENCE = 414  # since API 24: no allocation
@@ -115,8 +130,95 @@ def _call_void1(typingctx, fn, a):
     return _make_call(1, True)(typingctx, fn, a)
 
 
+@intrinsic
+def _call_void2(typingctx, fn, a, b):
+    return _make_call(2, True)(typingctx, fn, a, b)
+
+
 _I64 = np.int64(0)
 _OPTIONS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+COMPUTE = types.int64(types.voidptr, types.voidptr)  # KernelComputeV2(state, context) -> OrtStatus*
+WORKER = types.void(types.voidptr, types.uintp)  # KernelContext_ParallelFor's task(job, index)
+
+_compile_lock = threading.RLock()
+
+
+class LazyCFunc:
+    """A numba ``cfunc`` compiled, or loaded from numba's disk cache, the first time its
+    :attr:`address` is read (under the compile notice: a real compile says so on stderr once).
+
+    Args:
+        signature: the C signature (a numba function type).
+        func: the Python function to compile (module level: numba's cache finds it by name).
+    """
+
+    def __init__(self, signature, func) -> None:
+        self.signature, self.func, self.compiled = signature, func, None
+        self.__doc__, self.__name__ = func.__doc__, func.__name__
+
+    @property
+    def address(self) -> int:
+        """The C function's address (compiled now if it is not yet)."""
+        if self.compiled is None:
+            with _compile_lock, announce_compiles():
+                if self.compiled is None:
+                    self.compiled = _compile(self.signature, self.func)
+        return self.compiled.address
+
+    @property
+    def cache_hits(self) -> int:
+        """numba's cache-hit counter of the compiled function (empty before the first use)."""
+        return self.compiled.cache_hits if self.compiled is not None else 0
+
+
+_uncached_warned = False
+
+
+def _compile(signature, func):
+    """``cfunc`` with numba's disk cache; where no cache directory is writable (numba raises at
+    decoration), compiled for this process only, with one warning naming NUMBA_CACHE_DIR."""
+    global _uncached_warned
+    try:
+        return cfunc(signature, **_OPTIONS)(func)
+    except RuntimeError as error:  # "cannot cache function ...: no locator available"
+        if "cache" not in str(error):
+            raise
+        if not _uncached_warned:
+            import warnings
+
+            _uncached_warned = True
+            warnings.warn(f"numba cannot cache the native kernels ({error}); compiling them once per process. "
+                          "Set NUMBA_CACHE_DIR to a writable directory to keep them between runs", stacklevel=3)
+        return cfunc(signature, **dict(_OPTIONS, cache=False))(func)
+
+
+def lazy_cfunc(signature):
+    """Decorate a module-level function as a :class:`LazyCFunc` of ``signature``."""
+    return lambda func: LazyCFunc(signature, func)
+
+
+# ---- the kernel state header and the trampolines every registered op points onnxruntime at ----
+
+HDR_COMPUTE, HDR_FREE = 0, 1  # the op's compute function(state after the header, context); libc's free
+HEADER_WORDS = 2
+HEADER_BYTES = 8 * HEADER_WORDS
+
+
+def _compute_trampoline(op_kernel, context):
+    """``OrtCustomOp.KernelComputeV2`` of every native op: the op's own compute, on its state."""
+    kernel = _addr(op_kernel)
+    header = carray(_ptr(kernel, _I64), HEADER_WORDS)
+    return _call2(header[HDR_COMPUTE], kernel + HEADER_BYTES, _addr(context))
+
+
+def _destroy_trampoline(op_kernel):
+    """``OrtCustomOp.KernelDestroy`` of every native op: frees the state with the ``free`` it names."""
+    kernel = _addr(op_kernel)
+    _call_void1(carray(_ptr(kernel, _I64), HEADER_WORDS)[HDR_FREE], kernel)
+
+
+kernel_compute = LazyCFunc(COMPUTE, _compute_trampoline)
+kernel_destroy = LazyCFunc(types.void(types.voidptr), _destroy_trampoline)
 
 
 @njit(**_OPTIONS)
@@ -161,7 +263,7 @@ def _input(fns, shape_reference, context, index, out):
     return _tensor(fns, shape_reference, out[0], out)
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _count(dims):
     n = 1
     for d in dims:
@@ -209,6 +311,6 @@ def _expand(src, dims, target, dst, size):
             index[k] = 0
 
 
-@njit(**_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _keep(a):
     return a.size

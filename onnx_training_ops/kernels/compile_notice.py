@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-MESSAGE = "onnx-training-ops: compiling optimizer kernels (first run only, cached)..."
+MESSAGE = "onnx-training-ops: compiling the kernels this model uses (first run only, then cached)..."
 _announced = False
 _lock = threading.Lock()
 F = TypeVar("F", bound=Callable)

@@ -15,8 +15,11 @@ to the arrays' dtype::
     else:
         x, v, h = adam_update(x, g, v, h, ...)
 
-Call :func:`warm_up` once at start-up: the first call of each specialization otherwise
-compiles (or loads from numba's on-disk cache) on the step path.
+Nothing is compiled before it is needed. The ``*_prepared`` forms (the training session's fast
+path) compile, or load from numba's on-disk cache, the loops their arrays need when they are
+prepared: the dtype's serial loop, and past the op's parallel threshold the parallel one
+(starting numba's thread pool). The other entry points compile a specialization on its first
+call; :func:`warm_up` compiles every one at once (benchmarks call it before the clock starts).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ..optim import rmsprop as _rmsprop
 from . import _numba_kernels as _k
 from . import _numba_rmsprop as _rms
 from . import _numba_rows as _rows
+from .compile_notice import announce_compiles
 
 # Below this many elements (per op) the serial loop runs: waking numba's thread pool costs
 # a few microseconds, as much as updating ~16k-32k float32 elements on one core.
@@ -299,6 +303,25 @@ def adagrad_(x, g, h, rate, epsilon, norm_coefficient, rows=None) -> None:
     _dispatch("adagrad", _k.adagrad_serial, _k.adagrad_parallel, x.size, _flat(x), _flat(g), _flat(h), s)
 
 
+_READY: set = set()  # (serial loop, dtype, with its parallel twin) compiled or loaded in this process
+
+
+def _ready(op: str, serial, parallel, dtype: np.dtype, n: int, arrays: int) -> None:
+    """Compile (or load from numba's cache) the loops a tensor of ``n`` elements of ``dtype``
+    runs, before its first update (so that the adaptive choice never times a compile): the
+    serial loop, and the parallel one when ``n`` reaches the op's threshold (its first launch
+    starts numba's thread pool). Once per process each."""
+    key = (serial, dtype, n >= PARALLEL_THRESHOLDS[op])
+    if key in _READY:
+        return
+    with announce_compiles():
+        args = [np.zeros(1, dtype) for _ in range(arrays)] + [np.zeros(_MOST_SCALARS, dtype)]
+        serial(*args)  # each loop reads only the scalars it needs
+        if key[2]:
+            _launch(serial, parallel, args)
+    _READY.add(key)
+
+
 def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coefficient_post, decay=None):
     """:func:`adam_` for arrays used again and again: the scalars and flat views are built
     once; returns ``run(rate)``. The arrays must pass :func:`supports` and stay alive.
@@ -310,6 +333,7 @@ def adam_prepared(x, g, v, h, alpha, beta, epsilon, norm_coefficient, norm_coeff
     serial, parallel = (_k.adam_serial, _k.adam_parallel) if decay is None else \
         (_k.adam_decay_serial, _k.adam_decay_parallel)
     factor = None if decay is None else decay.reshape(())
+    _ready("adam", serial, parallel, x.dtype, n, 4)
 
     def run(rate: float) -> None:
         s[_adam.RATE] = rate
@@ -327,6 +351,7 @@ def momentum_prepared(x, g, v, alpha, norm_coefficient, nesterov: bool):
     serial, parallel = ((_k.nesterov_serial, _k.nesterov_parallel) if nesterov
                         else (_k.momentum_serial, _k.momentum_parallel))
     args, n = (_flat(x), _flat(g), _flat(v), s), x.size
+    _ready(op, serial, parallel, x.dtype, n, 3)
 
     def run(rate: float, beta_adjusted: float) -> None:
         s[_momentum.RATE], s[_momentum.BETA_ADJUSTED] = rate, beta_adjusted
@@ -339,6 +364,7 @@ def adagrad_prepared(x, g, h, epsilon, norm_coefficient):
     """:func:`adagrad_` prepared once; returns ``run(rate)``."""
     s = np.array(_adagrad.AdagradScalars(0.0, epsilon, norm_coefficient), dtype=x.dtype)
     args, n, serial, parallel = (_flat(x), _flat(g), _flat(h), s), x.size, _k.adagrad_serial, _k.adagrad_parallel
+    _ready("adagrad", serial, parallel, x.dtype, n, 3)
 
     def run(rate: float) -> None:
         s[_adagrad.RATE] = rate

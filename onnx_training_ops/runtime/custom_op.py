@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
 
 import onnxruntime as ort
 
@@ -36,7 +37,7 @@ def api_version() -> int:
 def shape_reference(api: int) -> int:
     """The kernels' ``ST_SHAPE_REFERENCE`` word: the address of
     GetTensorElementTypeAndShapeDataReference in the OrtApi table ``api``, 0 when not used."""
-    from ..kernels import _native_kernels as nk
+    from ..kernels import _ort_api as nk
 
     if not USE_SHAPE_REFERENCE or api_version() < nk.SHAPE_REFERENCE_API:
         return 0
@@ -78,6 +79,11 @@ _GetAttrFloat = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char
 _GetAttrString = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p,
                                   ctypes.POINTER(ctypes.c_size_t))
 _GetNodeName = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
+_GetInputTypeInfo = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.POINTER(ctypes.c_void_p))
+_CastToTensorInfo = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+_GetElementType = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+_ReleaseTypeInfo = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 # ---------------------------------------------------------------- the OrtApi table, from Python
@@ -87,7 +93,7 @@ class _Api:
     """The few ``OrtApi`` functions kernel creation calls, read from the live table."""
 
     def __init__(self, address: int) -> None:
-        from ..kernels import _native_kernels as nk
+        from ..kernels import _ort_api as nk
 
         table = ctypes.cast(address, ctypes.POINTER(ctypes.c_void_p))
         self.create_status = _CreateStatus(table[nk.API_CREATE_STATUS])
@@ -97,6 +103,10 @@ class _Api:
         self.get_attr_float = _GetAttrFloat(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_FLOAT])
         self.get_attr_string = _GetAttrString(table[nk.API_KERNEL_INFO_GET_ATTRIBUTE_STRING])
         self.get_node_name = _GetNodeName(table[nk.API_KERNEL_INFO_GET_NODE_NAME])
+        self.get_input_type_info = _GetInputTypeInfo(table[nk.API_KERNEL_INFO_GET_INPUT_TYPE_INFO])
+        self.cast_to_tensor_info = _CastToTensorInfo(table[nk.API_CAST_TYPE_INFO_TO_TENSOR_INFO])
+        self.get_element_type = _GetElementType(table[nk.API_GET_TENSOR_ELEMENT_TYPE])
+        self.release_type_info = _ReleaseTypeInfo(table[nk.API_RELEASE_TYPE_INFO])
 
     def check(self) -> None:
         """Round-trip a status through the table: catches a layout we do not know."""
@@ -131,6 +141,25 @@ class _Api:
             return None
         return buffer.value.decode(errors="replace")
 
+    def input_element_type(self, info: int, index: int) -> int | None:
+        """The element type (ONNX's number) of the node's input ``index``, None when onnxruntime
+        does not say (not a tensor, or an error)."""
+        type_info, tensor_info, elem = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int(0)
+        status = self.get_input_type_info(info, index, ctypes.byref(type_info))
+        if status:
+            self.release_status(status)
+            return None
+        try:
+            status = self.cast_to_tensor_info(type_info, ctypes.byref(tensor_info))
+            if status or not tensor_info.value:
+                return None
+            status = self.get_element_type(tensor_info, ctypes.byref(elem))
+            return None if status else elem.value
+        finally:
+            if status:
+                self.release_status(status)
+            self.release_type_info(type_info)
+
     def node_name(self, info: int) -> str:
         size = ctypes.c_size_t(0)
         status = self.get_node_name(info, None, ctypes.byref(size))
@@ -161,6 +190,38 @@ def _libc():
 
 def _free_address() -> int:
     return ctypes.cast(_libc().free, ctypes.c_void_p).value
+
+
+def kernel_state(compute: int, words: Sequence[int], strings: Sequence[bytes] = (),
+                 slots: Sequence[int] = ()) -> int:
+    """A ``malloc``-ed kernel state (freed by the destroy trampoline): the header of
+    :mod:`onnx_training_ops.kernels._ort_api` (``compute``, libc's ``free``), then ``words``
+    (int64), then ``strings`` (NUL-terminated), the address of each written into ``words[slots[k]]``.
+    The op's compute function receives the address of ``words``.
+
+    Args:
+        compute: the address of the op's compute function, ``int64(state, context)``.
+        words: the op's state words.
+        strings: C strings stored after them.
+        slots: for each string, the word that gets its address.
+
+    Returns:
+        The block's address: the kernel onnxruntime holds.
+    """
+    from ..kernels._ort_api import HEADER_BYTES
+
+    words = list(words)
+    size = HEADER_BYTES + 8 * len(words) + sum(len(text) for text in strings)
+    memory = _libc().malloc(size)
+    if not memory:
+        raise MemoryError("cannot allocate a kernel state")
+    offset = HEADER_BYTES + 8 * len(words)
+    for slot, text in zip(slots, strings):
+        words[slot] = memory + offset
+        offset += len(text)
+    block = struct.pack(f"<{2 + len(words)}q", compute, _free_address(), *words) + b"".join(strings)
+    ctypes.memmove(memory, block, size)
+    return memory
 
 
 def _string(text: str) -> int:
@@ -194,8 +255,7 @@ def _kernel_creator(state: Callable[[int, int, _Api], int]) -> Callable:
 def cpu_custom_op(name: str, input_types: Callable[[int], int], input_count: int,
                   output_types: Callable[[int], int], output_count: int,
                   characteristics: tuple[Callable[[int], int], Callable[[int], int]],
-                  min_arities: tuple[int, int], state: Callable[[int, int, _Api], int],
-                  compute: int, destroy: int) -> OrtCustomOp:
+                  min_arities: tuple[int, int], state: Callable[[int, int, _Api], int]) -> OrtCustomOp:
     """An ``OrtCustomOp`` of the CPU execution provider, kept alive for the process.
 
     Args:
@@ -207,9 +267,8 @@ def cpu_custom_op(name: str, input_types: Callable[[int], int], input_count: int
         characteristics: of input ``i`` and of output ``i`` (``_REQUIRED`` or ``_VARIADIC``).
         min_arities: the least number of values of a variadic input and of a variadic output.
         state: given the ``OrtApi`` address, the kernel info and the ``OrtApi`` calls, the address of a
-            new kernel's state (its errors become onnxruntime statuses).
-        compute: the address of ``KernelComputeV2``.
-        destroy: the address of ``KernelDestroy``.
+            new kernel's state made by :func:`kernel_state` (its errors become onnxruntime statuses);
+            onnxruntime calls the shared trampolines, which run the compute function it names.
 
     Returns:
         The filled struct.
@@ -235,7 +294,9 @@ def cpu_custom_op(name: str, input_types: Callable[[int], int], input_count: int
     op.version = OP_VERSION
     for field, callback in callbacks.items():
         setattr(op, field, ctypes.cast(callback, ctypes.c_void_p).value)
-    op.KernelComputeV2 = compute
-    op.KernelDestroy = destroy
+    from ..kernels import _ort_api
+
+    op.KernelComputeV2 = _ort_api.kernel_compute.address
+    op.KernelDestroy = _ort_api.kernel_destroy.address
     _keepalive.extend([op, callbacks])
     return op

@@ -10,8 +10,6 @@ path (PyOp fallback, ``prepare(..., portable=True)``) keeps the standard-op rule
 
 from __future__ import annotations
 
-import ctypes
-import struct
 from collections.abc import Callable
 
 from ..autodiff.native_ops import (
@@ -27,9 +25,8 @@ from .custom_op import (
     _REQUIRED,
     OrtCustomOp,
     _Api,
-    _free_address,
-    _libc,
     cpu_custom_op,
+    kernel_state,
     shape_reference,
 )
 
@@ -63,30 +60,25 @@ def _ops() -> dict[str, tuple]:
     }
 
 
-def _state(name: str, worker: int, expects: str) -> Callable[[int, int, _Api], int]:
+def _state(name: str, compute, worker, expects: str) -> Callable[[int, int, _Api], int]:
     def state(api: int, info: int, calls: _Api) -> int:
-        """A ``malloc``-ed kernel state for one node (see ``ST_*`` in ``_native_grad_kernels``)."""
+        """A kernel state for one node (see ``ST_*`` in ``_native_grad_kernels``); the op's first
+        node compiles (or loads from numba's cache) its compute function and worker."""
         from ..kernels import _native_grad_kernels as k
 
-        message = f"{name} node {calls.node_name(info)!r}: expected {expects}".encode() + b"\0"
-        header = 8 * k.ST_WORDS
-        memory = _libc().malloc(header + len(message))
-        if not memory:
-            raise MemoryError(f"{name}: cannot allocate the kernel state")
         words = [0] * k.ST_WORDS
-        words[k.ST_API], words[k.ST_MESSAGE] = api, memory + header
-        words[k.ST_FREE], words[k.ST_WORKER] = _free_address(), worker
+        words[k.ST_API], words[k.ST_WORKER] = api, worker.address if worker else 0
         words[k.ST_SHAPE_REFERENCE] = shape_reference(api)
         words[k.ST_PARALLEL_MIN], words[k.ST_CHUNK] = RELU_PARALLEL_MIN, RELU_CHUNK
-        ctypes.memmove(memory, struct.pack(f"<{k.ST_WORDS}q", *words) + message, header + len(message))
-        return memory
+        message = f"{name} node {calls.node_name(info)!r}: expected {expects}".encode() + b"\0"
+        return kernel_state(compute.address, words, [message], [k.ST_MESSAGE])
 
     return state
 
 
 def custom_ops() -> list[OrtCustomOp]:
-    """One ``OrtCustomOp`` per op of :data:`OPS` (kept alive for the process)."""
-    from ..kernels import _native_grad_kernels as k
+    """One ``OrtCustomOp`` per op of :data:`OPS` (kept alive for the process); nothing is compiled
+    until onnxruntime creates a kernel of the op."""
 
     def required(i: int) -> int:
         return _REQUIRED
@@ -94,6 +86,5 @@ def custom_ops() -> list[OrtCustomOp]:
     return [cpu_custom_op(name, input_types=inputs.__getitem__, input_count=len(inputs),
                           output_types=outputs.__getitem__, output_count=len(outputs),
                           characteristics=(required, required), min_arities=(1, 1),
-                          state=_state(name, worker.address if worker else 0, expects),
-                          compute=compute.address, destroy=k.kernel_destroy.address)
+                          state=_state(name, compute, worker, expects))
             for name, (compute, worker, inputs, outputs, expects) in _ops().items()]

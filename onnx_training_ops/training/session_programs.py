@@ -132,8 +132,8 @@ class SessionPrograms:
         for program in programs:
             if program.guarded:
                 program.fallback = functools.partial(self._copying_program, program.index, model)
-        if any(analysis.cut.nodes for _, analysis in built):
-            _warm_up_fused_kernels()  # compile/load now, so no step pays for it
+        # the fused loops compile (or load from numba's cache) when the first step plans the cut
+        # updates, announced: only those this model's tensors run, not every specialization
         return programs
 
     def _copying_program(self, index: int, model: LargeModel) -> Program:
@@ -228,12 +228,3 @@ class SessionPrograms:
         """The onnxruntime sessions opened so far (steps, evaluations, inference)."""
         found = [p.session for p in self.steps] + [p.session for p in self.evaluations.values()]
         return found + ([self.inference[0]] if self.inference is not None else [])
-
-
-def _warm_up_fused_kernels() -> None:
-    """Load the fused kernels once per process (from numba's disk cache after the first run)."""
-    try:
-        from ..kernels import fused
-    except ImportError:  # pragma: no cover - the reference kernels serve without numba
-        return
-    fused.warm_up()
