@@ -11,7 +11,10 @@ batches and compare.
 Models: the digits-sized MLP 64-128-10 (Adam); a tiny BERT classifier (transformers, 2
 layers, AdamW with weight decay, clipping by global norm, warm-up + cosine schedule); a small
 CNN with BatchNorm in train mode (running statistics are state) and Nesterov momentum, with
-a StepLR schedule. Also ``example/``: the browser example's digits MLP, pre-trained in Python.
+a StepLR schedule; a tiny GPT-2 causal LM (transformers, 2 layers) on right-padded batches: the
+attention mask zeroes the padding and its labels are -100 (the shifted labels pass Slice/Pad,
+the integer ops the WebGPU step must keep off the CPU). Also ``example/``: the browser
+example's digits MLP, pre-trained in Python.
 
 Run ``python tests/js_fixtures.py OUT_DIR`` to write them by hand.
 """
@@ -90,7 +93,30 @@ def _cnn(rng):
     return training, {"image": images, "labels": labels}, schedules.StepLR(step_size=50, gamma=0.5)
 
 
-MODELS = {"mlp": _mlp, "bert": _bert, "cnn": _cnn}
+def _gpt2(rng):
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import real_models
+
+    from onnx_training_ops.builder.losses import CrossEntropyLoss
+
+    module, _ = real_models.build("gpt2")
+    ids = rng.integers(2, 100, (CYCLE, 4, 8)).astype(np.int64)
+    lengths = rng.integers(3, 9, (CYCLE, 4))
+    mask = (np.arange(8) < lengths[..., None]).astype(np.int64)  # right padding: each row's own length
+    ids[mask == 0] = 0  # the pad token
+    model = real_models.export(module, {"input_ids": torch.from_numpy(ids[0]),
+                                        "attention_mask": torch.from_numpy(mask[0])}, "torchscript")
+    # momentum SGD: Adam would turn the attention key bias's gradient, exactly zero but for rounding,
+    # into steps of up to lr that two roundings (session, export) take apart over 200 steps
+    training = ot.build_training_model(model, CrossEntropyLoss(class_axis=-1, shift_labels=True),
+                                       ot.Momentum(lr=0.005, momentum=0.9))
+    labels = np.where(mask == 1, ids, -100)  # no loss on the padding
+    return training, {"input_ids": ids, "attention_mask": mask, "labels": labels}, None
+
+
+MODELS = {"mlp": _mlp, "bert": _bert, "cnn": _cnn, "gpt2": _gpt2}
 
 
 def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:

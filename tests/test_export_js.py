@@ -69,8 +69,13 @@ def _rounding_tolerance(name: str, key: str) -> float:
     steps of up to lr: two roundings drift apart by far more than ulps (measured 9.1e-6 after
     200 steps, 0.009 lr); allowed: 0.02 lr. The CNN's BatchNorm runs native kernels in the
     session (float64 sums) and standard ops in the export (float32 sums): measured up to
-    3.9e-7 apart after 200 steps (values up to 1.8); allowed: 1e-6."""
+    3.9e-7 apart after 200 steps (values up to 1.8); allowed: 1e-6. The tiny GPT-2 (momentum SGD,
+    its loss 4.6 -> 1.3 over the 200 steps) drifts most: 42 of its 57 state tensors pass 1e-7
+    absolute, the worst a momentum buffer 2.8e-5 apart (values up to 0.6), the weights up to
+    5.1e-7; allowed: 1e-4."""
     bert_lr = 1e-3  # js_fixtures._bert's AdamW
+    if name == "gpt2":
+        return 1e-4
     if name == "cnn":
         return 1e-6
     return 0.02 * bert_lr if name == "bert" and key.endswith("attention.self.key.bias") else 1e-7

@@ -83,6 +83,11 @@ export async function readExport(location, { webgpu = false } = {}) {
   const manifest = parseManifest(await readBytes(where, 'manifest.json'),
     where.kind === 'fs' ? `${where.dir}/manifest.json` : String(new URL('manifest.json', where.base)));
   const f = manifest.files;  // eval and inference are absent for a model without a loss or outputs
+  if (f.constants) {  // a model past protobuf's 2 GB: its models read their weights from a separate file
+    throw new TrainerError(`Trainer.load: this export keeps its weights in ${show(f.constants.path)} (a model past 2 GB, `
+      + 'read as ONNX external data); the JavaScript trainer loads each model whole, which no onnxruntime binding for '
+      + 'JavaScript does past 2 GB: train it in Python (session_from_export) or export a smaller model');
+  }
   const [step, stepPacked, evalModel, inference, state, stepWebgpu, evalWebgpu] = await Promise.all(
     [f.step, f.step_packed, f.eval, f.inference, f.state, webgpu && f.step_webgpu, webgpu && f.eval_webgpu]
       .map((entry) => (entry ? readBytes(where, entry.path) : null)));

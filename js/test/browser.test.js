@@ -34,7 +34,7 @@ async function open(path) {
   return { page, errors };
 }
 
-test('the three models train in onnxruntime-web (wasm) in Chromium, each step within 1e-5 of Python', async () => {
+test('the models train in onnxruntime-web (wasm) in Chromium, each step within 1e-5 of Python', async () => {
   const { page, errors } = await open('/js/test/browser/index.html?fixtures=/fixtures/');
   await page.waitForFunction('window.parity && window.parity.done', { timeout: 180000, polling: 200 });
   const parity = await page.evaluate('window.parity');

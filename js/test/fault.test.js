@@ -75,6 +75,7 @@ test('1: manifest fields are validated, a truncated manifest or state header nam
     [(m) => { m.state[0].shape = ['N']; }, /state\[0\]\.shape must be a list of non-negative integers/],
     [(m) => { m.returned = 'loss'; }, /returned must be a list of output names/],
     [(m) => { m.version = 2; }, /version must be 1/],
+    [(m) => { m.files.constants = { path: 'constants.data' }; }, /keeps its weights in "constants\.data" \(a model past 2 GB/],
     [(m) => JSON.stringify(m).slice(0, 200), /manifest\.json: not valid JSON .*truncated/],
   ];
   for (const [change, pattern] of cases) await refused(await exportCopy('cnn', change), pattern);

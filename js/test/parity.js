@@ -2,7 +2,7 @@
 // TrainingSession did: shared by the Node test and the browser harness.
 import { Trainer, decodeSafetensors } from '../src/index.js';
 
-export const MODELS = ['mlp', 'bert', 'cnn'];
+export const MODELS = ['mlp', 'bert', 'cnn', 'gpt2'];
 export const TOLERANCE = 1e-5; // relative, per step
 
 /** Step `i`'s batch: views into the stacked fixture tensors. */

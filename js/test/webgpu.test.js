@@ -44,7 +44,7 @@ function placements(lines) {
   return found;
 }
 
-test('the WebGPU step trains the three models in Chromium, every node on WebGPU, within 1e-4 of wasm and Python', async (t) => {
+test('the WebGPU step trains the models in Chromium, every node on WebGPU, within 1e-4 of wasm and Python', async (t) => {
   const page = await browser.newPage();
   await page.setViewport({ width: 1200, height: 720 });
   const errors = [];

@@ -13,7 +13,7 @@ version the opsets allow, for older runtimes; ``onnx.checker`` with ``full_check
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -33,10 +33,13 @@ STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 @dataclass
 class Graph:
-    """An exported graph and the defaults taken out of it (input name -> value)."""
+    """An exported graph, the defaults taken out of it (input name -> value), and the arrays
+    of its tensors that stay out of its message (``#<key>`` locations, a model past
+    protobuf's 2 GB: :data:`~onnx_training_ops.export.writer.EXTERNAL_BYTES`)."""
 
     model: onnx.ModelProto
     defaults: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _plain_inputs(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -104,26 +107,38 @@ def short_names(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _prepared(model: onnx.ModelProto, flat: bool = False) -> onnx.ModelProto:
-    """The portable form of ``model`` (every tensor in its message, whatever its size)."""
-    return prepare_model(LargeModel(model, large=False), portable=True, flat=flat).model_proto
+def _prepared(model: onnx.ModelProto, flat: bool = False, arrays: Mapping[str, np.ndarray] | None = None,
+              ) -> LargeModel:
+    """The portable form of ``model``: every tensor in its message, whatever its size, or
+    those of ``arrays`` (detached, ``#<key>``) left out of it."""
+    return prepare_model(LargeModel(model, arrays, large=bool(arrays)), portable=True, flat=flat)
+
+
+def _graph(portable: LargeModel, what: str) -> Graph:
+    """The exported graph of a prepared model: plain inputs, short names, standard ops
+    (checked whole once written when its tensors stay out of the message)."""
+    defaults = _plain_inputs(portable.model_proto)
+    model = _standard(short_names(portable.model_proto), what, check=not portable.large_initializers)
+    return Graph(model, defaults, dict(portable.with_proto(model).large_initializers))
 
 
 def step_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
-               meta: Mapping[str, str], flat: bool = False) -> Graph:
+               meta: Mapping[str, str], flat: bool = False,
+               arrays: Mapping[str, np.ndarray] | None = None) -> Graph:
     """The training step: data, learning rates and state in; returned values and new state out.
-    ``flat``: each optimizer node over its tensors laid end to end (for a GPU, :func:`~onnx_training_ops.prepare`)."""
+    ``flat``: each optimizer node over its tensors laid end to end (for a GPU, :func:`~onnx_training_ops.prepare`).
+    ``arrays``: the values of ``model``'s detached tensors (they stay detached)."""
     combined = combined_graph(model, 0, state_protos, meta)
     combined.graph.name = "training_step"
-    portable = _prepared(combined, flat)
-    defaults = _plain_inputs(portable)
-    return Graph(_standard(short_names(portable), "step model"), defaults)
+    return _graph(_prepared(combined, flat, arrays), "step model")
 
 
 def eval_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
-               meta: Mapping[str, str], outputs: Sequence[str]) -> Graph:
+               meta: Mapping[str, str], outputs: Sequence[str],
+               arrays: Mapping[str, np.ndarray] | None = None) -> Graph:
     """The loss (eval mode: dropout off, BatchNorm running statistics) and ``outputs``, with
-    the state it reads as inputs; the loss output keeps the training loss's name."""
+    the state it reads as inputs; the loss output keeps the training loss's name.
+    ``arrays``: as :func:`step_graph`'s."""
     loss = meta.get("loss", "")
     eval_loss = meta.get("eval_loss") or loss
     if not eval_loss:
@@ -137,29 +152,31 @@ def eval_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorPro
             if out.name == eval_loss:
                 out.name = loss
         combined.graph.node.append(helper.make_node("Identity", [eval_loss], [loss], name="eval_loss"))
-    portable = _prepared(combined)
-    defaults = _plain_inputs(portable)
-    return Graph(_standard(short_names(portable), "eval model"), defaults)
+    return _graph(_prepared(combined, arrays=arrays), "eval model")
 
 
 def inference_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
-                    state_file: str, offsets: Mapping[str, tuple[int, int]]) -> onnx.ModelProto:
+                    state_file: str, offsets: Mapping[str, tuple[int, int]],
+                    arrays: Mapping[str, np.ndarray] | None = None) -> Graph:
     """The main graph, its state initializers read from ``state_file`` (the exported
-    safetensors) by ``offsets`` as ONNX external data: the weights are stored once."""
-    exported = inference_model(LargeModel(model, large=False), {}, with_state_values=False).model_proto
+    safetensors) by ``offsets`` as ONNX external data: the weights are stored once.
+    ``arrays``: as :func:`step_graph`'s (the other detached tensors stay detached)."""
+    opened = inference_model(LargeModel(model, arrays, large=bool(arrays)), {}, with_state_values=False)
+    exported = opened.model_proto
     exported.graph.name = exported.graph.name or "inference"
     for tensor in exported.graph.initializer:
         if tensor.name not in state_protos:
             continue
         offset, length = offsets[tensor.name]
         tensor.ClearField("raw_data")
-        for field in ("float_data", "double_data", "int32_data", "int64_data", "uint64_data"):
-            tensor.ClearField(field)
+        for values in ("float_data", "double_data", "int32_data", "int64_data", "uint64_data"):
+            tensor.ClearField(values)
         tensor.data_location = onnx.TensorProto.EXTERNAL
         del tensor.external_data[:]
         for key, value in (("location", state_file), ("offset", str(offset)), ("length", str(length))):
             tensor.external_data.add(key=key, value=value)
-    return _standard(short_names(exported), "inference model", check=False)
+    exported = _standard(short_names(exported), "inference model", check=False)
+    return Graph(exported, {}, dict(opened.with_proto(exported).large_initializers))
 
 
 def check_file(path: str, what: str) -> None:

@@ -17,6 +17,8 @@ import onnx
 
 from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
+from ..storage.external_data import map_external
+from ..storage.large_model import LargeModel
 from ..training.schedules import SCHEDULES
 from . import manifest as manifest_
 from . import safetensors
@@ -178,6 +180,7 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
                 del feedback[manifest["feedback"][m["name"]]], initial[m["name"]]
             feedback[p["output"]] = p["input"]
         initial.update(pack(state, manifest["packs"]))
+    constants = manifest_.verified_constants(directory, manifest, kind, verify)
     try:
         model = graph_to_training_model(step, feedback, initial)
     except TrainingOpError as error:
@@ -191,6 +194,8 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
         for key, value in (("labels", manifest["labels"]),
                            ("label_range", f"{manifest['classes']},{'' if ignore is None else ignore}")):
             model.metadata_props.add(key=META_PREFIX + key, value=value)
+    if constants is not None:  # a model past 2 GB: its weights memory-mapped from constants.data, never in a message
+        model = map_external(LargeModel(model), directory)
     return TrainingSession(model, **kwargs)
 
 

@@ -213,11 +213,11 @@ def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
         if kind not in files:
             raise TrainingOpError(f"{where}: field 'files' lacks the entry {kind!r}")
     _entries(where, "files", files, {"path": _STR},
-             {"operators": _STRS, "external_data": _STR,
+             {"operators": _STRS, "external_data": _STR, "constants": _STR,
               "sha256": (lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v)),
                          "64 lowercase hex digits (a SHA-256)")}, kind=dict)
     for kind, entry in files.items():
-        for key in ("path", "external_data"):
+        for key in ("path", "external_data", "constants"):
             if key in entry:
                 checked_relative(entry[key], where, f"files[{kind!r}].{key}")
     _entries(where, "state", manifest["state"], {"name": _STR, "dtype": _DTYPE, "shape": _SHAPE},
@@ -335,7 +335,7 @@ def file_path(directory: str | os.PathLike, manifest: Mapping[str, Any], kind: s
     entry = manifest["files"].get(kind)
     if entry is None:
         raise TrainingOpError(f"{where!r}: field 'files' has no entry {kind!r}")
-    for key in ("path", "external_data"):
+    for key in ("path", "external_data", "constants"):
         if key in entry:
             relative = checked_relative(entry[key], repr(where), f"files[{kind!r}].{key}")
             root = os.path.realpath(directory)
@@ -397,6 +397,44 @@ def check_feedback(step: onnx.ModelProto, manifest: Mapping[str, Any], where: st
 def sha256(data: bytes | memoryview) -> str:
     """Lowercase hex SHA-256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Lowercase hex SHA-256 of a file, read in blocks (constants.data may pass 2 GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verified_constants(directory: str | os.PathLike, manifest: Mapping[str, Any], kind: str,
+                       verify: bool = True) -> str | None:
+    """The path of the constants file that model ``kind`` reads (``files[kind].constants``), its
+    SHA-256 checked against the manifest's ``files.constants`` (streamed); None when it reads none.
+
+    Raises:
+        TrainingOpError: no ``files.constants`` entry, a path leaving the directory, or a digest that differs.
+    """
+    entry = manifest["files"][kind]
+    if "constants" not in entry:
+        return None
+    file_path(directory, manifest, kind)  # its constants path stays inside the directory
+    path = file_path(directory, manifest, "constants")
+    if os.path.normpath(path) != os.path.normpath(os.path.join(os.fspath(directory), entry["constants"])):
+        raise TrainingOpError(f"{os.path.join(os.fspath(directory), MANIFEST)!r}: field 'files[{kind!r}].constants' "
+                              f"is {entry['constants']!r}, not the file of 'files.constants' "
+                              f"({manifest['files']['constants']['path']!r})")
+    expected = manifest["files"]["constants"].get("sha256")
+    try:
+        digest = file_sha256(path) if verify and expected is not None else None
+    except OSError as error:
+        raise TrainingOpError(f"cannot read {path!r} (manifest field 'files.constants'): "
+                              f"{error.strerror or error}") from None
+    if digest is not None and digest != expected:
+        raise TrainingOpError(f"{path!r}: its SHA-256 differs from the manifest's (field 'files.constants.sha256'): "
+                              "the file is damaged or was replaced (verify=False skips this check)")
+    return path
 
 
 def file_bytes(directory: str | os.PathLike, manifest: Mapping[str, Any], kind: str, verify: bool = True) -> bytes:

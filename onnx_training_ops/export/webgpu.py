@@ -12,6 +12,8 @@ The rewrite, in named passes (``onnx_training_ops/passes/``):
 3. :func:`lower_log_softmax`, :func:`lower_one_hot`, :func:`lower_sum`, :func:`lower_is_nan`,
    :func:`maxpool_gradient_by_mask` (WebGPU's MaxPool has no Indices output);
 4. :func:`int32_inputs`: labels and ids are int32 inputs, their index arithmetic int32;
+   :func:`slice_as_pad`: an int32 Slice (a causal LM's label shift) becomes a cropping Pad
+   (WebGPU's Slice is float-only);
 5. :func:`fold_static_shapes` (Shape, Size) and onnxruntime's basic graph optimizations on the CPU
    fold what the static shapes make constant (Shape, Size and the int64 arithmetic on them) and
    drop dead nodes.
@@ -36,6 +38,7 @@ from ..passes.lower_log_softmax import lower_log_softmax
 from ..passes.lower_one_hot import lower_one_hot
 from ..passes.lower_sum import lower_sum
 from ..passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
+from ..passes.slice_as_pad import slice_as_pad
 from ..passes.split_host_scalars import split_host_scalars
 from ..training.static_shapes import fix_input_shapes, fold_with_onnxruntime
 
@@ -71,7 +74,7 @@ def webgpu_step(step: onnx.ModelProto, state: Sequence[str], counter: str | None
         model = run(model)
     model = fold_static_shapes(fold_with_onnxruntime(model))  # what the folding made constant (a NonZero input)
     narrowed = int32_inputs(model, skip=state)
-    model = fold_with_onnxruntime(model)
+    model = fold_with_onnxruntime(slice_as_pad(model))
     leftovers = sorted({vi.name for vi in model.graph.input if vi.type.tensor_type.elem_type == TensorProto.DOUBLE})
     if leftovers:
         raise TrainingOpError(f"export (webgpu): inputs {leftovers} are float64; WebGPU runs no float64")

@@ -5,6 +5,11 @@ The directory holds ``step.onnx``, ``eval.onnx``, ``inference.onnx`` (:mod:`.gra
 model's inputs) and ``manifest.json`` (:mod:`.manifest`, written last: a directory with a
 manifest is complete). Each file is written atomically. ``ort=True`` adds ORT-format models
 and the reduced-build operator config (:mod:`.ort_format`).
+
+A model whose tensors pass :data:`EXTERNAL_BYTES` (protobuf serializes no message past 2 GB)
+is exported without ever holding its tensors in a message: its big constants (frozen weights)
+stay arrays through the passes and are written once, page-aligned, to ``constants.data``,
+which every exported model reads as ONNX external data (as a checkpoint's data file).
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
 from ..storage import checkpoint
-from ..storage.model_files import ModelLike, as_model, load_model
+from ..storage.external_data import write_tensors
+from ..storage.large_model import LargeModel
+from ..storage.model_files import ModelLike, as_model
+from ..storage.tensors import location, set_location, tensor_value
 from ..training.nominal import nominal_names
 from ..training.state import collect_state_protos
 from ..training.static_shapes import checked_input_shapes
@@ -31,23 +38,28 @@ from . import manifest as manifest_
 
 FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
          "state": "state.safetensors", "step_webgpu": webgpu.FILE,
-         "eval_webgpu": webgpu.EVAL_FILE}
+         "eval_webgpu": webgpu.EVAL_FILE, "constants": "constants.data"}
 TARGETS = ("portable", "webgpu")
+# Tensor bytes of a training model past which its exported models keep their big constants in
+# constants.data: protobuf serializes no message past 2 GB (2**31 - 1 bytes), and the graphs
+# need room beside the tensors
+EXTERNAL_BYTES = 2**31 - 2**27
 
 
-def _training_model(model_or_checkpoint: Any) -> onnx.ModelProto:
-    """The training model to export, every tensor inline (a large model's arrays attached)."""
+def _training_model(model_or_checkpoint: Any) -> LargeModel:
+    """The training model to export (a large file's tensors memory-mapped arrays)."""
     if hasattr(model_or_checkpoint, "training_model") and hasattr(model_or_checkpoint, "state_names"):
         if getattr(model_or_checkpoint, "nominal", False):
             raise TrainingOpError("export: this session was opened from a nominal checkpoint and its parameters "
                                   "have no values yet: load them (load_flat_parameters / load_state_dict), "
                                   "then export the session")
         # a TrainingSession: its current state
-        return as_model(model_or_checkpoint.training_model(), copy=False).to_proto()
+        return as_model(model_or_checkpoint.training_model(), copy=False)
     path = model_or_checkpoint if isinstance(model_or_checkpoint, (str, os.PathLike)) else None
     where = f"checkpoint {os.fspath(path)!r}" if path is not None else "the model"
-    model = load_model(model_or_checkpoint)  # every tensor in the message
-    checkpoint.verify(model, path)
+    opened = as_model(model_or_checkpoint)
+    checkpoint.verify(opened, path)
+    model = opened.model_proto
     empty = nominal_names(metadata(model))
     if empty:
         raise TrainingOpError(f"export: {where} is a nominal checkpoint (save(path, nominal=True)): "
@@ -57,7 +69,7 @@ def _training_model(model_or_checkpoint: Any) -> onnx.ModelProto:
     if len(model.training_info) != 1:
         raise TrainingOpError(f"export: expected a training model with one training_info (what "
                               f"build_training_model writes), found {len(model.training_info)}")
-    return model
+    return opened
 
 
 def _rate_names(model: onnx.ModelProto, meta: dict[str, str]) -> list[str]:
@@ -90,10 +102,37 @@ def _schedule(meta: dict[str, str], counter: str | None, state: dict[str, np.nda
 
 
 def _write(out_dir: str, kind: str, model: onnx.ModelProto) -> dict[str, Any]:
-    """Write one exported model; its manifest entry."""
+    """Write one exported model; its manifest entry. A model reading constants.data says so
+    in its entry (``constants``) and is checked whole once written."""
     data = model.SerializeToString()
-    checkpoint.atomic_write(os.path.join(out_dir, FILES[kind]), data)
-    return {"path": FILES[kind], "operators": graphs.operators(model), "sha256": manifest_.sha256(data)}
+    path = os.path.join(out_dir, FILES[kind])
+    checkpoint.atomic_write(path, data)
+    entry = {"path": FILES[kind], "operators": graphs.operators(model), "sha256": manifest_.sha256(data)}
+    if any(location(t) == FILES["constants"] for t in model.graph.initializer):
+        graphs.check_file(path, f"{kind} model")
+        entry["constants"] = FILES["constants"]
+    return entry
+
+
+def _write_constants(out_dir: str, models: Sequence[graphs.Graph]) -> dict[str, Any] | None:
+    """Write the detached tensors of ``models`` to constants.data, each once (page-aligned,
+    streamed from its array), and point their tensors at it; its manifest entry, or None when
+    no model has any."""
+    arrays = {key: value for g in models for key, value in g.arrays.items()}
+    if not arrays:
+        return None
+    keys = list(arrays)
+    written: dict = {}
+    path = os.path.join(out_dir, FILES["constants"])
+    checkpoint.atomic_write(path, lambda f: written.update(write_tensors(f, ((k, arrays[k]) for k in keys))))
+    for g in models:
+        for tensor in g.model.graph.initializer:
+            key = location(tensor)
+            if key in written:
+                offset, length, _ = written[key]
+                set_location(tensor, FILES["constants"], offset, length)
+        g.arrays = {}
+    return {"path": FILES["constants"], "sha256": manifest_.file_sha256(path)}
 
 
 def _label_range(meta: dict[str, str]) -> tuple[int | None, int | None]:
@@ -108,8 +147,7 @@ def _add_digests(out_dir: str, files: dict[str, Any]) -> None:
     """``sha256`` of each file entry that lacks one (the files written by other modules)."""
     for entry in files.values():
         if "sha256" not in entry:
-            with open(os.path.join(out_dir, entry["path"]), "rb") as f:
-                entry["sha256"] = manifest_.sha256(f.read())
+            entry["sha256"] = manifest_.file_sha256(os.path.join(out_dir, entry["path"]))
 
 
 def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelProto, state: dict[str, np.ndarray],
@@ -199,47 +237,61 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     input_shapes = checked_input_shapes(input_shapes, "export (webgpu)") if input_shapes is not None else None
     if eval_input_shapes is not None:
         eval_input_shapes = checked_input_shapes(eval_input_shapes, "export (webgpu eval)")
-    model = _training_model(model_or_checkpoint)
+    opened = _training_model(model_or_checkpoint)
+    external = opened.nbytes > EXTERNAL_BYTES  # past protobuf's 2 GB: big constants in constants.data
+    if external and (target == "webgpu" or ort):
+        raise TrainingOpError(f"export: the model's tensors hold {opened.nbytes / 2**30:.1f} GiB, past protobuf's "
+                              "2 GB: its exported models read their weights from constants.data, which "
+                              f"{'onnxruntime-web' if target == 'webgpu' else 'the ORT format'} does not; "
+                              "export without " + ("target='webgpu'" if target == "webgpu" else "ort=True"))
+    model = opened.model_proto if external else opened.to_proto()
+    arrays = dict(opened.large_initializers) if external else {}
     meta = metadata(model)
     if target == "webgpu" and meta.get("precision") == "bf16":
         raise TrainingOpError("export: precision='bf16' with target='webgpu': WebGPU has no bfloat16 kernels; build "
                               "the model with precision='fp16' (or 'fp32') for WebGPU, or export target='portable' "
                               "for a CUDA DeviceTrainer")
     state_protos = collect_state_protos(model)
-    state = {name: numpy_helper.to_array(proto) for name, proto in state_protos.items()}
-    step = graphs.step_graph(model, state_protos, meta, flat=flat_optimizer)
+    state = {name: tensor_value(proto, arrays) for name, proto in state_protos.items()}
+    step = graphs.step_graph(model, state_protos, meta, flat=flat_optimizer, arrays=arrays)
     outputs = list(eval_outputs) if eval_outputs is not None else [o.name for o in model.graph.output]
     # a model without a loss (from_graph) has no eval model; one without outputs no inference model
-    evaluation = graphs.eval_graph(model, state_protos, meta, outputs) if meta.get("loss") else None
+    evaluation = graphs.eval_graph(model, state_protos, meta, outputs, arrays) if meta.get("loss") else None
     state_bytes = safetensors.encode(state, {"format": manifest_.FORMAT})
-    inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes)) \
-        if model.graph.output else None
+    inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes),
+                                       arrays) if model.graph.output else None
 
     # the WebGPU step before any file is written: a graph it refuses changes nothing on disk
     gpu_step = _webgpu_step(model, meta, step.model, state, input_shapes) if target == "webgpu" else None
     gpu_eval = _webgpu_eval(evaluation.model, state, eval_input_shapes or input_shapes) \
         if target == "webgpu" and evaluation is not None else None
+    binding = {e.key: e.value for e in model.training_info[0].update_binding}
+    feedback = {vi.name: binding[vi.name] for vi in step.model.graph.input if vi.name in state and vi.name in binding}
+    manifest_.record_feedback(step.model, feedback)
+    packs = packed_step = None
+    if packed:
+        packed_model, packs = packing.packed_step(step.model, state, binding)
+        manifest_.record_feedback(packed_model, manifest_.step_feedback({"feedback": feedback, "packs": packs}, True))
+        packed_step = graphs.Graph(packed_model, {}, step.arrays)
 
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, manifest_.MANIFEST)):  # until the new one: incomplete
         os.remove(os.path.join(out_dir, manifest_.MANIFEST))
     checkpoint.atomic_write(os.path.join(out_dir, FILES["state"]), state_bytes)
-    binding = {e.key: e.value for e in model.training_info[0].update_binding}
-    feedback = {vi.name: binding[vi.name] for vi in step.model.graph.input if vi.name in state and vi.name in binding}
-    manifest_.record_feedback(step.model, feedback)
+    constants = _write_constants(out_dir, [g for g in (step, evaluation, inference, packed_step) if g is not None])
     files: dict[str, Any] = {"step": _write(out_dir, "step", step.model),
                              "state": {"path": FILES["state"], "sha256": manifest_.sha256(state_bytes)}}
+    if constants is not None:
+        files["constants"] = constants
     if evaluation is not None:
         files["eval"] = _write(out_dir, "eval", evaluation.model)
     if inference is not None:
-        files["inference"] = {**_write(out_dir, "inference", inference), "external_data": FILES["state"]}
-        graphs.check_file(os.path.join(out_dir, FILES["inference"]), "inference model")
-    packs = None
-    if packed:
-        packed_model, packs = packing.packed_step(step.model, state, binding)
-        manifest_.record_feedback(packed_model, manifest_.step_feedback({"feedback": feedback, "packs": packs}, True))
-        files["step_packed"] = _write(out_dir, "step_packed", packed_model)
+        files["inference"] = {**_write(out_dir, "inference", inference.model), "external_data": FILES["state"]}
+        if "constants" not in files["inference"]:  # checked by _write
+            graphs.check_file(os.path.join(out_dir, FILES["inference"]), "inference model")
+    if packed_step is not None:
+        files["step_packed"] = _write(out_dir, "step_packed", packed_step.model)
     if ort:
         from .ort_format import convert
 

@@ -2,14 +2,17 @@
 
 onnxruntime-web's WebGPU execution provider runs no int64 arithmetic (1.30: int64 nodes fall
 back to the CPU, or run in 32 bits when int64 is switched on). Labels (the lowered OneHot casts
-them to float32) and token ids (Gather indices; the embedding gradient wraps negative ids with
-Less/Add/Where before a ScatterND) need no int64: the input is declared int32 and the trainer
-converts the batch (refusing a value outside the int32 range). From each such input the pass
-follows the values computed from it: Cast, Gather/GatherElements indices and comparisons read
-int32 as they are; Add/Sub/Mul/Where/Unsqueeze/Reshape/Squeeze/Flatten/Expand/Identity compute
-in int32 (their int64 constant operands, if within the int32 range, get int32 copies); any other
-reader (ScatterND's indices must be int64) gets a Cast back to int64 in front of it. An input
-whose arithmetic meets a non-constant int64 operand or a constant outside int32 stays int64.
+them to float32; a causal LM's shifted labels pass Slice, Pad, Reshape, Equal and Where on their
+way to the loss's GatherElements) and token ids (Gather indices; the embedding gradient wraps
+negative ids with Less/Add/Where before a ScatterND) need no int64: the input is declared int32
+and the trainer converts the batch (refusing a value outside the int32 range). From each such
+input the pass follows the values computed from it: Cast, comparisons and the indices of
+Gather/GatherElements/ScatterElements read int32 as they are; arithmetic (Add/Sub/Mul), Where
+and data movement (Unsqueeze/Reshape/Squeeze/Flatten/Expand/Identity/Slice/Pad/Gather/Concat)
+compute in int32 (their int64 constant operands, if within the int32 range, get int32 copies;
+shapes, axes, pads and indices stay as they are); any other reader (ScatterND's indices must be
+int64) gets a Cast back to int64 in front of it. An input whose values meet a non-constant int64
+operand or a constant outside int32 stays int64.
 """
 
 from __future__ import annotations
@@ -22,9 +25,18 @@ from onnx import ModelProto, TensorProto, helper, numpy_helper
 from ._rewrite import Names, constants
 
 _READ_AS_IS = {"Cast", "Less", "Greater", "Equal", "LessOrEqual", "GreaterOrEqual"}
-_INDEX_INPUT = {"Gather": 1, "GatherElements": 1}
-_PROPAGATE = {"Add", "Sub", "Mul", "Where", "Unsqueeze", "Reshape", "Squeeze", "Flatten", "Expand", "Identity"}
-_DATA_ONLY = {"Unsqueeze": 0, "Reshape": 0, "Squeeze": 0, "Expand": 0}  # other inputs are shapes/axes
+_INDEX_INPUT = {"Gather": 1, "GatherElements": 1, "ScatterElements": 1}  # int32 or int64 indices
+_ALL = None
+# op -> the input slots whose values flow into the output (None: all); the other slots are
+# shapes, axes, pads, indices or Where's condition, read as they are
+_VALUE_SLOTS: dict[str, tuple[int, ...] | None] = {
+    "Add": _ALL, "Sub": _ALL, "Mul": _ALL, "Concat": _ALL, "Where": (1, 2), "Pad": (0, 2),
+    "Unsqueeze": (0,), "Reshape": (0,), "Squeeze": (0,), "Flatten": (0,), "Expand": (0,), "Identity": (0,),
+    "Slice": (0,), "Gather": (0,)}
+
+
+def _in_int32(value: np.ndarray) -> bool:
+    return not value.size or (value.min() >= -2 ** 31 and value.max() < 2 ** 31)
 
 
 def _plan(graph, start: str, known: dict, readers: dict) -> tuple[set[str], list, list] | None:
@@ -43,24 +55,23 @@ def _plan(graph, start: str, known: dict, readers: dict) -> tuple[set[str], list
                 if node.op_type != "Cast":
                     for k, other in enumerate(node.input):
                         if other not in narrow and k not in slots:
-                            if other not in known or known[other].dtype != np.int64:
+                            if other not in known or known[other].dtype != np.int64 or not _in_int32(known[other]):
                                 return None
                             copies.append((node, k))
                 continue
             if node.op_type in _INDEX_INPUT and slots == [_INDEX_INPUT[node.op_type]]:
                 continue
-            if node.op_type in _PROPAGATE:
-                data_only = _DATA_ONLY.get(node.op_type)
-                if data_only is not None and slots != [data_only]:
-                    return None
-                for k, other in enumerate(node.input):
-                    if k in slots or not other or other in narrow or (data_only is not None and k != data_only):
+            if node.op_type in _VALUE_SLOTS:
+                values = _VALUE_SLOTS[node.op_type]
+                values = range(len(node.input)) if values is None else values
+                index = _INDEX_INPUT.get(node.op_type)
+                if any(k not in values and k != index for k in slots):
+                    return None  # read as a shape, axes or pads
+                for k in values:
+                    other = node.input[k] if k < len(node.input) else ""
+                    if k in slots or not other or other in narrow:
                         continue
-                    if node.op_type == "Where" and k == 0:
-                        continue  # the condition
-                    if other not in known or known[other].dtype != np.int64:
-                        return None
-                    if known[other].size and (known[other].min() < -2 ** 31 or known[other].max() >= 2 ** 31):
+                    if other not in known or known[other].dtype != np.int64 or not _in_int32(known[other]):
                         return None
                     copies.append((node, k))
                 if node.output[0] not in narrow:
