@@ -46,7 +46,7 @@ def hf_folder(family: str, root: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:  # norms' weights and biases: away from 1 and 0
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
