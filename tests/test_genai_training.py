@@ -153,3 +153,29 @@ def test_gradients_match_torch_on_the_deployed_graph(root, family, precision):
         want = want.detach().numpy()
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 2e-4, (name, err)
+
+
+def _session_gradients(folder, family):
+    model = onnx.load(folder / "model.onnx")
+    session = ot.TrainingSession(ot.build_training_model(
+        model, ot.CrossEntropyLoss(shift_labels=True), ot.AdamW(lr=1e-2), output="logits"))
+    feeds = _feeds(model, folder, *_batch(family))
+    return session, feeds, float(session.backward(feeds)["loss"]), session.gradients()
+
+
+def test_the_builders_default_int4_trains_with_a_straight_through_gradient(root):
+    """The CPU default, accuracy_level=4, quantizes each MatMulNBits input to int8 inside the
+    kernel: the forward keeps that, the gradient treats it as the identity (straight-through),
+    so it is close to, not equal to, the fp32-activation model's; and the model trains."""
+    default = genai_model("llama", "int4", root)
+    levels = {a.i for n in onnx.load(default / "model.onnx", load_external_data=False).graph.node
+              if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {4}
+    session, feeds, loss, grads = _session_gradients(default, "llama")
+    _, _, loss1, grads1 = _session_gradients(genai_model("llama", "int4", root, accuracy_level=1), "llama")
+    assert 0 < abs(loss - loss1) < 1e-2 * loss1
+    for name, g in grads.items():
+        assert 0 < np.abs(g - grads1[name]).max() < 0.1 * np.abs(grads1[name]).max(), name
+    session.zero_grad()
+    losses = [float(session.step(feeds)["loss"]) for _ in range(4)]
+    assert losses[-1] < losses[0]
