@@ -38,6 +38,8 @@ TOKENS = 256
 
 
 def build(root: Path) -> dict[str, Path]:
+    """The two builds (in this process: run it apart from the measured ones, whose peak RSS
+    would start at this process's after torch's import)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import genai_models
     genai_models.COMMON.update(SHAPE)
@@ -107,9 +109,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(run(args.child[0], Path(args.child[1]), args.steps)))
         return
-    folders = build(args.root)
-    results: dict[str, list] = {}
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    builder = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import contrib_backward as b; "
+               f"from pathlib import Path; b.build(Path({str(args.root)!r}))")
+    subprocess.run([sys.executable, "-c", builder], env=env, check=True, capture_output=True)
+    folders = {"int4": args.root / "llama" / "int4", "fp32": args.root / "llama" / "fp32"}
+    results: dict[str, list] = {}
     for _ in range(args.rounds):  # interleaved: one of each, then again
         for contender in args.contenders.split(","):
             folder = folders["fp32" if contender == "fp32" else "int4"]

@@ -61,12 +61,11 @@ def hf_folder(family: str, root: Path, seed: int = 0) -> Path:
 def genai_model(family: str, precision: str, root: Path, **extra_options: str) -> Path:
     """``python -m onnxruntime_genai.models.builder -i HF -o OUT -p precision -e cpu`` in this
     process; ``extra_options`` as ``--extra_options key=value``."""
-    from onnxruntime_genai.models import builder
-
     tag = "_".join([precision] + [f"{k}{v}" for k, v in sorted(extra_options.items())])
     out = root / family / tag
     if (out / "model.onnx").exists():
         return out
+    from onnxruntime_genai.models import builder
     hf = hf_folder(family, root)
     cache = root / "cache"
     options = [f"{k}={v}" for k, v in extra_options.items()]
