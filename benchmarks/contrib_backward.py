@@ -4,7 +4,9 @@
 GroupQueryAttention and norm (the norm weights train: the LoRA case's backward without the
 adapters' own cost).
 
-Contenders, each in its own process (peak RSS from ``getrusage``), run twice in turn (median step):
+Contenders, each in its own process (peak RSS from ``getrusage``), run twice in turn (median step),
+on the large-model path a 7B model takes (the weights memory-mapped from the file, whatever
+this layer's size):
 
 * ``inference``       the int4 layer's forward alone (onnxruntime InferenceSession);
 * ``int4``            training, MatMulNBits' dA = dY · dequant(B) with B dequantized by
@@ -79,11 +81,10 @@ def run(contender: str, folder: Path, steps: int) -> dict:
         session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
         step = lambda: session.run(["logits"], feeds)  # noqa: E731
     else:
-        model = onnx.load(folder / "model.onnx")
-        norms = [t.name for t in model.graph.initializer if "layernorm" in t.name]
-        training = ot.build_training_model(model, ot.CrossEntropyLoss(shift_labels=True), ot.AdamW(lr=1e-4),
-                                           trainable=norms, output="logits")
-        del model
+        graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
+        norms = [t.name for t in graph.initializer if "layernorm" in t.name]
+        training = ot.build_training_model(str(folder / "model.onnx"), ot.CrossEntropyLoss(shift_labels=True),
+                                           ot.AdamW(lr=1e-4), trainable=norms, output="logits")
         session = ot.TrainingSession(training)
         feeds["labels"] = ids
         step = lambda: session.step(feeds)  # noqa: E731
@@ -114,6 +115,7 @@ def main() -> None:
                f"from pathlib import Path; b.build(Path({str(args.root)!r}))")
     subprocess.run([sys.executable, "-c", builder], env=env, check=True, capture_output=True)
     folders = {"int4": args.root / "llama" / "int4", "fp32": args.root / "llama" / "fp32"}
+    env["ONNX_TRAINING_OPS_LARGE_MODEL_BYTES"] = "1"  # a 7B model's path: weights memory-mapped from the file
     results: dict[str, list] = {}
     for _ in range(args.rounds):  # interleaved: one of each, then again
         for contender in args.contenders.split(","):
