@@ -143,7 +143,7 @@ def test_gradients_match_torch_on_the_deployed_graph(root, family, precision):
     trained = ot.build_training_model(model, ot.CrossEntropyLoss(shift_labels=True), ot.AdamW(), output="logits")
     session = ot.TrainingSession(trained)
     loss = float(session.backward(_feeds(model, folder, ids, mask, labels))["loss"])
-    assert abs(loss - want_loss) < 2e-5 * abs(want_loss)
+    assert abs(loss - want_loss) < 1e-6 * abs(want_loss)
     grads = session.gradients()
     assert grads and not {"cos_cache", "sin_cache"} & set(grads), sorted(grads)  # rotary tables never train
     torch_grads = {n: want_grads.get(n, torch.zeros_like(p)) for n, p in hf.named_parameters()}
@@ -152,7 +152,7 @@ def test_gradients_match_torch_on_the_deployed_graph(root, family, precision):
         assert want is not None, f"{name} has no Hugging Face counterpart"
         want = want.detach().numpy()
         err = np.abs(got - want).max() / np.abs(want).max()
-        assert err < 2e-4, (name, err)
+        assert err < 1e-5, (name, err)
 
 
 def _session_gradients(folder, family):

@@ -471,6 +471,22 @@ def test_rotary_embedding(case):
     got = gradients([node], feeds, "out", ["x"], weights, inits)["x"]
     _check_fd(lambda z: float(np.sum(ref(z) * weights)), got, x.astype(np.float64))
 
+    def torch_ref(z):  # transformers' rotary (Llama's rotate_half, GPT-J's every-two) at the positions
+        from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_rotary
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rotary
+        bsnd = z.view(b, s, heads, head) if layout == "bsh" else z.transpose(1, 2)
+        c, sn = (torch.tensor(t[at], dtype=torch.float64) for t in (cos, sin))
+        part = bsnd[..., :rotary_dim]
+        if interleaved:
+            part = gptj_rotary(part, sn, c)
+        else:
+            part, _ = llama_rotary(part.transpose(1, 2), part.transpose(1, 2), torch.cat([c, c], -1),
+                                   torch.cat([sn, sn], -1))
+            part = part.transpose(1, 2)
+        out = torch.cat([part, bsnd[..., rotary_dim:]], -1)
+        return out.reshape(shape) if layout == "bsh" else out.transpose(1, 2)
+    assert relative_error(got, _torch_grads(torch_ref, weights, x)[0]) < GRAD_RTOL
+
 
 def test_onnx_rotary_embedding_against_the_reference_evaluator():
     """ONNX's own RotaryEmbedding (opset 23): float64 differences through onnx.reference."""
