@@ -107,6 +107,18 @@ class Emitter:
     def add_node(self, node: onnx.NodeProto) -> None:
         self.nodes.append(node)
 
+    def check(self, ok: str, value: str, message: str) -> str:
+        """``value`` times a one that onnxruntime computes only when the bool ``ok`` (one element)
+        holds: otherwise a Reshape of that one element to two, named ``message``, fails the run
+        (for a condition the graph cannot decide before it runs). Pass a small value the result
+        depends on, a scale: the check then costs nothing, and no optimizer can drop it as a
+        no-op the way it drops a Reshape to the same shape."""
+        target = self.op("Where", [ok, self.ints([1]), self.ints([2])], "check")
+        one = self.fresh("one")
+        self.nodes.append(helper.make_node("Reshape", [self.scalar(1.0, value), target], [one],
+                                           name=self.fresh(message)))
+        return self.op("Mul", [value, one], "checked")
+
     # ----------------------------------------------------------------- facts
     def info(self, name: str) -> ValueMeta:
         return self.meta.get(name, ValueMeta())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from ..autodiff.coverage import missing_rules, trainable_names
+from ..autodiff.coverage import frozen_reads, missing_rules, trainable_names
 from ..autodiff.registry import describe_missing
-from ..errors import TrainingOpError
+from ..errors import TrainingOpError, node_label
 from .dynamo_params import exported_parameters
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
@@ -75,6 +75,14 @@ def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: 
         out.append(t)
     if len(set(names)) != len(names):
         raise TrainingOpError(f"trainable names repeat: {names}")
+    frozen, trained = frozen_reads(model.graph.node)
+    for name in names:
+        if name in frozen and name not in trained:
+            node, i = frozen[name]
+            raise TrainingOpError(
+                f"trainable {name!r} is input {i} of {node_label(node)}, an input that never trains "
+                "(a quantized weight and its scales or zero points, rotary tables, running statistics); "
+                "train an adapter beside it instead")
     return out
 
 
