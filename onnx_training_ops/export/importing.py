@@ -17,9 +17,9 @@ import onnx
 
 from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
+from ..storage import safetensors
 from ..training.schedules import SCHEDULES
 from . import manifest as manifest_
-from . import safetensors
 from .writer import FILES
 
 

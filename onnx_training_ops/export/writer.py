@@ -21,11 +21,11 @@ from onnx import numpy_helper
 from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
-from ..storage import checkpoint
+from ..storage import checkpoint, safetensors
 from ..storage.model_files import ModelLike, as_model, load_model
 from ..training.nominal import nominal_names
 from ..training.state import collect_state_protos
-from . import graphs, packing, safetensors, webgpu
+from . import graphs, packing, webgpu
 from . import manifest as manifest_
 
 FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",
