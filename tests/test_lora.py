@@ -231,8 +231,8 @@ def _quantized_model() -> onnx.ModelProto:
              helper.make_node("Mul", ["h", "gain"], ["y"], name="/gain/Mul")]
     graph = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 32])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])], [b, scales, gain])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
-                             ir_version=9)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
 
 
 def test_a_quantized_weight_marked_trainable_is_refused():

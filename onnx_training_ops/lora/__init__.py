@@ -10,7 +10,8 @@ May import: the foundation, storage, passes (below builder: the builder picks th
 as the trainables; TrainingSession saves them).
 """
 
+from .formats import read_adapter, save_adapter, write_serving_model
 from .inject import add_lora
 from .spec import Adapter, LoraSpec, lora_spec
 
-__all__ = ["Adapter", "LoraSpec", "add_lora", "lora_spec"]
+__all__ = ["Adapter", "LoraSpec", "add_lora", "lora_spec", "read_adapter", "save_adapter", "write_serving_model"]

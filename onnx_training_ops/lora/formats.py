@@ -37,7 +37,7 @@ from ..storage.save import save_model
 from ..storage.tensors import all_tensors, location
 from .inject import insert_adapters, read_genai_config
 from .spec import Adapter, LoraSpec, lora_spec
-from .targets import linear_nodes
+from .targets import ALL_LINEAR, FUSED, linear_nodes
 
 FORMATS = ("peft", "onnxruntime")
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -96,6 +96,19 @@ def _fused_groups(spec: LoraSpec) -> dict[str, list[Adapter]]:
     return groups
 
 
+def _fused_layout(group: list[Adapter]) -> tuple[int, list[int]]:
+    """(width of the Hugging Face module, where each adapter's rows start in it) for a group of
+    :func:`_fused_groups`: slices of one fused node keep their place in it; separate nodes (the
+    builder's unfused ``gate_proj``/``up_proj`` of Phi-3's ``gate_up_proj``) are parts of equal
+    width in :data:`~.targets.FUSED`'s order."""
+    if len({a.output for a in group}) == 1:
+        return group[0].node_out_features, [a.start for a in group]
+    last = group[0].module.rpartition(".")[2]
+    parts = next(p for p in FUSED.values() if last in p)
+    width = group[0].node_out_features
+    return width * len(parts), [parts.index(a.module.rpartition(".")[2]) * width for a in group]
+
+
 def peft_tensors(spec: LoraSpec, values: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict, dict]:
     """(peft's tensors, rank_pattern, alpha_pattern) of the adapters ``values``."""
     tensors, ranks, alphas = {}, {}, {}
@@ -108,9 +121,10 @@ def peft_tensors(spec: LoraSpec, values: Mapping[str, np.ndarray]) -> tuple[dict
             continue
         r = spec.rank
         big_a = np.concatenate([values[a.a].T for a in group], axis=0)
-        big_b = np.zeros((group[0].node_out_features, r * len(group)), np.float32)
-        for i, a in enumerate(group):
-            big_b[a.start:a.stop, i * r:(i + 1) * r] = values[a.b].T
+        width, offsets = _fused_layout(group)
+        big_b = np.zeros((width, r * len(group)), np.float32)
+        for i, (a, at) in enumerate(zip(group, offsets)):
+            big_b[at:at + a.out_features, i * r:(i + 1) * r] = values[a.b].T
         tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(big_a, np.float32)
         tensors[f"{key}.lora_B.weight"] = big_b
         ranks[module] = r * len(group)
@@ -133,8 +147,9 @@ def write_peft(spec: LoraSpec, values: Mapping[str, np.ndarray], folder: str | o
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        # a list of names picks every module ending in one: exact when the targets were names
-        "target_modules": short if not isinstance(spec.targets, str) else modules,
+        # a list of names picks every module ending in one: exact when the targets were names (or
+        # all-linear); a pattern may have picked some layers only: their full paths then
+        "target_modules": short if not isinstance(spec.targets, str) or spec.targets == ALL_LINEAR else modules,
         "rank_pattern": ranks,
         "alpha_pattern": alphas,
         "bias": "none",
@@ -191,14 +206,16 @@ def read_peft(spec: LoraSpec, folder: str) -> dict[str, np.ndarray]:
             raise TrainingOpError(f"the adapter in {folder!r}: module {module!r} has lora_A {list(big_a.shape)} and "
                                   f"lora_B {list(big_b.shape)}, which do not multiply")
         rescale = np.float32((float(alpha) / big_a.shape[0]) / spec.scaling)  # its scaling -> the model's
-        for i, a in enumerate(group):
+        _, offsets = _fused_layout(group)
+        for i, (a, at) in enumerate(zip(group, offsets)):
+            rows_b = slice(at, at + a.out_features)
             if len(group) == 1 and a.module == module:
                 a_part, b_part = big_a, big_b
             elif big_a.shape[0] == spec.rank * len(group):  # the stacked form write_peft makes
                 rows = slice(i * spec.rank, (i + 1) * spec.rank)
-                a_part, b_part = big_a[rows], big_b[a.start:a.stop, rows]
+                a_part, b_part = big_a[rows], big_b[rows_b, rows]
             else:  # one A shared by the fused module (peft's LoRA of it): each slice its rows of B
-                a_part, b_part = big_a, big_b[a.start:a.stop]
+                a_part, b_part = big_a, big_b[rows_b]
             _check_shape(folder, module, "lora_A", a_part.shape, (spec.rank, a.in_features))
             _check_shape(folder, module, "lora_B", b_part.shape, (a.out_features, spec.rank))
             out[a.a] = np.ascontiguousarray(a_part.T)
@@ -310,8 +327,9 @@ def serving_model(spec: LoraSpec, source: str | os.PathLike | None = None):
     the file or folder add_lora read) with the adapters' serving form beside the same nodes."""
     source = os.fspath(source) if source is not None else spec.source
     if source is None:
-        raise TrainingOpError("add_lora was given a model in memory: pass the base model's file or folder "
-                              "(base_model_source=...) to write the served base model")
+        raise TrainingOpError("add_lora was given a model in memory, so its file is unknown: write the served "
+                              "base model with onnx_training_ops.lora.write_serving_model(spec, folder, "
+                              "source=<the model's file or folder>)")
     opened = as_model(source)
     proto = opened.model_proto
     if lora_spec(proto) is not None:
