@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import (  # noqa: F401
     rules_activation,
+    rules_attention,
     rules_conv,
     rules_elementwise,
     rules_indexing,
@@ -16,6 +17,7 @@ from . import (  # noqa: F401
     rules_loss,
     rules_nn,
     rules_norm,
+    rules_quantized,
     rules_reduce,
     rules_resize,
     rules_shape,

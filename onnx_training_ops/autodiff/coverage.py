@@ -18,13 +18,10 @@ from onnx import numpy_helper
 
 from .emitter import FLOAT_TYPES
 from .graph import active_values, gradient_path, node_reads
-from .registry import Missing, has_rule, missing_rules_of
+from .registry import Missing, frozen_inputs, has_rule, missing_rules_of
 
 # unrolled or rewritten into ops with rules by the prepare passes before differentiation
 LOWERED_BY_PASSES = frozenset({"LSTM", "GRU", "RNN", "SplitToSequence", "SequenceAt"})
-
-# inputs that never carry a gradient to a parameter even when float
-NOT_TRAINED_INPUTS = {"BatchNormalization": (3, 4)}  # running mean / variance: statistics
 
 
 def _is_float(elem_types: Mapping[str, int], name: str) -> bool:
@@ -60,14 +57,28 @@ def _path(nodes: Sequence[onnx.NodeProto], y: str, leaves: Iterable[str],
 def trainable_names(nodes: Sequence[onnx.NodeProto], y: str, candidates: Iterable[str],
                     elem_types: Mapping[str, int]) -> set[str]:
     """The ``candidates`` from which ``y`` depends through float values and differentiable
-    ops, never read only as BatchNormalization's running statistics."""
+    ops, not read only as inputs that never train (BatchNormalization's running statistics,
+    a quantized weight's scales: :func:`.registry.frozen_inputs`)."""
     candidates = set(candidates)
     _, reached = _path(nodes, y, candidates, elem_types)
-    statistics = {node.input[i] for node in nodes for i in NOT_TRAINED_INPUTS.get(node.op_type, ())
-                  if i < len(node.input)}
-    other_reads = {r for node in nodes for i, r in enumerate(node_reads(node))
-                   if i not in NOT_TRAINED_INPUTS.get(node.op_type, ())}
-    return {c for c in candidates & reached if c not in statistics or c in other_reads}
+    frozen, trained = frozen_reads(nodes)
+    return {c for c in candidates & reached if c not in frozen or c in trained}
+
+
+def frozen_reads(nodes: Sequence[onnx.NodeProto]
+                 ) -> tuple[dict[str, tuple[onnx.NodeProto, int]], set[str]]:
+    """({name: (a node reading it as an input that never trains, the input's position)},
+    {names read as other inputs})."""
+    frozen: dict[str, tuple[onnx.NodeProto, int]] = {}
+    trained: set[str] = set()
+    for node in nodes:
+        positions = frozen_inputs(node)
+        for i, name in enumerate(node_reads(node)):
+            if i in positions:
+                frozen.setdefault(name, (node, i))
+            else:
+                trained.add(name)
+    return frozen, trained
 
 
 def missing_rules(graph: onnx.GraphProto, nodes: Sequence[onnx.NodeProto], y: str,

@@ -107,6 +107,18 @@ class Emitter:
     def add_node(self, node: onnx.NodeProto) -> None:
         self.nodes.append(node)
 
+    def check(self, ok: str, value: str, message: str) -> str:
+        """``value``, passed through a Reshape that fails at run time unless the bool ``ok``
+        (one element) is true (it then asks for one more element along every axis): onnxruntime's
+        error names the node, and the node's name is ``message`` (a condition the graph cannot
+        decide before it runs)."""
+        shape = self.op("Shape", [value])
+        target = self.op("Where", [ok, shape, self.op("Add", [shape, self.ints([1])])], "check")
+        out = self.fresh("checked")
+        self.nodes.append(helper.make_node("Reshape", [value, target], [out], name=self.fresh(message)))
+        self.meta[out] = self.info(value)
+        return out
+
     # ----------------------------------------------------------------- facts
     def info(self, name: str) -> ValueMeta:
         return self.meta.get(name, ValueMeta())

@@ -7,7 +7,9 @@ A rule maps the gradients of a node's outputs to the gradients of its inputs:
         return [ctx.em.op("Mul", [ctx.grad(0), ctx.output(0)])]
 
 It returns one entry per node input (``None`` where no gradient is needed or exists) and
-emits its nodes through ``ctx.em``. Rules raise :class:`RuleError` for a configuration they
+emits its nodes through ``ctx.em``. ``register(..., frozen=(i, ...))`` names inputs that never
+train (a quantized weight, running statistics, rotary tables): the builder leaves them out of
+the default trainables and refuses them when named. Rules raise :class:`RuleError` for a configuration they
 do not handle; the walk turns it into a :class:`~onnx_training_ops.errors.TrainingOpError`
 naming the Gradient node.
 """
@@ -27,19 +29,22 @@ from .emitter import Emitter, Shape
 
 Rule = Callable[["RuleContext"], list]
 RULES: dict[str, Rule] = {}
+FROZEN: dict[str, frozenset[int]] = {}  # rule key -> inputs that never train
 
 
 class RuleError(Exception):
     """A rule cannot differentiate this node (unsupported attribute, opset, unknown rank...)."""
 
 
-def register(*op_types: str) -> Callable[[Rule], Rule]:
+def register(*op_types: str, frozen: Iterable[int] = ()) -> Callable[[Rule], Rule]:
     """Register ``fn`` as the derivative rule of ``op_types``: default-domain op names, or
-    ``"domain::Op"`` for another domain's op (:func:`rule_key`)."""
+    ``"domain::Op"`` for another domain's op (:func:`rule_key`). ``frozen``: the positions of
+    the inputs that never train (:func:`frozen_inputs`)."""
 
     def deco(fn: Rule) -> Rule:
         for op in op_types:
             RULES[op] = fn
+            FROZEN[op] = frozenset(frozen)
         return fn
 
     return deco
@@ -57,6 +62,11 @@ def rule_key(node: onnx.NodeProto) -> str:
 def has_rule(node: onnx.NodeProto) -> bool:
     """A rule is registered for the op of ``node``."""
     return rule_key(node) in RULES
+
+
+def frozen_inputs(node: onnx.NodeProto) -> frozenset[int]:
+    """Positions of the inputs of ``node`` that never train (its rule's ``frozen``)."""
+    return FROZEN.get(rule_key(node), frozenset())
 
 
 # ------------------------------------------------------------------ ops without a rule

@@ -31,14 +31,18 @@ def _erf(ctx: RuleContext) -> list:
     return [em.op("Mul", [ctx.grad(0), slope])]
 
 
-@register("Gelu", "com.microsoft::Gelu", "com.microsoft::FastGelu")
+@register("Gelu", "com.microsoft::Gelu", "com.microsoft::FastGelu", "com.microsoft::BiasGelu")
 def _gelu(ctx: RuleContext) -> list:
     """approximate="none": Phi(x) + x phi(x); "tanh": the derivative of the tanh form.
-    onnxruntime's ``com.microsoft`` Gelu and FastGelu (what ``passes.fuse_gelu`` writes):
-    the same two forms, x their only input."""
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
-    if ctx.node.domain == "com.microsoft" and len([i for i in ctx.node.input if i]) > 1:
-        raise RuleError(f"{ctx.node.op_type} with a bias input has no derivative rule")
+    onnxruntime's ``com.microsoft`` Gelu and FastGelu (what ``passes.fuse_gelu`` writes) are
+    the same two forms; FastGelu's optional bias and BiasGelu's second input are added to x
+    first (BiasGelu is the erf form)."""
+    em, g = ctx.em, ctx.grad(0)
+    x = ctx.node.input[0]
+    bias = ctx.input(1) if ctx.node.domain == "com.microsoft" else None
+    if bias is not None:
+        x = em.op("Add", [x, bias], "biased")
+        em.set_meta(x, em.dtype(ctx.node.input[0]), ctx.shape(ctx.node.output[0]))
     tanh_form = ctx.node.op_type == "FastGelu" or ctx.attr("approximate", "none") == "tanh"
     half, one = em.scalar(0.5, x), em.scalar(1.0, x)
     if tanh_form:
@@ -58,6 +62,20 @@ def _gelu(ctx: RuleContext) -> list:
         pdf = em.op("Mul", [em.op("Exp", [em.op("Mul", [em.op("Mul", [x, x]), em.scalar(-0.5, x)])]),
                             em.scalar(1.0 / math.sqrt(2.0 * math.pi), x)])
         slope = em.op("Add", [cdf, em.op("Mul", [x, pdf])])
+    dx = em.op("Mul", [g, slope])
+    if bias is None:
+        return [dx]
+    return [dx if ctx.need(0) else None, ctx.unbroadcast(dx, bias) if ctx.need(1) else None]
+
+
+@register("com.microsoft::QuickGelu")
+def _quick_gelu(ctx: RuleContext) -> list:
+    """``y = x sigmoid(alpha x)``: ``dy/dx = s + alpha x s (1 - s)``, s = sigmoid(alpha x)."""
+    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    alpha = em.scalar(float(ctx.attr("alpha", 1.702)), x)
+    ax = em.op("Mul", [x, alpha])
+    sig = em.op("Sigmoid", [ax])
+    slope = em.op("Add", [sig, em.op("Mul", [em.op("Mul", [ax, sig]), em.op("Sub", [em.scalar(1.0, x), sig])])])
     return [em.op("Mul", [g, slope])]
 
 

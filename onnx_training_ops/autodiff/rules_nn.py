@@ -123,7 +123,7 @@ def _average_pool(ctx: RuleContext) -> list:
 
 
 # ----------------------------------------------------------------------- batch norm
-@register("BatchNormalization")
+@register("BatchNormalization", frozen=(3, 4))  # running mean, variance: statistics
 def _batch_norm(ctx: RuleContext) -> list:
     """Inference-mode BatchNormalization, ``y = scale (x - mean) / sqrt(var + eps) + B``
     per channel (axis 1). Gradients for x, scale, B, and (if asked) mean and var. On batch

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import TensorProto, helper
 
-from .emitter import Emitter
+from .emitter import Emitter, static_dims
 from .native_ops import BATCH_NORM_GRAD, DOMAIN
 from .registry import RuleContext, RuleError, register
 
@@ -215,3 +215,98 @@ def _global_max_pool(ctx: RuleContext) -> list:
     hit = em.cast_like(em.op("Equal", [x, y]), x)
     count = em.reduce_sum(hit, list(range(2, ctx.rank(x))), keepdims=True)
     return [em.op("Mul", [hit, em.op("Div", [ctx.grad(0), count])])]
+
+
+# ----------------------------------------------------------------- onnxruntime's fused norms
+# SimplifiedLayerNormalization (RMSNorm: no centering, no bias) and the Skip* forms of
+# com.microsoft, ``s = input + skip (+ bias)`` normalized over the last axis; their output 3 is
+# ``s`` itself (the next residual). The statistics are recomputed from ``s``: CUDA's kernels do
+# not write the optional mean / inv_std_var outputs.
+def rms_statistics(em: Emitter, x: str, axes: Sequence[int], eps: float) -> tuple[str, str]:
+    """(xhat, inv) of ``x`` root-mean-square normalized over ``axes``."""
+    inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [reduce_mean(em, em.op("Mul", [x, x]), axes),
+                                                            em.scalar(eps, x)])])])
+    return em.op("Mul", [x, inv]), inv
+
+
+def rms_input_grad(em: Emitter, dxhat: str, xhat: str, inv: str, axes: Sequence[int]) -> str:
+    """dx from dxhat through xhat = x * inv, inv = 1 / sqrt(mean(x^2) + eps) over ``axes``."""
+    return em.op("Mul", [inv, em.op("Sub", [dxhat, em.op("Mul", [xhat, reduce_mean(
+        em, em.op("Mul", [dxhat, xhat]), axes)])])])
+
+
+def sum_to(em: Emitter, t: str, like: str) -> str:
+    """``t`` summed over its leading axes down to the shape of ``like`` (its trailing axes)."""
+    rows = em.op("Reshape", [t, em.op("Concat", [em.ints([-1]), em.shape_of(like)], "rows", axis=0)
+                             if static_dims(em.shape(like)) is None
+                             else em.ints([-1, *static_dims(em.shape(like))])], "rows")
+    return em.reduce_sum(rows, [0], keepdims=False)
+
+
+def _normalized_axes(ctx: RuleContext, x: str) -> list[int]:
+    axis = int(ctx.attr("axis", -1))
+    if axis < 0:
+        return list(range(axis, 0))
+    return list(range(axis, ctx.rank(x)))
+
+
+@register("SimplifiedLayerNormalization", "com.microsoft::SimplifiedLayerNormalization")
+def _simplified_layer_norm(ctx: RuleContext) -> list:
+    """RMSNorm, ``y = x / sqrt(mean(x^2) + eps) * scale`` over axes [axis, rank)."""
+    em, g = ctx.em, ctx.grad(0)
+    if ctx.grad(1):
+        raise RuleError("gradients flowing into the inv_std_var output are not supported")
+    x, scale = ctx.node.input[:2]
+    axes = _normalized_axes(ctx, x)
+    xhat, inv = rms_statistics(em, x, axes, float(ctx.attr("epsilon", 1e-5)))
+    out = ctx.empty()
+    if ctx.need(0):
+        out[0] = rms_input_grad(em, em.op("Mul", [g, scale]), xhat, inv, axes)
+    if ctx.need(1):
+        out[1] = sum_to(em, em.op("Mul", [g, xhat]), scale)
+    return out
+
+
+def _skip_norm(ctx: RuleContext, centered: bool) -> list:
+    """``s = input + skip (+ bias)``; y = norm(s) * gamma (+ beta); output 3 = s."""
+    em, g, g_sum = ctx.em, ctx.grad(0), ctx.grad(3)
+    if ctx.grad(1) or ctx.grad(2):
+        raise RuleError("gradients flowing into the mean / inv_std_var outputs are not supported")
+    x, skip, gamma = ctx.node.input[:3]
+    beta, bias = (ctx.input(3), ctx.input(4)) if centered else (None, ctx.input(3))
+    ds = g_sum
+    if g is not None:
+        s = ctx.name_output(3, "skip_sum")
+        em.set_meta(s, em.dtype(x), em.shape(x))
+        eps = float(ctx.attr("epsilon", 1e-12))
+        if centered:
+            xhat, inv = statistics(em, s, [-1], eps)
+        else:
+            xhat, inv = rms_statistics(em, s, [-1], eps)
+        dxhat = em.op("Mul", [g, gamma])
+        d_norm = (normalized_input_grad if centered else rms_input_grad)(em, dxhat, xhat, inv, [-1])
+        ds = d_norm if g_sum is None else em.op("Add", [d_norm, g_sum])
+    out = ctx.empty()
+    if ds is not None:
+        out[0] = ds if ctx.need(0) else None
+        out[1] = ctx.unbroadcast(ds, skip) if ctx.need(1) else None
+        bias_at = 4 if centered else 3
+        if bias is not None and ctx.need(bias_at):
+            out[bias_at] = sum_to(em, ds, bias)
+    if g is not None and ctx.need(2):
+        out[2] = sum_to(em, em.op("Mul", [g, xhat]), gamma)
+    if g is not None and beta is not None and ctx.need(3):
+        out[3] = sum_to(em, g, beta)
+    return out
+
+
+@register("com.microsoft::SkipSimplifiedLayerNormalization")
+def _skip_simplified_layer_norm(ctx: RuleContext) -> list:
+    """RMSNorm of ``input + skip (+ bias)`` (inputs: input, skip, gamma, bias)."""
+    return _skip_norm(ctx, centered=False)
+
+
+@register("com.microsoft::SkipLayerNormalization")
+def _skip_layer_norm(ctx: RuleContext) -> list:
+    """LayerNorm of ``input + skip (+ bias)`` (inputs: input, skip, gamma, beta, bias)."""
+    return _skip_norm(ctx, centered=True)

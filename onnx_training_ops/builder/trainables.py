@@ -5,9 +5,9 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from ..autodiff.coverage import missing_rules, trainable_names
+from ..autodiff.coverage import frozen_reads, missing_rules, trainable_names
 from ..autodiff.registry import describe_missing
-from ..errors import TrainingOpError
+from ..errors import TrainingOpError, node_label
 from ..lora.spec import lora_spec
 from .dynamo_params import exported_parameters
 
@@ -29,37 +29,15 @@ def _exported_kinds(graph: onnx.GraphProto) -> dict[str, str]:
     return kinds
 
 
-# quantized ops: the input slots holding the quantized weight and its quantization parameters
-QUANTIZED_SLOTS = {
-    ("com.microsoft", "MatMulNBits"): (1, 2, 3, 4),  # B, scales, zero_points, g_idx (not bias)
-    ("com.microsoft", "GatherBlockQuantized"): (0, 2, 3),  # data, scales, zero_points
-    ("com.microsoft", "MatMulBnb4"): (1, 2),
-    ("", "DequantizeLinear"): (0, 1, 2),
-    ("com.microsoft", "DequantizeLinear"): (0, 1, 2),
-}
-
-
-def quantized_weights(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
-    """Initializers that are a quantized weight or its scales/zero points, and a node reading them."""
-    inits = {t.name for t in graph.initializer}
-    found = {}
-    for node in graph.node:
-        for k in QUANTIZED_SLOTS.get((node.domain, node.op_type), ()):
-            if k < len(node.input) and node.input[k] in inits:
-                found.setdefault(node.input[k], node)
-    return found
-
-
 def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
                         elem_types) -> list[onnx.TensorProto]:
     """The initializers torch would call parameters: float, not scalars (constants the
     exporters fold into initializers), not buffers (when the exporter says so), not
     BatchNormalization running statistics, and with a differentiable path to the loss."""
     kinds = _exported_kinds(model.graph)
-    quantized = quantized_weights(model.graph)
     candidates = [t for t in model.graph.initializer
                   if t.data_type in FLOAT_TYPES and len(t.dims) > 0
-                  and kinds.get(t.name, "PARAMETER") == "PARAMETER" and t.name not in quantized]
+                  and kinds.get(t.name, "PARAMETER") == "PARAMETER"]
     reached = trainable_names(list(model.graph.node) + list(loss_nodes), loss_name,
                               [t.name for t in candidates], elem_types)
     chosen = [t for t in candidates if t.name in reached]
@@ -83,7 +61,6 @@ def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: 
             return _default_trainables(model, loss_nodes, loss_name, elem_types)
         trainable = lora.trainable  # a model from add_lora: its adapters
     inits = {t.name: t for t in model.graph.initializer}
-    quantized = quantized_weights(model.graph)
     names = [trainable] if isinstance(trainable, str) else list(trainable)
     if not names:
         raise TrainingOpError("trainable is empty: nothing to train")
@@ -95,12 +72,6 @@ def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: 
                 f"initializers: {', '.join(sorted(inits)) or 'none'}"
             )
         t = inits[name]
-        if name in quantized:
-            node = quantized[name]
-            raise TrainingOpError(
-                f"trainable {name!r} is a quantized weight (or its quantization parameters) of "
-                f"{node.op_type} node {node.name or node.output[0]!r}: quantized weights stay frozen; train "
-                f"LoRA adapters beside them (onnx_training_ops.add_lora)")
         if t.data_type not in FLOAT_TYPES:
             raise TrainingOpError(
                 f"trainable {name!r} is {helper.tensor_dtype_to_string(t.data_type)}; only float and double train"
@@ -108,6 +79,14 @@ def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: 
         out.append(t)
     if len(set(names)) != len(names):
         raise TrainingOpError(f"trainable names repeat: {names}")
+    frozen, trained = frozen_reads(model.graph.node)
+    for name in names:
+        if name in frozen and name not in trained:
+            node, i = frozen[name]
+            raise TrainingOpError(
+                f"trainable {name!r} is input {i} of {node_label(node)}, an input that never trains "
+                "(a quantized weight and its scales or zero points, rotary tables, running statistics); "
+                "train an adapter beside it instead")
     return out
 
 
