@@ -356,11 +356,27 @@ def serving_model(spec: LoraSpec, source: str | os.PathLike | None = None):
 
 
 def write_serving_model(spec: LoraSpec, folder: str | os.PathLike, source: str | os.PathLike | None = None) -> str:
-    """Write the served base model into ``folder``: a copy of onnxruntime-genai's folder (its
-    ``genai_config.json``, tokenizer files...) whose model has the adapters' weights as inputs.
+    """Write the base model that serves adapters of ``spec``'s targets into ``folder``.
+
+    The model ``source`` with each adapter's serving form beside its linear node: A and B are
+    graph inputs of rank ``lora_r`` (in the activations' dtype), empty by default (the base
+    model), fed by an ``.onnx_adapter`` file (onnxruntime's ``RunOptions.add_active_adapter``,
+    onnxruntime-genai's ``Adapters``). For onnxruntime-genai's folder the other files
+    (``genai_config.json``, the tokenizer's) are copied beside it.
+
+    Args:
+        spec: the LoRA record of a model from :func:`~onnx_training_ops.add_lora`
+            (:func:`~onnx_training_ops.lora.lora_spec`).
+        folder: where to write; not the source's own folder.
+        source: the model add_lora was given (a file or builder folder); default the path
+            it was given as.
 
     Returns:
         The model file written.
+
+    Raises:
+        TrainingOpError: no source known, a source that is not the base model the adapters
+            were added to, or the source's own folder as ``folder``.
     """
     source = os.path.abspath(os.fspath(source) if source is not None else (spec.source or ""))
     folder = os.path.abspath(os.fspath(folder))
