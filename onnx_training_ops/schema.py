@@ -86,3 +86,29 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 }
 MOMENTUM_MODES = ("standard", "nesterov")
 TRAINING_OPS = (*OPTIMIZERS, "Gradient")
+
+
+def _register_onnxruntime_onnx_domain_ops() -> None:
+    """Make ``onnx.checker`` accept ``SimplifiedLayerNormalization``: onnxruntime registers this
+    RMSNorm in the ONNX domain itself (version 1) and onnxruntime-genai's model builder writes it
+    there, but onnx has no schema for it, so every check of a genai graph (the training step's
+    concatenated graph, the exports) failed with "No Op registered". The schema mirrors
+    onnxruntime's (inputs X, scale; outputs Y, optional inv_std_var; axis -1, epsilon 1e-5,
+    stash_type 1); onnx's own, should a later onnx add one, wins."""
+    name = "SimplifiedLayerNormalization"
+    if onnx.defs.has(name):
+        return
+    schema_cls = onnx.defs.OpSchema
+    param, optional = schema_cls.FormalParameter, schema_cls.FormalParameterOption.Optional
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+    attrs = [schema_cls.Attribute(key, onnx.helper.make_attribute(key, value), "")
+             for key, value in (("axis", -1), ("epsilon", 1e-5), ("stash_type", 1))]
+    onnx.defs.register_schema(schema_cls(
+        name, "", 1, "onnxruntime's RMSNorm (SimplifiedLayerNormalization, registered by onnx-training-ops)",
+        inputs=[param("X", "T"), param("scale", "V")],
+        outputs=[param("Y", "V"), param("inv_std_var", "U", param_option=optional)],
+        type_constraints=[("T", floats, ""), ("U", ["tensor(float)", "tensor(double)"], ""), ("V", floats, "")],
+        attributes=attrs))
+
+
+_register_onnxruntime_onnx_domain_ops()

@@ -108,16 +108,16 @@ class Emitter:
         self.nodes.append(node)
 
     def check(self, ok: str, value: str, message: str) -> str:
-        """``value``, passed through a Reshape that fails at run time unless the bool ``ok``
-        (one element) is true (it then asks for one more element along every axis): onnxruntime's
-        error names the node, and the node's name is ``message`` (a condition the graph cannot
-        decide before it runs)."""
-        shape = self.op("Shape", [value])
-        target = self.op("Where", [ok, shape, self.op("Add", [shape, self.ints([1])])], "check")
-        out = self.fresh("checked")
-        self.nodes.append(helper.make_node("Reshape", [value, target], [out], name=self.fresh(message)))
-        self.meta[out] = self.info(value)
-        return out
+        """``value`` times a one that onnxruntime computes only when the bool ``ok`` (one element)
+        holds: otherwise a Reshape of that one element to two, named ``message``, fails the run
+        (for a condition the graph cannot decide before it runs). Pass a small value the result
+        depends on, a scale: the check then costs nothing, and no optimizer can drop it as a
+        no-op the way it drops a Reshape to the same shape."""
+        target = self.op("Where", [ok, self.ints([1]), self.ints([2])], "check")
+        one = self.fresh("one")
+        self.nodes.append(helper.make_node("Reshape", [self.scalar(1.0, value), target], [one],
+                                           name=self.fresh(message)))
+        return self.op("Mul", [value, one], "checked")
 
     # ----------------------------------------------------------------- facts
     def info(self, name: str) -> ValueMeta:

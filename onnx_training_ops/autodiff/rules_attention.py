@@ -283,25 +283,26 @@ def _group_query_attention(ctx: RuleContext) -> list:
         raise RuleError("local_window_size with causal=0")
     allowed = em.unsqueeze(allowed, [1, 2])  # [B, 1, 1, S or 1, S]
 
-    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, kv_heads, _alpha(ctx, q4, head_size), softcap,
-                                 allowed=allowed, empty_rows=window > 0)
     prompt = em.op("Equal", [em.op("Cast", [em.op("Reshape", [ctx.node.input[6], em.ints([1])])], "total",
                                    to=TensorProto.INT64), length], "prompt")
-    message = (f"GroupQueryAttention {ctx.node.name or ctx.node.output[0]!r} gradient: needs its prompt form "
-               "(sequence_length == total_sequence_length, an empty past)")
+    alpha = em.check(prompt, _alpha(ctx, q4, head_size),
+                     f"GroupQueryAttention {ctx.node.name or ctx.node.output[0]!r} gradient: needs its prompt "
+                     "form (sequence_length == total_sequence_length, an empty past)")
+    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, kv_heads, alpha, softcap, allowed=allowed,
+                                 empty_rows=window > 0)
     out = ctx.empty()
     if packed:
         dqk = em.op("Concat", [dq, dk], "dqk", axis=2)
         if rotation:
             dqk = rotation(dqk, True)
         dqkv = em.op("Concat", [dqk, dv], "dqkv", axis=2)
-        out[0] = em.check(prompt, em.op("Reshape", [dqkv, em.ints([0, 0, -1])], "input_grad"), message)
+        out[0] = em.op("Reshape", [dqkv, em.ints([0, 0, -1])], "input_grad")
         return out
     if rotation:
         dq, dk = rotation(dq, True), rotation(dk, True)
     for i, d in enumerate((dq, dk, dv)):
         if ctx.need(i):
-            out[i] = em.check(prompt, em.op("Reshape", [d, em.ints([0, 0, -1])], "input_grad"), message)
+            out[i] = em.op("Reshape", [d, em.ints([0, 0, -1])], "input_grad")
     return out
 
 

@@ -25,6 +25,7 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from ..autodiff import ValueMeta, topological_sort
+from ..autodiff.contrib_shapes import complete as complete_shapes
 from ..autodiff.native_ops import ALL as NATIVE_GRAD_OPS
 from ..autodiff.native_ops import DOMAIN as NATIVE_DOMAIN
 from ..errors import TrainingOpError
@@ -84,7 +85,20 @@ def _infer(graph: GraphProto, opset_imports, ir_version: int,
             break
         except Exception:  # inference is an aid, not a requirement
             pass
-    return _meta_of_graph(model.graph, {})
+    meta = _meta_of_graph(model.graph, {})
+    complete_shapes(model.graph.node, meta, _small_constants(model.graph), model.opset_import)
+    return meta
+
+
+def _small_constants(graph: GraphProto, limit: int = 4096) -> dict[str, onnx.TensorProto]:
+    """Initializers and Constant values of at most ``limit`` elements held in the message
+    (shape targets, axes): the data onnx's per-node inference reads."""
+    small = {t.name: t for t in graph.initializer
+             if location(t) is None and int(np.prod(t.dims, dtype=np.int64)) <= limit}
+    for n in graph.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute and n.attribute[0].name == "value":
+            small[n.output[0]] = n.attribute[0].t
+    return small
 
 
 def _reinfer(template: GraphProto, opset_imports, ir_version: int,
