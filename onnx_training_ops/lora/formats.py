@@ -322,14 +322,19 @@ def read_adapter(spec: LoraSpec | None, path: str | os.PathLike) -> dict[str, np
 # ---------------------------------------------------------------- the served base model
 
 
-def serving_model(spec: LoraSpec, source: str | os.PathLike | None = None):
-    """The base model with the adapters' weights as inputs (a LargeModel): ``source`` (default:
-    the file or folder add_lora read) with the adapters' serving form beside the same nodes."""
+def _source(spec: LoraSpec, source: str | os.PathLike | None) -> str:
     source = os.fspath(source) if source is not None else spec.source
     if source is None:
         raise TrainingOpError("add_lora was given a model in memory, so its file is unknown: write the served "
                               "base model with onnx_training_ops.lora.write_serving_model(spec, folder, "
                               "source=<the model's file or folder>)")
+    return os.path.abspath(source)
+
+
+def serving_model(spec: LoraSpec, source: str | os.PathLike | None = None):
+    """The base model with the adapters' weights as inputs (a LargeModel): ``source`` (default:
+    the file or folder add_lora read) with the adapters' serving form beside the same nodes."""
+    source = _source(spec, source)
     opened = as_model(source)
     proto = opened.model_proto
     if lora_spec(proto) is not None:
@@ -378,7 +383,7 @@ def write_serving_model(spec: LoraSpec, folder: str | os.PathLike, source: str |
         TrainingOpError: no source known, a source that is not the base model the adapters
             were added to, or the source's own folder as ``folder``.
     """
-    source = os.path.abspath(os.fspath(source) if source is not None else (spec.source or ""))
+    source = _source(spec, source)
     folder = os.path.abspath(os.fspath(folder))
     model = serving_model(spec, source)
     src_dir = source if os.path.isdir(source) else os.path.dirname(source)
