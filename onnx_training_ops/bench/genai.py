@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -85,9 +86,15 @@ def build(hf: str, out: str, precision: str = "int4", execution_provider: str = 
     if accuracy_level is not None:
         options.append(f"accuracy_level={accuracy_level}")
     cache = os.path.join(out, ".cache")
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        kwargs = builder.parse_extra_options(None, hf, out, precision, execution_provider, cache, options)
-        builder.create_model(None, hf, out, precision, execution_provider, cache, **kwargs)
+    quantizer = logging.getLogger("onnxruntime.quantization")  # an INFO line per layer otherwise
+    level = quantizer.level
+    quantizer.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            kwargs = builder.parse_extra_options(None, hf, out, precision, execution_provider, cache, options)
+            builder.create_model(None, hf, out, precision, execution_provider, cache, **kwargs)
+    finally:
+        quantizer.setLevel(level)
     shutil.rmtree(cache, ignore_errors=True)
     return out
 
