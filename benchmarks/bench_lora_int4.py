@@ -28,6 +28,7 @@ Run (under ``flock /tmp/heavy.lock`` on a shared machine; building the model onc
 of memory and a few minutes, cached under ``~/.cache/onnx_training_ops/zoo``):
 
     python benchmarks/bench_lora_int4.py [--rounds 3] [--steps 2] [--seq 256] [--layers 22]
+    python benchmarks/bench_lora_int4.py --shape llama7b --layers 1 --contenders ours   # the 7B estimate
     python benchmarks/bench_lora_int4.py --write-skeleton out/lora-int4-skeleton
     python benchmarks/bench_lora_int4.py --device cuda --skeleton out/lora-int4-skeleton   # on the GPU
 """
@@ -60,10 +61,14 @@ HF_CONFIG = "hf_config.json"
 # ---------------------------------------------------------------- the model
 
 
-def built_folder(layers: int) -> tuple[str, dict]:
-    """The cached builder folder of TinyLlama's shape with ``layers`` layers, and its HF config."""
-    config = {**genai.TINYLLAMA, "num_hidden_layers": layers}
-    root = os.path.join(cache_dir(), f"tinyllama-int4-{layers}l")
+SHAPES = {"tinyllama": genai.TINYLLAMA, "llama7b": genai.LLAMA7B}
+
+
+def built_folder(layers: int, shape: str = "tinyllama") -> tuple[str, dict]:
+    """The cached builder folder of ``shape`` (TinyLlama's or Llama-2-7B's configuration) with
+    ``layers`` layers, and its HF config."""
+    config = {**SHAPES[shape], "num_hidden_layers": layers}
+    root = os.path.join(cache_dir(), f"{shape}-int4-{layers}l")
     onnx_dir = os.path.join(root, "onnx")
     if not os.path.isfile(os.path.join(onnx_dir, "genai_config.json")):
         hf = os.path.join(root, "hf")
@@ -77,16 +82,19 @@ def built_folder(layers: int) -> tuple[str, dict]:
         return onnx_dir, json.load(f)
 
 
-def write_skeleton(folder: str, out: str, min_bytes: int = 1 << 20) -> None:
+def write_skeleton(folder: str, out: str, min_bytes: int = 1 << 16) -> None:
     """``folder``'s model with every tensor of ``min_bytes`` or more replaced by its shape and
-    dtype (recorded in the metadata), plus its genai_config.json and HF config."""
+    dtype (recorded in the metadata), plus its genai_config.json and HF config. The rotary
+    tables (read by the attention nodes) keep their values."""
     import onnx
     from onnx import numpy_helper
 
     model = onnx.load(os.path.join(folder, "model.onnx"))
+    exact = {name for node in model.graph.node if node.op_type in ("GroupQueryAttention", "RotaryEmbedding")
+             for name in node.input}
     kinds = {}
     for tensor in model.graph.initializer:
-        if numpy_helper.to_array(tensor).nbytes >= min_bytes:
+        if tensor.name not in exact and numpy_helper.to_array(tensor).nbytes >= min_bytes:
             name = tensor.name
             kinds[name] = ("codes" if tensor.data_type == onnx.TensorProto.UINT8 else
                            "scales" if name.endswith("_scales") else "normal")
@@ -242,7 +250,9 @@ def _serve_with_gpu(serve, run, ready: dict, gpu, args) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda", "cpu-engine"), default="cpu")
-    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama",
+                    help="the model's configuration (llama7b: for the 7B estimate, with a few --layers)")
+    ap.add_argument("--layers", type=int, help="default: the shape's (22 for tinyllama, 32 for llama7b)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
@@ -262,7 +272,7 @@ def main(argv=None) -> int:
     elif args.folder:
         folder = args.folder
     else:
-        folder, _ = built_folder(args.layers)
+        folder, _ = built_folder(args.layers or SHAPES[args.shape]["num_hidden_layers"], args.shape)
     with open(os.path.join(folder, HF_CONFIG)) as f:
         config = json.load(f)
     if args.write_skeleton:
