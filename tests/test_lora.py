@@ -252,3 +252,23 @@ def test_save_adapter_needs_adapters_and_a_known_format(tmp_path):
         session.load_adapter(tmp_path / "missing")
     path = session.save_adapter(tmp_path / "peft")
     assert sorted(os.listdir(path)) == sorted([PEFT_CONFIG, PEFT_WEIGHTS])
+
+
+def test_a_folder_is_read_as_the_model_its_genai_config_names_or_its_only_onnx_file(tmp_path):
+    from onnx_training_ops.storage import load_model
+
+    model = _gemm_model()
+    (tmp_path / "one").mkdir()
+    onnx.save(model, tmp_path / "one" / "mlp.onnx")
+    assert load_model(tmp_path / "one").graph.name == "mlp"
+    (tmp_path / "genai").mkdir()
+    onnx.save(model, tmp_path / "genai" / "decoder.onnx")
+    onnx.save(_quantized_model(), tmp_path / "genai" / "other.onnx")
+    config = {"model": {"decoder": {"filename": "decoder.onnx"}}}
+    (tmp_path / "genai" / "genai_config.json").write_text(json.dumps(config))
+    assert load_model(tmp_path / "genai").graph.name == "mlp"
+    (tmp_path / "genai" / "genai_config.json").unlink()
+    with pytest.raises(TrainingOpError, match=r"has 2 \.onnx files: decoder\.onnx, other\.onnx and no genai_config"):
+        load_model(tmp_path / "genai")
+    with pytest.raises(TrainingOpError, match="has no .onnx files"):
+        load_model(tmp_path)
