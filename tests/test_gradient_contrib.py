@@ -598,3 +598,41 @@ def test_contrib_activations(op):
     names = list(feeds)
     for name, w in zip(names, _torch_grads(lambda *t: torch_ref(dict(zip(names, t))), weights, *feeds.values())):
         assert relative_error(got[name], w) < GRAD_RTOL, name
+
+
+def test_float16_graph_runs_and_agrees_with_float32():
+    """The CUDA builder's graphs compute in float16 (activations, scales, norms, rotary tables):
+    the rules emit float16 ops (a float16 mask fill, GatherBlockQuantized to float16), and the
+    gradient of a norm -> MatMulNBits -> GroupQueryAttention chain agrees with its float32 twin."""
+    rng = np.random.default_rng(16)
+    b, s, heads, kv_heads, head, hidden = 2, 5, 2, 1, 16, 32
+    width = (heads + 2 * kv_heads) * head
+    _, inits32 = quantized_weight(rng, width, hidden, 4, 16)
+    theta = rng.uniform(0, 3, (8, head // 2))
+    inits32.update(cos=np.cos(theta).astype(np.float32), sin=np.sin(theta).astype(np.float32),
+                   seqlens_k=np.array([s - 1, s - 2], np.int32), total=np.array(s, np.int32))
+    feeds32 = {"x": rng.standard_normal((b, s, hidden)).astype(np.float32),
+               "skip": rng.standard_normal((b, s, hidden)).astype(np.float32),
+               "gamma": rng.uniform(0.5, 1.5, hidden).astype(np.float32),
+               "past_k": np.zeros((b, kv_heads, 0, head), np.float32),
+               "past_v": np.zeros((b, kv_heads, 0, head), np.float32)}
+    nodes = [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["h"], domain=MS,
+                              epsilon=1e-6),
+             matmul_nbits(width, hidden, 4, 16, weight_inputs(inits32, False), a="h", out="qkv"),
+             helper.make_node("GroupQueryAttention", ["qkv", "", "", "past_k", "past_v", "seqlens_k", "total", "cos",
+                                                      "sin"], ["out", "pk", "pv"], domain=MS, num_heads=heads,
+                              kv_num_heads=kv_heads, do_rotary=1)]
+    weights = rng.uniform(0.5, 1.5, (b, s, heads * head))
+    xs = ["x", "skip", "gamma"]
+    want = gradients(nodes, feeds32, "out", xs, weights, inits32)
+    half = {n: v.astype(np.float16) if v.dtype == np.float32 else v for n, v in feeds32.items()}
+    inits16 = {n: v.astype(np.float16) if v.dtype == np.float32 else v for n, v in inits32.items()}
+    model = gradient_model(nodes, half, "out", xs, weights, inits16)
+    for node in model.graph.node:  # the loss weights in float16 too
+        if node.op_type == "Mul" and "loss_weights" in node.input:
+            next(t for t in model.graph.initializer if t.name == "loss_weights").CopyFrom(
+                numpy_helper.from_array(weights.astype(np.float16), "loss_weights"))
+    got = dict(zip(xs, session(model).run([f"d_{x}" for x in xs], half)))
+    for name in xs:
+        assert got[name].dtype == np.float16
+        assert relative_error(got[name], want[name]) < 2e-2, name

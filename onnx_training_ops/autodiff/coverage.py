@@ -73,11 +73,12 @@ def frozen_reads(nodes: Sequence[onnx.NodeProto]
     trained: set[str] = set()
     for node in nodes:
         positions = frozen_inputs(node)
-        for i, name in enumerate(node_reads(node)):
+        for i, name in enumerate(node.input):  # by position: optional inputs may be left empty
             if i in positions:
                 frozen.setdefault(name, (node, i))
-            else:
+            elif name:
                 trained.add(name)
+        trained.update(node_reads(node)[len([i for i in node.input if i]):])  # control-flow bodies' reads
     return frozen, trained
 
 

@@ -147,14 +147,15 @@ def _kv_grad(em: Emitter, g5: str) -> str:
 
 
 def attention_grads(em: Emitter, q4: str, k4: str, v4: str, g: str, heads: int, kv_heads: int, alpha: str,
-                    softcap: float = 0.0, allowed: str | None = None, bias: str | None = None,
+                    like: str, softcap: float = 0.0, allowed: str | None = None, bias: str | None = None,
                     empty_rows: bool = False) -> tuple[str, str, str]:
     """(dQ, dK, dV) of ``O = softmax(alpha Q Kᵀ (+ bias), keys not ``allowed`` left out) V``.
 
     ``q4`` ``[B, S, heads, d]``, ``k4``/``v4`` ``[B, T, kv_heads, d]`` (as the forward used
     them: rotated), ``g`` = dO ``[B, S, heads * dv]``; ``allowed`` (bool) and ``bias`` broadcast
     against ``[B, kv_heads, groups, S, T]``. ``empty_rows``: a row may have no allowed key (its
-    output is 0). The gradients come back in the layouts of ``q4``, ``k4``, ``v4``."""
+    output is 0). ``like``: a value of the computation's element type (the query). The gradients
+    come back in the layouts of ``q4``, ``k4``, ``v4``."""
     groups = heads // kv_heads
     q5, k5, v5 = _grouped(em, q4, kv_heads, groups), _kv(em, k4), _kv(em, v4)
     g5 = _grouped(em, _heads(em, g, heads), kv_heads, groups)
@@ -163,20 +164,20 @@ def attention_grads(em: Emitter, q4: str, k4: str, v4: str, g: str, heads: int, 
         scores = em.op("Add", [scores, bias], "scores")
     capped = None
     if softcap > 0:
-        capped = em.op("Tanh", [em.op("Mul", [scores, em.scalar(1.0 / softcap, q4)])], "softcap")
-        scores = em.op("Mul", [capped, em.scalar(softcap, q4)], "scores")
-    if allowed is not None:
-        lowest = em.scalar(float(np.finfo(np.float32).min), q4)
-        scores = em.op("Where", [allowed, scores, lowest], "masked")
+        capped = em.op("Tanh", [em.op("Mul", [scores, em.scalar(1.0 / softcap, like)])], "softcap")
+        scores = em.op("Mul", [capped, em.scalar(softcap, like)], "scores")
+    if allowed is not None:  # a finite lowest: exp(lowest - max) is 0, and a row of them stays finite
+        lowest = -65504.0 if em.dtype(like) == TensorProto.FLOAT16 else -1e30
+        scores = em.op("Where", [allowed, scores, em.scalar(lowest, like)], "masked")
     probs = em.op("Softmax", [scores], "probs", axis=-1)
     if allowed is not None and empty_rows:
-        probs = em.op("Where", [allowed, probs, em.scalar(0.0, q4)], "probs")
+        probs = em.op("Where", [allowed, probs, em.scalar(0.0, like)], "probs")
     dv = em.op("MatMul", [em.swap_last_two(probs, 5), g5], "dv")
     dp = em.op("MatMul", [g5, em.swap_last_two(v5, 5)], "dp")
     rowsum = em.reduce_sum(em.op("Mul", [dp, probs]), [-1], keepdims=True)
     ds = em.op("Mul", [probs, em.op("Sub", [dp, rowsum])], "ds")
     if capped is not None:
-        ds = em.op("Mul", [ds, em.op("Sub", [em.scalar(1.0, q4), em.op("Mul", [capped, capped])])], "ds")
+        ds = em.op("Mul", [ds, em.op("Sub", [em.scalar(1.0, like), em.op("Mul", [capped, capped])])], "ds")
     ds = em.op("Mul", [ds, alpha], "ds")
     dq = _ungrouped(em, em.op("MatMul", [ds, k5], "dq"), heads)
     dk = em.op("MatMul", [em.swap_last_two(ds, 5), q5], "dk")
@@ -288,7 +289,7 @@ def _group_query_attention(ctx: RuleContext) -> list:
     alpha = em.check(prompt, _alpha(ctx, q4, head_size),
                      f"GroupQueryAttention {ctx.node.name or ctx.node.output[0]!r} gradient: needs its prompt "
                      "form (sequence_length == total_sequence_length, an empty past)")
-    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, kv_heads, alpha, softcap, allowed=allowed,
+    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, kv_heads, alpha, query, softcap, allowed=allowed,
                                  empty_rows=window > 0)
     out = ctx.empty()
     if packed:
@@ -360,7 +361,8 @@ def _multi_head_attention(ctx: RuleContext) -> list:
     for b in scores_bias:
         total_bias = b if total_bias is None else em.op("Add", [total_bias, b], "scores_bias")
     head_size = None if width is None else width // heads
-    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, heads, _alpha(ctx, q4, head_size), bias=total_bias)
+    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, heads, _alpha(ctx, q4, head_size), query,
+                                 bias=total_bias)
     if past_k is not None and past_v is not None:
         past = em.op("Shape", [past_k], "past", start=2, end=3)
         dk = em.op("Slice", [dk, past, em.ints([END]), em.ints([1])], "new_keys")
