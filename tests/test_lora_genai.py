@@ -167,7 +167,7 @@ def test_losses_and_adapter_gradients_follow_torch_and_peft_over_10_adamw_steps(
                         labels=torch.from_numpy(feeds["labels"]))
         out.loss.backward()
         optimizer.step()
-        assert abs(loss - float(out.loss)) < 1e-5, (step, loss, float(out.loss))
+        assert abs(loss - out.loss.item()) < 1e-5, (step, loss, out.loss.item())
         for name, grad in grads.items():
             np.testing.assert_allclose(grad.T, params[torch_names[name]].grad.numpy(), atol=1e-4, rtol=0,
                                        err_msg=f"step {step} {name}")
