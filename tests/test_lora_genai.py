@@ -206,6 +206,26 @@ def test_phi3_fused_modules_go_to_peft_as_one_adapter_each_and_back(tmp_path_fac
         np.testing.assert_allclose(back[name], values[name], rtol=1e-6, atol=1e-7)
 
 
+def test_a_fused_gate_up_proj_gets_an_adapter_per_half_as_peft_has_on_gate_proj_and_up_proj(tmp_path_factory,
+                                                                                          tmp_path):
+    fused = genai.tiny(str(tmp_path_factory.mktemp("gate_up")), fuse_mlp_gate_up="true")
+    model = add_lora(fused.onnx, rank=2, alpha=4, targets=["gate_proj", "up_proj"])
+    spec = lora_spec(model)
+    width = genai.TINY["intermediate_size"]
+    assert [(a.module, a.start, a.stop) for a in spec.adapters[:2]] == [
+        ("model.layers.0.mlp.gate_proj", 0, width), ("model.layers.0.mlp.up_proj", width, 2 * width)]
+    rng = np.random.default_rng(1)
+    values = {}
+    for init in model.graph.initializer:
+        if init.name in spec.trainable:
+            values[init.name] = (0.2 * rng.standard_normal(tuple(init.dims))).astype(np.float32)
+            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+    folder = save_adapter(spec, values, tmp_path / "peft")
+    ids = _batch(4)["input_ids"]
+    tuned = peft.PeftModel.from_pretrained(genai.dequantized_hf_model(fused), folder).eval()
+    np.testing.assert_allclose(_torch_logits(tuned, ids), _ort_logits(model, ids), atol=1e-4, rtol=0)
+
+
 def test_an_adapter_for_another_base_and_a_base_without_its_source_are_refused(built, trained, tmp_path_factory,
                                                                               tmp_path):
     other = genai.tiny(str(tmp_path_factory.mktemp("wider")), config={"hidden_size": 96, "num_attention_heads": 6,

@@ -160,7 +160,7 @@ def dequantized_hf_model(built: Built):
 
     from ..lora.targets import FUSED
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(built.hf, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(built.hf, dtype=torch.float32)
     weights = dequantized_weights(built.onnx)
     for prefix_and_fused in list(weights):
         prefix, _, last = prefix_and_fused.rpartition(".")
