@@ -12,6 +12,9 @@ kernels are registered with onnxruntime-extensions when first needed (:func:`ses
   lazy/sparse rows for embedding tables) -> one ONNX training model (``training_info``);
 * :class:`TrainingSession` — train any ONNX training model: ``step``, ``evaluate``,
   ``backward``/``optimizer_step``, ``run``, ``save``, ``export_inference_model``;
+* :func:`add_lora` — peft's LoRA adapters beside an inference model's linear layers (4-bit
+  ``MatMulNBits`` of onnxruntime-genai's models included, :mod:`.lora`); the session trains
+  only them and ``save_adapter`` writes them for peft or onnxruntime-genai;
 * :func:`import_onnxruntime_training` — onnxruntime-training's artifacts and checkpoint ->
   one training model that continues the run (:mod:`.migrate`, docs/migrating.md);
 * :mod:`onnx_training_ops.schedules` — learning-rate schedules with torch's names;
@@ -39,6 +42,7 @@ from .builder import (
                     build_training_model,
 )
 from .errors import TrainingOpError
+from .lora import add_lora
 from .migrate import OrtAdamW, import_onnxruntime_training
 from .passes import PASSES
 from .runtime import InferenceSession, prepare, session_options
@@ -67,6 +71,7 @@ __all__ = [
     "RMSProp",
     "TrainingOpError",
     "TrainingSession",
+    "add_lora",
     "build_training_model",
     "import_onnxruntime_training",
     "kernels",

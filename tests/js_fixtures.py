@@ -119,17 +119,38 @@ def _gpt2(rng):
 MODELS = {"mlp": _mlp, "bert": _bert, "cnn": _cnn, "gpt2": _gpt2}
 
 
+def _lora_int4(rng, directory: Path):
+    """LoRA on a tiny int4 Llama built by onnxruntime-genai's builder (MatMulNBits,
+    GroupQueryAttention, SkipSimplifiedLayerNormalization: onnxruntime's contrib ops, which
+    the exported step keeps and onnxruntime-node and onnxruntime-web's wasm run)."""
+    from onnx_training_ops.bench import genai
+
+    built = genai.tiny(str(directory / "genai"))
+    model = ot.add_lora(built.onnx, rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+    training = ot.build_training_model(model, ot.CrossEntropyLoss(shift_labels=True), ot.AdamW(lr=1e-2))
+    ids = rng.integers(3, genai.TINY["vocab_size"], (CYCLE, 2, 12)).astype(np.int64)
+    return training, {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}, None
+
+
+LORA = {"lora_int4": _lora_int4}  # trained by js/test/lora.test.js (wasm only: no WebGPU step)
+LORA_STEPS = 20
+
+
 def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
     """Export ``name`` fresh, train it ``steps`` steps in Python, write what JS must match."""
-    training, batches, schedule = MODELS[name](np.random.default_rng(0))
+    webgpu = name in MODELS
     directory = out_dir / name
+    rng = np.random.default_rng(0)
+    training, batches, schedule = MODELS[name](rng) if webgpu else LORA[name](rng, directory)
     session = ot.TrainingSession(training)
     if schedule is not None:
         session.set_lr_schedule(schedule)
     shapes = {k: list(v.shape[1:]) for k, v in batches.items()}  # the WebGPU step's static shapes
-    export_step(session, directory / "export", packed=True, target="webgpu", input_shapes=shapes)
+    export_step(session, directory / "export", packed=True, **({"target": "webgpu", "input_shapes": shapes}
+                                                               if webgpu else {}))
     (directory / "batches.safetensors").write_bytes(safetensors.encode(batches))
-    _write_host_expected(directory)
+    if webgpu:
+        _write_host_expected(directory)
     losses, rates, returned = [], [], []
     for i in range(steps):
         rates.append(session.learning_rates)

@@ -1,7 +1,7 @@
 """The package's import graph: no cycles, and every layer imports only the layers below it.
 
 The layers, bottom to top (docs/architecture.md): the foundation (errors, schema, interrupts,
-walk), storage, optim, kernels, autodiff, passes, runtime, builder, training, then the applications
+walk), storage, optim, kernels, autodiff, passes, runtime, lora, builder, training, then the applications
 built on them (export, migrate, distributed, backend; conformance, demo; bench; cli). Imports inside
 functions count: a lazy import is still a dependency.
 """
@@ -23,6 +23,7 @@ LAYERS = [
     {"autodiff"},
     {"passes"},
     {"runtime"},
+    {"lora"},
     {"builder"},
     {"training"},
     {"export", "migrate", "distributed", "backend"},

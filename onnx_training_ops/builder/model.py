@@ -37,6 +37,8 @@ import onnx
 from onnx import helper
 
 from ..errors import TrainingOpError
+from ..lora.spec import META_NAME as LORA_META
+from ..lora.spec import lora_spec
 from ..passes._graph import all_names, value_types
 from ..passes.fit_runtime import fit_runtime, runtime_limits
 from ..passes.mixed_precision import mixed_precision
@@ -49,6 +51,7 @@ from .dynamo_params import restore_parameters
 from .eval_mode import to_inference
 from .grad_clip import checked_limit
 from .initialization import initialization_graph
+from .kv_cache import drop_kv_cache
 from .loss_graph import add_loss, label_range, label_shape
 from .loss_scaling import LossScaler, LossScaling, checked_scaling
 from .losses import Loss
@@ -162,7 +165,9 @@ def build_training_model(
 
     Args:
         model: an inference model (ModelProto, LargeModel, path or bytes), e.g. from
-            ``onnx.helper`` or ``torch.onnx.export`` (past 2 GB: with external data). Opsets
+            ``onnx.helper`` or ``torch.onnx.export`` (past 2 GB: with external data), or a
+            folder of onnxruntime-genai's model builder (its key/value cache inputs and
+            outputs are left out: a step sees whole sequences). Opsets
             below 13 are converted.
         loss: a loss of :mod:`onnx_training_ops.builder.losses` (``CrossEntropyLoss(...)``,
             ``MSELoss()``, ``L1Loss()``, ``HuberLoss()``, ``SmoothL1Loss()``,
@@ -174,9 +179,11 @@ def build_training_model(
         optimizer: :class:`~onnx_training_ops.Adam`, :class:`~onnx_training_ops.AdamW`,
             :class:`~onnx_training_ops.Momentum`, :class:`~onnx_training_ops.Adagrad`,
             :class:`~onnx_training_ops.RMSProp` or :class:`~onnx_training_ops.OrtAdamW`.
-        trainable: names of main-graph initializers to train; default: what torch would call
-            the parameters, every float/double initializer of rank >= 1 with a differentiable
-            path to the loss, except BatchNormalization's running statistics.
+        trainable: names of main-graph initializers to train; default: the LoRA adapters of a
+            model from :func:`~onnx_training_ops.add_lora`, else what torch would call the
+            parameters, every float/double initializer of rank >= 1 with a differentiable
+            path to the loss, except BatchNormalization's running statistics and quantized
+            weights (``MatMulNBits``, ``GatherBlockQuantized``, ``DequantizeLinear``: frozen).
         output: the model output the loss reads; default the first output.
         labels: name of the new label/target input; default ``"labels"`` (cross_entropy) or
             ``"target"`` (the other losses).
@@ -245,6 +252,8 @@ def build_training_model(
         model = fit_opset(model)  # Dropout masks need opset 18
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
+    lora = lora_spec(model)
+    drop_kv_cache(model)  # a training step sees whole sequences: no past keys and values
     restored = restore_parameters(model)
     if restored:
         warnings.warn(restored.describe(), stacklevel=2)
@@ -315,5 +324,7 @@ def build_training_model(
         meta["loss_scaling"] = scaler.metadata()
     if padding:
         meta["padding_rows"] = padding_json(padding)
+    if lora is not None:  # add_lora's record, for save_adapter
+        meta[LORA_META] = lora.to_json()
     model = _finish(model, meta)
     return opened.with_proto(model).remeasured().public()

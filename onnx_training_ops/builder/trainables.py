@@ -8,6 +8,7 @@ from onnx import TensorProto, helper
 from ..autodiff.coverage import frozen_reads, missing_rules, trainable_names
 from ..autodiff.registry import describe_missing
 from ..errors import TrainingOpError, node_label
+from ..lora.spec import lora_spec
 from .dynamo_params import exported_parameters
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
@@ -55,7 +56,10 @@ def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
 def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: str,
                 elem_types) -> list[onnx.TensorProto]:
     if trainable is None:
-        return _default_trainables(model, loss_nodes, loss_name, elem_types)
+        lora = lora_spec(model)
+        if lora is None:
+            return _default_trainables(model, loss_nodes, loss_name, elem_types)
+        trainable = lora.trainable  # a model from add_lora: its adapters
     inits = {t.name: t for t in model.graph.initializer}
     names = [trainable] if isinstance(trainable, str) else list(trainable)
     if not names:

@@ -26,6 +26,7 @@ import onnx
 import onnxruntime as ort
 
 from ..errors import TrainingOpError
+from ..storage import safetensors
 from ..storage.checkpoint import atomic_write
 from ..storage.model_files import as_model
 from ..training.checks import check_classes
@@ -38,7 +39,6 @@ from ..training.schedules import checked_rate
 from ..training.static_shapes import checked_input_shapes, static_step
 from ..training.step import NONFINITE_POLICIES
 from . import manifest as manifest_
-from . import safetensors
 from .importing import manifest_schedule, read_state
 
 

@@ -29,6 +29,16 @@ from ..training.stages import evaluation_model
 from ..walk import all_graphs
 
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+ONNXRUNTIME_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops: kept where the model itself has them
+
+
+def domains(model: onnx.ModelProto) -> tuple[str, ...]:
+    """The op domains ``model``'s exported graphs may use: ONNX's, and onnxruntime's contrib
+    ops (``com.microsoft``) when the model already uses them (onnxruntime-genai's models:
+    ``MatMulNBits``, ``GroupQueryAttention``...). Every onnxruntime package has those
+    (onnxruntime-node, onnxruntime-web's wasm, the mobile packages), not a minimal build."""
+    uses = any(node.domain == ONNXRUNTIME_DOMAIN for g in all_graphs(model.graph) for node in g.node)
+    return (*STANDARD_DOMAINS, ONNXRUNTIME_DOMAIN) if uses else STANDARD_DOMAINS
 
 
 @dataclass
@@ -55,16 +65,34 @@ def _plain_inputs(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return defaults
 
 
-def _standard(model: onnx.ModelProto, what: str, check: bool = True) -> onnx.ModelProto:
-    """Check that ``model`` uses standard ops only, drop other opset imports, set the lowest
-    IR version its opsets allow, and run the full checker (``check``: a model whose tensors
-    live in a file not yet written is checked once written, :func:`check_file`)."""
+def _drop_contradicted_shapes(model: onnx.ModelProto) -> None:
+    """Remove the ``value_info`` of Constant outputs whose declared rank is not the constant's
+    (onnxruntime-genai's builder declares its ``[1]`` constants as scalars): the full checker
+    would refuse the exported graph for a hint."""
+    for graph in all_graphs(model.graph):
+        ranks = {node.output[0]: len(attr.t.dims) for node in graph.node if node.op_type == "Constant"
+                 and node.domain in ("", "ai.onnx") for attr in node.attribute if attr.name == "value"}
+        wrong = {vi.name for vi in graph.value_info if vi.name in ranks and vi.type.tensor_type.HasField("shape")
+                 and len(vi.type.tensor_type.shape.dim) != ranks[vi.name]}
+        if wrong:
+            kept = [vi for vi in graph.value_info if vi.name not in wrong]
+            del graph.value_info[:]
+            graph.value_info.extend(kept)
+
+
+def _standard(model: onnx.ModelProto, what: str, check: bool = True,
+              allowed: Sequence[str] = STANDARD_DOMAINS) -> onnx.ModelProto:
+    """Check that ``model`` uses standard ops only (and those of the ``allowed`` domains,
+    :func:`domains`), drop other opset imports, set the lowest IR version its opsets allow,
+    and run the full checker (``check``: a model whose tensors live in a file not yet written
+    is checked once written, :func:`check_file`)."""
     for graph in all_graphs(model.graph):
         for node in graph.node:
-            if node.domain not in STANDARD_DOMAINS:
+            if node.domain not in allowed:
                 raise TrainingOpError(f"{what}: {node_label(node)} is in domain {node.domain!r}, not a "
                                       "standard ONNX op; the exported graphs must run in any onnxruntime")
-    kept = [o for o in model.opset_import if o.domain in STANDARD_DOMAINS]
+    _drop_contradicted_shapes(model)
+    kept = [o for o in model.opset_import if o.domain in allowed]
     del model.opset_import[:]
     model.opset_import.extend(kept)
     model.ir_version = max(helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True), 7)
@@ -114,11 +142,12 @@ def _prepared(model: onnx.ModelProto, flat: bool = False, arrays: Mapping[str, n
     return prepare_model(LargeModel(model, arrays, large=bool(arrays)), portable=True, flat=flat)
 
 
-def _graph(portable: LargeModel, what: str) -> Graph:
+def _graph(portable: LargeModel, what: str, allowed: Sequence[str] = STANDARD_DOMAINS) -> Graph:
     """The exported graph of a prepared model: plain inputs, short names, standard ops
     (checked whole once written when its tensors stay out of the message)."""
     defaults = _plain_inputs(portable.model_proto)
-    model = _standard(short_names(portable.model_proto), what, check=not portable.large_initializers)
+    model = _standard(short_names(portable.model_proto), what, check=not portable.large_initializers,
+                      allowed=allowed)
     return Graph(model, defaults, dict(portable.with_proto(model).large_initializers))
 
 
@@ -130,7 +159,7 @@ def step_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorPro
     ``arrays``: the values of ``model``'s detached tensors (they stay detached)."""
     combined = combined_graph(model, 0, state_protos, meta)
     combined.graph.name = "training_step"
-    return _graph(_prepared(combined, flat, arrays), "step model")
+    return _graph(_prepared(combined, flat, arrays), "step model", domains(model))
 
 
 def eval_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
@@ -152,7 +181,7 @@ def eval_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorPro
             if out.name == eval_loss:
                 out.name = loss
         combined.graph.node.append(helper.make_node("Identity", [eval_loss], [loss], name="eval_loss"))
-    return _graph(_prepared(combined, arrays=arrays), "eval model")
+    return _graph(_prepared(combined, arrays=arrays), "eval model", domains(model))
 
 
 def inference_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
@@ -175,7 +204,7 @@ def inference_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.Tens
         del tensor.external_data[:]
         for key, value in (("location", state_file), ("offset", str(offset)), ("length", str(length))):
             tensor.external_data.add(key=key, value=value)
-    exported = _standard(short_names(exported), "inference model", check=False)
+    exported = _standard(short_names(exported), "inference model", check=False, allowed=domains(model))
     return Graph(exported, {}, dict(opened.with_proto(exported).large_initializers))
 
 

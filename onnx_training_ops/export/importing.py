@@ -17,11 +17,11 @@ import onnx
 
 from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
+from ..storage import safetensors
 from ..storage.external_data import map_external
 from ..storage.large_model import LargeModel
 from ..training.schedules import SCHEDULES
 from . import manifest as manifest_
-from . import safetensors
 from .writer import FILES
 
 

@@ -25,7 +25,7 @@ import onnx
 from ..builder.model_metadata import metadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
-from ..storage import checkpoint
+from ..storage import checkpoint, safetensors
 from ..storage.external_data import write_tensors
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
@@ -33,7 +33,7 @@ from ..storage.tensors import location, set_location, tensor_value
 from ..training.nominal import nominal_names
 from ..training.state import collect_state_protos
 from ..training.static_shapes import checked_input_shapes
-from . import graphs, packing, safetensors, webgpu
+from . import graphs, packing, webgpu
 from . import manifest as manifest_
 
 FILES = {"step": "step.onnx", "step_packed": "step.packed.onnx", "eval": "eval.onnx", "inference": "inference.onnx",

@@ -14,6 +14,7 @@ type of the inner layers (:class:`.large_model.LargeModel`), whatever its size.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 
@@ -50,7 +51,7 @@ def load_model(model: ModelLike, large: bool = False) -> ModelProto | LargeModel
     if not isinstance(model, (str, os.PathLike)):
         raise TrainingOpError(f"expected an onnx.ModelProto, a LargeModel, a path or bytes, found "
                               f"{type(model).__name__}")
-    path = os.fspath(model)
+    path = model_file(os.fspath(model))
     before = _stat(path)
     try:
         return _load_file(path, large)
@@ -71,7 +72,8 @@ def as_model(model: ModelLike, copy: bool = True) -> LargeModel:
     its big tensors arrays, memory-mapped from a file.
 
     Args:
-        model: a ModelProto, LargeModel (or onnx ModelContainer), path or serialized bytes.
+        model: a ModelProto, LargeModel (or onnx ModelContainer), path (a model file, or a
+            folder: :func:`model_file`) or serialized bytes.
         copy: False shares what it can with ``model`` (a LargeModel given is returned as it
             is, a small ModelProto's message is not copied): for a caller that changes
             nothing, or that copies what it changes.
@@ -89,6 +91,35 @@ def as_model(model: ModelLike, copy: bool = True) -> LargeModel:
             return LargeModel(model, large=False)
     opened = load_model(model, large=True)
     return opened if isinstance(opened, LargeModel) else LargeModel(opened, large=False)
+
+
+GENAI_CONFIG = "genai_config.json"  # what onnxruntime-genai's model builder writes beside the model
+
+
+def model_file(path: str) -> str:
+    """The model file a path names: ``path`` itself, or for a folder the decoder model that
+    its ``genai_config.json`` names (onnxruntime-genai's model builder output), else the
+    folder's only ``.onnx`` file.
+
+    Raises:
+        TrainingOpError: a folder with neither, or with several ``.onnx`` files and no config.
+    """
+    if not os.path.isdir(path):
+        return path
+    config = os.path.join(path, GENAI_CONFIG)
+    if os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as f:
+                filename = json.load(f)["model"]["decoder"]["filename"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise TrainingOpError(f"{config!r}: cannot read model.decoder.filename ({error!r})") from None
+        return os.path.join(path, filename)
+    found = sorted(name for name in os.listdir(path) if name.endswith(".onnx"))
+    if len(found) != 1:
+        raise TrainingOpError(f"folder {path!r} has {'no' if not found else len(found)} .onnx files"
+                              f"{': ' + ', '.join(found) if found else ''} and no {GENAI_CONFIG}: "
+                              "pass the model file")
+    return os.path.join(path, found[0])
 
 
 def _stat(path: str):

@@ -36,6 +36,9 @@ import onnx
 import onnxruntime as ort
 
 from ..errors import TrainingOpError, node_label
+from ..lora import formats as lora_formats
+from ..lora.spec import META_NAME as LORA_META
+from ..lora.spec import LoraSpec
 from ..runtime.session import InferenceSession
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike
@@ -576,6 +579,51 @@ class TrainingSession:
             TrainingOpError: an unknown output name, or a file that cannot be written.
         """
         return self._files.export_inference_model(path, outputs)
+
+    @locked
+    def save_adapter(self, path: str | os.PathLike, format: str = "peft",  # noqa: A002 - peft's word
+                     base_model: str | os.PathLike | None = None) -> str:
+        """Write the LoRA adapters (of a model from :func:`~onnx_training_ops.add_lora`) where they are used.
+
+        Args:
+            path: ``format="peft"``: a folder (``adapter_model.safetensors``,
+                ``adapter_config.json``) that ``peft.PeftModel.from_pretrained`` loads onto the
+                Hugging Face model; ``"onnxruntime"``: an ``.onnx_adapter`` file
+                (``onnxruntime.AdapterFormat``) that onnxruntime-genai's multi-LoRA serves.
+            format: ``"peft"`` or ``"onnxruntime"``.
+            base_model: with ``"onnxruntime"``, a folder to write the base model that serves the
+                adapter too: the model add_lora was given with the adapters' weights as inputs
+                (and, for onnxruntime-genai's folder, its config and tokenizer files); once for
+                all adapters of the same targets. See :mod:`onnx_training_ops.lora.formats`.
+
+        Returns:
+            The path written.
+
+        Raises:
+            TrainingOpError: a model without adapters, an unknown format, or a path that
+                cannot be written.
+        """
+        spec = self._lora_spec()
+        values = dict(zip(spec.trainable, self.state_views(spec.trainable)))
+        return lora_formats.save_adapter(spec, values, path, format, base_model)
+
+    @locked
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Load LoRA adapters saved by :meth:`save_adapter` (or trained by peft for the same
+        base and targets) into this session's adapters; the optimizer state is kept.
+
+        Raises:
+            TrainingOpError: a model without adapters, or an adapter made for another base
+                model, other targets or another rank (naming what differs); nothing changes then.
+        """
+        self.load_state_dict(lora_formats.read_adapter(self._lora_spec(), path), strict=False)
+
+    def _lora_spec(self) -> LoraSpec:
+        text = self._programs.meta.get(LORA_META)
+        if text is None:
+            raise TrainingOpError("the model has no LoRA adapters: make it with onnx_training_ops.add_lora "
+                                  "before build_training_model")
+        return LoraSpec.from_json(text)
 
     @locked
     def end_profiling(self) -> list[str]:

@@ -1,5 +1,5 @@
-// Browser side of js/test/browser.test.js: trains every fixture with onnxruntime-web (wasm)
-// and leaves the reports in window.parity (state as plain arrays of bytes).
+// Browser side of js/test/browser.test.js: trains every fixture (or those of ?models=a,b) with
+// onnxruntime-web (wasm) and leaves the reports in window.parity (state as plain arrays of bytes).
 import * as ort from '../../node_modules/onnxruntime-web/dist/ort.wasm.min.mjs';
 import { MODELS, TOLERANCE, trainFixture } from '../parity.js';
 
@@ -7,6 +7,7 @@ ort.env.wasm.wasmPaths = new URL('../../node_modules/onnxruntime-web/dist/', imp
 ort.env.wasm.numThreads = 1; // no cross-origin isolation under a plain static server
 
 const params = new URLSearchParams(location.search);
+const models = params.get('models')?.split(',') ?? MODELS;
 const fixtures = new URL(params.get('fixtures') ?? '/fixtures/', location.href).href;
 const read = async (path) => {
   const response = await fetch(new URL(path, fixtures));
@@ -18,7 +19,7 @@ const table = document.getElementById('results');
 const status = document.getElementById('status');
 window.parity = { done: false, reports: [], error: null };
 try {
-  for (const name of MODELS) {
+  for (const name of models) {
     status.textContent = `training ${name}…`;
     const r = await trainFixture(ort, read, new URL(`${name}/export/`, fixtures).href, name);
     const row = table.insertRow();
@@ -31,7 +32,7 @@ try {
     }
     window.parity.reports.push({ ...r, state: Array.from(r.state), inference: undefined, losses: undefined });
   }
-  status.textContent = `done: ${MODELS.length} models, onnxruntime-web ${ort.env.versions?.web ?? ''} (wasm, 1 thread)`;
+  status.textContent = `done: ${models.length} models, onnxruntime-web ${ort.env.versions?.web ?? ''} (wasm, 1 thread)`;
 } catch (error) {
   window.parity.error = String(error?.stack ?? error);
   status.textContent = `failed: ${error}`;
