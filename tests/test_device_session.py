@@ -1,9 +1,10 @@
-"""TrainingSession with its state resident on the device (``device=`` or a device provider),
-run on the CPU through the same OrtValue machinery a GPU uses and checked against the host
-session: the state bit for bit (the returned loss within an ulp: the host session may reduce it
-in another kernel) for every optimizer, clipping, groups, schedules, sparse tables,
-accumulation, non-finite losses, checkpoints, exports and flat parameters.
-tests/test_gpu.py runs it on CUDA."""
+"""TrainingSession with its update in the graph (``device=`` or a device provider), run on the
+CPU and checked against the host session: the state bit for bit (the returned loss within an
+ulp: the host session may reduce it in another kernel) for every optimizer, clipping, groups,
+schedules, sparse tables, accumulation, non-finite losses, checkpoints, exports and flat
+parameters. ``device="cpu"`` keeps the state in host arrays; the device memory a GPU uses
+(OrtValues allocated by onnxruntime, accumulators bound by address) runs here on the CPU too
+(``memory="device"``, a private option). tests/test_gpu.py runs it on CUDA."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import onnx_training_ops as ot
 from onnx_training_ops import schedules
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.training.device_state import DeviceValues
-from onnx_training_ops.training.device_store import DeviceStateStore
+from onnx_training_ops.training.engine import checked_config
+from onnx_training_ops.training.engine.memory import DeviceMemory, HostMemory
 from onnx_training_ops.training.providers import placement
 from tests.test_device_trainer import _batches as _trainer_batches
 from tests.test_device_trainer import _model
@@ -28,6 +29,17 @@ from tests.test_sparse_updates import emb_model
 
 def _batches(n=4, seed=0, rows=12):
     return _trainer_batches(n, seed, rows)
+
+
+def on_device(model, memory="host", *, on_nonfinite="raise", input_shapes=None, cuda_graph=None, in_place=None):
+    """A ``device="cpu"`` session; ``memory="device"``: its state in onnxruntime-allocated
+    OrtValues, as on a GPU."""
+    config = checked_config(["CPUExecutionProvider"], None, on_nonfinite, None, None, None, "cpu", 0, input_shapes,
+                            cuda_graph, in_place, memory)
+    return ot.TrainingSession._opened(model, config)
+
+
+MEMORIES = ["host", "device"]
 
 
 def _assert_same_state(device, host):
@@ -44,12 +56,14 @@ OPTIMIZERS = [
 ]
 
 
+@pytest.mark.parametrize("memory", MEMORIES)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: repr(o)[:40])
-def test_every_optimizer_steps_bit_for_bit_with_the_state_on_the_device(optimizer):
+def test_every_optimizer_steps_bit_for_bit_with_the_state_on_the_device(optimizer, memory):
     model = _model(optimizer, clip_grad_norm=0.5)
-    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
-    assert isinstance(device._store, DeviceStateStore)
-    assert all(isinstance(v, ort.OrtValue) for v in device._store.values.values.values())
+    host, device = ot.TrainingSession(model), on_device(model, memory)
+    assert isinstance(device._store.memory, HostMemory if memory == "host" else DeviceMemory)
+    if memory == "device":
+        assert all(isinstance(v, ort.OrtValue) for v in device._store.memory.values.values())
     for batch in _batches():
         expected, got = host.step(batch), device.step(batch)
         assert set(got) == set(expected)
@@ -72,20 +86,22 @@ def test_groups_schedules_and_lr_follow_the_host_session():
     _assert_same_state(device, host)
 
 
+@pytest.mark.parametrize("memory", MEMORIES)
 @pytest.mark.parametrize("mode", ["lazy", "sparse"])
-def test_sparse_tables_update_on_the_device(mode):
+def test_sparse_tables_update_on_the_device(mode, memory):
     model = ot.build_training_model(emb_model(), "mse", ot.Adam(lr=0.05), trainable=["E", "W"],
                                     sparse_updates={"E": mode})
-    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    host, device = ot.TrainingSession(model), on_device(model, memory)
     for ids, target in sparse_batches()[:3]:
         feeds = {"ids": ids, "target": target}
         np.testing.assert_allclose(device.step(feeds)["loss"], host.step(feeds)["loss"], rtol=1e-6)
     _assert_same_state(device, host)
 
 
-def test_accumulation_zero_grad_and_gradients():
+@pytest.mark.parametrize("memory", MEMORIES)
+def test_accumulation_zero_grad_and_gradients(memory):
     model = _model(clip_grad_norm=0.5)
-    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    host, device = ot.TrainingSession(model), on_device(model, memory)
     b = _batches(3)
     for s in (host, device):
         s.backward(b[0], scale=0.5)
@@ -98,16 +114,27 @@ def test_accumulation_zero_grad_and_gradients():
     np.testing.assert_array_equal(device.optimizer_step()["grad_norm"], host.optimizer_step()["grad_norm"])
     assert device.accumulated_batches == 0 and all(not g.any() for g in device.gradients().values())
     _assert_same_state(device, host)
-    with pytest.raises(TrainingOpError, match="live on the device.*gradients\\(\\)"):
-        device.gradient_buffers()
+    flat = device._loop.accumulation.flat
+    assert len(flat) == 1  # every accumulator a slice of one buffer per dtype, in either memory
+    if memory == "host":  # host arrays: the live buffer, as the host session's
+        device.backward(b[0])
+        buffers, views = device.gradient_buffers(), dict(device.gradient_views())
+        assert len(buffers) == 1 and all(np.shares_memory(v, buffers[0]) for v in views.values())
+        buffers[0][...] = 0  # an all-reduce writes here: what optimizer_step applies
+        assert not any(g.any() for g in device.gradients().values())
+        device.zero_grad()
+    else:
+        with pytest.raises(TrainingOpError, match="live on the device.*gradients\\(\\)"):
+            device.gradient_buffers()
     with pytest.raises(TrainingOpError, match="no gradients accumulated"):
         device.optimizer_step()
 
 
+@pytest.mark.parametrize("memory", MEMORIES)
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_a_nonfinite_loss_keeps_the_state(policy):
+def test_a_nonfinite_loss_keeps_the_state(policy, memory):
     model = _model()
-    device = ot.TrainingSession(model, device="cpu", on_nonfinite=policy)
+    device = on_device(model, memory, on_nonfinite=policy)
     device.step(_batches(1)[0])
     before = device.state_dict()
     bad = dict(_batches(1, seed=3)[0])
@@ -124,9 +151,10 @@ def test_a_nonfinite_loss_keeps_the_state(policy):
     assert device.lr_schedule_step == 1
 
 
-def test_evaluate_and_run_any_batch_size_nothing_changes():
+@pytest.mark.parametrize("memory", MEMORIES)
+def test_evaluate_and_run_any_batch_size_nothing_changes(memory):
     model = _model()
-    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    host, device = ot.TrainingSession(model), on_device(model, memory)
     for s in (host, device):
         s.step(_batches(1)[0])
     before = device.state_dict()
@@ -167,11 +195,12 @@ def test_checkpoints_resume_on_host_and_device(tmp_path):
         device.load_state_dict({k: v.astype(np.float64) for k, v in device.state_dict().items()})
 
 
-def test_exports_flat_parameters_and_initialize(tmp_path):
+@pytest.mark.parametrize("memory", MEMORIES)
+def test_exports_flat_parameters_and_initialize(tmp_path, memory):
     from onnx_training_ops.export import DeviceTrainer, export_step
 
     model = _model()
-    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    host, device = ot.TrainingSession(model), on_device(model, memory)
     for batch in _batches(2):
         host.step(batch)
         device.step(batch)
@@ -185,10 +214,19 @@ def test_exports_flat_parameters_and_initialize(tmp_path):
     np.testing.assert_array_equal(got, host.run(None, {"input": batch["input"]})[0])
     flat = device.get_flat_parameters()
     np.testing.assert_array_equal(flat, host.get_flat_parameters())
-    with pytest.raises(TrainingOpError, match="copy=True"):
-        device.get_flat_parameters(copy=False)
-    with pytest.raises(TrainingOpError, match="state_dict"):
-        device.state_views(["W0"] if "W0" in device.state_names else device.state_names[:1])
+    if memory == "host":  # host arrays: live views, as on the host session
+        live = device.get_flat_parameters(copy=False)
+        np.testing.assert_array_equal(live, flat)
+        (w0,) = device.state_views(["W0"])
+        assert np.shares_memory(w0, live)
+        before = device.evaluate(batch)["loss"]
+        live *= 0.5  # written in place: the next run reads it
+        assert device.evaluate(batch)["loss"] != before
+    else:
+        with pytest.raises(TrainingOpError, match="copy=True"):
+            device.get_flat_parameters(copy=False)
+        with pytest.raises(TrainingOpError, match="state_dict"):
+            device.state_views(["W0"])
     device.load_flat_parameters(np.zeros_like(flat))
     assert not device.get_flat_parameters().any()
     device.initialize()
@@ -228,7 +266,7 @@ def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeyp
     onnx.save(make_mlp((64, 256, 64, 4)), source, save_as_external_data=True, location="mlp.onnx.data",
               size_threshold=1024)
     model = ot.build_training_model(source, "cross_entropy", ot.AdamW(lr=1e-2), trainable=["W1", "b1", "W2", "b2"])
-    host, device = ot.TrainingSession(model), ot.TrainingSession(model, device="cpu")
+    host, device = ot.TrainingSession(model), on_device(model, "device")
     assert host._store.model.large and device._store.model.large  # W0 frozen: a constant of the graph
     rng = np.random.default_rng(0)
     for _ in range(3):
@@ -236,7 +274,7 @@ def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeyp
         np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
     _assert_same_state(device, host)
     alive, most = [], [0]
-    download = DeviceValues.download
+    download = DeviceMemory.download
 
     def tracked(self, name):  # the host copies a save makes: one big tensor at a time, not the state
         array = download(self, name)
@@ -246,12 +284,12 @@ def test_a_large_model_trains_on_the_device_and_saves_streamed(tmp_path, monkeyp
             most[0] = max(most[0], len(alive))
         return array
 
-    monkeypatch.setattr(DeviceValues, "download", tracked)
+    monkeypatch.setattr(DeviceMemory, "download", tracked)
     path = device.save(tmp_path / "ckpt.onnx")
-    big = sum(1 for n in device.state_names if device._store.values.dtype(n).itemsize
-              * np.prod(device._store.values.shape(n)) >= 1024)
+    big = sum(1 for n in device.state_names if device._store.memory.dtype(n).itemsize
+              * np.prod(device._store.memory.shape(n)) >= 1024)
     assert big >= 6 and most[0] <= 2, (big, most)
-    monkeypatch.setattr(DeviceValues, "download", download)
+    monkeypatch.setattr(DeviceMemory, "download", download)
     _assert_same_state(ot.TrainingSession(path), host)
     exported = device.export_inference_model(tmp_path / "inference.onnx")
     got = ort.InferenceSession(str(tmp_path / "inference.onnx")).run(None, {"input": batch["input"]})[0]
@@ -263,7 +301,7 @@ def test_static_input_shapes_bind_fixed_addresses_and_step_the_same():
     model = _model(clip_grad_norm=0.5)
     host = ot.TrainingSession(model)
     device = ot.TrainingSession(model, device="cpu", input_shapes={"input": [12, 8], "labels": [12]})
-    program = device._programs.steps[0].program
+    program = device._programs.steps[0]
     assert program.not_fixed is None and not device.cuda_graph  # CUDA graphs need a CUDA device
     assert device.device == "cpu" and host.device is None
     ops = {n.op_type for n in program.session.prepared_model.graph.node}
@@ -330,14 +368,14 @@ def test_a_nominal_checkpoint_opens_on_the_device_and_trains_once_filled(tmp_pat
 
 def test_repr_and_summary_read_no_device_values(monkeypatch):
     model = _model()
-    device = ot.TrainingSession(model, device="cpu")
+    device = on_device(model, "device")
     expected = ot.TrainingSession(model).summary().to_dict()
 
     def refused(self, name):
         raise AssertionError(f"{name} copied from the device")
 
-    monkeypatch.setattr(DeviceValues, "download", refused)
-    assert "state on 'cpu'" in repr(device)
+    monkeypatch.setattr(DeviceMemory, "download", refused)
+    assert "state on 'cpu' (device memory), update in the graph" in repr(device)
     assert device.summary().to_dict() == expected
 
 

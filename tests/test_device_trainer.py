@@ -183,7 +183,7 @@ def test_in_place_state_equals_two_sets_bit_for_bit_and_keeps_the_state_on_a_nan
     export_step(_model(clip_grad_norm=0.5), tmp_path, flat_optimizer=flat)
     in_place = DeviceTrainer(tmp_path, on_nonfinite="skip")
     two_sets = DeviceTrainer(tmp_path, on_nonfinite="skip", in_place=False)
-    assert in_place.in_place and not two_sets.in_place and in_place._state.spares == 0
+    assert in_place.in_place and not two_sets.in_place and in_place.session._store.memory.spares == 0
     batches = _batches(5)
     batches[2] = {**batches[2], "input": np.full_like(batches[2]["input"], np.inf)}
     for batch in batches:

@@ -39,7 +39,7 @@ def test_training_session_on_cuda_equals_the_cpu_with_the_state_on_the_gpu(stati
     gpu = ot.TrainingSession(_model(), _fp32_cuda(), input_shapes=shapes)
     cpu = ot.TrainingSession(_model())
     assert gpu.device == "cuda" and gpu.cuda_graph == static
-    assert all(v.device_name().lower() == "cuda" for v in gpu._store.values.values.values())
+    assert all(v.device_name().lower() == "cuda" for v in gpu._store.memory.values.values())
     for batch in _batches():
         np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-5)
     want = cpu.state_dict()
@@ -66,7 +66,7 @@ def test_the_static_step_runs_entirely_on_the_cuda_ep(capfd):
     inserted = [line for line in text.splitlines()
                 if "Memcpy" in line and any(w in line for w in ("added", " after ", " before "))]
     assert not inserted, inserted
-    step = session._programs.steps[0].program.session
+    step = session._programs.steps[0].session
     assert "CUDAExecutionProvider" in step.get_providers()
 
 
@@ -75,7 +75,7 @@ def test_device_trainer_on_cuda_equals_the_cpu_with_the_state_on_the_gpu(tmp_pat
     gpu = DeviceTrainer(tmp_path, providers=_fp32_cuda())
     cpu = DeviceTrainer(tmp_path)
     assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.device == "cuda"
-    assert all(v.device_name().lower() == "cuda" for v in gpu._state.values.values())
+    assert all(v.device_name().lower() == "cuda" for v in gpu.session._store.memory.values.values())
     for batch in _batches():
         np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-5)
     want = cpu.state_dict()

@@ -26,13 +26,17 @@ from ._graph import all_names, unique_name
 ALIASING_OPS = {"Reshape", "Identity", "Flatten", "Squeeze", "Unsqueeze"}
 
 
-def guard_feedback(model: onnx.ModelProto, feedback: Mapping[str, str], loss: str) -> dict[str, str]:
+def guard_feedback(model: onnx.ModelProto, feedback: Mapping[str, str], loss: str | None,
+                   gate: str | None = None) -> dict[str, str]:
     """Guard every fed-back output of ``model`` by the loss being finite (in place).
 
     Args:
         model: a step model (state inputs, the new values as outputs).
         feedback: state input -> the output holding its new value.
-        loss: the scalar loss output.
+        loss: the scalar loss output (None: no loss check, ``gate`` alone).
+        gate: a bool scalar input ANDed into the guard: False keeps the old state whatever the
+            loss (a warm-up run, such as the runs onnxruntime makes to capture a CUDA graph,
+            then changes nothing). Added to the graph's inputs.
 
     Returns:
         state input -> the guarded output that now holds its new value (the graph outputs are
@@ -40,9 +44,20 @@ def guard_feedback(model: onnx.ModelProto, feedback: Mapping[str, str], loss: st
     """
     graph = model.graph
     taken = all_names(graph)
-    nan, inf, bad, ok = (unique_name(taken, f"{loss}/{what}") for what in ("is_nan", "is_inf", "bad", "finite"))
-    nodes = [helper.make_node("IsNaN", [loss], [nan]), helper.make_node("IsInf", [loss], [inf]),
-             helper.make_node("Or", [nan, inf], [bad]), helper.make_node("Not", [bad], [ok])]
+    nodes = []
+    ok = gate
+    if loss is not None:
+        nan, inf, bad, ok = (unique_name(taken, f"{loss}/{what}") for what in ("is_nan", "is_inf", "bad", "finite"))
+        nodes += [helper.make_node("IsNaN", [loss], [nan]), helper.make_node("IsInf", [loss], [inf]),
+                  helper.make_node("Or", [nan, inf], [bad]), helper.make_node("Not", [bad], [ok])]
+    if gate is not None:
+        graph.input.append(helper.make_tensor_value_info(gate, onnx.TensorProto.BOOL, []))
+        if loss is not None:
+            gated = unique_name(taken, f"{loss}/finite_and_applied")
+            nodes.append(helper.make_node("And", [ok, gate], [gated]))
+            ok = gated
+    if ok is None:
+        raise ValueError("guard_feedback: neither a loss nor a gate to guard with")
     guarded = {}
     outputs = {o.name: o for o in graph.output}
     for state, new in feedback.items():
