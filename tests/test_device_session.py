@@ -318,6 +318,17 @@ def test_static_input_shapes_bind_fixed_addresses_and_step_the_same():
 def test_device_options_are_checked():
     with pytest.raises(TrainingOpError, match="input_shapes applies to a device-resident session"):
         ot.TrainingSession(_model(), input_shapes={"input": [4, 8]})
+    with pytest.raises(TrainingOpError, match="cuda_graph=True needs the state on a CUDA device"):
+        ot.TrainingSession(_model(), cuda_graph=True)  # the host session: it trained on, cuda_graph False
+    with pytest.raises(TrainingOpError, match="fast=True applies the fused kernels.*update runs in the graph"):
+        ot.TrainingSession(_model(), device="cpu", fast=True)  # it reported fast=True with no fused node
+    with pytest.raises(TrainingOpError, match="cuda_graph must be True, False or None"):
+        ot.TrainingSession(_model(), device="cpu", cuda_graph="yes")
+    device = ot.TrainingSession(_model(), device="cpu", fast=False)
+    assert not device.fast and device.fast_path_nodes == [] and not device.cuda_graph
+    assert "state on 'cpu' (host arrays), update in the graph" in repr(device)
+    assert "host arrays, fused kernels" in repr(ot.TrainingSession(_model()))
+    assert "native kernels in the graph" in repr(ot.TrainingSession(_model(), fast=False))
     with pytest.raises(TrainingOpError, match="whole numbers"):
         ot.TrainingSession(_model(), device="cpu", input_shapes={"input": [4, -1]})
     with pytest.raises(TrainingOpError, match="input_shapes.*'labels'"):  # every symbolic data input
@@ -399,3 +410,112 @@ def test_an_optional_input_left_out_goes_back_to_its_default():
         feeds = {**batch, "shift": shift} if i % 2 == 0 else batch
         np.testing.assert_allclose(device.step(feeds)["loss"], host.step(feeds)["loss"], rtol=1e-6)
     _assert_same_state(device, host)
+
+
+def _frozen_model():
+    """x -MatMul W0 (16x64, frozen: 4 KB)- Relu -MatMul W1 (64x4) + b (frozen, 16 B), MSE: a
+    LoRA-like model whose frozen tensors are big and small."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    values = {"W0": rng.standard_normal((16, 64)), "W1": rng.standard_normal((64, 4)) * 0.1, "b": np.ones(4)}
+    nodes = [helper.make_node("MatMul", ["x", "W0"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "W1"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])]
+    graph = helper.make_graph(nodes, "frozen", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 4])],
+                              [numpy_helper.from_array(v.astype(np.float32), n) for n, v in values.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return ot.build_training_model(model, "mse", ot.Adam(lr=1e-2), trainable=["W1"])
+
+
+@pytest.mark.parametrize("memory", MEMORIES)
+def test_backward_and_steps_with_frozen_tensors_of_any_size(memory):
+    """Issue 36 B.9: backward() failed whenever a frozen initializer was >= 1 KB (every LoRA
+    model): 'ReplaceInitializedTensorImpl Failed to find existing initializer with name W0'."""
+    model = _frozen_model()
+    host, device = ot.TrainingSession(model), on_device(model, memory)
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        feeds = {"x": rng.standard_normal((5, 16)).astype(np.float32),
+                 "target": rng.standard_normal((5, 4)).astype(np.float32)}
+        for s in (host, device):
+            s.backward(feeds, scale=0.5)
+            s.backward(feeds, scale=0.5)
+        np.testing.assert_array_equal(device.gradients()["W1"], host.gradients()["W1"])
+        device.optimizer_step()
+        host.optimizer_step()
+        np.testing.assert_allclose(device.step(feeds)["loss"], host.step(feeds)["loss"], rtol=1e-6)
+        np.testing.assert_allclose(device.evaluate(feeds)["loss"], host.evaluate(feeds)["loss"], rtol=1e-6)
+    _assert_same_state(device, host)
+    # one copy of each frozen tensor for every program: bound as an input, not an initializer
+    # onnxruntime copies into each session
+    programs = [*device._programs.steps, *device._programs.evaluations.values(),
+                *device._loop.accumulation.programs()[:2]]
+    for program in programs:
+        assert not {t.name for t in program.session.prepared_model.graph.initializer} & {"W0"}
+        assert "W0" in program.constants
+    if memory == "device":
+        assert set(device._store.memory._constants) == {"W0"}
+
+
+@pytest.mark.parametrize("memory", MEMORIES)
+@pytest.mark.parametrize("capture_runs", [1, 2])
+def test_a_step_that_onnxruntime_runs_again_to_capture_a_cuda_graph_updates_once(memory, capture_runs):
+    """Issue 39 item 1 (seen on an H200: the first CUDA-graph step applied AdamW 2-3 times).
+    onnxruntime's first Run of a session with CUDA graphs runs the model ``capture_runs`` more
+    times (1 or 2, by version) and replays the capture; emulated here on the step's session.
+    The fixed-address step's first call is a warm-up whose update is off (a bool input ANDed
+    into the guard), so however often it runs, each step updates the state once."""
+    model = _model(clip_grad_norm=0.5)
+    host = ot.TrainingSession(model)
+    device = on_device(model, memory, input_shapes={"input": [12, 8], "labels": [12]})
+    program = device._programs.steps[0]
+    assert program.not_fixed is None and program.gated and program.in_place
+    real, calls = program.session.run_with_iobinding, []
+
+    def capturing(io, run_options=None):
+        calls.append(1 + capture_runs if not calls else 1)
+        for _ in range(calls[-1]):
+            real(io, run_options)
+
+    program.session.run_with_iobinding = capturing
+    for batch in _batches(3):
+        np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+        _assert_same_state(device, host)
+    assert calls == [1 + capture_runs, 1, 1, 1]  # the warm-up (with its capture), then one run a step
+
+
+def test_a_refused_cuda_graph_capture_retries_with_fresh_options(monkeypatch):
+    """Issue 39 item 5: the retry without CUDA graphs reused the options object of the refused
+    try, and onnxruntime refuses an external initializer added twice to one ('An OrtValue for
+    this name has already been added'): every LoRA model. Emulated on the CPU: a capture that
+    is refused, each try adding an external initializer to the options it is given."""
+    from onnx_training_ops.training.engine import graph as graph_module
+
+    value = ort.OrtValue.ortvalue_from_numpy(np.zeros(300, np.float32))
+    so = ort.SessionOptions()
+    so.add_external_initializers(["frozen"], [value])
+    with pytest.raises(Exception, match="already been added"):  # what onnxruntime does
+        so.add_external_initializers(["frozen"], [value])
+    tries = []
+    real = graph_module.InferenceSession
+
+    def session(model, sess_options, providers):
+        if any(o is sess_options for o in tries):  # as add_external_initializers on options used before
+            raise RuntimeError("INVALID_ARGUMENT : An OrtValue for this name has already been added: frozen")
+        tries.append(sess_options)
+        if len(tries) == 1:
+            raise RuntimeError("This session cannot use the CUDA Graph feature (emulated)")
+        return real(model, sess_options=sess_options, providers=providers)
+
+    monkeypatch.setattr(graph_module, "captures", lambda memory: True)
+    monkeypatch.setattr(graph_module, "InferenceSession", session)
+    device = on_device(_frozen_model(), input_shapes={"x": [5, 16], "target": [5, 4]})
+    program = device._programs.steps[0]
+    assert len(tries) == 2 and tries[0] is not tries[1]
+    assert not device.cuda_graph and "refused CUDA graphs" in program.not_captured
+    assert program.not_fixed is None  # the buffers still at fixed addresses
+    feeds = {"x": np.ones((5, 16), np.float32), "target": np.zeros((5, 4), np.float32)}
+    assert np.isfinite(device.step(feeds)["loss"])

@@ -141,6 +141,11 @@ def static_inputs_plan(model: onnx.ModelProto, memory: StateMemory, returned: Se
     return None
 
 
+def captures(memory: StateMemory) -> bool:
+    """Whether a fixed-address program over ``memory`` replays a CUDA graph."""
+    return memory.device == "cuda"
+
+
 def with_graph_capture(providers: Sequence[Any]) -> list:
     """``providers`` with CUDA graphs enabled on the CUDA provider (``enable_cuda_graph``)."""
     out: list = []
@@ -222,7 +227,8 @@ class GraphProgram:
             self.not_fixed = "the state is written into a second set (in place is unsafe or off)"
         self.gated = self.in_place and gate is not None
         self.returned = [o.name for o in proto.graph.output if o.name not in set(self.feedback.values())]
-        self.graph_capture = self.not_fixed is None and memory.device == "cuda"
+        self.graph_capture = self.not_fixed is None and captures(memory)
+        self.not_captured: str | None = None  # why onnxruntime refused to capture a planned graph
         self.constants = _constants_as_inputs(model)
         self.session = self._open(model, options, providers)
         inputs = [i.name for i in self.session.get_inputs()]
@@ -267,8 +273,8 @@ class GraphProgram:
             try:
                 return InferenceSession(model, sess_options=options(), providers=with_graph_capture(providers))
             except Exception as error:  # noqa: BLE001 - the reason is reported by graph_capture
-                self.graph_capture = False
-                self.not_fixed = f"onnxruntime refused CUDA graphs: {str(error).splitlines()[0]}"
+                self.graph_capture = False  # the buffers stay at fixed addresses: no binding per step
+                self.not_captured = f"onnxruntime refused CUDA graphs: {str(error).splitlines()[0]}"
         return InferenceSession(model, sess_options=options(), providers=providers)
 
     # ------------------------------------------------------------------ runs
@@ -358,6 +364,8 @@ class GraphProgram:
             self._bound[key] = cached
         for name, array in feeds.items():
             cached.bind_cpu_input(name, array)  # copied up by onnxruntime
+        if self.gated:
+            cached.bind_cpu_input(APPLY, np.array(True))
         for name in self.returned:  # allocated by onnxruntime each run (a shape may change)
             cached.bind_output(name, "cpu")
         return cached
@@ -550,7 +558,7 @@ class GraphUpdate:
                                self.options, self.providers, loss=loss, on_nonfinite=on_nonfinite,
                                in_place=self.in_place if feedback else None, where=where, fixed=fixed)
         if static and self.cuda_graph and not program.graph_capture:
-            reasons = [r for r in (program.not_fixed, None if memory.device == "cuda" else
+            reasons = [r for r in (program.not_fixed, program.not_captured, None if memory.device == "cuda" else
                                    f"the state is on {memory.device!r}, not a CUDA device") if r]
             raise TrainingOpError(f"cuda_graph=True but this step cannot be captured: {'; '.join(reasons)}")
         return program
