@@ -519,3 +519,50 @@ def test_a_refused_cuda_graph_capture_retries_with_fresh_options(monkeypatch):
     assert program.not_fixed is None  # the buffers still at fixed addresses
     feeds = {"x": np.ones((5, 16), np.float32), "target": np.zeros((5, 4), np.float32)}
     assert np.isfinite(device.step(feeds)["loss"])
+
+
+def _conv_model():
+    """Conv (3 -> 4, 3x3, pad 1, stride 2) -> Relu -> Conv (4 -> 4, 3x3, pad 1) -> Relu -> global
+    average -> Gemm, cross entropy."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32), "K"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "kb"),
+             numpy_helper.from_array((rng.standard_normal((4, 4, 3, 3)) * 0.3).astype(np.float32), "K2"),
+             numpy_helper.from_array((rng.standard_normal((4, 5)) * 0.3).astype(np.float32), "W")]
+    nodes = [helper.make_node("Conv", ["x", "K", "kb"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Relu", ["c"], ["r0"]), helper.make_node("Conv", ["r0", "K2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c2"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"]), helper.make_node("Gemm", ["f", "W"], ["logits"])]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [6, 3, 8, 8])],
+                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [6, 5])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return ot.build_training_model(model, "cross_entropy", ot.Momentum(lr=0.1, momentum=0.9))
+
+
+def test_on_a_gpu_convolution_gradients_are_convolutions(monkeypatch):
+    """Issue 39 item 8: on a CUDA device the Conv gradients are onnxruntime's Conv and
+    ConvTranspose (cuDNN), not the im2col Gemms (Pad/Slice per kernel offset) tuned for the
+    CPU, which the CPU keeps. The GPU's pipeline runs here on the CPU: the same training."""
+    from onnx_training_ops.training.engine import graph as graph_module
+
+    model = _conv_model()
+    rng = np.random.default_rng(1)
+    batches = [{"x": rng.standard_normal((6, 3, 8, 8)).astype(np.float32), "labels": rng.integers(0, 5, 6)}
+               for _ in range(3)]
+    cpu = ot.TrainingSession(model, device="cpu")
+    monkeypatch.setattr(graph_module, "gpu_pipeline", lambda memory: True)
+    gpu = ot.TrainingSession(model, device="cpu")
+    ops = {name: [n.op_type for n in s._programs.steps[0].session.prepared_model.graph.node]
+           for name, s in (("cpu", cpu), ("gpu", gpu))}
+    # forward and weight gradients: Conv; the second's input gradient: ConvTranspose
+    assert ops["gpu"].count("ConvTranspose") == 1 and ops["gpu"].count("Conv") == 4
+    assert "ConvTranspose" not in ops["cpu"] and ops["cpu"].count("Conv") == 2  # im2col: Gemms
+    for batch in batches:
+        np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-5)
+    want = cpu.state_dict()
+    for name, value in gpu.state_dict().items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-4, atol=1e-6, err_msg=name)

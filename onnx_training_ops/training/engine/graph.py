@@ -146,6 +146,12 @@ def captures(memory: StateMemory) -> bool:
     return memory.device == "cuda"
 
 
+def gpu_pipeline(memory: StateMemory) -> bool:
+    """Whether programs over ``memory`` take the GPU's prepare pipeline (convolution gradients
+    as cuDNN's Conv/ConvTranspose; the CPU keeps its im2col Gemms)."""
+    return memory.device == "cuda"
+
+
 def with_graph_capture(providers: Sequence[Any]) -> list:
     """``providers`` with CUDA graphs enabled on the CUDA provider (``enable_cuda_graph``)."""
     out: list = []
@@ -536,7 +542,7 @@ class GraphUpdate:
         input_defaults = {vi.name: np.ascontiguousarray(tensor_value(initial[vi.name], model.large_initializers))
                           for vi in graph.input
                           if vi.name in initial and vi.name not in memory and vi.name not in rate_defaults}
-        portable = prepare_model(model.with_proto(combined), portable=True, flat=True)
+        portable = prepare_model(model.with_proto(combined), portable=True, flat=True, gpu=gpu_pipeline(memory))
         # every input with a stored default (the learning rates among them) a plain input, fed
         # every run with the default when not given: onnxruntime's IOBinding cannot bind such an
         # input ("Failed to find NodeArg"), and a binding kept from run to run must never hold a
