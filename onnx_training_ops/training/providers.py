@@ -5,7 +5,7 @@ build (it logs a warning and drops it): :func:`placement` refuses that up front.
 session whose state is bound from host arrays reads a device copy made once, at bind time,
 for any input a device node reads (onnxruntime's ``IOBinding::BindInput``): from step 2 on it
 would train on stale parameters. So a session with a device provider keeps its state on the
-device as OrtValues (:mod:`.device_session`), as it does for ``device="cpu"``.
+device as OrtValues (:mod:`.engine.memory`), its update in the graph (:mod:`.engine.graph`).
 """
 
 from __future__ import annotations
