@@ -126,10 +126,11 @@ def _eval_as_main(graph: onnx.GraphProto, main: onnx.GraphProto, step: onnx.Grap
     taken = {n for g in all_graphs(step) for node in g.node for n in (*node.input, *node.output)}
     taken |= {vi.name for vi in (*step.input, *step.output)} | set(constants)
     renamed: dict[str, str] = {}
-    for node in graph.node:
-        for out in node.output:
-            if out and out in taken:
-                renamed[out] = unique_name(taken, EVAL_PREFIX + out)
+    for sub in all_graphs(graph):  # one scope once merged: a body's values too
+        for node in sub.node:
+            for out in node.output:
+                if out and out in taken:
+                    renamed[out] = unique_name(taken, EVAL_PREFIX + out)
     for sub in all_graphs(graph):
         for node in sub.node:
             node.input[:] = [renamed.get(n, n) for n in node.input]
