@@ -187,6 +187,15 @@ def _interrupted_graph(monkeypatch, point: str, call, *args) -> None:
     monkeypatch.undo()
 
 
+def _interrupted_like(monkeypatch, engine: str, point: str, call: str, session, reference, *args) -> None:
+    """``session.<call>(*args)`` with a Ctrl-C at ``point``; ``reference`` makes the same call
+    uninterrupted when the write lands, not when the call is cancelled; then both agree."""
+    if _lands(engine, point):
+        getattr(reference, call)(*args)
+    _interrupted_graph(monkeypatch, point, getattr(session, call), *args)
+    _consistent(session, reference)
+
+
 def _consistent(got: ot.TrainingSession, want: ot.TrainingSession) -> None:
     _same_state(got, want)
     assert got.accumulated_batches == want.accumulated_batches
@@ -199,10 +208,7 @@ def test_ctrl_c_in_a_graph_step_lands_the_whole_step_or_none(monkeypatch, engine
     session, reference = _graph_session(engine), _graph_session(engine)
     session.step(BATCH)
     reference.step(BATCH)
-    if _lands(engine, point):
-        reference.step(BATCH)
-    _interrupted_graph(monkeypatch, point, session.step, BATCH)
-    _consistent(session, reference)
+    _interrupted_like(monkeypatch, engine, point, "step", session, reference, BATCH)
     session.step(BATCH)  # and training goes on from there
     reference.step(BATCH)
     _consistent(session, reference)
@@ -213,14 +219,8 @@ def test_ctrl_c_in_graph_backward_optimizer_step_and_zero_grad_keeps_the_bookkee
     session, reference = _graph_session(engine), _graph_session(engine)
     reference.backward(BATCH)
     session.backward(BATCH)
-    if _lands(engine, point):
-        reference.backward(BATCH)
-    _interrupted_graph(monkeypatch, point, session.backward, BATCH)
-    _consistent(session, reference)
-    if _lands(engine, point):
-        reference.optimizer_step()
-    _interrupted_graph(monkeypatch, point, session.optimizer_step)
-    _consistent(session, reference)
+    _interrupted_like(monkeypatch, engine, point, "backward", session, reference, BATCH)
+    _interrupted_like(monkeypatch, engine, point, "optimizer_step", session, reference)
     if session.accumulated_batches:
         session.optimizer_step()
         reference.optimizer_step()

@@ -66,10 +66,14 @@ class GradientAccumulation:
     def buffers(self) -> list[np.ndarray]:
         """The flat host buffers the accumulators are views of (host memory only)."""
         self.programs()
-        if not self._programs.store.live:
-            raise TrainingOpError("gradient_buffers: the accumulated gradients live on the device "
-                                  f"({self._programs.store.device!r}); use gradients() for copies")
+        self._host_only("gradient_buffers")
         return list(self.flat)
+
+    def _host_only(self, what: str) -> None:
+        store = self._programs.store
+        if not store.live:
+            raise TrainingOpError(f"{what}: the accumulated gradients live on the device "
+                                  f"({store.memory.device!r}); use gradients() for copies")
 
     def backward(self, feeds: Mapping[str, Any], scale: float, then: Callable[[bool], None]) -> dict[str, np.ndarray]:
         """Add ``scale`` times this batch's gradients; the outputs. The count, and the
@@ -114,9 +118,7 @@ class GradientAccumulation:
     def views(self) -> list[tuple[str, np.ndarray]]:
         """(parameter, live accumulator) pairs (host memory only)."""
         stages, accumulators = self.programs()[2:]
-        if not self._programs.store.live:
-            raise TrainingOpError("gradient_views: the accumulated gradients live on the device "
-                                  f"({self._programs.store.device!r}); use gradients() for copies")
+        self._host_only("gradient_views")
         return [(param, accumulators[name]) for param, name in stages.views]
 
 

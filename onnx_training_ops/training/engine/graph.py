@@ -43,7 +43,6 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
 
 from ...errors import TrainingOpError
 from ...interrupts import held_interrupts
@@ -51,8 +50,9 @@ from ...passes.guard_feedback import guard_feedback, in_place_unsafe
 from ...runtime.pipeline import prepare_model
 from ...runtime.session import InferenceSession
 from ...storage.large_model import LargeModel
-from ...storage.tensors import location, tensor_value
+from ...storage.tensors import tensor_value
 from ...walk import drop_named
+from ..binding import detached_as_inputs
 from ..feeds import FeedSpec, checked_learning_rate, feed_array, feed_spec
 from ..flat_parameters import lay_out_flat
 from ..program import combined_graph, learning_rate_inputs
@@ -235,7 +235,8 @@ class GraphProgram:
         self.returned = [o.name for o in proto.graph.output if o.name not in set(self.feedback.values())]
         self.graph_capture = self.not_fixed is None and captures(memory)
         self.not_captured: str | None = None  # why onnxruntime refused to capture a planned graph
-        self.constants = _constants_as_inputs(model)
+        # frozen tensors: inputs bound to the memory's one copy, shared by every program
+        model, self.constants = detached_as_inputs(model)
         self.session = self._open(model, options, providers)
         inputs = [i.name for i in self.session.get_inputs()]
         self.reads = [name for name in inputs if name in memory and name not in self.constants]
@@ -429,24 +430,6 @@ class GraphProgram:
             # update_inplace copies on the default stream; the CUDA EP (and a captured graph) runs on
             # its own: order the copies before the run
             self._io.synchronize_inputs()
-
-
-def _constants_as_inputs(model: LargeModel) -> dict[str, np.ndarray]:
-    """The detached constants of ``model`` become graph inputs (in place); returns their arrays:
-    the memory binds one copy of each to every program (onnxruntime copies an initializer into
-    each session, ``add_external_initializers`` too)."""
-    graph = model.model_proto.graph
-    constants, kept = {}, []
-    for tensor in graph.initializer:
-        if location(tensor) is None:
-            kept.append(tensor)
-            continue
-        constants[tensor.name] = tensor_value(tensor, model.large_initializers)
-        graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-    if constants:
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
-    return constants
 
 
 # the returned outputs' element types a fixed buffer is made for (TensorProto enum)

@@ -28,8 +28,6 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from ...errors import TrainingOpError
-from ..arrays import dtype_name
 from ..providers import device_providers
 
 # OrtValue.data_type() text -> numpy dtype
@@ -296,18 +294,6 @@ class DeviceMemory:
             start = offset // dtype.itemsize
             out[name] = flat[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape).copy()
         return out
-
-    def check(self, name: str, value: Any, what: str) -> np.ndarray:
-        """``value`` as a host array fit for ``name`` (dtype and shape), else a clear error."""
-        array = np.asarray(value)
-        dtype, shape = self.dtype(name), self.shape(name)
-        if array.dtype != dtype:
-            raise TrainingOpError(f"{what}: state variable {name!r} must be {dtype_name(dtype)}, "
-                                  f"found {dtype_name(array.dtype)}")
-        if array.shape != shape:
-            raise TrainingOpError(f"{what}: state variable {name!r} must have shape {list(shape)}, "
-                                  f"found {list(array.shape)}")
-        return array
 
     def upload(self, name: str, array: np.ndarray) -> None:
         if name in self.slices:

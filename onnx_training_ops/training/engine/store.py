@@ -103,10 +103,6 @@ class StateStore:
         return self.memory.host
 
     @property
-    def device(self) -> str:
-        return self.memory.device
-
-    @property
     def names(self) -> list[str]:
         """The state variables' names, in the model's order."""
         return list(self.arrays)
@@ -165,7 +161,7 @@ class StateStore:
     def views(self, names: Sequence[str]) -> list[np.ndarray]:
         """The live arrays of ``names`` (``state_views``)."""
         if not self.live:
-            raise TrainingOpError(f"state_views: the state lives on the device ({self.device!r}), not in host "
+            raise TrainingOpError(f"state_views: the state lives on the device ({self.memory.device!r}), not in host "
                                   "arrays; use state_dict() for copies and load_state_dict() to write")
         unknown = [n for n in names if n not in self.arrays]
         if unknown:
@@ -210,7 +206,7 @@ class StateStore:
             return flat_copy(list(params.values()), list(params), "get_flat_parameters")
         if not self.live:
             raise TrainingOpError(f"get_flat_parameters(copy=False): the parameters live on the device "
-                                  f"({self.device!r}), not in one host buffer; use copy=True")
+                                  f"({self.memory.device!r}), not in one host buffer; use copy=True")
         live = all(n in self.arrays for n in params)
         buffer = contiguous(list(params.values())) if live else None
         if buffer is None:
