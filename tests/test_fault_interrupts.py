@@ -187,6 +187,14 @@ def _interrupted_graph(monkeypatch, point: str, call, *args) -> None:
     monkeypatch.undo()
 
 
+def _pair(engine: str, call: str, *args) -> tuple[ot.TrainingSession, ot.TrainingSession]:
+    """Two sessions of ``engine`` that both made ``call(*args)``: one to interrupt, a reference."""
+    pair = _graph_session(engine), _graph_session(engine)
+    for session in pair:
+        getattr(session, call)(*args)
+    return pair
+
+
 def _interrupted_like(monkeypatch, engine: str, point: str, call: str, session, reference, *args) -> None:
     """``session.<call>(*args)`` with a Ctrl-C at ``point``; ``reference`` makes the same call
     uninterrupted when the write lands, not when the call is cancelled; then both agree."""
@@ -205,9 +213,7 @@ def _consistent(got: ot.TrainingSession, want: ot.TrainingSession) -> None:
 
 @GRAPH_CASES
 def test_ctrl_c_in_a_graph_step_lands_the_whole_step_or_none(monkeypatch, engine, point):
-    session, reference = _graph_session(engine), _graph_session(engine)
-    session.step(BATCH)
-    reference.step(BATCH)
+    session, reference = _pair(engine, "step", BATCH)
     _interrupted_like(monkeypatch, engine, point, "step", session, reference, BATCH)
     session.step(BATCH)  # and training goes on from there
     reference.step(BATCH)
@@ -216,9 +222,7 @@ def test_ctrl_c_in_a_graph_step_lands_the_whole_step_or_none(monkeypatch, engine
 
 @GRAPH_CASES
 def test_ctrl_c_in_graph_backward_optimizer_step_and_zero_grad_keeps_the_bookkeeping(monkeypatch, engine, point):
-    session, reference = _graph_session(engine), _graph_session(engine)
-    reference.backward(BATCH)
-    session.backward(BATCH)
+    session, reference = _pair(engine, "backward", BATCH)
     _interrupted_like(monkeypatch, engine, point, "backward", session, reference, BATCH)
     _interrupted_like(monkeypatch, engine, point, "optimizer_step", session, reference)
     if session.accumulated_batches:
