@@ -182,17 +182,17 @@ class Feeds:
                   if name in specs and name not in self.rate_defaults}
         for name, default in self.input_defaults.items():
             arrays.setdefault(name, default)
-        for name, default in self.rate_defaults.items():
+        for name, rate_default in self.rate_defaults.items():
             spec = specs[name]
-            value = rates.get(name) if isinstance(rates, Mapping) else rates
+            value: float | None = rates.get(name) if isinstance(rates, Mapping) else rates
             if value is None and name in feeds:
                 value = checked_learning_rate(np.asarray(feeds[name]).reshape(-1)[0], f"{where}: feed {name!r}")
-            if value is None:
-                if default is None:
-                    raise TrainingOpError(f"{where}: learning rate {name!r} has no default: pass lr=")
-                arrays[name] = default
-                continue
-            arrays[name] = np.full(spec.shape or (), value, spec.dtype)
+            if value is not None:
+                arrays[name] = np.full(spec.shape or (), value, spec.dtype)
+            elif rate_default is not None:
+                arrays[name] = rate_default
+            else:
+                raise TrainingOpError(f"{where}: learning rate {name!r} has no default: pass lr=")
         return arrays
 
 
@@ -521,7 +521,7 @@ class GraphUpdate:
         initial = {t.name: t for t in graph.initializer}
         types = {vi.name: vi for vi in graph.input}
         named = tuple(n for n in self.meta.get("learning_rate", "").split(",") if n)
-        _, rate_defaults = learning_rate_inputs(graph, {n: None for n in types if n in memory}, types, initial, named)
+        _, rate_defaults = learning_rate_inputs(graph, memory, types, initial, named)
         input_defaults = {vi.name: np.ascontiguousarray(tensor_value(initial[vi.name], model.large_initializers))
                           for vi in graph.input
                           if vi.name in initial and vi.name not in memory and vi.name not in rate_defaults}
@@ -535,7 +535,8 @@ class GraphUpdate:
             data = [vi.name for vi in portable.model_proto.graph.input if vi.name not in memory]
             portable = portable.with_proto(static_graph(portable.model_proto, data, self.input_shapes,
                                                         "input_shapes"))
-        required, optional = [], []
+        required: list[FeedSpec] = []
+        optional: list[FeedSpec] = []
         folded = {vi.name: vi for vi in portable.model_proto.graph.input}
         for vi in graph.input:
             if vi.name in memory:

@@ -56,9 +56,9 @@ class TrainingLoop:
             if outputs:
                 raise TrainingOpError("step(outputs=...) with gradients accumulated by backward(): call "
                                       "optimizer_step() first, or evaluate(feeds, outputs=...)")
-            result = self.backward(feeds)
-            result.update(self.optimizer_step(lr))
-            return result
+            accumulated = self.backward(feeds)
+            accumulated.update(self.optimizer_step(lr))
+            return accumulated
         programs = self.programs
         programs.check_feeds(feeds, programs.required_names, programs.optional)
         rates = self.rates.for_step(lr)
@@ -117,7 +117,7 @@ class TrainingLoop:
             if message:
                 raise TrainingOpError(message)
         eval_loss, loss = self.meta.get("eval_loss"), self.meta.get("loss")
-        if eval_loss in result and loss not in outputs:  # the eval-mode loss, under the loss's name
+        if eval_loss and loss and eval_loss in result and loss not in outputs:  # the eval-mode loss, under its name
             result[loss] = result.pop(eval_loss)
         return result
 

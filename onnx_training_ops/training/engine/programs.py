@@ -9,7 +9,7 @@ what each takes (feed names, specs, the checks before onnxruntime runs).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,7 @@ class FeedChecks:
         self._inputs = {where: input_checker(proto.graph, initializers, where)
                         for where in ("step", "backward", "evaluate", "run")}
 
-    def check(self, feeds: Mapping[str, Any], required: set[str], optional: set[str], where: str) -> None:
+    def check(self, feeds: Mapping[str, Any], required: Set[str], optional: Set[str], where: str) -> None:
         """Names, then the batch's and the inputs' checks."""
         if type(feeds) is not dict and not isinstance(feeds, Mapping):
             raise TrainingOpError(f"{where}: feeds must be a mapping of input name to array, found "
@@ -91,7 +91,7 @@ class SessionPrograms:
         self.store, self.meta, self.config, self.large, self.threads = store, meta, config, large, threads
         self.model: LargeModel = store.model
         self.update: UpdateStrategy = update_strategy(store, meta, config, self.options, large)
-        self.steps: list[EngineProgram] = self.update.open_steps(self.model, True)
+        self.steps: list[EngineProgram] = list(self.update.open_steps(self.model, True))
         self.required: dict[str, FeedSpec] = {}
         for program in self.steps:
             for spec in program.required:
@@ -115,7 +115,7 @@ class SessionPrograms:
             return self.steps
         if outputs not in self._with_outputs:
             derived = self.model.with_proto(step_model(self.model.model_proto, outputs))
-            self._with_outputs[outputs] = self.update.open_steps(derived, False)
+            self._with_outputs[outputs] = list(self.update.open_steps(derived, False))
         return self._with_outputs[outputs]
 
     def for_evaluation(self, outputs: tuple[str, ...]) -> EngineProgram:
@@ -134,7 +134,7 @@ class SessionPrograms:
         program = self.for_evaluation(outputs)
         return feed_list(program.required, program.optional)
 
-    def check_feeds(self, feeds: Mapping[str, Any], required: set[str], optional: set[str],
+    def check_feeds(self, feeds: Mapping[str, Any], required: Set[str], optional: Set[str],
                     where: str = "step") -> None:
         """Names, then the batch's and the inputs' checks, before onnxruntime runs."""
         self.checks.check(feeds, required, optional, where)

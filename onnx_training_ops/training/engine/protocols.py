@@ -68,7 +68,7 @@ class UpdateStrategy(Protocol):
 
     name: str  # "fused", "native" or "graph"
 
-    def open_steps(self, model: LargeModel, first: bool) -> list[EngineProgram]:
+    def open_steps(self, model: LargeModel, first: bool) -> Sequence[EngineProgram]:
         """One step program per TrainingInfoProto of ``model``. ``first``: the session's own
         steps (the state is laid out for them; the static shapes and fixed addresses apply),
         not the copies returning extra outputs."""
