@@ -5,7 +5,9 @@ writes its new state into fresh buffers. To write it over the state itself (one 
 parameters and the optimizer state on a device, not two), a NaN or infinite loss must not
 reach the state: this pass routes each fed-back output through
 ``Where(IsFinite(loss), new, old)`` (``IsFinite`` as ``Not(Or(IsNaN, IsInf))``), which is the
-new value bit for bit when the loss is finite and the old one otherwise.
+new value bit for bit when the loss is finite and the old one otherwise. A bool ``gate``
+input can be ANDed in: with it False the step writes nothing (a warm-up run, such as those
+onnxruntime makes while it captures a CUDA graph).
 
 :func:`in_place_unsafe` tells which state inputs may not share a buffer with their new value:
 those read by a node that need not run before the value is written (onnxruntime runs nodes in

@@ -7,7 +7,7 @@ zero-copy (:mod:`.binding`), so state never round-trips through fresh arrays bet
 
 ``step(feeds)`` runs every TrainingInfoProto's algorithm in order, on the main graph and the
 algorithm graph concatenated (:mod:`.program`), :func:`~onnx_training_ops.prepare`-d
-(Gradient expansion, plugin kernels). ``fast=True`` (the default) applies the optimizer
+(Gradient expansion, plugin kernels). ``fast=True`` (the default on host arrays) applies the optimizer
 nodes in place with the fused kernels (:mod:`.fast_path`); ``fast=False`` runs them in
 onnxruntime; both agree bit for bit. ``on_nonfinite`` says what a NaN or infinite loss does
 (:mod:`.step`): ``"raise"`` :class:`NonFiniteLossError`, ``"skip"`` the step (counted in
