@@ -183,7 +183,7 @@ def test_in_place_state_equals_two_sets_bit_for_bit_and_keeps_the_state_on_a_nan
     export_step(_model(clip_grad_norm=0.5), tmp_path, flat_optimizer=flat)
     in_place = DeviceTrainer(tmp_path, on_nonfinite="skip")
     two_sets = DeviceTrainer(tmp_path, on_nonfinite="skip", in_place=False)
-    assert in_place.in_place and not two_sets.in_place and in_place._state.spares == 0
+    assert in_place.in_place and not two_sets.in_place and in_place.session._store.memory.spares == 0
     batches = _batches(5)
     batches[2] = {**batches[2], "input": np.full_like(batches[2]["input"], np.inf)}
     for batch in batches:
@@ -257,3 +257,39 @@ def test_in_place_falls_back_to_two_sets_where_an_update_may_run_before_a_read(t
     with pytest.raises(TrainingOpError, match="in_place=True, but the step model may read"):
         DeviceTrainer(tmp_path / "per_tensor", in_place=True)
     assert DeviceTrainer(tmp_path / "flat").in_place
+
+
+def test_open_export_is_a_training_session_on_the_one_engine(tmp_path):
+    """issue 37 item 2: an export opens as a TrainingSession (its update in the graph), with
+    the export's rates, schedule, label checks and eval model; it saves a training model that
+    reopens anywhere, and DeviceTrainer is a thin alias over it."""
+    from onnx_training_ops.export import open_export
+
+    model = _model(clip_grad_norm=0.5)
+    reference = ot.TrainingSession(model)
+    reference.set_lr_schedule(schedules.StepLR(step_size=1, gamma=0.5))
+    reference.step(_batches(1, seed=7)[0])
+    export_step(reference, tmp_path / "export")
+    session = open_export(tmp_path / "export")
+    assert isinstance(session, ot.TrainingSession) and session.device == "cpu" and not session.fast
+    assert session.learning_rate_names == ["learning_rate"] and session.lr_schedule_step == 1
+    assert session.learning_rates == reference.learning_rates
+    for batch in _batches(3):  # the host session's native loss kernel may round the loss 1 ulp apart
+        np.testing.assert_allclose(session.step(batch)["loss"], reference.step(batch)["loss"], rtol=1e-6)
+    _same = lambda a, b: all(np.array_equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())  # noqa: E731
+    assert _same(session, reference) and session.lr_schedule_step == reference.lr_schedule_step == 4
+    batch = _batches(1, seed=5, rows=7)[0]
+    got = session.evaluate(batch, outputs=["logits"])
+    want = reference.evaluate(batch, outputs=["logits"])
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-6)
+    (live,) = session.state_views(["W0"])  # host arrays on the CPU: live views
+    assert np.shares_memory(live, session.get_flat_parameters(copy=False))
+    with pytest.raises(TrainingOpError, match="labels"):
+        session.step({**_batches(1)[0], "labels": np.full(12, 9)})
+    reopened = ot.TrainingSession(session.save(tmp_path / "ckpt.onnx"))
+    assert reopened.lr_schedule_step == 4
+    batch = _batches(1, seed=11)[0]
+    np.testing.assert_array_equal(reopened.step(batch)["loss"], session.step(batch)["loss"])
+    trainer = DeviceTrainer(tmp_path / "export")
+    assert isinstance(trainer.session, ot.TrainingSession) and trainer.schedule_step == 1

@@ -39,7 +39,7 @@ def test_training_session_on_cuda_equals_the_cpu_with_the_state_on_the_gpu(stati
     gpu = ot.TrainingSession(_model(), _fp32_cuda(), input_shapes=shapes)
     cpu = ot.TrainingSession(_model())
     assert gpu.device == "cuda" and gpu.cuda_graph == static
-    assert all(v.device_name().lower() == "cuda" for v in gpu._store.values.values.values())
+    assert all(v.device_name().lower() == "cuda" for v in gpu._store.memory.values.values())
     for batch in _batches():
         np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-5)
     want = cpu.state_dict()
@@ -66,7 +66,7 @@ def test_the_static_step_runs_entirely_on_the_cuda_ep(capfd):
     inserted = [line for line in text.splitlines()
                 if "Memcpy" in line and any(w in line for w in ("added", " after ", " before "))]
     assert not inserted, inserted
-    step = session._programs.steps[0].program.session
+    step = session._programs.steps[0].session
     assert "CUDAExecutionProvider" in step.get_providers()
 
 
@@ -75,7 +75,7 @@ def test_device_trainer_on_cuda_equals_the_cpu_with_the_state_on_the_gpu(tmp_pat
     gpu = DeviceTrainer(tmp_path, providers=_fp32_cuda())
     cpu = DeviceTrainer(tmp_path)
     assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.device == "cuda"
-    assert all(v.device_name().lower() == "cuda" for v in gpu._state.values.values())
+    assert all(v.device_name().lower() == "cuda" for v in gpu.session._store.memory.values.values())
     for batch in _batches():
         np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-5)
     want = cpu.state_dict()
@@ -108,3 +108,37 @@ def test_a_causal_lm_step_replays_a_cuda_graph_with_no_cpu_node_and_the_cpu_loss
     assert not inserted, inserted
     assert gpu.cuda_graph
     np.testing.assert_allclose(ours, [float(cpu.step(batches[i % 3])["loss"]) for i in range(8)], rtol=1e-4)
+
+
+def test_frozen_tensors_train_on_cuda_with_a_cuda_graph_and_accumulation():
+    """A LoRA-like model (a frozen 4 KB weight): bound once on the GPU for every program, the
+    step captured as a CUDA graph (issue 39 items 1 and 5), backward working (issue 36 B.9)."""
+    from tests.test_device_session import _frozen_model
+
+    model = _frozen_model()
+    shapes = {"x": [5, 16], "target": [5, 4]}
+    gpu, cpu = ot.TrainingSession(model, _fp32_cuda(), input_shapes=shapes), ot.TrainingSession(model)
+    assert gpu.cuda_graph, gpu._programs.steps[0].not_captured
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        feeds = {"x": rng.standard_normal((5, 16)).astype(np.float32),
+                 "target": rng.standard_normal((5, 4)).astype(np.float32)}
+        np.testing.assert_allclose(gpu.step(feeds)["loss"], cpu.step(feeds)["loss"], rtol=1e-5)
+    gpu.backward(feeds)
+    cpu.backward(feeds)
+    gpu.optimizer_step()
+    cpu.optimizer_step()
+    np.testing.assert_allclose(gpu.state_dict()["W1"], cpu.state_dict()["W1"], rtol=1e-4, atol=1e-6)
+
+
+def test_a_conv_net_trains_on_cuda_with_cudnn_convolution_gradients():
+    """Issue 39 item 8: on CUDA the Conv gradients are Conv/ConvTranspose, not im2col Gemms."""
+    from tests.test_device_session import _conv_model
+
+    gpu, cpu = ot.TrainingSession(_conv_model(), _fp32_cuda()), ot.TrainingSession(_conv_model())
+    ops = [n.op_type for n in gpu._programs.steps[0].session.prepared_model.graph.node]
+    assert "ConvTranspose" in ops
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        batch = {"x": rng.standard_normal((6, 3, 8, 8)).astype(np.float32), "labels": rng.integers(0, 5, 6)}
+        np.testing.assert_allclose(gpu.step(batch)["loss"], cpu.step(batch)["loss"], rtol=1e-4)

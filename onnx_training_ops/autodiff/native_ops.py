@@ -16,4 +16,7 @@ CROSS_ENTROPY_GRAD = "TrainingCrossEntropyGrad"
 BATCH_NORM_GRAD = "TrainingBatchNormGrad"  # kernels._native_norm_kernels
 BATCH_STATS = "TrainingBatchStats"  # written by passes.batch_statistics_native, not by a rule
 ALL = frozenset({IM2COL, COL2IM, RELU_GRAD, CROSS_ENTROPY_LOSS, CROSS_ENTROPY_GRAD, BATCH_NORM_GRAD})
+# not an op: asks the Conv rule for onnxruntime's Conv/ConvTranspose forms of the input and weight
+# gradients (cuDNN on a GPU) instead of the im2col Gemms tuned for the CPU
+CONV_BY_CONV = "conv_by_conv"
 COLS_OF = "cols of Conv node "  # doc_string of an Im2Col a Conv's rule emits, + the Conv's name

@@ -1,7 +1,9 @@
 """Convolutions: Conv and ConvTranspose, and the window helpers pooling shares.
 
-Conv with group 1 and static shapes: one Gemm per gradient (:mod:`.conv_gemm`). Otherwise
-convolution gradients are written with the forward op's own adjoints:
+Conv with group 1 and static shapes: one Gemm per gradient (:mod:`.conv_gemm`), what a CPU
+runs fastest. Otherwise, and for a GPU (the expansion allows ``CONV_BY_CONV``: cuDNN's
+convolutions beat an im2col of hundreds of Pad/Slice nodes there), convolution gradients are
+written with the forward op's own adjoints:
 
 * dX: ``ConvTranspose`` of the output gradient with W (no padding) gives the gradient with
   respect to the *padded* input, short of the trailing rows no window touched; it is padded
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from . import conv_gemm
 from .emitter import Emitter, static_dims
+from .native_ops import CONV_BY_CONV
 from .registry import RuleContext, RuleError, register
 
 Ints = list | str  # a static list of ints or the name of a 1-D int64 tensor
@@ -184,7 +187,7 @@ def _conv(ctx: RuleContext) -> list:
     x, w, kernel, n, strides, dilations, group = _geometry(ctx)
     pb, pe = _pads(ctx, x, kernel, strides, dilations)
     out = ctx.empty()
-    geometry = conv_gemm.gemm_geometry(em, x, w, ctx.output(0), group, pb, pe)
+    geometry = None if CONV_BY_CONV in em.native else conv_gemm.gemm_geometry(em, x, w, ctx.output(0), group, pb, pe)
     if geometry is not None:  # one Gemm per gradient (conv_gemm)
         g2 = conv_gemm.gradient_rows(em, g, geometry)
         if ctx.need(0):

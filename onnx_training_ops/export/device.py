@@ -1,15 +1,18 @@
-"""Train an export on any execution provider, its state resident on the device between steps.
+"""Train an export on any execution provider: the export opened as the engine's training model.
 
-:class:`DeviceTrainer` runs the exported step model (:func:`~onnx_training_ops.export.export_step`:
-standard ONNX ops, the state as inputs and its new values as outputs) in onnxruntime with
-IOBinding, over the same device-resident state as ``TrainingSession(device=...)``
-(:mod:`~onnx_training_ops.training.device_program`): the state lives on the device as
-OrtValues, written in place when the guarded step allows it, else into a second set that
-becomes the state only when the step is kept. So per step only the batch and the learning
-rates go up and the returned values (loss, grad norm) come down; no host array is bound as a
-device input (onnxruntime copies such an input once, at bind time, which would freeze the
-parameters at their first value), and a NaN loss leaves the state as it was without a copy.
-This is the Python twin of the JavaScript trainer (``js/``).
+:func:`open_export` reads an export directory (:func:`~onnx_training_ops.export.export_step`:
+standard ONNX ops, the state as inputs and its new values as outputs) back into a training
+model — the step as its algorithm, the eval model as its main graph, the state as
+initializers, the manifest's learning rates, input defaults, schedule and label range as the
+model's own — and opens a :class:`~onnx_training_ops.TrainingSession` on it whose update runs
+in the graph (:mod:`onnx_training_ops.training.engine`): the state resident on the device, written
+in place when the guarded step allows it, else into a second set; per step only the batch and
+the learning rates go up and the returned values come down. So an export trains with the same
+state store, programs, rates, feed checks and checkpoints as any session.
+
+:class:`DeviceTrainer` is the older front end of the same thing (the Python twin of the
+JavaScript trainer, ``js/``): a thin alias over :func:`open_export` keeping its names
+(``learning_rates()``, ``schedule_step``, ``save_state``) and messages.
 
 On a CPU-only machine the same code runs with ``device="cpu"`` (what the test suite checks);
 on a GPU, ``providers=["CUDAExecutionProvider", "CPUExecutionProvider"]`` (onnxruntime-gpu).
@@ -17,6 +20,7 @@ on a GPU, ``providers=["CUDAExecutionProvider", "CPUExecutionProvider"]`` (onnxr
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,26 +28,187 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper, numpy_helper
 
+from ..builder.model_metadata import META_PREFIX
 from ..errors import TrainingOpError
+from ..passes._graph import unique_name
 from ..storage import safetensors
 from ..storage.checkpoint import atomic_write
-from ..storage.model_files import as_model
-from ..training.checks import check_classes
-from ..training.device_program import DeviceProgram
-from ..training.device_state import DeviceValues
+from ..training.engine import checked_config
 from ..training.feeds import checked_learning_rate
 from ..training.precision import check_precision
-from ..training.providers import device_for, provider_name, require_available
-from ..training.schedules import checked_rate
-from ..training.static_shapes import checked_input_shapes, static_step
+from ..training.providers import device_for, device_inputs, placement, provider_name, require_available
+from ..training.schedules import to_json
+from ..training.session import TrainingSession
+from ..training.static_shapes import checked_input_shapes
 from ..training.step import NONFINITE_POLICIES
+from ..walk import all_graphs
 from . import manifest as manifest_
 from .importing import manifest_schedule, read_state
 
+EVAL_PREFIX = "eval/"  # the eval model's values whose names the step uses too
+
+
+def export_training_model(directory: str | os.PathLike, verify: bool = True
+                          ) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """The training model an export directory describes, and its manifest.
+
+    The step model is its algorithm (the state inputs its initializers, each learning rate and
+    input default an initializer of its input: an optional input), the eval model its main
+    graph (values the step names too renamed ``eval/...``; the metadata's ``eval_loss`` names
+    its loss), ``update_binding`` the manifest's feedback; the schedule at the state's position,
+    the label range and the precision are the model's metadata.
+
+    Raises:
+        TrainingOpError: not an export directory, a damaged file (``verify``), or a manifest
+            that does not fit the step model.
+    """
+    directory = os.fspath(directory)
+    state, manifest = read_state(directory, verify)
+    if manifest is None:
+        raise TrainingOpError(f"{directory!r}: DeviceTrainer takes an export directory (manifest.json)")
+    files = manifest["files"]
+    step = onnx.load_model_from_string(manifest_.file_bytes(directory, manifest, "step", verify))
+    manifest_.check_feedback(step, manifest, os.path.join(directory, files["step"]["path"]))
+    feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
+    missing = [n for n in feedback if n not in {i.name for i in step.graph.input}]
+    if missing:
+        raise TrainingOpError(f"{directory!r}: manifest feedback names {missing}, which the step model "
+                              "does not take as inputs")
+    evaluation = onnx.load_model_from_string(manifest_.file_bytes(directory, manifest, "eval", verify)) \
+        if "eval" in files else None
+
+    algorithm = step.graph
+    algorithm.name = "algorithm"
+    constants = {t.name: t for t in algorithm.initializer}
+    main = helper.make_graph([], "main", [], [], [numpy_helper.from_array(state[n], n) for n in feedback])
+    meta = {"loss": manifest.get("loss") or "", "trainable": ",".join(
+        e["name"] for e in manifest["state"] if e.get("role") == "parameter")}
+    if evaluation is not None:
+        meta["eval_loss"] = _eval_as_main(evaluation.graph, main, algorithm, constants, meta["loss"])
+    for name in feedback:  # the state: initializers of the main graph, not inputs of the step
+        _drop(algorithm.input, name)
+    defaults = {e["name"]: np.full(e["shape"], e["base"], e["dtype"]) for e in manifest["learning_rates"]}
+    defaults.update({n: np.array(e["values"], e["dtype"]).reshape(e["shape"])
+                     for n, e in (manifest.get("defaults") or {}).items()})
+    step_inputs = {vi.name for vi in algorithm.input}
+    algorithm.initializer.extend(numpy_helper.from_array(v, n) for n, v in defaults.items() if n in step_inputs)
+    opsets = {o.domain: o.version for o in (*(evaluation.opset_import if evaluation else ()), *step.opset_import)}
+    model = helper.make_model(main, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
+    model.ir_version = max(step.ir_version, evaluation.ir_version if evaluation else 0)
+    info = model.training_info.add()
+    info.algorithm.CopyFrom(algorithm)
+    for name, output in feedback.items():
+        info.update_binding.add(key=name, value=output)
+    meta["learning_rate"] = ",".join(e["name"] for e in manifest["learning_rates"])
+    if manifest.get("schedule"):
+        schedule, position = manifest_schedule(manifest, state, repr(os.path.join(directory, manifest_.MANIFEST)))
+        meta["lr_schedule"] = to_json(schedule, position)
+    if manifest.get("labels") and manifest.get("classes") is not None:
+        ignore = manifest.get("ignore_index")
+        meta.update(labels=manifest["labels"], label_range=f"{manifest['classes']},{'' if ignore is None else ignore}")
+    if manifest.get("precision"):
+        meta["precision"] = manifest["precision"]
+        if manifest.get("loss_scaling"):
+            meta["loss_scaling"] = json.dumps(manifest["loss_scaling"])
+    for key, value in meta.items():
+        if value:
+            model.metadata_props.add(key=META_PREFIX + key, value=value)
+    return model, manifest
+
+
+def _eval_as_main(graph: onnx.GraphProto, main: onnx.GraphProto, step: onnx.GraphProto,
+                  constants: Mapping[str, onnx.TensorProto], loss: str) -> str:
+    """Put the eval graph into ``main`` (in place): its nodes, data inputs and outputs, its
+    constants once (the step's too: one tensor for both), every value it computes that the step
+    also names renamed apart. Returns its loss's name."""
+    state = {t.name for t in main.initializer}
+    taken = {n for g in all_graphs(step) for node in g.node for n in (*node.input, *node.output)}
+    taken |= {vi.name for vi in (*step.input, *step.output)} | set(constants)
+    renamed: dict[str, str] = {}
+    for sub in all_graphs(graph):  # one scope once merged: a body's values too
+        for node in sub.node:
+            for out in node.output:
+                if out and out in taken:
+                    renamed[out] = unique_name(taken, EVAL_PREFIX + out)
+    for sub in all_graphs(graph):
+        for node in sub.node:
+            node.input[:] = [renamed.get(n, n) for n in node.input]
+            node.output[:] = [renamed.get(n, n) for n in node.output]
+    for tensor in graph.initializer:
+        shared = constants.get(tensor.name)
+        if shared is not None and shared.SerializeToString() != tensor.SerializeToString():
+            raise TrainingOpError(f"the eval model's constant {tensor.name!r} differs from the step model's")
+        if tensor.name not in state:
+            main.initializer.append(tensor)
+    _drop_named(step.initializer, {t.name for t in graph.initializer})
+    main.node.extend(graph.node)
+    main.input.extend(vi for vi in graph.input if vi.name not in state)
+    for vi in graph.output:
+        out = main.output.add()
+        out.CopyFrom(vi)
+        out.name = renamed.get(vi.name, vi.name)
+    main.value_info.extend(graph.value_info)
+    for vi in main.value_info:
+        vi.name = renamed.get(vi.name, vi.name)
+    return renamed.get(loss, loss)
+
+
+def _drop(field: Any, name: str) -> None:
+    _drop_named(field, {name})
+
+
+def _drop_named(field: Any, names: set[str]) -> None:
+    kept = [entry for entry in field if entry.name not in names]
+    del field[:]
+    field.extend(kept)
+
+
+def open_export(directory: str | os.PathLike, providers: Sequence[str | tuple[str, dict]] | None = None, *,
+                device: str | None = None, on_nonfinite: str = "raise", sess_options: ort.SessionOptions | None = None,
+                verify: bool = True, in_place: bool | None = None,
+                input_shapes: Mapping[str, Sequence[int]] | None = None, cuda_graph: bool | None = None,
+                threads: int | None = None) -> TrainingSession:
+    """A :class:`~onnx_training_ops.TrainingSession` training an export directory, its update in
+    the graph (the export's own step) and its state on ``device``.
+
+    Args:
+        directory: what :func:`~onnx_training_ops.export.export_step` wrote.
+        providers: onnxruntime execution providers (default: the CPU's, or ``device``'s). A
+            provider missing from the installed onnxruntime is an error, never a silent CPU run.
+        device: ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"``: where the state lives (default:
+            the device of the first device provider).
+        on_nonfinite: what a NaN or infinite loss does (``"raise"``, ``"skip"``, ``"ignore"``).
+        sess_options: onnxruntime options, copied for each onnxruntime session.
+        verify: check the files against the manifest's SHA-256 digests (False skips it).
+        in_place: the step writes its new state over the old (guarded): None when safe, True
+            (an error when unsafe), False (two sets).
+        input_shapes: static shapes of the step's data inputs (the shape arithmetic folded at
+            load; every batch must then have these shapes).
+        cuda_graph: as :class:`~onnx_training_ops.TrainingSession`'s.
+        threads: intra-op threads of every onnxruntime session.
+
+    Returns:
+        The session (its learning rates, schedule and label checks the export's).
+
+    Raises:
+        TrainingOpError: not a valid export, a provider that is not available, or an unsafe
+            ``in_place=True``.
+    """
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
+    where = placement(providers, device)
+    found = (where.device, where.device_id) if where.device is not None else device_for(where.providers)
+    config = checked_config(where.providers, None, on_nonfinite, sess_options, None, threads, found[0], found[1],
+                            device_inputs(input_shapes, found[0]), cuda_graph, in_place)
+    model, _ = export_training_model(directory, verify)
+    return TrainingSession._opened(model, config)
+
 
 class DeviceTrainer:
-    """Train an export directory on ``providers``, the state resident on their device.
+    """Train an export directory on ``providers``, the state resident on their device: a thin
+    alias over :func:`open_export` (the session it opened is :attr:`session`).
 
     Args:
         directory: what :func:`~onnx_training_ops.export.export_step` wrote.
@@ -74,99 +239,69 @@ class DeviceTrainer:
                  sess_options: ort.SessionOptions | None = None, verify: bool = True,
                  in_place: bool | None = None,
                  input_shapes: Mapping[str, Sequence[int]] | None = None) -> None:
-        if on_nonfinite not in NONFINITE_POLICIES:
-            raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
         providers = list(providers) if providers is not None else ["CPUExecutionProvider"]
         require_available(providers)
         self.directory = os.fspath(directory)
-        state, manifest = read_state(self.directory, verify)
-        if manifest is None:
+        if not os.path.isdir(self.directory):
             raise TrainingOpError(f"{self.directory!r}: DeviceTrainer takes an export directory (manifest.json)")
-        self.manifest = manifest
-        check_precision({"precision": manifest.get("precision") or "fp32"}, [provider_name(p) for p in providers],
-                        "DeviceTrainer")
-        self.on_nonfinite = on_nonfinite
-        self.skipped_steps = 0
+        self.manifest = manifest_.read(self.directory)
+        check_precision({"precision": self.manifest.get("precision") or "fp32"},
+                        [provider_name(p) for p in providers], "DeviceTrainer")
         self.device, found_id = device_for(providers)
         self.device_id = int(device_id) if device_id else found_id
-        files = manifest["files"]
-        # the bytes checked against the manifest's sha256, read from inside the directory
-        step_model = onnx.load_model_from_string(manifest_.file_bytes(self.directory, manifest, "step", verify))
-        manifest_.check_feedback(step_model, manifest, os.path.join(self.directory, files["step"]["path"]))
-        feedback: dict[str, str] = dict(manifest["feedback"])  # state input -> step output
         self.input_shapes = checked_input_shapes(input_shapes, "DeviceTrainer") if input_shapes is not None else {}
-        if input_shapes is not None:
-            data = [e["name"] for e in manifest["inputs"]]
-            step_model = static_step(step_model, data, self.input_shapes, "DeviceTrainer")
-        missing = [n for n in feedback if n not in {i.name for i in step_model.graph.input}]
-        if missing:
-            raise TrainingOpError(f"{self.directory!r}: manifest feedback names {missing}, which the step model "
-                                  "does not take as inputs")
-        self._state = DeviceValues({name: state[name] for name in feedback}, self.device, self.device_id)
-        self._returned = list(manifest["returned"])
-        self._loss = manifest.get("loss")
-        self._step = DeviceProgram(as_model(step_model, copy=False), self._state, feedback, self._returned,
-                                   sess_options, providers, loss=self._loss, on_nonfinite=on_nonfinite,
-                                   in_place=in_place, where="step")
-        self._eval = None
-        if "eval" in files:
-            evaluation = onnx.load_model_from_string(manifest_.file_bytes(self.directory, manifest, "eval", verify))
-            self._eval = DeviceProgram(as_model(evaluation, copy=False), self._state, {},
-                                       [o.name for o in evaluation.graph.output], sess_options, providers,
-                                       where="evaluate")
-        self._inputs = {e["name"]: e for e in manifest["inputs"]}
-        self._eval_inputs = {e["name"]: e for e in manifest.get("eval_inputs", [])}
-        self._defaults = {n: np.array(e["values"], e["dtype"]).reshape(e["shape"])
-                          for n, e in (manifest.get("defaults") or {}).items()}
-        self._rates = {e["name"]: np.zeros(e["shape"], e["dtype"]) for e in manifest["learning_rates"]}
-        self._bases = {e["name"]: float(e["base"]) for e in manifest["learning_rates"]}
-        self._schedule = None
-        self._schedule_offset = 0
-        if manifest.get("schedule"):
-            self._schedule, _ = manifest_schedule(manifest, state, repr(os.path.join(self.directory, "manifest.json")))
-            self._schedule_offset = int(manifest["schedule"]["step_offset"])
-        self._counter = manifest.get("counter")
-        self._classes = manifest.get("classes")
-        self._ignore_index = manifest.get("ignore_index")
-        self._labels = manifest.get("labels")
-        self._count = int(np.asarray(state[self._counter]).reshape(-1)[0]) if self._counter in state else 0
+        self.session = open_export(self.directory, providers,
+                                   device="cpu" if self.device == "cpu" else f"{self.device}:{self.device_id}",
+                                   on_nonfinite=on_nonfinite, sess_options=sess_options, verify=verify,
+                                   in_place=in_place, input_shapes=input_shapes)
+        self.on_nonfinite = on_nonfinite
+        self._inputs = {e["name"]: e for e in self.manifest["inputs"]}
+        self._eval_inputs = {e["name"]: e for e in self.manifest.get("eval_inputs", [])}
+        self._defaults = {n: e for n, e in (self.manifest.get("defaults") or {}).items()}
+        self._rates = [e["name"] for e in self.manifest["learning_rates"]]
+        self._counter = self.manifest.get("counter")
+        self._offset = int(self.manifest["schedule"]["step_offset"]) if self.manifest.get("schedule") else 0
 
     @property
     def in_place(self) -> bool:
         """Whether the step writes its new state over the old (one copy of the state on the device)."""
-        return self._step.in_place
+        return bool(self.session._programs.in_place())
 
     @property
     def providers(self) -> list[str]:
         """The providers onnxruntime runs the step on."""
-        return self._step.session.get_providers()
+        return self.session._programs.steps[0].session.get_providers()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss (``on_nonfinite="skip"``)."""
+        return self.session.skipped_steps
 
     @property
     def state_names(self) -> list[str]:
         """The state variables, in the step model's order."""
-        return list(self._state)
+        return self.session.state_names
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The state, copied to the host (names as in the export)."""
-        return {name: self._state.download(name) for name in self._state}
+        return self.session.state_dict()
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Replace the whole state (every variable, same dtype and shape); nothing changes on error."""
-        given, names = set(state), set(self._state)
+        given, names = set(state), set(self.state_names)
         if given != names:
             raise TrainingOpError(f"load_state_dict: expected the state variables {sorted(names)}, "
                                   f"missing {sorted(names - given)}, unknown {sorted(given - names)}")
-        checked = {}
-        for name in self._state:
-            array = np.asarray(state[name])
-            dtype, shape = self._state.dtype(name), self._state.shape(name)
-            if array.dtype != dtype or array.shape != shape:
-                raise TrainingOpError(f"load_state_dict: {name!r} must be {dtype} {list(shape)}, "
+        described = self.session._store.described()
+        for name in self.state_names:
+            array, want = np.asarray(state[name]), described[name]
+            if array.dtype != want.dtype or array.shape != tuple(want.shape):
+                raise TrainingOpError(f"load_state_dict: {name!r} must be {want.dtype} {list(want.shape)}, "
                                       f"found {array.dtype} {list(array.shape)}")
-            checked[name] = array
-        for name, array in checked.items():
-            self._state.upload(name, array)
-        self._count = int(np.asarray(checked[self._counter]).reshape(-1)[0]) if self._counter in checked else 0
+        with self.session._lock:  # the state and the schedule's position: one change
+            self.session.load_state_dict(state)
+            if self.session.lr_schedule is not None:
+                self.session.set_lr_schedule(self.session.lr_schedule, self.schedule_step)
 
     def save_state(self, path: str | os.PathLike) -> None:
         """Write the state as ``.safetensors`` (atomically): resume here, in a TrainingSession
@@ -178,28 +313,29 @@ class DeviceTrainer:
     @property
     def schedule_step(self) -> int:
         """Optimizer steps taken under the schedule: the update count plus the manifest's offset."""
-        return self._count + self._schedule_offset
+        if self._counter not in self.state_names:
+            return self.session.lr_schedule_step
+        (count,) = self.session._store.memory.download_many([self._counter]).values()
+        return int(np.asarray(count).reshape(-1)[0]) + self._offset
 
     def learning_rates(self) -> dict[str, float]:
         """The rate of each learning-rate input for the next step: the schedule's, else the base."""
-        if self._schedule is None:
-            return dict(self._bases)
-        k = self.schedule_step
-        return {n: checked_rate(self._schedule, base, k, n) for n, base in self._bases.items()}
+        return self.session.learning_rates
 
-    def _rate_values(self, lr: float | Mapping[str, float] | None) -> dict[str, float]:
+    def _rate_values(self, lr: float | Mapping[str, float] | None) -> dict[str, float] | None:
         if lr is None:
-            return self.learning_rates()
+            return None
         rates = dict(lr) if isinstance(lr, Mapping) else {n: lr for n in self._rates}
         unknown = set(rates) - set(self._rates)
         if unknown:
             raise TrainingOpError(f"step: unknown learning-rate input(s) {sorted(unknown)}; "
                                   f"the export has {sorted(self._rates)}")
-        for name in self._rates:
-            rates[name] = checked_learning_rate(rates.get(name, self._bases[name]), f"step: learning rate {name!r}")
-        return rates
+        bases = self.session.learning_rates
+        return {name: checked_learning_rate(rates.get(name, bases[name]), f"step: learning rate {name!r}")
+                for name in self._rates}
 
     def _check_feeds(self, feeds: Mapping[str, Any], specs: Mapping[str, dict], what: str) -> dict[str, np.ndarray]:
+        """The manifest's view of the feeds (its messages), before the session's own checks."""
         if not isinstance(feeds, Mapping):
             raise TrainingOpError(f"{what}: feeds must be a mapping of input name to array, "
                                   f"found {type(feeds).__name__}")
@@ -210,7 +346,6 @@ class DeviceTrainer:
         for name, spec in specs.items():
             if name not in feeds:
                 if name in self._defaults:
-                    arrays[name] = self._defaults[name]
                     continue
                 raise TrainingOpError(f"{what}: input {name!r} is missing; the model takes {sorted(specs)}")
             array = feeds[name]
@@ -221,16 +356,8 @@ class DeviceTrainer:
             if shape is not None and (array.ndim != len(shape) or any(
                     isinstance(d, int) and d != n for d, n in zip(shape, array.shape))):
                 raise TrainingOpError(f"{what}: input {name!r} must have shape {shape}, found {list(array.shape)}")
-            arrays[name] = np.require(array, requirements="C")
-        self._check_labels(arrays, what)
+            arrays[name] = array
         return arrays
-
-    def _check_labels(self, arrays: Mapping[str, np.ndarray], what: str) -> None:
-        """Labels in [0, classes) or equal to ignore_index, when the manifest records the class count."""
-        if self._classes is None or self._labels not in arrays:
-            return
-        ignore = None if self._ignore_index is None else int(self._ignore_index)
-        check_classes(what, self._labels, arrays[self._labels], int(self._classes), ignore)
 
     def step(self, feeds: Mapping[str, np.ndarray], lr: float | Mapping[str, float] | None = None
              ) -> dict[str, np.ndarray]:
@@ -249,26 +376,19 @@ class DeviceTrainer:
             TrainingOpError: a missing, unknown or malformed input or rate.
         """
         arrays = self._check_feeds(feeds, self._inputs, "step")
-        for name, value in self._rate_values(lr).items():
-            buf = self._rates[name]
-            buf[...] = value
-            arrays[name] = buf
-
-        def counted(skipped: bool) -> None:
-            if skipped:
-                self.skipped_steps += 1
-            else:
-                self._count += 1
-
-        result, _ = self._step.run(arrays, counted)
-        return result
+        return self.session.step(arrays, lr=self._rate_values(lr))
 
     def evaluate(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The eval model's outputs (loss, logits...) with the current state; nothing changes."""
-        if self._eval is None:
+        if "eval" not in self.manifest["files"]:
             raise TrainingOpError(f"evaluate: the export {self.directory!r} has no eval model")
-        result, _ = self._eval.run(self._check_feeds(feeds, self._eval_inputs, "evaluate"))
-        return result
+        arrays = self._check_feeds(feeds, self._eval_inputs, "evaluate")
+        loss = self.manifest.get("loss")
+        outputs = [o.name for o in self.session._store.model.model_proto.graph.output]
+        named = {o: o[len(EVAL_PREFIX):] if o.startswith(EVAL_PREFIX) else o for o in outputs}
+        eval_loss = self.session.metadata.get("eval_loss")
+        result = self.session.evaluate(arrays, outputs=[o for o in outputs if o != eval_loss])
+        return {(loss if name == loss else named.get(name, name)): value for name, value in result.items()}
 
 
-__all__ = ["DeviceTrainer"]
+__all__ = ["DeviceTrainer", "export_training_model", "open_export"]

@@ -18,7 +18,7 @@ from onnx import ModelProto
 from .batch_statistics_native import batch_statistics_native
 from .conv_forward_gemm import conv_forward_gemm
 from .encode_exact_attributes import encode_exact_attributes
-from .expand_gradient import expand_gradient, expand_gradient_native
+from .expand_gradient import expand_gradient, expand_gradient_gpu, expand_gradient_native
 from .fill_defaults import fill_default_attributes
 from .fit_runtime import fit_runtime
 from .flatten_optimizers import flatten_optimizers
@@ -90,3 +90,7 @@ _LOWERING = [name for name, _ in PORTABLE_PASSES].index("lower_optimizers")
 FLAT_PORTABLE_PASSES: list[tuple[str, Pass]] = [
     *PORTABLE_PASSES[:_LOWERING], ("flatten_optimizers", flatten_optimizers), *PORTABLE_PASSES[_LOWERING:],
 ]  # the portable pipeline with flatten_optimizers right before the lowering
+# A CUDA device's: the flat form, and convolution gradients as Conv/ConvTranspose (cuDNN) where
+# the CPU's pipelines write im2col Gemms (hundreds of Pad/Slice nodes for a ResNet).
+GPU_PASSES: list[tuple[str, Pass]] = [(name, expand_gradient_gpu if name == "expand_gradient" else run)
+                                      for name, run in FLAT_PORTABLE_PASSES]

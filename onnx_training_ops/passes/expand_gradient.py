@@ -27,6 +27,7 @@ from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 from ..autodiff import ValueMeta, topological_sort
 from ..autodiff.contrib_shapes import complete as complete_shapes
 from ..autodiff.native_ops import ALL as NATIVE_GRAD_OPS
+from ..autodiff.native_ops import CONV_BY_CONV
 from ..autodiff.native_ops import DOMAIN as NATIVE_DOMAIN
 from ..errors import TrainingOpError
 from ..storage.tensors import location
@@ -36,7 +37,7 @@ from ._graph import all_names, concatenated
 
 DOMAIN = "ai.onnx.preview.training"
 
-__all__ = ["expand_gradient", "expand_gradient_native", "expand_gradients_in_graph"]
+__all__ = ["expand_gradient", "expand_gradient_gpu", "expand_gradient_native", "expand_gradients_in_graph"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -306,6 +307,12 @@ def expand_gradient(model: ModelProto, native: frozenset = frozenset()) -> Model
 def expand_gradient_native(model: ModelProto) -> ModelProto:
     """:func:`expand_gradient` for the native path: rules may emit every native backward op."""
     return expand_gradient(model, native=NATIVE_GRAD_OPS)
+
+
+def expand_gradient_gpu(model: ModelProto) -> ModelProto:
+    """:func:`expand_gradient` for a GPU: standard ops, convolution gradients as onnxruntime's
+    Conv/ConvTranspose (cuDNN) rather than the CPU's im2col Gemms."""
+    return expand_gradient(model, native=frozenset({CONV_BY_CONV}))
 
 
 def _expand_algorithm(algorithm: GraphProto, main: GraphProto, opset: int, imports,

@@ -5,7 +5,9 @@ writes its new state into fresh buffers. To write it over the state itself (one 
 parameters and the optimizer state on a device, not two), a NaN or infinite loss must not
 reach the state: this pass routes each fed-back output through
 ``Where(IsFinite(loss), new, old)`` (``IsFinite`` as ``Not(Or(IsNaN, IsInf))``), which is the
-new value bit for bit when the loss is finite and the old one otherwise.
+new value bit for bit when the loss is finite and the old one otherwise. A bool ``gate``
+input can be ANDed in: with it False the step writes nothing (a warm-up run, such as those
+onnxruntime makes while it captures a CUDA graph).
 
 :func:`in_place_unsafe` tells which state inputs may not share a buffer with their new value:
 those read by a node that need not run before the value is written (onnxruntime runs nodes in
@@ -26,13 +28,17 @@ from ._graph import all_names, unique_name
 ALIASING_OPS = {"Reshape", "Identity", "Flatten", "Squeeze", "Unsqueeze"}
 
 
-def guard_feedback(model: onnx.ModelProto, feedback: Mapping[str, str], loss: str) -> dict[str, str]:
+def guard_feedback(model: onnx.ModelProto, feedback: Mapping[str, str], loss: str | None,
+                   gate: str | None = None) -> dict[str, str]:
     """Guard every fed-back output of ``model`` by the loss being finite (in place).
 
     Args:
         model: a step model (state inputs, the new values as outputs).
         feedback: state input -> the output holding its new value.
-        loss: the scalar loss output.
+        loss: the scalar loss output (None: no loss check, ``gate`` alone).
+        gate: a bool scalar input ANDed into the guard: False keeps the old state whatever the
+            loss (a warm-up run, such as the runs onnxruntime makes to capture a CUDA graph,
+            then changes nothing). Added to the graph's inputs.
 
     Returns:
         state input -> the guarded output that now holds its new value (the graph outputs are
@@ -40,9 +46,20 @@ def guard_feedback(model: onnx.ModelProto, feedback: Mapping[str, str], loss: st
     """
     graph = model.graph
     taken = all_names(graph)
-    nan, inf, bad, ok = (unique_name(taken, f"{loss}/{what}") for what in ("is_nan", "is_inf", "bad", "finite"))
-    nodes = [helper.make_node("IsNaN", [loss], [nan]), helper.make_node("IsInf", [loss], [inf]),
-             helper.make_node("Or", [nan, inf], [bad]), helper.make_node("Not", [bad], [ok])]
+    nodes = []
+    ok = gate
+    if loss is not None:
+        nan, inf, bad, ok = (unique_name(taken, f"{loss}/{what}") for what in ("is_nan", "is_inf", "bad", "finite"))
+        nodes += [helper.make_node("IsNaN", [loss], [nan]), helper.make_node("IsInf", [loss], [inf]),
+                  helper.make_node("Or", [nan, inf], [bad]), helper.make_node("Not", [bad], [ok])]
+    if gate is not None:
+        graph.input.append(helper.make_tensor_value_info(gate, onnx.TensorProto.BOOL, []))
+        if loss is not None:
+            gated = unique_name(taken, f"{loss}/finite_and_applied")
+            nodes.append(helper.make_node("And", [ok, gate], [gated]))
+            ok = gated
+    if ok is None:
+        raise ValueError("guard_feedback: neither a loss nor a gate to guard with")
     guarded = {}
     outputs = {o.name: o for o in graph.output}
     for state, new in feedback.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 from onnx import ModelProto
 
-from ..passes import FLAT_PORTABLE_PASSES, NATIVE_PASSES, PASSES, PORTABLE_PASSES
+from ..passes import FLAT_PORTABLE_PASSES, GPU_PASSES, NATIVE_PASSES, PASSES, PORTABLE_PASSES
 from ..storage.external_data import transposed
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
@@ -55,11 +55,12 @@ def prepare(model: ModelLike, kernels: str | None = None, portable: bool = False
 
 
 def prepare_model(model: LargeModel, kernels: str | None = None, portable: bool = False,
-                  flat: bool = False) -> LargeModel:
+                  flat: bool = False, gpu: bool = False) -> LargeModel:
     """:func:`prepare` on the package's one model type: ``model`` (left as it was) prepared,
-    its detached tensors still arrays."""
+    its detached tensors still arrays. ``gpu`` (with ``portable``): the flat form for a CUDA
+    device, its convolution gradients as Conv/ConvTranspose (:data:`GPU_PASSES`)."""
     if portable:
-        passes = FLAT_PORTABLE_PASSES if flat else PORTABLE_PASSES
+        passes = GPU_PASSES if gpu else FLAT_PORTABLE_PASSES if flat else PORTABLE_PASSES
     else:
         passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
     opened = model.copy()

@@ -1,11 +1,9 @@
 """Training sessions: run ONNX training models (``training_info``) in stock onnxruntime.
 
-* :mod:`.session` — :class:`TrainingSession`, the public API: a thin class over the parts it
-  owns, opened by :mod:`.session_open`: :mod:`.state_store` (the state variables),
-  :mod:`.session_programs` (the onnxruntime programs over them), :mod:`.session_loop` (step,
-  evaluate, backward/optimizer_step with :mod:`.accumulation`, learning rates with
-  :mod:`.rates`), :mod:`.session_files` (checkpoints, exports); with :mod:`.options`,
-  :mod:`.checks` (labels, properties);
+* :mod:`.session` — :class:`TrainingSession`, the public API: a thin class over the engine
+  (:mod:`.engine`): its state store, programs, loop (learning rates with :mod:`.rates`) and
+  checkpointer, and its two strategies (where the state lives, where the update runs); with
+  :mod:`.options`, :mod:`.checks` (labels, properties);
 * :mod:`.schedules` — learning-rate schedules with torch's names;
 * :mod:`.program` — one TrainingInfoProto's algorithm as the graph onnxruntime runs, its
   frozen :class:`~.program.Analysis` and the open :class:`~.program.Program`;

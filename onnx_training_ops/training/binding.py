@@ -59,7 +59,7 @@ def open_program(
     combined = model
     constants: dict[str, np.ndarray] = {}
     if constants_as_inputs:  # after prepare's transpose fold
-        combined, constants = _constants_as_inputs(prepare_model(combined))
+        combined, constants = detached_as_inputs(prepare_model(combined))
     graph = combined.model_proto.graph
     rate_inputs = analysis.rate_inputs
     found: dict[str, str] = {}
@@ -131,10 +131,11 @@ def open_program(
     return program
 
 
-def _constants_as_inputs(model: LargeModel) -> tuple[LargeModel, dict[str, np.ndarray]]:
+def detached_as_inputs(model: LargeModel) -> tuple[LargeModel, dict[str, np.ndarray]]:
     """``model`` whose detached constants are graph inputs, and their arrays. onnxruntime
     copies the initializers it is given (``add_external_initializers`` too: measured), but
-    reads a bound input in place: a frozen base model stays one copy."""
+    reads a bound input in place: a frozen base model stays one copy (the message is changed
+    in place)."""
     graph = model.model_proto.graph
     constants, kept = {}, []
     for tensor in graph.initializer:

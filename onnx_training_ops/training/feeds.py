@@ -4,7 +4,7 @@ Binding them to a program happens in :mod:`.step` (this module knows no Program)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ def feed_spec(vi: onnx.ValueInfoProto) -> FeedSpec:
     return FeedSpec(vi.name, np_dtype(tt.elem_type), shape)
 
 
-def check_feed_names(feeds: Mapping[str, Any], required: set[str], optional: set[str],
+def check_feed_names(feeds: Mapping[str, Any], required: Set[str], optional: Set[str],
                      where: str = "step") -> None:
     """Raise unless ``feeds`` holds every required name and nothing but required or optional names."""
     names = set(feeds)

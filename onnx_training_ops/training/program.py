@@ -9,7 +9,7 @@ must output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,7 +230,7 @@ def check_binding_types(
 
 def learning_rate_inputs(
     graph: onnx.GraphProto,
-    state: Mapping[str, np.ndarray],
+    state: Container[str],
     input_types: Mapping[str, onnx.ValueInfoProto],
     init_values: Mapping[str, onnx.TensorProto],
     named: tuple[str, ...] = (),

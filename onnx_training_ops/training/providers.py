@@ -5,7 +5,7 @@ build (it logs a warning and drops it): :func:`placement` refuses that up front.
 session whose state is bound from host arrays reads a device copy made once, at bind time,
 for any input a device node reads (onnxruntime's ``IOBinding::BindInput``): from step 2 on it
 would train on stale parameters. So a session with a device provider keeps its state on the
-device as OrtValues (:mod:`.device_session`), as it does for ``device="cpu"``.
+device as OrtValues (:mod:`.engine.memory`), its update in the graph (:mod:`.engine.graph`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ def device_for(providers: Sequence[str | tuple[str, dict]]) -> tuple[str, int]:
     return "cpu", 0
 
 
+def device_providers(device: str, device_id: int = 0) -> list:
+    """The providers that run a graph on ``device`` (its provider, then the CPU's)."""
+    if device == "cpu":
+        return [CPU]
+    options = {"device_id": device_id} if device == "cuda" else {}
+    return [(_PROVIDERS_OF[device], options), CPU]
+
+
 def _parse_device(device: str) -> tuple[str, int]:
     if not isinstance(device, str):
         raise TrainingOpError(f"device must be a string such as 'cuda', 'cuda:1' or 'cpu', found {device!r}")
@@ -104,11 +112,7 @@ def placement(providers: Sequence[str | tuple[str, dict]] | None, device: str | 
     """
     wanted = _parse_device(device) if device is not None else None
     if providers is None:
-        if wanted is None or wanted[0] == "cpu":
-            listed: list = [CPU]
-        else:
-            options = {"device_id": wanted[1]} if wanted[0] == "cuda" else {}
-            listed = [(_PROVIDERS_OF[wanted[0]], options), CPU]
+        listed: list = device_providers(*wanted) if wanted is not None else [CPU]
     else:
         listed = [providers] if isinstance(providers, (str, tuple)) else list(providers)
         if not listed:

@@ -7,7 +7,7 @@ scheduled from its own default, as torch's ``base_lrs``), else from the defaults
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import TrainingOpError
@@ -16,23 +16,14 @@ from .feeds import checked_learning_rate
 
 
 class LearningRates:
-    """The learning-rate inputs of ``programs``, their defaults, and the schedule with its position."""
+    """The learning-rate inputs, their defaults, and the schedule with its position.
 
-    def __init__(self, programs: Sequence[Any], meta: Mapping[str, str]) -> None:
-        defaults: dict[str, Any] = {}
-        for analysis in (p.analysis for p in programs):
-            for name in analysis.rate_inputs:
-                defaults.setdefault(name, analysis.rate_defaults[name])
-        self._init(defaults, meta)
+    Args:
+        defaults: each learning-rate input -> its default array (or None).
+        meta: the builder's metadata (``lr_schedule``: the schedule and its position).
+    """
 
-    @classmethod
-    def from_defaults(cls, defaults: Mapping[str, Any], meta: Mapping[str, str]) -> LearningRates:
-        """The rates of the inputs ``defaults`` names (input -> its default array, or None)."""
-        rates = cls.__new__(cls)
-        rates._init(defaults, meta)
-        return rates
-
-    def _init(self, defaults: Mapping[str, Any], meta: Mapping[str, str]) -> None:
+    def __init__(self, defaults: Mapping[str, Any], meta: Mapping[str, str]) -> None:
         self.names = list(defaults)
         self.base = {name: float(value.reshape(-1)[0]) for name, value in defaults.items() if value is not None}
         self.schedule, self.step = (

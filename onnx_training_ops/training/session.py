@@ -7,7 +7,7 @@ zero-copy (:mod:`.binding`), so state never round-trips through fresh arrays bet
 
 ``step(feeds)`` runs every TrainingInfoProto's algorithm in order, on the main graph and the
 algorithm graph concatenated (:mod:`.program`), :func:`~onnx_training_ops.prepare`-d
-(Gradient expansion, plugin kernels). ``fast=True`` (the default) applies the optimizer
+(Gradient expansion, plugin kernels). ``fast=True`` (the default on host arrays) applies the optimizer
 nodes in place with the fused kernels (:mod:`.fast_path`); ``fast=False`` runs them in
 onnxruntime; both agree bit for bit. ``on_nonfinite`` says what a NaN or infinite loss does
 (:mod:`.step`): ``"raise"`` :class:`NonFiniteLossError`, ``"skip"`` the step (counted in
@@ -16,12 +16,14 @@ onnxruntime; both agree bit for bit. ``on_nonfinite`` says what a NaN or infinit
 arrays during the run, no copies (:mod:`.in_place`; a guard keeps a non-finite loss from
 reaching them).
 
-The class is thin: it holds the caller's choices, one lock, and four parts it owns, each
-opened from the model by :func:`~.session_open.open_parts` —
-:class:`~.state_store.StateStore` (the state variables), :class:`~.session_programs.SessionPrograms`
-(the onnxruntime programs over them), :class:`~.session_loop.TrainingLoop` (steps,
-evaluation, accumulation, learning rates) and :class:`~.session_files.Checkpointer`
-(checkpoints and exports). Each public method takes the lock and calls one part.
+The class is thin: it holds the caller's choices, one lock, and the four parts of the engine
+(:mod:`.engine`), each opened from the model by :func:`~.engine.open.open_parts` —
+:class:`~.engine.store.StateStore` (the state variables), :class:`~.engine.programs.SessionPrograms`
+(the onnxruntime programs over them), :class:`~.engine.loop.TrainingLoop` (steps,
+evaluation, accumulation, learning rates) and :class:`~.engine.files.Checkpointer`
+(checkpoints and exports). Each public method takes the lock and calls one part. Where the
+state lives and where the update runs are the engine's two strategies (:mod:`.engine.config`):
+``device`` and ``repr`` say which run.
 """
 
 from __future__ import annotations
@@ -43,12 +45,12 @@ from ..runtime.session import InferenceSession
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike
 from . import precision
+from .engine import RuntimeConfig, check_threads, checked_config, open_parts
+from .engine.config import describe_strategies
 from .feeds import Feed
 from .from_graph import graph_to_training_model
 from .locked import locked
 from .providers import device_inputs, placement
-from .session_open import check_threads, open_parts
-from .session_programs import RuntimeConfig
 from .session_summary import describe, torch_state_dict
 from .step import NONFINITE_POLICIES, NonFiniteLossError
 from .summary import ModelSummary, summary
@@ -77,8 +79,10 @@ class TrainingSession:
         providers: onnxruntime execution providers (one missing from the installed build is
             refused). With a device provider (``CUDAExecutionProvider``...) the state lives on
             that device (see ``device``).
-        fast: apply the optimizer nodes in place with the fused kernels (default); False runs
-            them in onnxruntime. Both agree bit for bit.
+        fast: apply the optimizer nodes in place with the fused kernels (the default on host
+            arrays); False runs them in onnxruntime (native kernels writing the state during the
+            run). Both agree bit for bit. With a ``device`` the update runs in the graph:
+            ``fast=True`` is refused there.
         on_nonfinite: what a NaN or infinite loss does: ``"raise"``
             (:class:`NonFiniteLossError`), ``"skip"`` the step (counted in ``skipped_steps``)
             or ``"ignore"`` it; the first two leave the state unchanged.
@@ -95,14 +99,15 @@ class TrainingSession:
             device every parameter, optimizer state, update count and accumulated gradient is
             an OrtValue there for the session's life; per step only the batch and the learning
             rates go up and the returned values come down; the optimizers run lowered to
-            standard ops in onnxruntime (``fast`` does not apply). docs/gpu.md.
+            standard ops in onnxruntime (``fast`` does not apply). With ``"cpu"`` the state stays in
+            host arrays bound zero-copy (``state_views``, ``gradient_buffers`` work). docs/gpu.md.
         input_shapes: with a ``device``, the step's data inputs' static shapes
             (``{"input_ids": [8, 256]}``): its shape arithmetic is folded once, and every
             ``step`` batch must have these shapes (``evaluate`` takes any).
         cuda_graph: with a CUDA device, replay the step as a CUDA graph. None (default): when
             safe, i.e. static step inputs (their own or ``input_shapes``), the state written in
             place, and every node on the CUDA EP; True: an error
-            naming what prevents it; False: never.
+            naming what prevents it (refused without a CUDA ``device``); False: never.
 
     Raises:
         TrainingOpError: a model without ``training_info``, a damaged or mismatched
@@ -114,7 +119,7 @@ class TrainingSession:
         model_or_path: ModelLike,
         providers: Sequence[str | tuple[str, dict]] | None = None,
         *,
-        fast: bool = True,
+        fast: bool | None = None,
         on_nonfinite: str = "raise",
         sess_options: ort.SessionOptions | None = None,
         session_config: Mapping[str, str] | None = None,
@@ -127,13 +132,23 @@ class TrainingSession:
             raise TrainingOpError(f"on_nonfinite must be one of {NONFINITE_POLICIES}, found {on_nonfinite!r}")
         check_threads(threads, sess_options)
         where = placement(providers, device)  # before anything is loaded: a clear error, never a CPU run
-        self._config = RuntimeConfig(where.providers, bool(fast), on_nonfinite, sess_options,
-                                     {str(k): str(v) for k, v in (session_config or {}).items()}, threads,
-                                     where.device, where.device_id, device_inputs(input_shapes, where.device),
-                                     cuda_graph)
+        config = checked_config(where.providers, fast, on_nonfinite, sess_options, session_config, threads,
+                                where.device, where.device_id, device_inputs(input_shapes, where.device), cuda_graph)
+        self._open(model_or_path, config)
+
+    def _open(self, model_or_path: ModelLike, config: RuntimeConfig) -> None:
+        """Open the engine on ``model_or_path`` with ``config`` (checked)."""
+        self._config = config
         # one step, save, run or state change at a time: concurrent callers wait their turn
         self._lock = threading.RLock()
-        self._store, self._programs, self._loop, self._files = open_parts(model_or_path, self._config)
+        self._store, self._programs, self._loop, self._files = open_parts(model_or_path, config)
+
+    @classmethod
+    def _opened(cls, model_or_path: ModelLike, config: RuntimeConfig) -> TrainingSession:
+        """A session on ``model_or_path`` with a checked ``config`` (the engine's other openers)."""
+        session = cls.__new__(cls)
+        session._open(model_or_path, config)
+        return session
 
     @classmethod
     def from_graph(
@@ -175,13 +190,7 @@ class TrainingSession:
         Returns:
             The new TrainingSession.
         """
-        config = self._config
-        device = None if config.device is None else \
-            f"{config.device}:{config.device_id}" if config.device_id else config.device
-        return type(self)(model, config.providers, fast=config.fast, on_nonfinite=config.on_nonfinite,
-                          sess_options=config.sess_options, session_config=config.session_config,
-                          threads=config.threads, device=device, input_shapes=config.input_shapes,
-                          cuda_graph=config.cuda_graph)
+        return type(self)._opened(model, self._config)
 
     # ------------------------------------------------------------------ steps and evaluation
 
@@ -263,7 +272,8 @@ class TrainingSession:
 
     @property
     def fast(self) -> bool:
-        """Whether the fused kernels apply the optimizer nodes in place (``fast=`` when opened)."""
+        """Whether the fused kernels apply the optimizer nodes in place (``fast=`` when opened;
+        False where the update runs in the graph)."""
         return self._config.fast
 
     @property
@@ -352,8 +362,7 @@ class TrainingSession:
         table adds two views to its dtype's buffer, after the dense gradients: its dense
         gradient, then a per-row counter of lookups (> 0: the row is updated), so a sum
         then × 1/world over processes keeps both right."""
-        self._loop.accumulation.programs()
-        return list(self._loop.accumulation.buffers)
+        return self._loop.accumulation.buffers
 
     @locked
     def gradient_views(self) -> list[tuple[str, np.ndarray]]:
@@ -668,8 +677,9 @@ class TrainingSession:
 
     @property
     def device(self) -> str | None:
-        """Where the state lives: ``"cuda"``, ``"cpu"``... for a device-resident session, None for
-        host arrays (the CPU session with its fused kernels)."""
+        """The device of a session whose update runs in the graph (``device=`` or a device
+        provider): ``"cuda"``, ``"cpu"``...; None for the host session (host arrays, the update
+        by the fused or the native kernels). ``repr`` names both strategies."""
         return self._config.device
 
     @property
@@ -692,8 +702,9 @@ class TrainingSession:
         return summary(self._store.model, self._store.described())
 
     def __repr__(self) -> str:  # cheap: no shape inference (summary() walks the graph)
+        engine = describe_strategies(self._config, self._programs.in_place(), self._programs.graph_capture())
         return describe(self._store.described(), self._programs.meta, self.learning_rates, self.lr_schedule_step,
-                        self.providers, self.device)
+                        self.providers, engine)
 
     @locked
     def to_torch_state_dict(self, mapping: Mapping[str, dict] | None = None, tensors: bool = True) -> dict[str, Any]:

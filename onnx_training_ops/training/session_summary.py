@@ -13,9 +13,9 @@ from .torch_names import recorded_names, to_torch_names
 
 
 def describe(state: Mapping[str, Any], meta: Mapping[str, str], rates: Mapping[str, float],
-             step: int, providers: list[str], device: str | None = None) -> str:
+             step: int, providers: list[str], engine: str = "") -> str:
     """A session's one-line ``repr`` (cheap: no shape inference, unlike ``summary()``; ``state``
-    gives sizes, no values)."""
+    gives sizes, no values; ``engine`` its strategies in words)."""
     names = [n for n in meta.get("trainable", "").split(",") if n in state]
     count = sum(state[n].size for n in names)
     opt = meta.get("optimizer", "")
@@ -23,7 +23,7 @@ def describe(state: Mapping[str, Any], meta: Mapping[str, str], rates: Mapping[s
     lr = ", ".join(f"{k}={v:g}" for k, v in rates.items())
     return (f"<TrainingSession {len(names)} trainable tensors ({count:,} parameters), optimizer {opt} ({lr}), "
             f"loss {meta.get('loss')!r}, step {step}, providers {providers}"
-            f"{f', state on {device!r}' if device else ''}>")
+            f"{f', {engine}' if engine else ''}>")
 
 
 def torch_state_dict(model: LargeModel, state: Mapping[str, np.ndarray], mapping: Mapping[str, dict] | None,

@@ -1,4 +1,4 @@
-"""A session's checkpoint part: what ``save`` writes, the inference model it exports, properties."""
+"""The engine's checkpoint part: what ``save`` writes, the inference model it exports, properties."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from typing import Any
 
 import onnx
 
-from ..builder.model_metadata import META_PREFIX
-from ..errors import TrainingOpError
-from ..storage.large_model import LargeModel
-from ..storage.model_files import load_model
-from ..storage.save import save_model
-from ..storage.snapshot import write_state
-from .checks import checked_properties, stored_properties
-from .inference import inference_model, with_outputs
-from .nominal import nominal_model
-from .rates import LearningRates
-from .state_store import StateStore
+from ...builder.model_metadata import META_PREFIX
+from ...errors import TrainingOpError
+from ...storage.large_model import LargeModel
+from ...storage.model_files import load_model
+from ...storage.save import save_model
+from ...storage.snapshot import write_state
+from ..checks import checked_properties, stored_properties
+from ..inference import inference_model, with_outputs
+from ..nominal import nominal_model
+from ..rates import LearningRates
+from .store import StateStore
 
 
 class Checkpointer:

@@ -1,8 +1,8 @@
-"""Opening a session: the model read and checked, then its parts made in order.
+"""Opening the engine: the model read and checked, then its parts made in order.
 
 :func:`open_parts` is everything ``TrainingSession(...)`` does after checking its arguments, and
-what it does again when new constant values reopen it: state store, programs, loop,
-checkpointer (:mod:`.session`).
+what it does again when new constant values reopen it: state store (in the memory the
+configuration selects), programs (through its update strategy), loop, checkpointer.
 """
 
 from __future__ import annotations
@@ -12,23 +12,22 @@ import os
 import numpy as np
 import onnx
 
-from ..builder.model_metadata import metadata
-from ..errors import TrainingOpError
-from ..kernels.compile_notice import announce_compiles
-from ..runtime.options import default_intra_op_threads
-from ..runtime.session import InferenceSession
-from ..storage import checkpoint
-from ..storage.large_model import detach
-from ..storage.model_files import ModelLike, as_model
-from .device_session import DeviceLoop, DevicePrograms
-from .device_store import DeviceStateStore
-from .nominal import materialize, nominal_names
-from .precision import check_precision
-from .session_files import Checkpointer
-from .session_loop import TrainingLoop
-from .session_programs import RuntimeConfig, SessionPrograms
-from .state import collect_state_protos, state_tensors
-from .state_store import StateStore
+from ...builder.model_metadata import metadata
+from ...errors import TrainingOpError
+from ...kernels.compile_notice import announce_compiles
+from ...runtime.options import default_intra_op_threads
+from ...runtime.session import InferenceSession
+from ...storage import checkpoint
+from ...storage.large_model import detach
+from ...storage.model_files import ModelLike, as_model
+from ..nominal import materialize, nominal_names
+from ..precision import check_precision
+from ..state import collect_state_protos, state_tensors
+from .config import RuntimeConfig
+from .files import Checkpointer
+from .loop import TrainingLoop
+from .programs import SessionPrograms
+from .store import StateStore
 
 # float TensorProto types (a hand-written model's trainables: its float state variables)
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -81,23 +80,17 @@ def open_parts(model_or_path: ModelLike, config: RuntimeConfig
     check_precision(meta, [p[0] if isinstance(p, tuple) else p for p in config.providers])
     protos = collect_state_protos(model.model_proto)
     arrays = state_tensors(model, protos, expected, f"checkpoint {os.fspath(path)!r}" if path else "the model")
-    if config.device is not None:  # the state on the device as OrtValues, no host copy kept
-        store: StateStore = DeviceStateStore(model, arrays, protos, meta, config.device, config.device_id)
-        del arrays
-    else:
-        store = StateStore(model, arrays, protos, meta)
+    # host arrays kept as they are; on a device copied up, no host copy kept
+    store = StateStore.open(model, arrays, protos, meta, config.host_memory, config.device or "cpu", config.device_id)
+    del arrays
     sizes = {n: int(np.prod(p.dims, dtype=np.int64)) for n, p in protos.items()}
     trainable = [n for n in meta.get("trainable", "").split(",") if n in sizes] or \
         [n for n, p in protos.items() if p.data_type in _FLOATS]
     threads = config.threads if config.threads is not None else \
         default_intra_op_threads(sum(sizes[n] for n in trainable))
-    if isinstance(store, DeviceStateStore):
-        programs = DevicePrograms(store, meta, config, large, threads)
-        loop = DeviceLoop(programs)
-    else:
-        with announce_compiles():  # the first session after an install compiles the kernels
-            programs = SessionPrograms(store, meta, config, large, threads)
-        loop = TrainingLoop(programs)
+    with announce_compiles():  # the first session after an install compiles the kernels
+        programs = SessionPrograms(store, meta, config, large, threads)
+    loop = TrainingLoop(programs)
     files = Checkpointer(store, loop.rates, meta)
     if empty:  # the optimizer state at its initial values
         store.reset(lambda init: InferenceSession(init, providers=config.providers))
