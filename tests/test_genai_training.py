@@ -39,7 +39,8 @@ def _batch(family: str):
 
 
 def _feeds(model: onnx.ModelProto, folder, ids, mask, labels) -> dict:
-    """Empty pasts ``[B, kv_heads, 0, head_size]``; the layers genai_config.json lists under
+    """The batch, and the pasts ``model`` still takes (the builder removes those that only fill an
+    attention node's cache: :mod:`onnx_training_ops.builder.kv_cache`): empty pasts ``[B, kv_heads, 0, head_size]``; the layers genai_config.json lists under
     ``sliding_window`` (Gemma 2's windowed layers: ``sliding_window_cache=1``) get a cache of the
     window's capacity, zeros (onnxruntime refuses a smaller one; the prompt does not read it)."""
     config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
@@ -142,7 +143,7 @@ def test_gradients_match_torch_on_the_deployed_graph(root, family, precision):
 
     trained = ot.build_training_model(model, ot.CrossEntropyLoss(shift_labels=True), ot.AdamW(), output="logits")
     session = ot.TrainingSession(trained)
-    loss = float(session.backward(_feeds(model, folder, ids, mask, labels))["loss"])
+    loss = float(session.backward(_feeds(trained, folder, ids, mask, labels))["loss"])
     assert abs(loss - want_loss) < 1e-6 * abs(want_loss)
     grads = session.gradients()
     assert grads and not {"cos_cache", "sin_cache"} & set(grads), sorted(grads)  # rotary tables never train
@@ -156,10 +157,10 @@ def test_gradients_match_torch_on_the_deployed_graph(root, family, precision):
 
 
 def _session_gradients(folder, family):
-    model = onnx.load(folder / "model.onnx")
-    session = ot.TrainingSession(ot.build_training_model(
-        model, ot.CrossEntropyLoss(shift_labels=True), ot.AdamW(lr=1e-2), output="logits"))
-    feeds = _feeds(model, folder, *_batch(family))
+    trained = ot.build_training_model(onnx.load(folder / "model.onnx"), ot.CrossEntropyLoss(shift_labels=True),
+                                      ot.AdamW(lr=1e-2), output="logits")
+    session = ot.TrainingSession(trained)
+    feeds = _feeds(trained, folder, *_batch(family))
     return session, feeds, float(session.backward(feeds)["loss"]), session.gradients()
 
 
