@@ -58,8 +58,10 @@ from .padding_rows import detect_padding_rows, mark_lookups, recorded_padding_ro
 from .padding_rows import to_json as padding_json
 from .param_groups import groups_to_json, resolve_groups
 from .rmsprop import RMSProp
+from .torch_record import LOST_KEY
+from .torch_record import read as read_record
 from .train_mode import fit_opset, training_forward
-from .trainables import check_differentiable, choose_trainables
+from .trainables import check_differentiable, choose_trainables, refuse_lost
 from .untie import describe as describe_untied
 from .untie import untie_merged_initializers
 from .update import add_learning_rates, add_update
@@ -245,9 +247,8 @@ def build_training_model(
         model = fit_opset(model)  # Dropout masks need opset 18
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
-    restored = restore_parameters(model)
-    if restored:
-        warnings.warn(restored.describe(), stacklevel=2)
+    restored = restore_parameters(model, opened.array)
+    restored.lost.update({k: v for k, v in (read_record(model, LOST_KEY) or {}).items() if k not in restored.lost})
     untied = untie_merged_initializers(model)
     if untied:
         warnings.warn(describe_untied(untied), stacklevel=2)
@@ -261,9 +262,12 @@ def build_training_model(
     t_name = algo.name("optimizer.T")  # the update count, also the dropout masks' counter
     renamed, stat_updates = _forward(model, mode, seed, t_name, types, algo)
     spec, loss_name, eval_loss, target = add_loss(model, loss, output, labels, types, renamed, algo)
-    candidates = choose_trainables(model, trainable, algo.nodes, loss_name, elem_types)
+    candidates = choose_trainables(model, trainable, algo.nodes, loss_name, elem_types, restored)
     groups, frozen = resolve_groups([p.name for p in candidates], param_groups, optimizer, learning_rate)
     params = [p for p in candidates if p.name not in frozen]
+    refuse_lost(restored, trainable, [p.name for p in params], param_groups, {t.name for t in model.graph.initializer})
+    if restored:
+        warnings.warn(restored.describe(), stacklevel=2)
     check_differentiable(model, algo.nodes, loss_name, params, elem_types)
 
     add_learning_rates(groups, params, algo)

@@ -8,7 +8,9 @@ from onnx import TensorProto, helper
 from ..autodiff.coverage import missing_rules, trainable_names
 from ..autodiff.registry import describe_missing
 from ..errors import TrainingOpError
-from .dynamo_params import exported_parameters
+from .dynamo_params import Restored, exported_parameters
+from .param_groups import frozen_by
+from .torch_record import read as read_record
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
 TORCH_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"  # dynamo=True value_info
@@ -28,15 +30,34 @@ def _exported_kinds(graph: onnx.GraphProto) -> dict[str, str]:
     return kinds
 
 
+def _is_parameter(model: onnx.ModelProto):
+    """Whether an initializer is what torch calls a parameter: float; the torch-name record's
+    word when it has one (made from the module: ``requires_grad``); else not a buffer or a
+    folded constant of a dynamo export, and of rank >= 1 unless the export's signature lists
+    it (rank-0 constants are what exporters fold, CLIP's ``logit_scale`` is a parameter)."""
+    kinds = _exported_kinds(model.graph)
+    signature = set((exported_parameters(model.graph) or {}).values())
+    record = read_record(model) or {}
+    flagged = any("parameter" in entry for entry in record.values())
+
+    def check(t: onnx.TensorProto) -> bool:
+        if t.data_type not in FLOAT_TYPES:
+            return False
+        entry = record.get(t.name)
+        if entry is not None and "parameter" in entry:
+            return bool(entry["parameter"])
+        if flagged and entry is None and t.name not in signature:
+            return False  # the module's parameters are all recorded: an exporter's constant
+        return kinds.get(t.name, "PARAMETER") == "PARAMETER" and (len(t.dims) > 0 or t.name in signature)
+    return check
+
+
 def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
                         elem_types) -> list[onnx.TensorProto]:
-    """The initializers torch would call parameters: float, not scalars (constants the
-    exporters fold into initializers), not buffers (when the exporter says so), not
-    BatchNormalization running statistics, and with a differentiable path to the loss."""
-    kinds = _exported_kinds(model.graph)
-    candidates = [t for t in model.graph.initializer
-                  if t.data_type in FLOAT_TYPES and len(t.dims) > 0
-                  and kinds.get(t.name, "PARAMETER") == "PARAMETER"]
+    """The initializers torch would call parameters (:func:`_is_parameter`), not BatchNormalization
+    running statistics, and with a differentiable path to the loss."""
+    is_parameter = _is_parameter(model)
+    candidates = [t for t in model.graph.initializer if is_parameter(t)]
     reached = trainable_names(list(model.graph.node) + list(loss_nodes), loss_name,
                               [t.name for t in candidates], elem_types)
     chosen = [t for t in candidates if t.name in reached]
@@ -53,13 +74,16 @@ def _default_trainables(model: onnx.ModelProto, loss_nodes, loss_name: str,
 
 
 def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: str,
-                elem_types) -> list[onnx.TensorProto]:
+                      elem_types, restored: Restored | None = None) -> list[onnx.TensorProto]:
     if trainable is None:
         return _default_trainables(model, loss_nodes, loss_name, elem_types)
     inits = {t.name: t for t in model.graph.initializer}
     names = [trainable] if isinstance(trainable, str) else list(trainable)
     if not names:
         raise TrainingOpError("trainable is empty: nothing to train")
+    lost = [n for n in names if restored is not None and n in restored.lost]
+    if lost:
+        raise TrainingOpError(restored.lost_message(lost))
     out = []
     for name in names:
         if name not in inits:
@@ -87,3 +111,25 @@ def check_differentiable(model: onnx.ModelProto, loss_nodes, loss_name: str,
     if missing:
         raise TrainingOpError(describe_missing(missing, f"from the trainables to the loss "
                                                         f"{loss_name!r}"))
+
+
+def refuse_lost(restored: Restored, trainable, training: list[str], param_groups, initializers: set[str]) -> None:
+    """A parameter the export folded or merged beyond repair (``restored.lost``) must not train:
+    it would train apart from torch, or not at all. It may stay frozen: by ``trainable=[...]``
+    without it, a frozen param group, or (a parameter the model holds) not being a trainable.
+    Nor may a frozen one stand in an initializer that trains (its uses would change)."""
+    if not restored.lost:
+        return
+    training_set = set(training)
+    would = []
+    for name in restored.lost:
+        if name in training_set:
+            would.append(name)
+        elif trainable is None and name not in initializers and not frozen_by(param_groups, name):
+            would.append(name)  # torch trains it; the export lost it
+        elif restored.stand_ins.get(name, set()) & training_set:
+            restored.lost[name] += (f"; it is frozen but reads {', '.join(sorted(restored.stand_ins[name]))}, "
+                                    "which trains")
+            would.append(name)
+    if would:
+        raise TrainingOpError(restored.lost_message(would))

@@ -1,0 +1,45 @@
+"""The record of torch's names in a model's ``metadata_props``: where each ``state_dict`` entry went.
+
+``{"onnx initializer": {"torch": [names], "transpose": bool, "alias_of": source,
+"parameter": bool}}`` under :data:`KEY`: the torch names an initializer holds (several for one
+tied tensor), whether it holds them transposed, the initializer it is an ``Identity`` alias
+of (equal values the TorchScript exporter merged), and whether torch trains it
+(``named_parameters()`` with ``requires_grad``; absent when the record was made from a
+``state_dict`` alone). :data:`LOST_KEY` lists the torch parameters an export folded away and
+the builder could not give back (``{name: why}``): the builder refuses to train them.
+
+:func:`~onnx_training_ops.training.torch_names.record_torch_names` writes it at export time;
+the builder adds what it restores (:mod:`.dynamo_params`) and keeps it (outside its own
+metadata prefix); ``TrainingSession.to_torch_state_dict`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+
+from ..errors import TrainingOpError
+
+KEY = "torch.state_dict_names"
+LOST_KEY = "torch.lost_parameters"
+
+
+def read(model: onnx.ModelProto, key: str = KEY) -> dict | None:
+    """The JSON object recorded under ``key``, or None."""
+    for m in model.metadata_props:
+        if m.key == key:
+            try:
+                return json.loads(m.value)
+            except json.JSONDecodeError as error:
+                raise TrainingOpError(f"metadata {key!r} is not JSON: {error}") from error
+    return None
+
+
+def write(model: onnx.ModelProto, value: dict | None, key: str = KEY) -> None:
+    """Record ``value`` under ``key`` (in place), replacing an earlier record; None removes it."""
+    kept = [m for m in model.metadata_props if m.key != key]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    if value is not None:
+        model.metadata_props.add(key=key, value=json.dumps(value))
