@@ -50,7 +50,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .folded_params import Ambiguous, Recipe, Step, emit, find_recipe, invert
+from .folded_params import Ambiguous, Recipe, Step, find_recipe, invert
+from .graph_edit import GraphEdit
 from .torch_record import KEY as RECORD_KEY
 from .torch_record import read as read_record
 from .torch_record import write as write_record
@@ -119,6 +120,7 @@ class Restored:
     unused: list[str] = field(default_factory=list)  # read by no torch op (torch gives them no gradient)
     lost: dict[str, str] = field(default_factory=dict)  # not restored -> why
     stand_ins: dict[str, set[str]] = field(default_factory=dict)  # lost -> initializers read in its place
+    by_value: set[str] = field(default_factory=set)  # lost ones that torch's values would give back
 
     def __bool__(self) -> bool:
         return bool(self.untied or self.unfolded or self.zero_bias or self.computed or self.twins or self.lost)
@@ -139,9 +141,9 @@ class Restored:
         if self.zero_bias:
             parts.append(f"{len(self.zero_bias)} zero bias(es) removed ({', '.join(self.zero_bias[:3])}"
                          f"{' ...' if len(self.zero_bias) > 3 else ''}), restored as zeros")
-        text = ("torch.onnx.export's dynamo exporter (optimize=True) had merged, folded or removed torch "
-                "parameters; each is an initializer of its own again, read where torch reads it: " + "; ".join(parts)
-                + ". To skip this step, " + KEEP_HINT) if parts else ""
+        text = ("torch.onnx.export had merged, folded or removed torch parameters (dynamo: optimize=True; "
+                "TorchScript: do_constant_folding=True); each is an initializer of its own again, read where "
+                "torch reads it: " + "; ".join(parts) + ". To skip this step, " + KEEP_HINT) if parts else ""
         if self.lost:  # the builder let them through: frozen
             text += (" " if text else "") + (
                 f"{len(self.lost)} frozen torch parameter(s) stay as the exporter folded or merged them (their "
@@ -156,12 +158,13 @@ class Restored:
             by_why.setdefault(self.lost[n], []).append(n)
         shown = "; ".join(f"{', '.join(ns[:4])}{' ...' if len(ns) > 4 else ''}: {why}"
                           for why, ns in list(by_why.items())[:6]) + ("; ..." if len(by_why) > 6 else "")
+        record = ("; or, on the exported model, call onnx_training_ops.training.torch_names.record_torch_names("
+                  "model, module), which gives them back from the module's values"
+                  if any(n in self.by_value for n in names) else "")
         return (f"torch parameter(s) {', '.join(names[:6])}{' ...' if len(names) > 6 else ''} of this export would "
                 f"not train as in torch (the exporter folded or merged them and they cannot be restored from "
-                f"the model): {shown}. {KEEP_HINT[0].upper()}{KEEP_HINT[1:]}; or call "
-                "onnx_training_ops.record_torch_names(model, module) on the exported model (it restores them "
-                "from the module's values); or leave them frozen (trainable=[...] without them, or a frozen "
-                "param group)")
+                f"the model): {shown}. {KEEP_HINT[0].upper()}{KEEP_HINT[1:]}{record}; or leave them frozen "
+                "(trainable=[...] without them, or a frozen param group)")
 
 
 def _few(pairs: list[tuple[str, str]]) -> str:
@@ -272,69 +275,7 @@ def _holds_transpose(aten: str, node) -> bool:
     return False
 
 
-class _Graph:
-    """The graph being repaired: initializers by name, new nodes and names."""
-
-    def __init__(self, graph: onnx.GraphProto, params: set[str], value: Callable[[onnx.TensorProto], np.ndarray]):
-        self.graph = graph
-        self.params = params
-        self.folded = _folded_from(graph)  # folded constant -> what it was computed from
-        self.value = lambda name: value(self.inits[name])
-        self.replaced: set[str] = set()
-        self.inits = {t.name: t for t in graph.initializer}
-        self.transposed: dict[str, str] = {}
-        self.prologue: list = []  # new nodes that read initializers only: they go first
-        self.before: dict[str, list] = {}  # a node's first output -> new nodes that go right before it
-        self.after: dict[str, list] = {}
-        self.taken = {n for node in graph.node for n in [*node.input, *node.output]} | set(self.inits) | \
-            {v.name for v in [*graph.input, *graph.output]}
-
-    def fresh(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
-        return name
-
-    def add_init(self, name: str, array: np.ndarray) -> None:
-        t = numpy_helper.from_array(np.ascontiguousarray(array), name)
-        self.graph.initializer.append(t)
-        self.inits[name] = t
-        self.taken.add(name)
-
-    def insert_new_nodes(self) -> None:
-        """Put the new nodes in place (one rebuild: node references stay valid until then)."""
-        if not (self.prologue or self.before or self.after):
-            return
-        nodes = [*self.prologue, *(new for node in self.graph.node for new in
-                                   [*self.before.get(node.output[0], []), node,
-                                    *self.after.get(node.output[0], [])])]
-        del self.graph.node[:]
-        self.graph.node.extend(nodes)
-
-    def transpose_of(self, param: str) -> str:
-        """The name of ``Transpose(param)`` (one node per parameter)."""
-        if param not in self.transposed:
-            out = self.fresh(f"{param}__transposed")
-            self.prologue.append(helper.make_node("Transpose", [param], [out], perm=[1, 0], name=out))
-            self.transposed[param] = out
-        return self.transposed[param]
-
-    def computed(self, recipe: Recipe, param: str, base: str) -> str:
-        """The name of ``recipe`` run on ``param`` (new nodes in the prologue)."""
-        out = self.fresh(base)
-        nodes, inits = emit(recipe, param, out, self.fresh)
-        for t in inits:
-            self.graph.initializer.append(t)
-            self.inits[t.name] = t
-        self.prologue.extend(nodes)
-        return out
-
-    def readers(self, name: str) -> list:
-        return [n for n in self.graph.node if name in n.input]
-
-
-def _slot(node, role: str, aten: str, g: _Graph) -> int | None:
+def _slot(node, role: str, aten: str, g: GraphEdit) -> int | None:
     """The input index of ``node`` that plays ``role`` for the torch op (None: none here)."""
     if node.op_type == "Add" and role == "bias" and aten in ("linear", "addmm"):
         held = [i for i, n in enumerate(node.input) if n in g.inits]
@@ -342,7 +283,7 @@ def _slot(node, role: str, aten: str, g: _Graph) -> int | None:
     return _SLOTS.get(node.op_type, {}).get(role)
 
 
-def _point_at(node, index: int, param: str, transpose: bool, g: _Graph, done: Restored) -> None:
+def _point_at(node, index: int, param: str, transpose: bool, g: GraphEdit, done: Restored) -> None:
     """Make input ``index`` of ``node`` read the parameter (creating it from the value the slot
     reads when the export lost it); a no-op when it already does. A kept parameter whose value
     differs from the slot's is lost (the slot stands in for it)."""
@@ -365,7 +306,7 @@ def _point_at(node, index: int, param: str, transpose: bool, g: _Graph, done: Re
     node.input[index] = g.transpose_of(param) if transpose else param
 
 
-def _zero_bias(aten: str, nodes: list, roles: dict[str, str], g: _Graph, done: Restored) -> bool:
+def _zero_bias(aten: str, nodes: list, roles: dict[str, str], g: GraphEdit, done: Restored) -> bool:
     """Give a removed zero bias back to the op's nodes (a third input of Gemm/Conv/LayerNormalization,
     or an Add after a MatMul). Returns False when the op's form is not one of these."""
     bias, weight = roles["bias"], roles.get("weight")
@@ -401,7 +342,7 @@ def _zero_bias(aten: str, nodes: list, roles: dict[str, str], g: _Graph, done: R
     return True
 
 
-def _folded_batch_norms(ops: dict[str, _FxOp], params: dict[str, str], g: _Graph, done: Restored) -> set[str]:
+def _folded_batch_norms(ops: dict[str, _FxOp], params: dict[str, str], g: GraphEdit, done: Restored) -> set[str]:
     """BatchNorms optimize=True folded into the convolution before them: the BatchNorm is gone and
     the convolution's weight (keeping torch's name) holds ``weight * gamma / sigma``; all lost."""
     folded = set()
@@ -418,7 +359,7 @@ def _folded_batch_norms(ops: dict[str, _FxOp], params: dict[str, str], g: _Graph
     return folded
 
 
-def _restore_slots(ops, params, skip: set[str], g: _Graph, done: Restored) -> None:
+def _restore_slots(ops, params, skip: set[str], g: GraphEdit, done: Restored) -> None:
     """Step 1: each parameter back in the input slot its torch op reads it in."""
     for op in ops.values():
         if op.name in skip:
@@ -439,7 +380,7 @@ def _restore_slots(ops, params, skip: set[str], g: _Graph, done: Restored) -> No
                     _point_at(node, i, param, False, g, done)
 
 
-def _restore_vectors(ops, params, g: _Graph, done: Restored) -> None:
+def _restore_vectors(ops, params, g: GraphEdit, done: Restored) -> None:
     """A norm's 1-D weight or bias folded into a reshaped constant inside the norm's own nodes
     (GroupNorm's ``[C, 1, 1]``): the parameter is that constant's values, reshaped back."""
     for op in ops.values():
@@ -476,7 +417,7 @@ def _common(a: str, b: str) -> int:
     return n
 
 
-def _restore_twins(ops, params, accounted: set[str], g: _Graph, done: Restored) -> set[str]:
+def _restore_twins(ops, params, accounted: set[str], g: GraphEdit, done: Restored) -> set[str]:
     """Step 2: torch ops the optimizer merged into another node computing the same thing on the
     same input (their parameters were equal, so merged first). Their fx names still appear in
     the arguments of the ops that read them. Each gets a copy of the surviving node, reading the
@@ -535,7 +476,7 @@ def _restore_twins(ops, params, accounted: set[str], g: _Graph, done: Restored) 
     return explained
 
 
-def _restore_folded(params: dict[str, str], buffers, g: _Graph, done: Restored) -> None:
+def _restore_folded(params: dict[str, str], buffers, g: GraphEdit, done: Restored) -> None:
     """Step 3: each folded constant computed from one parameter, computed from it again."""
     names = set(params.values())
     others = names | {b for b, _ in buffers.values()}
@@ -570,12 +511,9 @@ def _restore_folded(params: dict[str, str], buffers, g: _Graph, done: Restored) 
             recipe, why = None, f"computing it from the parameter is ambiguous: {error}"
         if recipe is None:
             done.lost.setdefault(param, f"folded into the constant {constant!r} {shape}, {why}")
-            done.stand_ins.setdefault(param, set())
+            done.by_value.add(param)
             continue
-        out = g.computed(recipe, param, f"{constant}__from_{param}")
-        for node in g.readers(constant):
-            node.input[:] = [out if n == constant else n for n in node.input]
-        g.replaced.add(constant)
+        g.read_instead(constant, g.computed(recipe, param, f"{constant}__from_{param}"))
         done.computed.append((param, constant, recipe.text))
 
 
@@ -599,7 +537,7 @@ def restore_parameters(model: onnx.ModelProto, value: Callable[[onnx.TensorProto
     done = Restored()
     if not params:
         return done
-    g = _Graph(graph, set(params.values()), value or numpy_helper.to_array)
+    g = GraphEdit(graph, set(params.values()), value or numpy_helper.to_array, _folded_from(graph))
     ops = _fx_ops(graph)
     if not ops:  # no fx_node metadata (another torch version): say what is missing, if anything
         missing = sorted(set(params.values()) - set(g.inits))
@@ -618,8 +556,7 @@ def restore_parameters(model: onnx.ModelProto, value: Callable[[onnx.TensorProto
     accounted = read | folded_params | set(g.inits)
     explained = _restore_twins(ops, params, accounted, g, done)
     _restore_folded(params, buffers, g, done)
-    g.insert_new_nodes()
-    _drop_unused(graph, g.replaced)
+    g.drop_replaced()
     _account_unread(ops, params, accounted, explained, g, done)
     for p in sorted(read):
         if p not in g.inits and p not in done.lost:
@@ -632,7 +569,7 @@ def restore_parameters(model: onnx.ModelProto, value: Callable[[onnx.TensorProto
     return done
 
 
-def _account_unread(ops, params, accounted: set[str], explained: set[str], g: _Graph, done: Restored) -> None:
+def _account_unread(ops, params, accounted: set[str], explained: set[str], g: GraphEdit, done: Restored) -> None:
     """Step 4: a parameter no node reads is another name of one that is read (a tie: the module
     that owns it ran its op on the other), or unused by forward; or, where the optimizer removed
     torch ops it cannot account for, possibly merged away: lost."""
@@ -670,7 +607,7 @@ def _record_names(model: onnx.ModelProto, params: dict[str, str], buffers, done:
     known = {n for entry in record.values() for n in entry["torch"]}
     keep = [*params.values(), *(name for name, persistent in buffers.values() if persistent)]
     for name in keep:
-        if name in inits and name not in known:
+        if name in inits and name not in known:  # restored here (the record's entry was the folded copy's)
             record[name] = {"torch": [name], "transpose": False}
             known.add(name)
     for alias, param in done.aliases.items():
@@ -679,21 +616,3 @@ def _record_names(model: onnx.ModelProto, params: dict[str, str], buffers, done:
             entry["torch"].append(alias)
     if made or record != read_record(model):
         write_record(model, record, RECORD_KEY)
-
-
-def _drop_unused(graph: onnx.GraphProto, replaced: set[str]) -> None:
-    """Remove the initializers of ``replaced`` that no node, subgraph or output reads any more
-    (the folded copies)."""
-    used = {o.name for o in graph.output}
-    stack = list(graph.node)
-    while stack:
-        node = stack.pop()
-        used.update(node.input)
-        for a in node.attribute:
-            for sub in [a.g] if a.HasField("g") else list(a.graphs):
-                stack.extend(sub.node)
-                used.update(o.name for o in sub.output)
-    keep = [t for t in graph.initializer if t.name in used or t.name not in replaced]
-    if len(keep) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(keep)

@@ -333,7 +333,7 @@ def emit(recipe: Recipe, source: str, output: str, fresh) -> tuple[list, list]:
         names = []
         for j, value in enumerate(step.inputs):
             name = fresh(f"{output}__{step.op.lower()}_in{j}")
-            inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+            inits.append(numpy_helper.from_array(np.asarray(value, order="C"), name))
             names.append(name)
         nodes.append(helper.make_node(step.op, [x, *names], [y], name=fresh(f"{output}__{step.op}"),
                                       **dict(step.attrs)))

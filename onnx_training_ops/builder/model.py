@@ -45,7 +45,7 @@ from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
 from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, training_info
-from .dynamo_params import restore_parameters
+from .dynamo_params import exported_parameters, restore_parameters
 from .eval_mode import to_inference
 from .grad_clip import checked_limit
 from .initialization import initialization_graph
@@ -58,13 +58,14 @@ from .padding_rows import detect_padding_rows, mark_lookups, recorded_padding_ro
 from .padding_rows import to_json as padding_json
 from .param_groups import groups_to_json, resolve_groups
 from .rmsprop import RMSProp
-from .torch_record import LOST_KEY
+from .torch_record import UNHELD_KEY
 from .torch_record import read as read_record
 from .train_mode import fit_opset, training_forward
 from .trainables import check_differentiable, choose_trainables, refuse_lost
 from .untie import describe as describe_untied
 from .untie import untie_merged_initializers
 from .update import add_learning_rates, add_update
+from .value_params import restore_copies
 
 MIN_OPSET = 13
 TRAIN_MODE_OPS = ("Dropout", "BatchNormalization")  # what mode="train" changes
@@ -248,7 +249,13 @@ def build_training_model(
     if model.training_info:
         raise TrainingOpError("the model already has training_info; pass the inference model")
     restored = restore_parameters(model, opened.array)
-    restored.lost.update({k: v for k, v in (read_record(model, LOST_KEY) or {}).items() if k not in restored.lost})
+    if exported_parameters(model.graph) is None:  # TorchScript: folded copies of parameters it holds
+        restored.computed += restore_copies(model, opened.array)
+    unheld = read_record(model, UNHELD_KEY)
+    if unheld:
+        warnings.warn(f"{len(unheld)} torch parameter(s) that no initializer of the export holds (recorded by "
+                      f"record_torch_names) will not train: {', '.join(list(unheld)[:6])}"
+                      f"{' ...' if len(unheld) > 6 else ''}: {next(iter(unheld.values()))}", stacklevel=2)
     untied = untie_merged_initializers(model)
     if untied:
         warnings.warn(describe_untied(untied), stacklevel=2)

@@ -1,12 +1,13 @@
 """The record of torch's names in a model's ``metadata_props``: where each ``state_dict`` entry went.
 
-``{"onnx initializer": {"torch": [names], "transpose": bool, "alias_of": source,
-"parameter": bool}}`` under :data:`KEY`: the torch names an initializer holds (several for one
-tied tensor), whether it holds them transposed, the initializer it is an ``Identity`` alias
-of (equal values the TorchScript exporter merged), and whether torch trains it
-(``named_parameters()`` with ``requires_grad``; absent when the record was made from a
-``state_dict`` alone). :data:`LOST_KEY` lists the torch parameters an export folded away and
-the builder could not give back (``{name: why}``): the builder refuses to train them.
+``{"onnx initializer": {"torch": [names], "transpose": bool, "alias_of": source}}`` under
+:data:`KEY`: the torch names an initializer holds (several for one tied tensor), whether it
+holds them transposed, and the initializer it is an ``Identity`` alias of (equal values the
+TorchScript exporter merged). :data:`PARAMETERS_KEY` (made from the module, not from a
+``state_dict`` alone): ``{torch parameter: requires_grad}``, what torch trains, the
+builder's default trainables. :data:`UNHELD_KEY` lists the torch parameters that no initializer
+holds and no constant was found to be computed from (``{name: why}``: unused by ``forward``,
+or folded beyond recognition): the builder names them in a warning.
 
 :func:`~onnx_training_ops.training.torch_names.record_torch_names` writes it at export time;
 the builder adds what it restores (:mod:`.dynamo_params`) and keeps it (outside its own
@@ -22,7 +23,8 @@ import onnx
 from ..errors import TrainingOpError
 
 KEY = "torch.state_dict_names"
-LOST_KEY = "torch.lost_parameters"
+PARAMETERS_KEY = "torch.parameters"
+UNHELD_KEY = "torch.unheld_parameters"
 
 
 def read(model: onnx.ModelProto, key: str = KEY) -> dict | None:

@@ -10,6 +10,7 @@ from ..autodiff.registry import describe_missing
 from ..errors import TrainingOpError
 from .dynamo_params import Restored, exported_parameters
 from .param_groups import frozen_by
+from .torch_record import PARAMETERS_KEY
 from .torch_record import read as read_record
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
@@ -31,23 +32,21 @@ def _exported_kinds(graph: onnx.GraphProto) -> dict[str, str]:
 
 
 def _is_parameter(model: onnx.ModelProto):
-    """Whether an initializer is what torch calls a parameter: float; the torch-name record's
-    word when it has one (made from the module: ``requires_grad``); else not a buffer or a
-    folded constant of a dynamo export, and of rank >= 1 unless the export's signature lists
-    it (rank-0 constants are what exporters fold, CLIP's ``logit_scale`` is a parameter)."""
+    """Whether an initializer is what torch calls a trainable parameter: float; where the
+    module's parameters were recorded (``record_torch_names(model, module)``), one that holds
+    a parameter requiring a gradient; else not a buffer or a folded constant of a dynamo
+    export, and of rank >= 1 unless the export's signature lists it (rank-0 constants are what
+    exporters fold; CLIP's ``logit_scale`` is a parameter)."""
     kinds = _exported_kinds(model.graph)
     signature = set((exported_parameters(model.graph) or {}).values())
-    record = read_record(model) or {}
-    flagged = any("parameter" in entry for entry in record.values())
+    grads = read_record(model, PARAMETERS_KEY)
+    names = {k: e["torch"] for k, e in (read_record(model) or {}).items()}
 
     def check(t: onnx.TensorProto) -> bool:
         if t.data_type not in FLOAT_TYPES:
             return False
-        entry = record.get(t.name)
-        if entry is not None and "parameter" in entry:
-            return bool(entry["parameter"])
-        if flagged and entry is None and t.name not in signature:
-            return False  # the module's parameters are all recorded: an exporter's constant
+        if grads is not None:
+            return any(grads.get(n, False) for n in names.get(t.name, [t.name]))
         return kinds.get(t.name, "PARAMETER") == "PARAMETER" and (len(t.dims) > 0 or t.name in signature)
     return check
 
@@ -84,6 +83,9 @@ def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: 
     lost = [n for n in names if restored is not None and n in restored.lost]
     if lost:
         raise TrainingOpError(restored.lost_message(lost))
+    if len(set(names)) != len(names):
+        raise TrainingOpError(f"trainable names repeat: {names}")
+    names = _initializer_names(model, names, inits)
     out = []
     for name in names:
         if name not in inits:
@@ -97,8 +99,20 @@ def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: 
                 f"trainable {name!r} is {helper.tensor_dtype_to_string(t.data_type)}; only float and double train"
             )
         out.append(t)
-    if len(set(names)) != len(names):
-        raise TrainingOpError(f"trainable names repeat: {names}")
+    return out
+
+
+def _initializer_names(model: onnx.ModelProto, names: list[str], inits) -> list[str]:
+    """``names`` as initializer names: a torch name that the torch-name record maps to an
+    initializer of another name (the TorchScript exporter's ``onnx::MatMul_398``, which holds
+    the weight transposed: the optimizers are elementwise, so it trains the same) becomes
+    that initializer's; the names of one tied tensor count once."""
+    by_torch = {t: k for k, e in (read_record(model) or {}).items() for t in e["torch"] if k in inits}
+    out: list[str] = []
+    for name in names:
+        name = name if name in inits else by_torch.get(name, name)
+        if name not in out:
+            out.append(name)
     return out
 
 
