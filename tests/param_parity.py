@@ -6,8 +6,9 @@ it with the default trainables (or the ones given), and compares with torch itse
 
 * the trainables, under torch's names (``to_torch_state_dict``'s mapping), against
   ``named_parameters()`` that require a gradient;
-* each parameter's gradient of an MSE loss against ``torch.autograd``;
-* the weights after a few steps of SGD with momentum against ``torch.optim.SGD``, and that
+* each parameter's gradient of an MSE loss against ``torch.autograd`` in float64 (torch's own
+  float32 error measured beside it);
+* the weights after a few steps of SGD with momentum against ``torch.optim.SGD`` (float64), and that
   ``to_torch_state_dict()`` loads with ``load_state_dict(strict=True)`` into the module.
 
 A :class:`~onnx_training_ops.TrainingOpError` from the build is a result too (``Result.error``):
@@ -41,6 +42,15 @@ class Result:
     grad_errors: dict[str, float] = field(default_factory=dict)  # torch name -> max|ours - torch| / max|torch|
     step_errors: dict[str, float] = field(default_factory=dict)  # the weights after the steps: error over the update
     strict_load: str = "ok"  # load_state_dict(strict=True) of to_torch_state_dict(): "ok" or torch's error
+    torch_grad_errors: dict[str, float] = field(default_factory=dict)  # torch float32's own, against float64
+    torch_step_errors: dict[str, float] = field(default_factory=dict)
+
+    def within(self, tol: float) -> bool:
+        """Every gradient and step error within ``tol``, or within 4x torch float32's own error
+        for that parameter (float32 cannot hold an update much below its weight's last bits)."""
+        return all(err <= max(tol, 4 * own.get(n, 0.0)) for errs, own in
+                   ((self.grad_errors, self.torch_grad_errors), (self.step_errors, self.torch_step_errors))
+                   for n, err in errs.items())
 
     @property
     def grad_error(self) -> float:
@@ -50,11 +60,20 @@ class Result:
     def step_error(self) -> float:
         return max(self.step_errors.values(), default=0.0)
 
+    @property
+    def torch_grad_error(self) -> float:
+        return max(self.torch_grad_errors.values(), default=0.0)
+
+    @property
+    def torch_step_error(self) -> float:
+        return max(self.torch_step_errors.values(), default=0.0)
+
     def summary(self) -> str:
         if self.error:
             return f"error: {self.error}"
         extra, missing = sorted(self.trainables - self.expected), sorted(self.expected - self.trainables)
-        text = f"grad {self.grad_error:.1e} step {self.step_error:.1e}"
+        text = (f"grad {self.grad_error:.1e} (torch fp32 {self.torch_grad_error:.1e}) "
+                f"step {self.step_error:.1e} (torch fp32 {self.torch_step_error:.1e})")
         if extra or missing:
             text += f"; trainables differ: missing {missing[:6]} extra {extra[:6]}"
         if self.strict_load != "ok":
@@ -108,7 +127,8 @@ def check(module: torch.nn.Module, args: tuple, exporter: str = "dynamo", *, nam
     module = module.eval()
     names = names or [f"x{i}" for i in range(len(args))]
     model = model if model is not None else export(module, args, exporter, names, record)
-    reference = copy.deepcopy(module)
+    reference = copy.deepcopy(module).double()  # the reference: torch in float64 (float32's own error is told apart)
+    args64 = tuple(a.double() if a.is_floating_point() else a for a in args)
     result = Result()
     result.expected = {n for n, p in module.named_parameters(remove_duplicate=False)
                        if p.requires_grad and (trainable is None or n in trainable)}
@@ -137,26 +157,38 @@ def check(module: torch.nn.Module, args: tuple, exporter: str = "dynamo", *, nam
     probe.backward({**feeds, "target": targets[0]})
     ours = torch_named(probe.gradients())
     reference.zero_grad()
-    torch.nn.functional.mse_loss(reference(*args), torch.from_numpy(targets[0])).backward()
+    torch.nn.functional.mse_loss(reference(*args64), torch.from_numpy(targets[0]).double()).backward()
     params = dict(reference.named_parameters(remove_duplicate=False))
     grads = {n: p.grad.numpy().copy() for n, p in params.items() if p.grad is not None}
     floor = 1e-4 * max((float(np.abs(g).max()) for g in grads.values() if g.size), default=1.0)
     for n in sorted(result.expected & set(ours) & set(grads)):
         result.grad_errors[n] = _relative(ours[n], grads[n], floor)
+    float32 = copy.deepcopy(module)  # torch's own float32 error, for scale
+    float32.zero_grad()
+    torch.nn.functional.mse_loss(float32(*args), torch.from_numpy(targets[0])).backward()
+    result.torch_grad_errors = {n: _relative(p.grad.numpy(), grads[n], floor) for n, p in
+                                float32.named_parameters(remove_duplicate=False) if n in result.grad_errors}
     initial = {n: p.detach().numpy().copy() for n, p in params.items()}
     session = ot.TrainingSession(training)
     tracked = [p for n, p in reference.named_parameters() if p.requires_grad and (trainable is None or n in trainable)]
     opt = torch.optim.SGD(tracked, lr=LR, momentum=0.9)
+    tracked32 = [p for n, p in float32.named_parameters() if p.requires_grad and (trainable is None or n in trainable)]
+    opt32 = torch.optim.SGD(tracked32, lr=LR, momentum=0.9)
     for t in targets[1:]:
         session.step({**feeds, "target": t})
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(reference(*args), torch.from_numpy(t)).backward()
-        opt.step()
+        for net, o, x, y in ((reference, opt, args64, torch.from_numpy(t).double()),
+                             (float32, opt32, args, torch.from_numpy(t))):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(net(*x), y).backward()
+            o.step()
     state = session.to_torch_state_dict()
-    for n, p in reference.named_parameters(remove_duplicate=False):  # relative to the update's size
-        if n in state and n in grads:
-            moved = p.detach().numpy() - initial[n]
-            result.step_errors[n] = _relative(state[n].numpy() - initial[n], moved, 1e-3 * LR)
+    moved = {n: p.detach().numpy() - initial[n] for n, p in reference.named_parameters(remove_duplicate=False)
+             if n in state and n in grads}
+    floor = 1e-4 * max((float(np.abs(m).max()) for m in moved.values() if m.size), default=1.0)
+    theirs = dict(float32.named_parameters(remove_duplicate=False))
+    for n, m in moved.items():  # relative to the update's size (floored as the gradients' are)
+        result.step_errors[n] = _relative(state[n].numpy().astype(np.float64) - initial[n], m, floor)
+        result.torch_step_errors[n] = _relative(theirs[n].detach().double().numpy() - initial[n], m, floor)
     try:
         copy.deepcopy(module).load_state_dict(state, strict=True)
     except RuntimeError as error:

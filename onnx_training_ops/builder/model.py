@@ -58,14 +58,14 @@ from .padding_rows import detect_padding_rows, mark_lookups, recorded_padding_ro
 from .padding_rows import to_json as padding_json
 from .param_groups import groups_to_json, resolve_groups
 from .rmsprop import RMSProp
-from .torch_record import UNHELD_KEY
+from .torch_record import LOST_KEY, UNHELD_KEY
 from .torch_record import read as read_record
 from .train_mode import fit_opset, training_forward
 from .trainables import check_differentiable, choose_trainables, refuse_lost
 from .untie import describe as describe_untied
 from .untie import untie_merged_initializers
 from .update import add_learning_rates, add_update
-from .value_params import restore_copies
+from .value_params import folded_conv_weights, restore_copies
 
 MIN_OPSET = 13
 TRAIN_MODE_OPS = ("Dropout", "BatchNormalization")  # what mode="train" changes
@@ -251,6 +251,8 @@ def build_training_model(
     restored = restore_parameters(model, opened.array)
     if exported_parameters(model.graph) is None:  # TorchScript: folded copies of parameters it holds
         restored.computed += restore_copies(model, opened.array)
+        restored.lost.update(folded_conv_weights(model, read_record(model)))
+    restored.lost.update(read_record(model, LOST_KEY) or {})
     unheld = read_record(model, UNHELD_KEY)
     if unheld:
         warnings.warn(f"{len(unheld)} torch parameter(s) that no initializer of the export holds (recorded by "

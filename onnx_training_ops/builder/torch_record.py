@@ -7,7 +7,9 @@ TorchScript exporter merged). :data:`PARAMETERS_KEY` (made from the module, not 
 ``state_dict`` alone): ``{torch parameter: requires_grad}``, what torch trains, the
 builder's default trainables. :data:`UNHELD_KEY` lists the torch parameters that no initializer
 holds and no constant was found to be computed from (``{name: why}``: unused by ``forward``,
-or folded beyond recognition): the builder names them in a warning.
+or folded beyond recognition): the builder names them in a warning. :data:`LOST_KEY`: the
+torch parameters certainly folded beyond repair (a BatchNorm folded into a convolution, found
+by value): the builder refuses to train them, as it does a dynamo export's.
 
 :func:`~onnx_training_ops.training.torch_names.record_torch_names` writes it at export time;
 the builder adds what it restores (:mod:`.dynamo_params`) and keeps it (outside its own
@@ -24,6 +26,7 @@ from ..errors import TrainingOpError
 
 KEY = "torch.state_dict_names"
 PARAMETERS_KEY = "torch.parameters"
+LOST_KEY = "torch.lost_parameters"
 UNHELD_KEY = "torch.unheld_parameters"
 
 

@@ -140,3 +140,23 @@ def restore_from_values(model: onnx.ModelProto, values: Mapping[str, np.ndarray]
     lost = {n: ("no initializer holds its values or a computation on them (unused by forward, or folded "
                 "by the exporter into a constant with other values)") for n in missing if n not in added}
     return done, lost
+
+
+def folded_conv_weights(model: onnx.ModelProto, record: Mapping[str, dict] | None) -> dict[str, str]:
+    """``{initializer: why}`` for the weights and biases of ``Conv``/``ConvTranspose`` nodes that
+    are initializers the exporter named and that no torch name is recorded for: a computation on
+    torch's weights, not a parameter of torch's. The TorchScript exporter's
+    ``do_constant_folding=True`` folds an eval-mode BatchNorm into the convolution before it
+    (weight ``W * gamma / sigma``, a new bias), keeping neither the convolution's weight nor
+    the BatchNorm's parameters; trained, the folded tensor would not train as torch's do."""
+    inits = {t.name for t in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx"):
+            continue
+        for name in node.input[1:3]:
+            if name in inits and exporter_named(name) and name not in (record or {}):
+                out[name] = (f"{node.op_type} node {node.name or node.output[0]!r} reads {name!r}, a tensor the "
+                             "exporter computed from torch's weights (an eval-mode BatchNorm folded into the "
+                             "convolution by do_constant_folding=True), not a torch parameter")
+    return out

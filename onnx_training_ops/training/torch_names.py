@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..builder.torch_record import KEY, PARAMETERS_KEY, UNHELD_KEY
+from ..builder.torch_record import KEY, LOST_KEY, PARAMETERS_KEY, UNHELD_KEY
 from ..builder.torch_record import read as read_record
 from ..builder.torch_record import write as write_record
 from ..builder.value_params import exporter_named, restore_from_values
@@ -141,11 +141,54 @@ def record_torch_names(model: onnx.ModelProto, module: Any) -> onnx.ModelProto:
         if all(storage[n] != storage[u] for u in unique):
             unique[n] = entries[n]
     _, unheld = restore_from_values(model, unique, [n for n in missing if n in unique], constants)
-    write_record(model, torch_name_map(model, state), KEY)
+    mapping = torch_name_map(model, state)
+    lost = _folded_batch_norms(model, module, entries, mapping) if named is not None else {}
+    write_record(model, mapping, KEY)
     write_record(model, grads, PARAMETERS_KEY)
-    unheld = {n: why for n, why in unheld.items() if grads is None or grads.get(n, True)}
+    write_record(model, lost or None, LOST_KEY)
+    unheld = {n: why for n, why in unheld.items() if n not in lost and (grads is None or grads.get(n, True))}
     write_record(model, unheld or None, UNHELD_KEY)
     return model
+
+
+def _folded_batch_norms(model: onnx.ModelProto, module: Any, entries: dict[str, np.ndarray],
+                        mapping: dict[str, dict]) -> dict[str, str]:
+    """The TorchScript exporter's ``do_constant_folding=True`` folds an eval-mode BatchNorm into
+    the Conv before it: the Conv reads an exporter-named weight equal to ``W * gamma / sigma``
+    and a new bias. Found by value (the module's BatchNorms, their ``eps``): ``{torch
+    parameter: why}`` for the Conv's and the BatchNorm's parameters, which nothing in the model
+    holds any more (a fused tensor that happens to equal one of them is unmapped)."""
+    import torch
+
+    norms = {name: m for name, m in module.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_var is not None and m.affine}
+    inits = {t.name: t for t in model.graph.initializer}
+    held = {n for entry in mapping.values() for n in entry["torch"]}
+    lost: dict[str, str] = {}
+    for node in model.graph.node:
+        weight = node.input[1] if node.op_type == "Conv" and len(node.input) > 1 else ""
+        if weight not in inits or not _exporter_name(weight) or weight in mapping:
+            continue
+        fused = numpy_helper.to_array(inits[weight]).astype(np.float64)
+        for bn_name, bn in norms.items():
+            scale = (bn.weight.detach().double() / torch.sqrt(bn.running_var.double() + bn.eps)).numpy()
+            if scale.shape[0] != fused.shape[0]:
+                continue
+            scale = scale.reshape(-1, *[1] * (fused.ndim - 1))
+            found = [n for n, w in entries.items() if n not in held and w.shape == fused.shape
+                     and np.allclose(w * scale, fused, rtol=1e-5, atol=1e-7 * float(np.abs(fused).max(initial=0)))]
+            if len(found) != 1:
+                continue
+            conv = found[0].rpartition(".")[0]
+            why = (f"do_constant_folding=True folded BatchNorm {bn_name!r} into Conv {conv!r}: the model holds only "
+                   "their fused weight and bias")
+            prefix = f"{bn_name}." if bn_name else ""
+            for name in (found[0], f"{conv}.bias", f"{prefix}weight", f"{prefix}bias"):
+                if name in entries:
+                    lost[name] = why
+            for fused_name in node.input[1:3]:
+                mapping.pop(fused_name, None)
+    return lost
 
 
 def recorded_names(model: onnx.ModelProto) -> dict[str, dict] | None:
