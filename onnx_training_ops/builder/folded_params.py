@@ -138,7 +138,7 @@ def _permuted(c: np.ndarray, p: np.ndarray) -> list[Recipe]:
         return out
     for perm in _permutations(p.ndim):
         moved = np.transpose(p, perm)
-        if np.array_equal(moved.reshape(c.shape), c):
+        if np.array_equal(moved.flat[:16], c.flat[:16]) and np.array_equal(moved.reshape(c.shape), c):
             steps = (() if perm == tuple(range(p.ndim)) else (Step("Transpose", attrs=(("perm", list(perm)),)),))
             steps += _reshape_steps(moved.shape, c.shape)
             out.append(Recipe("select", steps, "the same values" if not steps else
@@ -184,22 +184,25 @@ def _rows(c: np.ndarray, p: np.ndarray) -> list[Recipe]:
     if not axes:
         return []
     table = np.ascontiguousarray(p.reshape(p.shape[0], row))
-    index: dict[bytes, int] = {}
-    repeated: set[bytes] = set()
-    for i, r in enumerate(table):
-        key = r.tobytes()
-        if key in index:
-            repeated.add(key)
-        index.setdefault(key, i)
+    head = min(row, 8)  # rows indexed by their first elements, then compared whole
+    index: dict[bytes, list[int]] = {}
+    for i, r in enumerate(table[:, :head]):
+        index.setdefault(r.tobytes(), []).append(i)
     for axis in axes:
         moved = np.moveaxis(c, axis, -1) if p.ndim == 2 else c
-        keys = [r.tobytes() for r in np.ascontiguousarray(moved).reshape(-1, row)]
-        if not all(k in index for k in keys):
+        rows = np.ascontiguousarray(moved).reshape(-1, row)
+        ids = []
+        for r in rows:
+            found = [i for i in index.get(r[:head].tobytes(), ()) if np.array_equal(table[i], r)]
+            if len(found) > 1:
+                raise Ambiguous(f"row {found[0]} of the parameter, which it looks up, repeats in the parameter "
+                                f"(row {found[1]})")
+            if not found:
+                break
+            ids.append(found[0])
+        if len(ids) != len(rows):
             continue
-        twice = next((k for k in keys if k in repeated), None)
-        if twice is not None:
-            raise Ambiguous(f"row {index[twice]} of the parameter, which it looks up, repeats in the parameter")
-        ids = _i64([index[k] for k in keys])
+        ids = _i64(ids)
         steps = (Step("Gather", (ids,)),) + _reshape_steps((len(ids), *p.shape[1:]), moved.shape)
         if moved.shape != c.shape:
             perm = list(range(c.ndim - 1))
@@ -302,6 +305,8 @@ def find_recipe(c: np.ndarray, p: np.ndarray) -> Recipe | None:
         return None
     if p.size > 1 and np.all(p == p.flat[0]):
         raise Ambiguous(f"all its values are equal ({p.flat[0]:g})")
+    if len(found) == 1:
+        return found[0]
     distinct = _distinct(sorted(found, key=lambda r: len(r.steps)), p)  # the simplest of equal ones
     if len(distinct) > 1:
         raise Ambiguous(" and ".join(r.text for r in distinct[:3]) + " all give the constant")

@@ -101,7 +101,8 @@ class GraphEdit:
                 for sub in [a.g] if a.HasField("g") else list(a.graphs):
                     stack.extend(sub.node)
                     used.update(o.name for o in sub.output)
-        keep = [t for t in graph.initializer if t.name in used or t.name not in replaced]
-        if len(keep) != len(graph.initializer):
-            del graph.initializer[:]
-            graph.initializer.extend(keep)
+        for i in reversed(range(len(graph.initializer))):  # in place: no copy of the big tensors
+            name = graph.initializer[i].name
+            if name in replaced and name not in used:
+                del graph.initializer[i]
+                self.inits.pop(name, None)

@@ -39,14 +39,24 @@ def exporter_named(name: str) -> bool:
 
 
 def _could_be(c: np.ndarray, p: np.ndarray, numeric: bool) -> bool:
-    """A cheap look at shapes and a few values before :func:`find_recipe` looks closely."""
+    """A cheap look at shapes (and one value) before :func:`find_recipe` looks closely."""
     if c.dtype != p.dtype or p.size == 0 or c.size == 0:
         return False
     row = int(np.prod(p.shape[1:], dtype=np.int64)) if p.ndim else 1
-    selection = c.size % max(row, 1) == 0 or c.size % p.size == 0  # rows of it, or all of it (moved, broadcast)
-    if selection and np.isin(c.ravel()[:4], p).all():
-        return True
-    return numeric and (c.shape == p.shape or c.ndim < p.ndim <= 4)
+    if (c.size % max(row, 1) == 0 or c.size % p.size == 0) and bool((p == c.flat[0]).any()):
+        return True  # rows of it, or all of it moved or broadcast
+    return numeric and p.ndim <= 4 and (c.shape == p.shape or c.ndim <= p.ndim) and c.size <= p.size
+
+
+def _fingerprint(a: np.ndarray) -> tuple[int, float, float, float]:
+    """(size, min, max, sum): the same for tensors holding the same values in any order (the
+    sum to float64 summation's rounding, :func:`_same_values`); cheap, no copy."""
+    return a.size, float(a.min()), float(a.max()), float(a.sum(dtype=np.float64))
+
+
+def _same_values(x: tuple, y: tuple) -> bool:
+    scale = max(abs(x[1]), abs(x[2]), 1e-30) * x[0]
+    return x[:3] == y[:3] and abs(x[3] - y[3]) <= 1e-9 * scale
 
 
 def _search(c: np.ndarray, params: Mapping[str, np.ndarray], numeric: bool) -> tuple[str, Recipe] | None:
@@ -79,13 +89,20 @@ def restore_copies(model: onnx.ModelProto, value: Callable[[onnx.TensorProto], n
     by_size: dict[int, list[str]] = {}
     for t in params:
         by_size.setdefault(int(np.prod(t.dims)), []).append(t.name)
+    prints: dict[str, tuple] = {}
     done = []
     for t in constants:
         size = int(np.prod(t.dims))
         if size not in by_size or not g.readers(t.name):
             continue
         c = g.value(t.name)
-        candidates = {n: g.value(n) for n in by_size[size]}
+        mark = _fingerprint(c)  # a transpose or reshape holds the same values: same sums
+        for n in by_size[size]:
+            if n not in prints:
+                prints[n] = _fingerprint(g.value(n))
+        candidates = {n: g.value(n) for n in by_size[size] if _same_values(prints[n], mark)}
+        if not candidates:
+            continue
         try:
             hit = _search(c, candidates, numeric=False)
         except Ambiguous:

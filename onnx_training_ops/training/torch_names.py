@@ -140,8 +140,9 @@ def record_torch_names(model: onnx.ModelProto, module: Any) -> onnx.ModelProto:
     for n in params:  # one name per tensor (a tie is one parameter)
         if all(storage[n] != storage[u] for u in unique):
             unique[n] = entries[n]
-    _, unheld = restore_from_values(model, unique, [n for n in missing if n in unique], constants)
-    mapping = torch_name_map(model, state)
+    done, unheld = restore_from_values(model, unique, [n for n in missing if n in unique], constants)
+    if done:
+        mapping = torch_name_map(model, state)
     lost = _folded_batch_norms(model, module, entries, mapping) if named is not None else {}
     write_record(model, mapping, KEY)
     write_record(model, grads, PARAMETERS_KEY)
