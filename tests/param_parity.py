@@ -261,6 +261,8 @@ def _cnn():
 
 
 ARCHS = {
+    "gpt2": _hf("GPT2LMHeadModel", "GPT2Config", _CAUSAL, n_embd=16, n_layer=1, n_head=2, vocab_size=64,
+                n_positions=32, use_cache=False),
     "albert": _hf("AlbertForSequenceClassification", "AlbertConfig", {"input_ids": _ids()}, embedding_size=8,
                   num_labels=3, **BERTLIKE),
     "electra": _hf("ElectraForSequenceClassification", "ElectraConfig", {"input_ids": _ids()}, embedding_size=8,

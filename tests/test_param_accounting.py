@@ -310,6 +310,7 @@ def test_record_from_a_state_dict_has_no_parameter_list():
 # ---- real architectures: tiny random transformers models, torch's default export ----
 
 @pytest.mark.parametrize("name, perturbed, record", [
+    ("gpt2", True, True),  # the tie: one of wte, lm_head is read, both come back; wpe rows folded
     ("gpt_neox", False, False),  # fresh: the parallel residual's two LayerNorms merged into one node
     ("mobilebert", False, True),  # fresh NoNorm weights merged behind Muls; position rows folded
     ("clip", True, True),  # logit_scale (rank 0, exp folded), class_embedding broadcast, position rows

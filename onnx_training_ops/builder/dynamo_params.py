@@ -453,6 +453,7 @@ def _restore_twins(ops, params, accounted: set[str], g: GraphEdit, done: Restore
             for node in survivor.nodes:
                 twin = onnx.NodeProto()
                 twin.CopyFrom(node)
+                del twin.metadata_props[:]  # its fx_node names the survivor's parameters, not these
                 twin.name = g.fresh(f"{node.name or node.output[0]}__{ref}")
                 for i, name in enumerate(twin.input):
                     if name in renamed:
