@@ -44,6 +44,7 @@ class Result:
     strict_load: str = "ok"  # load_state_dict(strict=True) of to_torch_state_dict(): "ok" or torch's error
     torch_grad_errors: dict[str, float] = field(default_factory=dict)  # torch float32's own, against float64
     torch_step_errors: dict[str, float] = field(default_factory=dict)
+    fp32_step_errors: dict[str, float] = field(default_factory=dict)  # ours against torch float32's steps
 
     def within(self, tol: float) -> bool:
         """Every gradient and step error within ``tol``, or within 4x torch float32's own error
@@ -73,7 +74,8 @@ class Result:
             return f"error: {self.error}"
         extra, missing = sorted(self.trainables - self.expected), sorted(self.expected - self.trainables)
         text = (f"grad {self.grad_error:.1e} (torch fp32 {self.torch_grad_error:.1e}) "
-                f"step {self.step_error:.1e} (torch fp32 {self.torch_step_error:.1e})")
+                f"step {self.step_error:.1e} (torch fp32 {self.torch_step_error:.1e}; "
+                f"ours vs torch fp32 {max(self.fp32_step_errors.values(), default=0.0):.1e})")
         if extra or missing:
             text += f"; trainables differ: missing {missing[:6]} extra {extra[:6]}"
         if self.strict_load != "ok":
@@ -189,6 +191,8 @@ def check(module: torch.nn.Module, args: tuple, exporter: str = "dynamo", *, nam
     for n, m in moved.items():  # relative to the update's size (floored as the gradients' are)
         result.step_errors[n] = _relative(state[n].numpy().astype(np.float64) - initial[n], m, floor)
         result.torch_step_errors[n] = _relative(theirs[n].detach().double().numpy() - initial[n], m, floor)
+        result.fp32_step_errors[n] = _relative(state[n].numpy().astype(np.float64) - initial[n],
+                                               theirs[n].detach().double().numpy() - initial[n], floor)
     try:
         copy.deepcopy(module).load_state_dict(state, strict=True)
     except RuntimeError as error:

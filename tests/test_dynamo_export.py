@@ -148,6 +148,7 @@ def test_every_torch_parameter_trains_and_matches_torch(exported):
     for n, p in module.named_parameters():  # each trained (as torch's did): no parameter left behind
         assert not np.array_equal(state[names[n]], initial[names[n]]), n
         assert not np.array_equal(p.detach().numpy(), initial[names[n]]), n
+    module.load_state_dict(session.to_torch_state_dict(), strict=True)  # GPT-2: wte and lm_head both back
 
 
 def test_a_parameter_that_cannot_be_restored_is_named(exported):
