@@ -24,6 +24,7 @@ trainables, as torch's).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -143,6 +144,10 @@ def record_torch_names(model: onnx.ModelProto, module: Any) -> onnx.ModelProto:
     done, unheld = restore_from_values(model, unique, [n for n in missing if n in unique], constants)
     if done:
         mapping = torch_name_map(model, state)
+        shown = ", ".join(f"{p} ({how}, was {c})" for p, c, how in done[:3])
+        warnings.warn(f"record_torch_names: {len(done)} constant(s) the exporter had computed from torch parameters "
+                      f"are computed from the parameters again, which train: {shown}"
+                      f"{f' and {len(done) - 3} more' if len(done) > 3 else ''}", stacklevel=2)
     lost = _folded_batch_norms(model, module, entries, mapping) if named is not None else {}
     write_record(model, mapping, KEY)
     write_record(model, grads, PARAMETERS_KEY)
