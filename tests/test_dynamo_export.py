@@ -8,6 +8,7 @@ LayerNorm weights, zero biases) and a "pretrained body + fresh zero-bias head"."
 from __future__ import annotations
 
 import io
+import json
 import warnings
 
 import numpy as np
@@ -111,7 +112,7 @@ def test_the_default_export_did_lose_parameters(exported):
 
 def test_every_torch_parameter_trains_and_matches_torch(exported):
     name, module, model = exported
-    with pytest.warns(UserWarning, match="dynamo exporter"):
+    with pytest.warns(UserWarning, match="had merged, folded or removed torch parameters"):
         training = ot.build_training_model(model, _loss(name), ot.AdamW(lr=1e-2, eps=1e-12))
     trainables = metadata(training)["trainable"].split(",")
     names = _our_names(module, trainables)
@@ -147,11 +148,13 @@ def test_every_torch_parameter_trains_and_matches_torch(exported):
     for n, p in module.named_parameters():  # each trained (as torch's did): no parameter left behind
         assert not np.array_equal(state[names[n]], initial[names[n]]), n
         assert not np.array_equal(p.detach().numpy(), initial[names[n]]), n
+    module.load_state_dict(session.to_torch_state_dict(), strict=True)  # GPT-2: wte and lm_head both back
 
 
 def test_a_parameter_that_cannot_be_restored_is_named(exported):
     """A torch op whose slot for a parameter reads a computed value (not an initializer): the
-    error names the parameter and the export option that keeps it."""
+    build refuses to train it, naming it and the export option that keeps it; frozen, it builds
+    (the export computes it right)."""
     name, module, model = exported
     model = onnx.ModelProto.FromString(model.SerializeToString())
     gemm = next(n for n in model.graph.node if n.op_type == "Gemm" and len(n.input) >= 2
@@ -164,9 +167,25 @@ def test_a_parameter_that_cannot_be_restored_is_named(exported):
         if t.name == weight:
             t.name = "renamed_constant"
             model.graph.node[0].input[0] = "renamed_constant"
+    restored = restore_parameters(onnx.ModelProto.FromString(model.SerializeToString()))
+    lost = [p for p in restored.lost if p not in {t.name for t in model.graph.initializer}]
+    assert lost, restored.lost
     with pytest.raises(ot.TrainingOpError, match=r"optimize=False.*do_constant_folding=False") as info:
-        restore_parameters(model)
-    assert weight in str(info.value)
+        ot.build_training_model(model, _loss(name), ot.Adam())
+    assert lost[0] in str(info.value)
+    frozen_lost = [n for n, _ in module.named_parameters() if n not in lost and n in restored_inits(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        training = ot.build_training_model(model, _loss(name), ot.Adam(), trainable=frozen_lost)
+    assert sorted(metadata(training)["trainable"].split(",")) == sorted(frozen_lost)
+
+
+def restored_inits(model) -> set[str]:
+    copy = onnx.ModelProto.FromString(model.SerializeToString())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        restore_parameters(copy)
+    return {t.name for t in copy.graph.initializer}
 
 
 def test_an_export_with_optimize_false_is_left_alone():
@@ -178,9 +197,11 @@ def test_an_export_with_optimize_false_is_left_alone():
         torch.onnx.export(module, (torch.zeros(2, 8, dtype=torch.int64),), f, input_names=["input_ids"],
                           optimize=False, verbose=False)
     model = onnx.load_from_string(f.getvalue())
-    before = model.SerializeToString()
+    before = model.graph.SerializeToString()
     assert not restore_parameters(model)
-    assert model.SerializeToString() == before
+    assert model.graph.SerializeToString() == before  # only torch's names recorded, for to_torch_state_dict
+    assert set(json.loads(next(p.value for p in model.metadata_props if p.key == "torch.state_dict_names"))) == \
+        {n for n, _ in module.state_dict().items() if n in {t.name for t in model.graph.initializer}}
 
 
 def test_without_fx_metadata_missing_parameters_are_named(exported):
@@ -211,6 +232,9 @@ def test_batchnorm_folded_into_conv_is_refused():
         torch.onnx.export(module, (x,), f, input_names=["x"], dynamic_shapes=({0: torch.export.Dim("b")},),
                           verbose=False)
     model = onnx.load_from_string(f.getvalue())
-    with pytest.raises(ot.TrainingOpError, match=r"folded 1 BatchNorm layer\(s\) into the convolution before them "
-                                                 r"\(1.weight\).*optimize=False"):
+    with pytest.raises(ot.TrainingOpError, match=r"1.weight, 1.bias, 0.weight: optimize=True folded this BatchNorm "
+                                                 r"into the convolution before it.*optimize=False"):
         ot.build_training_model(model, "cross_entropy", ot.Adam(), mode="train")
+    with pytest.warns(UserWarning, match=r"3 frozen torch parameter\(s\) stay as the exporter folded"):
+        head = ot.build_training_model(model, "cross_entropy", ot.Adam(), trainable=["4.weight", "4.bias"])
+    assert metadata(head)["trainable"] == "4.weight,4.bias"  # the folded Conv is right while frozen

@@ -47,7 +47,7 @@ from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
 from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, training_info
-from .dynamo_params import restore_parameters
+from .dynamo_params import exported_parameters, restore_parameters
 from .eval_mode import to_inference
 from .grad_clip import checked_limit
 from .initialization import initialization_graph
@@ -61,11 +61,14 @@ from .padding_rows import detect_padding_rows, mark_lookups, recorded_padding_ro
 from .padding_rows import to_json as padding_json
 from .param_groups import groups_to_json, resolve_groups
 from .rmsprop import RMSProp
+from .torch_record import LOST_KEY, UNHELD_KEY
+from .torch_record import read as read_record
 from .train_mode import fit_opset, training_forward
-from .trainables import check_differentiable, choose_trainables
+from .trainables import check_differentiable, choose_trainables, refuse_lost
 from .untie import describe as describe_untied
 from .untie import untie_merged_initializers
 from .update import add_learning_rates, add_update
+from .value_params import folded_conv_weights, restore_copies
 
 MIN_OPSET = 13
 TRAIN_MODE_OPS = ("Dropout", "BatchNormalization")  # what mode="train" changes
@@ -254,9 +257,16 @@ def build_training_model(
         raise TrainingOpError("the model already has training_info; pass the inference model")
     lora = lora_spec(model)
     drop_kv_cache(model)  # a training step sees whole sequences: no past keys and values
-    restored = restore_parameters(model)
-    if restored:
-        warnings.warn(restored.describe(), stacklevel=2)
+    restored = restore_parameters(model, opened.array)
+    if exported_parameters(model.graph) is None:  # TorchScript: folded copies of parameters it holds
+        restored.computed += restore_copies(model, opened.array)
+        restored.lost.update(folded_conv_weights(model, read_record(model)))
+    restored.lost.update(read_record(model, LOST_KEY) or {})
+    unheld = read_record(model, UNHELD_KEY)
+    if unheld:
+        warnings.warn(f"{len(unheld)} torch parameter(s) that no initializer of the export holds (recorded by "
+                      f"record_torch_names) will not train: {', '.join(list(unheld)[:6])}"
+                      f"{' ...' if len(unheld) > 6 else ''}: {next(iter(unheld.values()))}", stacklevel=2)
     untied = untie_merged_initializers(model)
     if untied:
         warnings.warn(describe_untied(untied), stacklevel=2)
@@ -270,9 +280,12 @@ def build_training_model(
     t_name = algo.name("optimizer.T")  # the update count, also the dropout masks' counter
     renamed, stat_updates = _forward(model, mode, seed, t_name, types, algo)
     spec, loss_name, eval_loss, target = add_loss(model, loss, output, labels, types, renamed, algo)
-    candidates = choose_trainables(model, trainable, algo.nodes, loss_name, elem_types)
+    candidates = choose_trainables(model, trainable, algo.nodes, loss_name, elem_types, restored)
     groups, frozen = resolve_groups([p.name for p in candidates], param_groups, optimizer, learning_rate)
     params = [p for p in candidates if p.name not in frozen]
+    refuse_lost(restored, trainable, [p.name for p in params], param_groups, {t.name for t in model.graph.initializer})
+    if restored:
+        warnings.warn(restored.describe(), stacklevel=2)
     check_differentiable(model, algo.nodes, loss_name, params, elem_types)
 
     add_learning_rates(groups, params, algo)

@@ -44,10 +44,22 @@ class Group:
     learning_rate: str  # the name of its learning-rate input
 
 
-def _matches(pattern, name: str) -> bool:
+def matches(pattern, name: str) -> bool:
+    """Whether a group's pattern (glob or ``re.compile``) matches a name."""
     if isinstance(pattern, re.Pattern):
         return pattern.search(name) is not None
     return fnmatch.fnmatchcase(name, pattern)
+
+
+def frozen_by(param_groups: Sequence[Mapping] | None, name: str) -> bool:
+    """Whether ``name`` would join a ``frozen`` group (the first group matching it; the groups
+    are checked by :func:`resolve_groups`)."""
+    for group in param_groups or ():
+        patterns = group.get("params") if isinstance(group, Mapping) else None
+        patterns = [patterns] if isinstance(patterns, (str, re.Pattern)) else list(patterns or ())
+        if any(isinstance(p, (str, re.Pattern)) and matches(p, name) for p in patterns):
+            return bool(group.get("frozen", False))
+    return False
 
 
 def _checked(i: int, group: Any, optimizer: Optimizer) -> dict:
@@ -89,7 +101,7 @@ def resolve_groups(trainables: Sequence[str], param_groups: Sequence[Mapping] | 
     rest = []
     for param in trainables:
         for i, spec in enumerate(specs):
-            if any(_matches(p, param) for p in spec["params"]):
+            if any(matches(p, param) for p in spec["params"]):
                 members[i].append(param)
                 break
         else:

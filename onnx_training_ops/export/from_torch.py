@@ -94,7 +94,7 @@ def export_for_training(
         for leftover in (tmp, tmp + ".data"):
             if os.path.exists(leftover):
                 os.remove(leftover)
-    record_torch_names(model, module.state_dict())
+    record_torch_names(model, module)
     _record_padding_rows(model, module)
     _warn_lost(model, module)
     save_model(model, path)

@@ -119,7 +119,7 @@ class LargeModel(ModelContainer):
         proto = self.model_proto
         for tensor in all_tensors(proto):
             if location(tensor) in self.large_initializers:
-                value = np.ascontiguousarray(self.large_initializers[location(tensor)])
+                value = np.asarray(self.large_initializers[location(tensor)], order="C")  # keeps 0-d
                 tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
         self.large_initializers = {}
         return add_checksums(proto) if checksums else proto
