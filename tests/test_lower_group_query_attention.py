@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from contrib_refs import MS, OPSETS, TRAINING, _model, gradients, relative_error, session
+from genai_fixture import llama_int4
 from onnx import TensorProto, helper
 from test_gradient_contrib import GQA
 
@@ -125,15 +126,11 @@ def test_what_the_lowering_leaves_to_onnxruntime():
 
 # ----------------------------------------------------------------------------- the genai Llama
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) builds the model")
-    pytest.importorskip("torch")
-    from genai_models import genai_model
-    root = tmp_path_factory.mktemp("genai")
+def llama():
+    """The tiny genai Llama (int4, float32 activations: tests/genai_fixture.py) with LoRA."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        folder = genai_model("llama", "int4", root, accuracy_level=1)
-        model = ot.add_lora(str(folder), rank=4, alpha=8, targets=["q_proj", "v_proj", "o_proj", "down_proj"])
+        model = ot.add_lora(str(llama_int4()), rank=4, alpha=8, targets=["q_proj", "v_proj", "o_proj", "down_proj"])
         return ot.build_training_model(model, ot.CrossEntropyLoss(shift_labels=True), ot.AdamW(lr=1e-2))
 
 
