@@ -189,3 +189,33 @@ def test_the_kernel_table_reads_contrib_ops_at_their_types():
                                   "bfloat16, float16)"}, found
     model.graph.node.append(helper.make_node("Unknown", ["att"], ["u"], domain=ms, name="unknown"))
     assert cpu_nodes(model)[-1].reason == f"no {CUDA} kernel for Unknown at opset 1"
+
+
+def test_the_flat_optimizers_groups_write_in_place_after_every_read(monkeypatch):
+    """The flat optimizer updates at most 32 tensors per chain (issue 39 item 6): a chain of the
+    last layers needs only their gradients, so onnxruntime may write them before the backward of
+    the first layers reads them, and the step fell back to two sets: no fixed addresses, no CUDA
+    graph (GPT-2's 148 tensors, every LoRA model past 32 adapter matrices). The guard's condition
+    now waits for those reads (passes/order_writes.py): in place, captured, the same training."""
+    from onnx_training_ops.demo import make_mlp
+
+    # 20 layers: two chains of 20 tensors, the second from W10 on (its read for layer 9's gradient feeds the first)
+    model = ot.build_training_model(make_mlp((8,) + (12,) * 19 + (4,)), "cross_entropy", ot.AdamW(lr=1e-2))
+    shapes = {"input": [6, 8], "labels": [6]}
+    [plan] = device_step_plans(model, shapes)
+    assert plan.in_place and plan.graph_capture, plan.not_fixed
+    barrier = [n for n in plan.model.model_proto.graph.node if "order_writes" in n.output[0]]
+    assert 0 < len(barrier) <= 6 * 2  # a read of a value per chain at most
+    with monkeypatch.context() as patch:
+        patch.setattr(graph_module, "writes_after_reads", lambda *args: [])
+        [before] = device_step_plans(model, shapes)
+        assert not before.in_place and not before.graph_capture  # what the flat step was
+    device = ot.TrainingSession(model, device="cpu", input_shapes=shapes)
+    host = ot.TrainingSession(model)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        batch = {"input": rng.standard_normal((6, 8)).astype(np.float32), "labels": rng.integers(0, 4, 6)}
+        np.testing.assert_allclose(device.step(batch)["loss"], host.step(batch)["loss"], rtol=1e-6)
+    want = host.state_dict()
+    for name, value in device.state_dict().items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-7, err_msg=name)

@@ -122,7 +122,8 @@ def _through_contrib_ops(model: ModelProto, types: dict[str, ValueType]) -> None
     where onnx's inference stops (:func:`~..autodiff.contrib_shapes.complete`): a loss after an
     onnxruntime-genai graph's int4 LM head gets its logits' shape."""
     graph = model.graph
-    meta = {name: ValueMeta(t.elem_type or None, t.shape) for name, t in types.items()}
+    # a value of unknown shape is left for the walk to compute again (onnx gave up on it midway)
+    meta = {name: ValueMeta(t.elem_type or None, t.shape) for name, t in types.items() if t.shape is not None}
     constants = {t.name: t for t in graph.initializer
                  if not t.external_data and t.data_location != onnx.TensorProto.EXTERNAL and len(t.dims) <= 1
                  and int(np.prod(t.dims, dtype=np.int64)) <= 64}

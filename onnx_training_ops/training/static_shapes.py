@@ -175,6 +175,9 @@ def static_step(step: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str,
     model = onnx.ModelProto()
     model.CopyFrom(step)
     fix_input_shapes(model, data, shapes, what)
+    # the graph's annotations of inner values keep the symbolic dims (onnxruntime-genai writes them):
+    # inference, through the contrib ops too (passes/_graph.value_types), finds the static ones
+    del model.graph.value_info[:]
     return fold_constants(model)
 
 

@@ -48,6 +48,7 @@ import onnxruntime as ort
 from ...errors import TrainingOpError
 from ...interrupts import held_interrupts
 from ...passes.guard_feedback import guard_feedback, in_place_unsafe
+from ...passes.order_writes import writes_after_reads
 from ...runtime.kernel_table import CUDA, Placement, cpu_nodes
 from ...runtime.kernel_table import PROVIDERS as KERNEL_PROVIDERS
 from ...runtime.pipeline import prepare_model
@@ -104,6 +105,8 @@ def plan_in_place(model: onnx.ModelProto, feedback: Mapping[str, str], loss: str
     written = guard_feedback(candidate, feedback, loss if guard else None, gate) if guard or gate \
         else dict(feedback)
     unsafe = in_place_unsafe(candidate, written)
+    if unsafe and writes_after_reads(candidate, written, unsafe):  # the guard waits for every read
+        unsafe = in_place_unsafe(candidate, written)
     if unsafe:
         if wanted:
             raise TrainingOpError(f"{what}: in_place=True, but the step model may read {unsafe[:3]}"
