@@ -554,7 +554,7 @@ def test_on_a_gpu_convolution_gradients_are_convolutions(monkeypatch):
     batches = [{"x": rng.standard_normal((6, 3, 8, 8)).astype(np.float32), "labels": rng.integers(0, 5, 6)}
                for _ in range(3)]
     cpu = ot.TrainingSession(model, device="cpu")
-    monkeypatch.setattr(graph_module, "gpu_pipeline", lambda memory: True)
+    monkeypatch.setattr(graph_module, "device_provider", lambda device: "CUDAExecutionProvider")
     gpu = ot.TrainingSession(model, device="cpu")
     ops = {name: [n.op_type for n in s._programs.steps[0].session.prepared_model.graph.node]
            for name, s in (("cpu", cpu), ("gpu", gpu))}

@@ -10,20 +10,16 @@ reduction axes come out of one); WebGPU runs none of them.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 from onnx import ModelProto, helper, numpy_helper
 
+from ._graph import value_types
 from ._rewrite import constants
 
 
 def _static_shapes(model: ModelProto) -> dict[str, list[int]]:
-    g = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
-    shapes = {}
-    for vi in (*g.input, *g.output, *g.value_info):
-        tt = vi.type.tensor_type
-        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
-            shapes[vi.name] = [d.dim_value for d in tt.shape.dim]
-    return shapes
+    """The values of static shape: onnx's inference, carried through the onnxruntime contrib ops
+    it does not know (an onnxruntime-genai graph's MatMulNBits, GroupQueryAttention...)."""
+    return {name: list(t.static_shape) for name, t in value_types(model).items() if t.static_shape is not None}
 
 
 def fold_static_shapes(model: ModelProto) -> ModelProto:

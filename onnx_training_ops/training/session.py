@@ -684,7 +684,7 @@ class TrainingSession:
 
     @property
     def cuda_graph(self) -> bool:
-        """Whether the step replays a CUDA graph (see ``cuda_graph=``)."""
+        """Whether the step replays a CUDA graph (see ``cuda_graph=``); ``repr`` says why not on a CUDA device."""
         return self._programs.graph_capture()
 
     @property
@@ -702,7 +702,8 @@ class TrainingSession:
         return summary(self._store.model, self._store.described())
 
     def __repr__(self) -> str:  # cheap: no shape inference (summary() walks the graph)
-        engine = describe_strategies(self._config, self._programs.in_place(), self._programs.graph_capture())
+        engine = describe_strategies(self._config, self._programs.in_place(), self._programs.graph_capture(),
+                                     self._programs.capture_note())
         return describe(self._store.described(), self._programs.meta, self.learning_rates, self.lr_schedule_step,
                         self.providers, engine)
 
