@@ -12,7 +12,8 @@ onnxruntime-allocated OrtValues shared with torch by DLPack). Rank 0 prints one 
 
 * ``split_ms``: medians over ``--steps`` steps (after a warm-up) of backward (one onnxruntime
   run), the all-reduce of the flat gradient buffer (gloo, 25 MiB buckets all in flight), and
-  the optimizer step;
+  the optimizer step; ``cpu_ms``: the CPU time this process spent in each (all its threads:
+  gloo's loopback copies are CPU work, which load on the machine does not inflate);
 * ``overlap_ms``: the bound on any overlap, measured: a buffer of the gradients' size is
   all-reduced while the backward runs (every bucket issued before the run starts: more
   overlap than any bucketing of a real backward can give), against the two one after the
@@ -80,17 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(int(np.prod(shape)) for _, _, _, shape in session.gradient_layout())
 
     parts: dict[str, list[float]] = {"backward": [], "all_reduce": [], "optimizer_step": []}
+    cpu: dict[str, list[float]] = {key: [] for key in parts}  # this process's CPU time, every thread
     for k in range(args.steps + 1):
-        t0 = time.perf_counter()
+        clocks = [(time.perf_counter(), time.process_time())]
         ddp.backward(feeds[k % len(feeds)])
-        t1 = time.perf_counter()
+        clocks.append((time.perf_counter(), time.process_time()))
         ddp.all_reduce_gradients()
-        t2 = time.perf_counter()
+        clocks.append((time.perf_counter(), time.process_time()))
         ddp.session.optimizer_step()
-        t3 = time.perf_counter()
+        clocks.append((time.perf_counter(), time.process_time()))
         if k:  # the first step opens the programs
-            for key, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
-                parts[key].append(seconds)
+            for i, key in enumerate(parts):
+                parts[key].append(clocks[i + 1][0] - clocks[i][0])
+                cpu[key].append(clocks[i + 1][1] - clocks[i][1])
 
     # the overlap bound: a buffer of the gradients' size all-reduced during the backward
     dummy = torch.ones(params, dtype=torch.float32)
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
               "ranks": world, "engine": args.engine, "rows_per_rank": rows, "seq": args.seq,
               "threads_per_rank": options.intra_op_num_threads, "gradient_MB": round(params * 4 / 1e6, 1),
               "split_ms": {key: ms(values) for key, values in parts.items()},
+              "cpu_ms": {key: ms(values) for key, values in cpu.items()},
               "overlap_ms": {key: ms(values) for key, values in pairs.items()},
               "peak_rss_GB_max_rank": round(peak, 2), "load_average": os.getloadavg()}
     destroy_process_group()

@@ -77,19 +77,16 @@ def init_process_group(backend: str | None = None, timeout_s: float = 300.0) -> 
     """Join the job described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT); a no-op when already joined. ``backend``: None joins with gloo for CPU
     tensors and, where CUDA is available, NCCL for CUDA ones (``"cpu:gloo,cuda:nccl"``: host
-    and GPU sessions both work), and makes ``cuda:LOCAL_RANK`` the current device, as a GPU
-    job does; or any ``torch.distributed`` backend string. ``timeout_s`` bounds every
-    collective, so a rank that hangs ends the job instead of blocking it forever."""
+    and GPU sessions both work; NCCL starts only when a CUDA tensor is reduced); or any
+    ``torch.distributed`` backend string. ``timeout_s`` bounds every collective, so a rank that
+    hangs ends the job instead of blocking it forever."""
     dist = _dist()
     if dist.is_initialized():
         return
-    import torch
-
-    cuda = torch.cuda.is_available() and dist.is_nccl_available()
     if backend is None:
-        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    if cuda and "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        import torch
+
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0":

@@ -14,9 +14,13 @@ kernels write host arrays directly (:mod:`.fused`).
   only when asked (:meth:`~StateMemory.download`, :meth:`~StateMemory.upload`).
 
 Both hold the accumulated gradients as one flat buffer per dtype (:meth:`~StateMemory.add_flat`):
-each accumulator is a slice of it, bound by address on a device, so a step's gradients are one
-block to all-reduce or zero. A program that cannot write in place writes into *spares*, which
-:meth:`~StateMemory.commit` makes the state (a skipped step leaves the state as it was).
+each accumulator is a slice of it (:meth:`~StateMemory.located`), bound by address on a device,
+so a step's gradients are one block to all-reduce or zero. Both hand their live buffers out as
+DLPack exporters (:meth:`~StateMemory.exported`: the numpy array, or the OrtValue), which torch
+wraps without a copy: how data-parallel training reduces the gradients in place.
+
+A program that cannot write in place writes into *spares*, which :meth:`~StateMemory.commit`
+makes the state (a skipped step leaves the state as it was).
 """
 
 from __future__ import annotations
