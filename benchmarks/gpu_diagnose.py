@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
+
 
 @contextlib.contextmanager
 def _stderr_to(path: str):
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
-    from onnx_training_ops.bench.gpu import _batches, _cuda_providers, _training_model, model_spec
+    from benchmarks.gpu import _batches, _cuda_providers, _training_model, model_spec
     from onnx_training_ops.training.session import TrainingSession
 
     os.makedirs(args.out, exist_ok=True)

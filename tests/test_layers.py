@@ -2,8 +2,9 @@
 
 The layers, bottom to top (docs/architecture.md): the foundation (errors, schema, interrupts,
 walk), storage, optim, kernels, autodiff, passes, runtime, lora, builder, training, then the applications
-built on them (export, migrate, distributed, backend; conformance, demo; bench; cli). Imports inside
-functions count: a lazy import is still a dependency.
+built on them (export, migrate, distributed, backend; conformance, demo; cli). Imports inside
+functions count: a lazy import is still a dependency. The checkout's other folders (benchmarks/,
+tests/, examples/, models/) are not installed: the package imports none of them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ LAYERS = [
     {"training"},
     {"export", "migrate", "distributed", "backend"},
     {"conformance", "demo"},
-    {"demo_ddp", "bench"},
+    {"demo_ddp"},
     {"cli"},
     {"__main__"},
 ]
@@ -130,6 +131,21 @@ def test_every_layer_imports_only_the_layers_below_it():
             if not same_folder and _layer(target) >= _layer(module):
                 wrong.append(f"{module} -> {target}")
     assert not wrong, "imports that go up or sideways:\n" + "\n".join(wrong)
+
+
+def test_the_package_imports_nothing_of_the_checkout_around_it():
+    outside = {"benchmarks", "tests", "examples", "models", "docs_hooks"}
+    wrong = []
+    for name, path in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                sources = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                sources = [node.module or ""]
+            else:
+                continue
+            wrong += [f"{name} -> {s}" for s in sources if s.split(".")[0] in outside]
+    assert not wrong, "the installed package imports the checkout's other folders:\n" + "\n".join(wrong)
 
 
 def test_the_walk_sees_the_imports_it_must():

@@ -26,7 +26,7 @@ Module level imports are numpy and the standard library only: onnxruntime-traini
 worker (another Python) loads this file by path for :func:`batches` and :func:`spec`.
 torch, transformers and onnx are imported when a model is built or exported.
 
-    python -m onnx_training_ops.bench.zoo [NAME ...] [--cache DIR]   (export, print paths)
+    python -m benchmarks.zoo [NAME ...] [--cache DIR]   (export, print paths)
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def torch_loss(s: Spec, logits, labels):
 
 def loss(s: Spec):
     """The builder's loss for ``s`` (same math as :func:`torch_loss`)."""
-    from ..builder.losses import CrossEntropyLoss
+    from onnx_training_ops.builder.losses import CrossEntropyLoss
 
     if s.family == "gpt2":
         return CrossEntropyLoss(class_axis=-1, shift_labels=True)
@@ -308,7 +308,7 @@ def _safe(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m onnx_training_ops.bench.zoo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.zoo", description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", default=["bert", "gpt2", "resnet18", "mlp"], help=f"of {', '.join(SPECS)}")
     ap.add_argument("--cache", default=None, help=f"cache directory (default: {cache_dir()})")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """LoRA on a ~1B-parameter Llama-style model: the export, torch + peft, and the memory bench case.
 
-    python -m onnx_training_ops bench memory --models llama-1b-lora [--contenders ours,torch]
+    python -m benchmarks memory --models llama-1b-lora [--contenders ours,torch]
 
 The model is TinyLlama-1.1B's configuration (22 layers, hidden 2048, MLP 5632, 32 heads with
 4 key/value heads, vocabulary 32000; 1.10 B parameters, 4.4 GB in float32), randomly
@@ -83,7 +83,7 @@ def _export_to(s: zoo.Spec, path: str) -> None:
 
     import torch
 
-    from ..storage import load_model, save_model
+    from onnx_training_ops.storage import load_model, save_model
 
     module = torch_model(s).eval()
     feed = batches(s, 1)[0]
@@ -111,7 +111,7 @@ def trainable(path: str) -> list[str]:
 
 
 def loss(s: zoo.Spec):
-    from ..builder.losses import CrossEntropyLoss
+    from onnx_training_ops.builder.losses import CrossEntropyLoss
 
     return CrossEntropyLoss(class_axis=-1, shift_labels=True)
 

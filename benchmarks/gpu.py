@@ -1,6 +1,6 @@
 """Training steps on a GPU: ours against torch eager fp32 and torch AMP bf16, one process each.
 
-    python -m onnx_training_ops bench gpu [--models gpt2-124m,gpt2-355m,bert-base,resnet50]
+    python -m benchmarks gpu [--models gpt2-124m,gpt2-355m,bert-base,resnet50]
                                           [--contenders ours,torch_fp32,torch_bf16] [--device cuda]
                                           [--losses 10] [--timed 20] [--batch B] [--seq S] [--json PATH]
 
@@ -81,7 +81,7 @@ def _training_model(spec: zoo.Spec, precision: str = "fp32"):
     """Our training model of ``spec`` (AdamW as :mod:`.model_runners`; LoRA: the adapters train)."""
     if spec.family != "llama":
         return training_model(spec, precision=precision)
-    from ..builder import AdamW, build_training_model
+    from onnx_training_ops.builder import AdamW, build_training_model
 
     path = lora.export(spec)
     return build_training_model(path, lora.loss(spec), AdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
@@ -165,7 +165,7 @@ def _cuda_providers() -> list:
 
 
 def _ours(spec: zoo.Spec, device: str, flat: bool, precision: str = "fp32"):
-    from ..export import DeviceTrainer, export_step
+    from onnx_training_ops.export import DeviceTrainer, export_step
 
     directory = tempfile.mkdtemp(prefix="bench_gpu_")
     export_step(_training_model(spec, precision), directory, flat_optimizer=flat)
@@ -181,7 +181,7 @@ def _ours(spec: zoo.Spec, device: str, flat: bool, precision: str = "fp32"):
 
 
 def _session(spec: zoo.Spec, device: str, cuda_graph: bool | None, precision: str = "fp32"):
-    from ..training.session import TrainingSession
+    from onnx_training_ops.training.session import TrainingSession
 
     providers = _cuda_providers() if device == "cuda" else ["CPUExecutionProvider"]
     batches = _batches(spec)
@@ -280,7 +280,7 @@ def worker(contender: str, name: str, device: str, losses: int, timed: int, batc
 
 
 def _run_worker(contender: str, name: str, args: argparse.Namespace) -> dict:
-    command = [sys.executable, "-m", "onnx_training_ops.bench.gpu", "--worker", contender, name,
+    command = [sys.executable, "-m", "benchmarks.gpu", "--worker", contender, name,
                "--device", args.device, "--losses", str(args.losses), "--timed", str(args.timed)]
     if args.worker_timeout:  # the steps stop early, so that a slow contender reports before it is killed
         command += ["--budget", str(0.8 * args.worker_timeout)]
@@ -331,7 +331,7 @@ def format_table(results: list[dict], last: int | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="onnx-training-ops bench gpu", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "ours_fp16"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))

@@ -28,7 +28,7 @@ def graph_breakdown(op: str = "adam", n: int = 10**7, reps: int = 20) -> dict:
     from onnxruntime_extensions import PyCustomOpDef
     from onnxruntime_extensions._ocos import Opdef
 
-    from ..runtime import plugin
+    from onnx_training_ops.runtime import plugin
 
     sess, step = graph_session(op, n)
     hook_times, kernel_times = [], []

@@ -1,4 +1,4 @@
-"""onnxruntime-training's side of ``python -m onnx_training_ops bench memory --ortt-python PATH``.
+"""onnxruntime-training's side of ``python -m benchmarks memory --ortt-python PATH``.
 
 Runs in *another* Python (onnxruntime-training 1.19.2: numpy < 2, onnx <= 1.16) and
 imports nothing of this package: :mod:`.zoo` (specs, batches) and :mod:`.rss` (phases) are

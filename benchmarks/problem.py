@@ -53,7 +53,7 @@ def step_model(op: str, n: int | None, initializers: dict[str, np.ndarray] | Non
     :func:`.contenders.training_session`)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from ..schema import DOMAIN
+    from onnx_training_ops.schema import DOMAIN
 
     names = STATE_NAMES[op]
     updated = [k for k in names if k != "G"]

@@ -46,10 +46,11 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
     sizes, batch = shape
     batches = mlp_batches(sizes, batch)
     if name.startswith("training_session"):
-        from ..builder import build_training_model
-        from ..builder.optimizers import Adam
-        from ..demo import make_mlp
-        from ..training import TrainingSession
+        from onnx_training_ops.builder import build_training_model
+        from onnx_training_ops.builder.optimizers import Adam
+        from onnx_training_ops.demo import make_mlp
+        from onnx_training_ops.training import TrainingSession
+
         from .contenders import DEFAULT_OPTIONS, session_options
 
         session = TrainingSession(build_training_model(make_mlp(sizes), "cross_entropy", Adam(lr=1e-3)),

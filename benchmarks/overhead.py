@@ -1,6 +1,6 @@
 """Fixed costs: importing the package, and expanding a Gradient node (a 100-layer MLP).
 
-    python -m onnx_training_ops bench overhead [--rounds 7] [--layers 100] [--width 64] [--json PATH]
+    python -m benchmarks overhead [--rounds 7] [--layers 100] [--width 64] [--json PATH]
 
 Each import is timed in a fresh interpreter (the cost a script pays once); the expansion
 (:func:`onnx_training_ops.passes.expand_gradient.expand_gradient`) in this process, after one
@@ -51,7 +51,7 @@ def deep_mlp_gradient_model(layers: int = 100, width: int = 64, seed: int = 13) 
 
 def expansion_seconds(model: onnx.ModelProto, rounds: int) -> list[float]:
     """Seconds of each of ``rounds`` expansions of ``model`` (after one warm-up)."""
-    from ..passes.expand_gradient import expand_gradient
+    from onnx_training_ops.passes.expand_gradient import expand_gradient
 
     expand_gradient(model)
     times = []
@@ -70,7 +70,7 @@ def import_seconds(rounds: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="onnx-training-ops bench overhead", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds of each (default %(default)s)")
     ap.add_argument("--layers", type=int, default=100, help="MLP depth for the expansion (default %(default)s)")
     ap.add_argument("--width", type=int, default=64, help="MLP width (default %(default)s)")

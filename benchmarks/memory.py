@@ -1,6 +1,6 @@
 """Memory of fine-tuning real models: peak RSS per phase, ours vs torch eager vs onnxruntime-training.
 
-    python -m onnx_training_ops bench memory [--models gpt2-124m,gpt2-355m,bert-base]
+    python -m benchmarks memory [--models gpt2-124m,gpt2-355m,bert-base]
         [--contenders ours,torch,onnxruntime_training] [--ortt-python PATH] [--steps 6]
         [--resume] [--cache DIR] [--json benchmarks/results/memory.json]
 
@@ -96,8 +96,8 @@ def state_digest(session) -> str:
 
 
 def ours_worker(s: zoo.Spec, path: str, steps: int, checkpoint: str | None) -> dict:
-    from ..builder import AdamW, build_training_model
-    from ..training import TrainingSession
+    from onnx_training_ops.builder import AdamW, build_training_model
+    from onnx_training_ops.training import TrainingSession
 
     meter = Phases()
     feeds = batches(s, min(steps + 1, 16))
@@ -124,7 +124,7 @@ def ours_worker(s: zoo.Spec, path: str, steps: int, checkpoint: str | None) -> d
 
 def resume_worker(s: zoo.Spec, checkpoint: str, steps: int) -> dict:
     """Load ``checkpoint`` in this fresh process and take the step the saver took next."""
-    from ..training import TrainingSession
+    from onnx_training_ops.training import TrainingSession
 
     meter = Phases()
     feeds = batches(s, min(steps + 1, 16))
@@ -181,7 +181,7 @@ def _bytes_on_disk(path: str) -> int:
 
 def _worker(args: list[str], python: str | None = None, script: str | None = None) -> dict:
     """Run a worker process; its JSON report, or ``{"n/a": reason}``."""
-    cmd = [python, script] if script else [sys.executable, "-m", "onnx_training_ops.bench.memory"]
+    cmd = [python, script] if script else [sys.executable, "-m", "benchmarks.memory"]
     try:
         proc = subprocess.run(cmd + args, capture_output=True, text=True)
     except OSError as error:
@@ -195,11 +195,11 @@ def _worker(args: list[str], python: str | None = None, script: str | None = Non
 def export_in_subprocess(name: str, cache: str | None) -> str:
     """The export of ``name`` (made in a process of its own, which frees its memory)."""
     if lora.is_lora(name):
-        code = ("import sys; from onnx_training_ops.bench import lora; "
+        code = ("import sys; from benchmarks import lora; "
                 "print(lora.export(lora.SPEC, sys.argv[1] or None))")
         cmd = [sys.executable, "-c", code, cache or ""]
     else:
-        cmd = [sys.executable, "-m", "onnx_training_ops.bench.zoo", name] + (["--cache", cache] if cache else [])
+        cmd = [sys.executable, "-m", "benchmarks.zoo", name] + (["--cache", cache] if cache else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"exporting {name} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -264,7 +264,7 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="onnx-training-ops bench memory", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {', '.join(model_names())}")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma list of {', '.join(CONTENDERS)}")
     ap.add_argument("--ortt-python", default=None, help="a Python with onnxruntime-training (its own venv)")

@@ -1,6 +1,6 @@
 """Real-model training steps: ours against onnxruntime-training, torch eager and torch.compile.
 
-    python -m onnx_training_ops bench models [--models bert,gpt2,resnet18,mlp]
+    python -m benchmarks models [--models bert,gpt2,resnet18,mlp]
         [--contenders ours_fast,ours_graph,torch_eager,torch_compile] [--ortt-python PATH]
         [--rounds 7] [--round-seconds 3] [--threads 2] [--profile-steps 4] [--no-profile]
         [--warmup-seconds 1]
@@ -45,7 +45,7 @@ LAYERNORM_NOTE = ("onnxruntime-training gets the LayerNormalization Mean/InvStdD
 
 
 def _worker(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "onnx_training_ops.bench.models", *args]
+    return [sys.executable, "-m", "benchmarks.models", *args]
 
 
 def _commands(spec: zoo.Spec, contenders, ortt_python, trainable_path, common, cache, threads,
@@ -166,7 +166,7 @@ def _serve_worker(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="onnx-training-ops bench models", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks models", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
     models, contenders = args.models.split(","), [c for c in args.contenders.split(",") if c]

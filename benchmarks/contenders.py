@@ -31,7 +31,7 @@ def contender(name: str) -> Callable:
 
 @contender("numpy_reference")
 def numpy_reference(op: str, n: int) -> Step:
-    from ..kernels import REFERENCE_KERNELS
+    from onnx_training_ops.kernels import REFERENCE_KERNELS
 
     kernel, attrs, names = REFERENCE_KERNELS[ONNX_OP[op]], ATTRS[op], STATE_NAMES[op]
     s = make_state(op, n)
@@ -47,10 +47,10 @@ def numpy_reference(op: str, n: int) -> Step:
 
 @contender("fused")
 def fused_kernel(op: str, n: int) -> Step:
-    from ..kernels import fused
-    from ..kernels.adagrad import adagrad_rate
-    from ..kernels.adam import adam_rate
-    from ..kernels.momentum import momentum_beta
+    from onnx_training_ops.kernels import fused
+    from onnx_training_ops.kernels.adagrad import adagrad_rate
+    from onnx_training_ops.kernels.adam import adam_rate
+    from onnx_training_ops.kernels.momentum import momentum_beta
 
     fused.warm_up()
     a, s = ATTRS[op], make_state(op, n)
@@ -166,11 +166,11 @@ def graph_session(op: str, n: int, options: dict | None = None, kernels: str = "
     """``(session, step)``: the one-node model in :class:`onnx_training_ops.InferenceSession`
     (``kernels``: ``"pyop"``, the plugin, or ``"native"``) run with IOBinding
     (:func:`bound_step`). ``options``: :data:`GRAPH_OPTIONS` unless given."""
-    from ..runtime import plugin
-    from ..runtime.session import InferenceSession
+    from onnx_training_ops.runtime import plugin
+    from onnx_training_ops.runtime.session import InferenceSession
 
     if kernels == "native":
-        from ..runtime import native
+        from onnx_training_ops.runtime import native
 
         ok, reason = native.availability()
         if not ok:
@@ -188,7 +188,7 @@ def portable_session(op: str, n: int, options: dict | None = None, in_place: boo
     run with IOBinding (:func:`bound_step`; in place unless told otherwise)."""
     import onnxruntime as ort
 
-    from ..runtime.pipeline import prepare
+    from onnx_training_ops.runtime.pipeline import prepare
 
     model = prepare(step_model(op, n), portable=True)
     so = session_options(PORTABLE_OPTIONS if options is None else options)
@@ -225,7 +225,7 @@ def training_session(op: str, n: int) -> Step:
     of nothing else leaves onnxruntime a session with no nodes, which it refuses to
     create ("OrtValue indexes should have been populated"). The scalar Identity costs
     one tiny onnxruntime run per step, as a real model's forward/backward would dwarf."""
-    from ..training import TrainingSession
+    from onnx_training_ops.training import TrainingSession
 
     s = make_state(op, n)
     updated = [k for k in STATE_NAMES[op] if k != "G"]

@@ -1,4 +1,4 @@
-"""onnxruntime-training's side of ``python -m onnx_training_ops bench --ortt-python PATH``.
+"""onnxruntime-training's side of ``python -m benchmarks --ortt-python PATH``.
 
 Runs in *another* Python (onnxruntime-training 1.19.2 needs numpy < 2 and onnx <= 1.16,
 so it lives in its own virtualenv) and imports nothing of this package (its stdlib/numpy

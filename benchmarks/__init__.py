@@ -1,12 +1,14 @@
 """Optimizer benchmarks: one optimizer step per implementation, and MLP training steps/s.
 
-    python -m onnx_training_ops bench [--sizes 1e4,1e5,1e6,1e7] [--ops adam,momentum,nesterov,adagrad]
-                                      [--contenders graph,graph_native,portable,training_session,...]
-                                      [--quick] [--ortt-python PATH]
-                                      [--json benchmarks/results/bench.json] [--png benchmarks/results/bench.png]
-    python -m onnx_training_ops bench embeddings ...   (see :mod:`.embeddings`)
+    python -m benchmarks [--sizes 1e4,1e5,1e6,1e7] [--ops adam,momentum,nesterov,adagrad]
+                         [--contenders graph,graph_native,portable,training_session,...]
+                         [--quick] [--ortt-python PATH]
+                         [--json benchmarks/results/bench.json] [--png benchmarks/results/bench.png]
+    python -m benchmarks embeddings|overhead|memory|models|gpu ...   (see ``__main__.py``)
 
-(``benchmarks/bench_optimizers.py`` runs the same.) Two parts:
+(``make bench`` runs it.) This folder is not part of the installed
+package: run it from a checkout (its root on ``sys.path``; the worker processes it starts get
+the root on ``PYTHONPATH``, so they find it from any working directory). Two parts:
 
 **One step on N float32 parameters** for Adam, Momentum (standard and nesterov) and
 Adagrad, per contender (:data:`.contenders.CONTENDERS`): ``graph`` (a one-node model in
@@ -55,7 +57,12 @@ import json
 import os
 import shutil
 
-from . import threads
+# the worker processes (``python -m benchmarks...``) find this checkout's folder from any directory
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+from . import threads  # noqa: E402
 from .breakdown import format_breakdown, graph_breakdown
 from .contenders import (
     CONTENDERS,
@@ -91,10 +98,10 @@ __all__ = [
 
 
 def main(argv: list[str] | None = None, worker_script: str | None = None) -> int:
-    """The command line (``python -m onnx_training_ops bench``). ``worker_script``: the
+    """The command line (``python -m benchmarks``). ``worker_script``: the
     script the worker processes run (default: this package), for scripts that register
     extra contenders before calling ``main``."""
-    ap = argparse.ArgumentParser(prog="onnx-training-ops bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
     return run_from_args(args, ap, worker_script)

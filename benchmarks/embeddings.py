@@ -1,6 +1,6 @@
 """Embedding-table training steps: dense Adam vs lazy Adam (this package) vs torch.
 
-    python -m onnx_training_ops bench embeddings [--rows 1000000] [--dim 64] [--lookups 4096]
+    python -m benchmarks embeddings [--rows 1000000] [--dim 64] [--lookups 4096]
                                                  [--duplicates 0.25] [--steps 30] [--dense-steps 6]
                                                  [--threads 1]
 
@@ -72,8 +72,8 @@ def _time(step, data, warmup: int = 2) -> float:
 def onnx_contender(model, mode: str, threads: int):
     import onnxruntime as ort
 
-    from ..builder import Adam, build_training_model
-    from ..training import TrainingSession
+    from onnx_training_ops.builder import Adam, build_training_model
+    from onnx_training_ops.training import TrainingSession
 
     training = build_training_model(model, "mse", Adam(lr=1e-3), trainable=["E"],
                                     sparse_updates={"E": mode})
@@ -115,7 +115,7 @@ def torch_contender(model, sparse: bool, threads: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="onnx-training-ops bench embeddings",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks embeddings",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=64)

@@ -99,7 +99,7 @@ def worker_command(worker_script: str | None) -> list[str]:
     """The command that re-runs the bench CLI in a worker process."""
     if worker_script:
         return [sys.executable, worker_script]
-    return [sys.executable, "-m", "onnx_training_ops.bench"]
+    return [sys.executable, "-m", "benchmarks"]
 
 
 def run_worker(args: list[str], worker_script: str | None, timeout: float | None = None):

@@ -37,7 +37,7 @@ def training_model(spec: zoo.Spec, cache: str | None = None, precision: str = "f
     """Our training model of ``spec``'s export (AdamW as above; ``precision``: mixed precision)."""
     import onnx
 
-    from ..builder import AdamW, build_training_model
+    from onnx_training_ops.builder import AdamW, build_training_model
 
     model = onnx.load(zoo.export(spec, cache))
     return build_training_model(model, zoo.loss(spec), AdamW(lr=LR, betas=BETAS, eps=EPS,
@@ -51,9 +51,9 @@ def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
     session options (:data:`..training.options.LARGE_MODEL_OPTIONS`)."""
     import onnxruntime as ort
 
-    from ..runtime.options import default_intra_op_threads
-    from ..training import TrainingSession
-    from ..training.options import apply_memory_options
+    from onnx_training_ops.runtime.options import default_intra_op_threads
+    from onnx_training_ops.training import TrainingSession
+    from onnx_training_ops.training.options import apply_memory_options
 
     training = training_model(spec, cache)
     if not threads:  # our own default (what a TrainingSession without options picks)
@@ -84,7 +84,7 @@ def _trainable_arrays(training):
 
 def trainable_names(training) -> list[str]:
     """The tensors one of our training models trains (the other contenders train the same)."""
-    from ..builder import metadata
+    from onnx_training_ops.builder import metadata
 
     return [n for n in metadata(training).get("trainable", "").split(",") if n]
 

@@ -120,9 +120,9 @@ def dequantized_weights(onnx_folder: str) -> dict[str, object]:
     import onnxruntime as ort
     from onnx import helper
 
-    from ..lora.inject import read_genai_config
-    from ..lora.targets import linear_nodes
-    from ..storage import load_model
+    from onnx_training_ops.lora.inject import read_genai_config
+    from onnx_training_ops.lora.targets import linear_nodes
+    from onnx_training_ops.storage import load_model
 
     model = load_model(onnx_folder)
     inits = {t.name: t for t in model.graph.initializer}
@@ -158,7 +158,7 @@ def dequantized_hf_model(built: Built):
     import torch
     import transformers
 
-    from ..lora.targets import FUSED
+    from onnx_training_ops.lora.targets import FUSED
 
     model = transformers.AutoModelForCausalLM.from_pretrained(built.hf, dtype=torch.float32)
     weights = dequantized_weights(built.onnx)
