@@ -48,9 +48,9 @@ def numpy_reference(op: str, n: int) -> Step:
 @contender("fused")
 def fused_kernel(op: str, n: int) -> Step:
     from onnx_training_ops.kernels import fused
-    from onnx_training_ops.kernels.adagrad import adagrad_rate
-    from onnx_training_ops.kernels.adam import adam_rate
-    from onnx_training_ops.kernels.momentum import momentum_beta
+    from onnx_training_ops.optim.adagrad import adagrad_rate
+    from onnx_training_ops.optim.adam import adam_rate
+    from onnx_training_ops.optim.momentum import momentum_beta
 
     fused.warm_up()
     a, s = ATTRS[op], make_state(op, n)

@@ -47,8 +47,8 @@ def mlp_runner(name: str, shape: tuple[tuple[int, ...], int]) -> Callable[[int],
     batches = mlp_batches(sizes, batch)
     if name.startswith("training_session"):
         from onnx_training_ops.builder import build_training_model
-        from onnx_training_ops.builder.optimizers import Adam
         from onnx_training_ops.demo import make_mlp
+        from onnx_training_ops.optim.adam import Adam
         from onnx_training_ops.training import TrainingSession
 
         from .contenders import DEFAULT_OPTIONS, session_options

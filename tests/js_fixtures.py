@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import onnx_training_ops as ot  # noqa: E402
 from onnx_training_ops import schedules  # noqa: E402
 from onnx_training_ops.demo import make_mlp  # noqa: E402
-from onnx_training_ops.export import export_step, safetensors, session_from_export  # noqa: E402
+from onnx_training_ops.export import export_step, session_from_export  # noqa: E402
+from onnx_training_ops.storage import safetensors
 
 STEPS = 200
 CYCLE = 8

@@ -17,7 +17,7 @@ import onnx_training_ops
 PACKAGE = "onnx_training_ops"
 ROOT = Path(onnx_training_ops.__file__).parent
 LAYERS = [
-    {"errors", "schema", "interrupts", "walk", "_moved", "_version"},
+    {"errors", "schema", "interrupts", "walk", "_version"},
     {"storage"},
     {"optim"},
     {"kernels"},

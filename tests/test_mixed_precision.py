@@ -329,7 +329,7 @@ def _reference_losses(built, batches, directory):
     accumulation order). Returns the losses, the final state and the step model."""
     from onnx.reference import ReferenceEvaluator
 
-    from onnx_training_ops.export.safetensors import read
+    from onnx_training_ops.storage.safetensors import read
 
     manifest = export_step(built, directory)
     step = onnx.load(directory / "step.onnx")

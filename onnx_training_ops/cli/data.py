@@ -49,7 +49,7 @@ def read_columns(path: str, label: str | None = None) -> dict[str, np.ndarray]:
             with np.load(path, allow_pickle=False) as data:
                 return {k: data[k] for k in data.files}
         if ext == ".safetensors":
-            from ..export.safetensors import read
+            from ..storage.safetensors import read
 
             return dict(read(path)[0])
     except TrainingOpError:

@@ -1,7 +1,7 @@
 """The fast path of RMSProp: its standard-op update cut out and run by one numba loop in place.
 
 RMSProp has no op in the training domain: the builder writes it as standard ops
-(:func:`onnx_training_ops.builder.rmsprop.emit_rmsprop`). For each trainable the session re-emits that
+(:func:`onnx_training_ops.optim.rmsprop.emit_rmsprop`). For each trainable the session re-emits that
 update for the model's recorded optimizer into a template and matches it node for node
 against the graph, from the values bound to X and its states back to X, G, the states and R
 (same op types, attributes and constants). A match whose inner values nothing else reads is
@@ -26,10 +26,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..builder.ops import Ops
-from ..builder.optimizers import from_json
-from ..builder.rmsprop import RMSProp, emit_rmsprop
 from ..errors import TrainingOpError
 from ..kernels.apply import fused_available, rmsprop_step
+from ..optim.registry import from_json
+from ..optim.rmsprop import RMSProp, emit_rmsprop
 from .row_updates import _dedup, dedup_nodes
 
 
