@@ -3,7 +3,7 @@
 Each (model, threads) pair runs in its own process (the real-model benchmark's worker,
 ``python -m benchmarks.models --worker ours_fast``); rounds are interleaved and
 the table gives the median ms/step and the median per-round ratio 1 thread / 2 threads.
-The default of :class:`onnx_training_ops.TrainingSession` (``training.options``) follows this
+The default of :class:`onnx_training_ops.TrainingSession` (``training.options.options``) follows this
 table; see README, "Performance".
 
 Run: ``python benchmarks/bench_threads.py [--models mlp,mlp_large,bert,resnet18] [--rounds 7]``

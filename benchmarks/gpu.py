@@ -181,7 +181,7 @@ def _ours(spec: zoo.Spec, device: str, flat: bool, precision: str = "fp32"):
 
 
 def _session(spec: zoo.Spec, device: str, cuda_graph: bool | None, precision: str = "fp32"):
-    from onnx_training_ops.training.session import TrainingSession
+    from onnx_training_ops.training.session.session import TrainingSession
 
     providers = _cuda_providers() if device == "cuda" else ["CPUExecutionProvider"]
     batches = _batches(spec)

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     from benchmarks.gpu import _batches, _cuda_providers, _training_model, model_spec
-    from onnx_training_ops.training.session import TrainingSession
+    from onnx_training_ops.training.session.session import TrainingSession
 
     os.makedirs(args.out, exist_ok=True)
     report_path = os.path.join(args.out, "diagnose.txt")

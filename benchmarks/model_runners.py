@@ -53,7 +53,7 @@ def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
 
     from onnx_training_ops.runtime.options import default_intra_op_threads
     from onnx_training_ops.training import TrainingSession
-    from onnx_training_ops.training.options import apply_memory_options
+    from onnx_training_ops.training.options.options import apply_memory_options
 
     training = training_model(spec, cache)
     if not threads:  # our own default (what a TrainingSession without options picks)

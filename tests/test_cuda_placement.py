@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 import onnx_training_ops as ot
 from onnx_training_ops.runtime.kernel_table import CUDA, INLINED, cpu_nodes, host_tables, kernel_for, table
-from onnx_training_ops.training.device_graphs import device_step_graphs
+from onnx_training_ops.training.engine.device_graphs import device_step_graphs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

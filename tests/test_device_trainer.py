@@ -15,7 +15,7 @@ from onnx_training_ops import schedules
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.export import DeviceTrainer, export_step, load_state, session_from_export
-from onnx_training_ops.training.static_shapes import static_step
+from onnx_training_ops.training.graphs.static_shapes import static_step
 
 
 def _model(optimizer=None, **kwargs):
