@@ -48,7 +48,7 @@ def training_model(spec: zoo.Spec, cache: str | None = None, precision: str = "f
 def ours(spec: zoo.Spec, fast: bool, threads: int, cache: str | None = None,
          profile_prefix: str | None = None, lean: bool = False):
     """``(run, facts, session)`` for our TrainingSession; ``lean``: with the large-model
-    session options (:data:`..training.options.LARGE_MODEL_OPTIONS`)."""
+    session options (:data:`onnx_training_ops.training.options.options.LARGE_MODEL_OPTIONS`)."""
     import onnxruntime as ort
 
     from onnx_training_ops.runtime.options import default_intra_op_threads
