@@ -21,6 +21,7 @@
 # Knobs: LOSSES, TIMED (steps), BATCH, SEQ, FIRST, REST (contenders), WORKER_TIMEOUT, TEST_TIMEOUT,
 # LORA_TIMEOUT (s), LORA_SKELETON, DIAGNOSE.
 set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2  # the checkout's root: `python3 -m benchmarks`, tests/, out/
 OUT=${OUT:-out/gpu}
 MODEL=${1:-gpt2-124m}
 DEVICE=${DEVICE:-cuda}
