@@ -123,7 +123,7 @@ def _lora_int4(rng, directory: Path):
     """LoRA on a tiny int4 Llama built by onnxruntime-genai's builder (MatMulNBits,
     GroupQueryAttention, SkipSimplifiedLayerNormalization: onnxruntime's contrib ops, which
     the exported step keeps and onnxruntime-node and onnxruntime-web's wasm run)."""
-    from onnx_training_ops.bench import genai
+    import genai_models as genai
 
     built = genai.tiny(str(directory / "genai"))
     model = ot.add_lora(built.onnx, rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
@@ -132,25 +132,22 @@ def _lora_int4(rng, directory: Path):
     return training, {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}, None
 
 
-LORA = {"lora_int4": _lora_int4}  # trained by js/test/lora.test.js (wasm only: no WebGPU step)
+LORA = {"lora_int4": _lora_int4}  # trained by js/test/lora.test.js (node, wasm and WebGPU)
 LORA_STEPS = 20
 
 
 def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
     """Export ``name`` fresh, train it ``steps`` steps in Python, write what JS must match."""
-    webgpu = name in MODELS
     directory = out_dir / name
     rng = np.random.default_rng(0)
-    training, batches, schedule = MODELS[name](rng) if webgpu else LORA[name](rng, directory)
+    training, batches, schedule = MODELS[name](rng) if name in MODELS else LORA[name](rng, directory)
     session = ot.TrainingSession(training)
     if schedule is not None:
         session.set_lr_schedule(schedule)
     shapes = {k: list(v.shape[1:]) for k, v in batches.items()}  # the WebGPU step's static shapes
-    export_step(session, directory / "export", packed=True, **({"target": "webgpu", "input_shapes": shapes}
-                                                               if webgpu else {}))
+    export_step(session, directory / "export", packed=True, target="webgpu", input_shapes=shapes)
     (directory / "batches.safetensors").write_bytes(safetensors.encode(batches))
-    if webgpu:
-        _write_host_expected(directory)
+    _write_host_expected(directory)
     losses, rates, returned = [], [], []
     for i in range(steps):
         rates.append(session.learning_rates)

@@ -2,11 +2,14 @@
 (issue 38 item 6): onnxruntime-node and onnxruntime-web's wasm in headless Chromium run its
 contrib ops (MatMulNBits, GroupQueryAttention, SkipSimplifiedLayerNormalization, and
 GatherBlockQuantized in the backward); each step's loss within 1e-5 of Python's (js/test/lora.test.js)
-and the adapters they reach close to Python's. Needs node, js/node_modules and Chromium, as
+and the adapters they reach close to Python's. Its WebGPU step (export_step(target="webgpu")) trains
+in Chromium on WebGPU (SwiftShader's adapter here) with every node on WebGPU, within 1e-4 of wasm
+and Python per step. Needs node, js/node_modules and Chromium, as
 tests/test_export_js.py (``OTO_SKIP_BROWSER=1`` leaves Chromium out)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import js_fixtures
@@ -21,12 +24,17 @@ pytest.importorskip("torch")
 
 
 def test_the_int4_llamas_adapters_train_in_node_and_chromium_like_in_python(tmp_path):
+    js_fixtures.write_probes(tmp_path)  # the WebGPU harness's IsNaN probe
     directory = js_fixtures.write_model("lora_int4", tmp_path, js_fixtures.LORA_STEPS)
     node_test(["test/lora.test.js"], tmp_path)
     expected, _ = safetensors.read(directory / "expected_state.safetensors")
     runs = ["node_state.safetensors"]
     if os.environ.get("OTO_SKIP_BROWSER", "") in ("", "0"):
         runs.append("browser_state.safetensors")
+        if (directory / "webgpu_report.json").exists():  # Chromium offered a WebGPU adapter (SwiftShader here)
+            report = json.loads((directory / "webgpu_report.json").read_text())
+            assert any("All nodes placed on [WebGpuExecutionProvider]" in line for line in report["placement"])
+            runs.append("webgpu_state.safetensors")
     for run in runs:
         trained, _ = safetensors.read(directory / run)
         assert set(trained) == set(expected)

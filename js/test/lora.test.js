@@ -47,3 +47,46 @@ test('the int4 Llama\'s adapters train in onnxruntime-web (wasm) in Chromium lik
     await close();
   }
 });
+
+// The WebGPU step of the same model (export_step(target="webgpu")): onnxruntime-web's WebGPU provider
+// runs its contrib ops (MatMulNBits, GroupQueryAttention, SkipSimplifiedLayerNormalization), the
+// gradient's dequantization as DequantizeLinear and float arithmetic (GatherBlockQuantized of uint8
+// data has no WebGPU kernel), the attention mask's lengths in int32. Every node on WebGPU (onnxruntime's
+// verbose log), each step within 1e-4 of wasm and of Python. Skipped, with the reason, without an adapter.
+test('the int4 Llama\'s adapters train on WebGPU in Chromium, every node on WebGPU', { skip: skipBrowser && 'OTO_SKIP_BROWSER is set' }, async (t) => {
+  const { browser, origin, close } = await servedChromium('oto-lora-webgpu', ['--enable-unsafe-webgpu']);
+  let result;
+  const lines = [];
+  try {
+    const page = await browser.newPage();
+    const errors = [];
+    page.on('pageerror', (e) => errors.push(String(e)));
+    page.on('console', (m) => lines.push(m.text()));
+    await page.goto(`${origin}/js/test/browser/webgpu.html?fixtures=/fixtures/&models=${NAME}&steps=20`, { waitUntil: 'load' });
+    await page.waitForFunction('window.webgpu && window.webgpu.done', { timeout: 480000, polling: 500 });
+    result = await page.evaluate('window.webgpu');
+    assert.deepEqual(errors, []);
+  } finally {
+    await close();
+  }
+  if (!result.adapter && !result.error) {
+    t.skip('this Chromium offers no WebGPU adapter (navigator.gpu.requestAdapter() returned null)');
+    return;
+  }
+  assert.equal(result.error, null, result.error);
+  const placement = [];
+  let inside = false;
+  for (const line of lines) {
+    if (line.includes(`=== placement ${NAME} begin`)) inside = true;
+    else if (line.includes(`=== placement ${NAME} end`)) inside = false;
+    else if (inside && /VerifyEachNodeIsAssignedToAnEp|MemcpyFromHost|MemcpyToHost/.test(line)) placement.push(line);
+  }
+  const [r] = result.reports;
+  await writeFile(join(FIXTURES, NAME, 'webgpu_report.json'), JSON.stringify({ adapter: result.adapter, placement,
+    report: { ...r, state: undefined, losses: undefined, wasmLosses: undefined } }, null, 1));
+  assert.ok(placement.some((l) => /All nodes placed on \[WebGpuExecutionProvider\]/.test(l)), `not every node on WebGPU:\n${placement.join('\n')}`);
+  assert.equal(r.backend, 'webgpu');
+  assert.ok(r.worstVsWasm <= 1e-4, `WebGPU vs wasm ${r.worstVsWasm}`);
+  assert.ok(r.worstVsPython <= 1e-4, `WebGPU vs Python ${r.worstVsPython}`);
+  await writeFile(join(FIXTURES, NAME, 'webgpu_state.safetensors'), Uint8Array.from(r.state));
+});
