@@ -123,15 +123,17 @@ def train(
     plot: bool = True,
     verbose: bool = True,
     threads: int | None = None,
+    device: str | None = None,
 ) -> DemoResult:
     """Train the digits MLP; write the loss curve, the checkpoint and the inference model to ``out_dir``.
-    ``threads``: the session's intra-op threads (None: the package's default)."""
+    ``threads``: the session's intra-op threads (None: the package's default); ``device``: the
+    session's (``"cpu"``, ``"cuda"``; None: host arrays with the fused kernels)."""
     from .training import TrainingSession
 
     x_train, y_train, x_test, y_test = load_digits_split(seed)
     opt = make_optimizer(optimizer, lr)
     model = build_training_model(make_mlp((64, hidden, 10), seed=seed), "cross_entropy", opt)
-    session = TrainingSession(model, threads=threads)
+    session = TrainingSession(model, threads=threads, device=device)
     rng = np.random.default_rng(seed)
     n = len(x_train)
     steps_per_epoch = (n + batch_size - 1) // batch_size

@@ -41,6 +41,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("adam", "momentum", "adagrad"), default="adam")
     parser.add_argument("--batch-size", type=int, default=64, help="the global batch, split over the ranks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="each rank's state: cpu (the update in the graph, host arrays) or cuda (cuda:LOCAL_RANK, "
+                             "NCCL); default: host arrays with the fused kernels")
     parser.add_argument("--shard-optimizer-state", action="store_true",
                         help="ZeRO-1: each rank holds and updates the optimizer state of its share of the trainables")
     return parser.parse_args(argv)
@@ -108,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps_per_epoch = len(x_train) // args.batch_size
     path = os.path.join(args.out, "checkpoint.onnx")
     options = _session_options(int(os.environ.get("WORLD_SIZE", 1)))
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if args.device == "cuda" else args.device
     if os.path.exists(path):
         refused = refusal(path, args.epochs, args.optimizer)
         if refused:  # every rank reads the same file: all stop, before any collective
@@ -115,11 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {refused}", file=sys.stderr)
             destroy_process_group()
             return EXIT_USAGE
-        session = TrainingSession(path, sess_options=options)
+        session = TrainingSession(path, sess_options=options, device=device)
     else:
         model = build_training_model(make_mlp((64, 128, 10), seed=args.seed), "cross_entropy",
                                      make_optimizer(args.optimizer, args.lr))
-        session = TrainingSession(model, sess_options=options)
+        session = TrainingSession(model, sess_options=options, device=device)
         session.set_lr_schedule(CosineAnnealingLR(T_max=args.epochs * steps_per_epoch))
     ddp = DistributedTrainingSession(session, check_every=steps_per_epoch,
                                      shard_optimizer_state=args.shard_optimizer_state)
@@ -133,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         sharding = ", optimizer state sharded (ZeRO-1)" if ddp.sharded else ""
-        print(f"{world} rank(s), {rows} rows each per step{sharding}; epochs {first}..{args.epochs - 1}",
+        where = f", state on {device}" if device else ""
+        print(f"{world} rank(s), {rows} rows each per step{sharding}{where}; epochs {first}..{args.epochs - 1}",
               flush=True)
     start = time.perf_counter()
     for epoch in range(first, args.epochs):

@@ -1,16 +1,20 @@
-"""Data-parallel training across processes and machines on ``torch.distributed`` (gloo).
+"""Data-parallel training across processes and machines on ``torch.distributed``.
 
-Every rank holds the whole training model in a :class:`~onnx_training_ops.TrainingSession`.
-A step is: ``backward`` on the rank's shard of the batch in onnxruntime (gradients add into
-the session's flat accumulator buffers), an all-reduce that averages those buffers in place
-(``torch.from_numpy`` shares their memory: no copy; the buffers are cut into buckets of
-``bucket_bytes`` that are all in flight at once), then ``optimizer_step`` with the fused
-in-place kernels, the same on every rank. So parameters stay identical across ranks;
+Every rank holds the whole training model in a :class:`~onnx_training_ops.TrainingSession`,
+whatever its engine: host arrays with the fused kernels (the default), or the update in the
+graph with the state in host arrays (``device="cpu"``) or on a GPU (``device="cuda:N"``). A
+step is: ``backward`` on the rank's shard of the batch in onnxruntime (gradients add into the
+session's flat accumulator buffers, one per dtype), an all-reduce that averages those buffers
+in place, then ``optimizer_step``, the same on every rank. The buffers reach torch without a
+copy: ``torch.from_numpy`` on host arrays, DLPack (``torch.from_dlpack`` of onnxruntime's
+OrtValue) on a device; they are cut into buckets of ``bucket_bytes`` that are all in flight
+at once. gloo reduces CPU tensors, NCCL CUDA ones (:func:`init_process_group` joins with both
+where CUDA is available). Parameters stay identical across ranks;
 :meth:`DistributedTrainingSession.check_parameters` proves it with a hash.
 
 Gradient accumulation (several ``backward`` calls, one ``optimizer_step``) reduces once per
 optimizer step, like DDP's ``no_sync``; schedules, clipping and the optimizers come from the
-wrapped session. Launch with ``torchrun`` (which sets RANK, WORLD_SIZE, MASTER_ADDR, ...).
+wrapped session. Launch with ``torchrun`` (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...).
 
 ``shard_optimizer_state=True`` is ZeRO stage 1 (torch's ``ZeroRedundancyOptimizer``): each
 trainable belongs to one rank (:func:`~onnx_training_ops.training.shard.partition`), which
@@ -18,6 +22,10 @@ alone holds its optimizer state and updates it; gradients are reduced to their o
 (reduce-scatter; an all-reduce when global-norm clipping needs every gradient on every rank)
 and each owner broadcasts its updated parameters (all-gather). V/H memory per rank is about
 1 / world; results equal the unsharded path (same gradients, same kernels).
+
+The all-reduce does not overlap the backward pass: a rank's gradients come out of one
+onnxruntime run, which returns when the last one is ready (docs/distributed.md says what a
+split backward would cost and what it could win, measured).
 
 torch is an optional dependency (``pip install 'onnx-training-ops[distributed]'``); the core
 package never imports this module.
@@ -65,13 +73,20 @@ def _dist():
     return dist
 
 
-def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
+def init_process_group(backend: str | None = None, timeout_s: float = 300.0) -> None:
     """Join the job described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT); a no-op when already joined. ``timeout_s`` bounds every collective, so a
-    rank that hangs ends the job instead of blocking it forever."""
+    MASTER_PORT); a no-op when already joined. ``backend``: None joins with gloo for CPU
+    tensors and, where CUDA is available, NCCL for CUDA ones (``"cpu:gloo,cuda:nccl"``: host
+    and GPU sessions both work; NCCL starts only when a CUDA tensor is reduced); or any
+    ``torch.distributed`` backend string. ``timeout_s`` bounds every collective, so a rank that
+    hangs ends the job instead of blocking it forever."""
     dist = _dist()
     if dist.is_initialized():
         return
+    if backend is None:
+        import torch
+
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0":
@@ -97,13 +112,15 @@ def destroy_process_group() -> None:
 class DistributedTrainingSession:
     """A TrainingSession trained data-parallel: same model on every rank, averaged gradients.
 
-    ``session``: this rank's :class:`TrainingSession`, or the training model (ModelProto,
-    path or bytes) to open one with ``session_kwargs`` (same model on every rank; rank 0's
-    state is broadcast at construction, as DDP does). ``shard_optimizer_state``: ZeRO stage 1
-    (see the module docstring; a session given is reopened on this rank's shard of its
-    model). ``group``: a ``torch.distributed`` process group (default: the world).
-    ``check_every``: verify every N optimizer steps that the ranks' states hash alike (0:
-    never). ``bucket_bytes``: the size of one all-reduce.
+    ``session``: this rank's :class:`TrainingSession` (any engine: host arrays, ``device="cpu"``,
+    ``device="cuda:N"``), or the training model (ModelProto, path or bytes) to open one with
+    ``session_kwargs`` (same model on every rank; rank 0's state is broadcast at construction,
+    as DDP does). ``shard_optimizer_state``: ZeRO stage 1 (see the module docstring; a session
+    given is reopened on this rank's shard of its model, on its device). ``group``: a
+    ``torch.distributed`` process group (default: the world) whose backend reduces tensors
+    where the session keeps its state (gloo: the CPU; NCCL: CUDA). ``check_every``: verify
+    every N optimizer steps that the ranks' states hash alike (0: never). ``bucket_bytes``:
+    the size of one all-reduce.
     """
 
     def __init__(self, session: TrainingSession | ModelLike, *, shard_optimizer_state: bool = False, group=None,
@@ -121,7 +138,7 @@ class DistributedTrainingSession:
         self.sharded = bool(shard_optimizer_state)
         self._owners: dict[str, int] = {}
         self._optimizer_state: set[str] = set()
-        self._reduce_runs: list[tuple[int, np.ndarray]] | None = None  # made at the first reduction
+        self._reduce_runs: list[tuple[int, Any]] | None = None  # (owner, torch slice): at the first reduction
         if isinstance(session, TrainingSession) and session_kwargs:
             raise TrainingOpError(f"DistributedTrainingSession: {sorted(session_kwargs)} apply only when a "
                                   "model is given, not a TrainingSession")
@@ -131,12 +148,9 @@ class DistributedTrainingSession:
             if not isinstance(session, TrainingSession):
                 session = TrainingSession(session, **session_kwargs)
             self._fingerprint = fingerprint(proto_of(session._store.model))
-        if session.device is not None:
-            raise TrainingOpError(
-                f"DistributedTrainingSession: the session keeps its state on {session.device!r} (device=...), "
-                "but data-parallel training all-reduces host gradient buffers; open the ranks' sessions "
-                "without a device (data-parallel training on GPUs is not supported yet)")
         self.session = session
+        self._tensors: dict[int, tuple[Any, Any]] = {}  # id(exported buffer) -> (it, its torch tensor)
+        self._device, self._wire = self._devices()
         self._check_same_model()
         self._rate_names = sorted({name for names in self._gather(session.learning_rate_names) for name in names})
         self.steps = 0
@@ -162,6 +176,60 @@ class DistributedTrainingSession:
         if isinstance(source, TrainingSession):
             return source.with_model(shard)
         return TrainingSession(shard, **session_kwargs)
+
+    def _devices(self):
+        """(where the state's tensors are, where scalars and point-to-point copies travel) as
+        torch devices, after checking that the group's backend reduces tensors there; a CUDA
+        state's device becomes torch's current one (NCCL's object collectives use it)."""
+        import torch
+
+        first = self.session.state_names[:1]
+        device = self._shared(self.session.state_tensors(first)[0]).device if first else torch.device("cpu")
+        backend = str(self._dist.get_backend(self.group)).lower()
+        if ":" in backend:  # "cpu:gloo,cuda:nccl"
+            supported = {pair.split(":")[0] for pair in backend.split(",")}
+        else:
+            supported = set(self._dist.Backend.backend_capability.get(backend, ["cpu", "cuda"]))
+        if device.type not in supported:
+            hint = ("init_process_group('nccl') (or 'cpu:gloo,cuda:nccl', the default where CUDA is available)"
+                    if device.type == "cuda" else "init_process_group('gloo')")
+            raise TrainingOpError(
+                f"DistributedTrainingSession: the session keeps its state on {device}, but the process group's "
+                f"backend {backend!r} reduces {sorted(supported)} tensors only: {hint}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device, torch.device("cpu") if "cpu" in supported else device
+
+    def _shared(self, buffer: Any):
+        """A torch tensor over ``buffer``'s memory, no copy: ``torch.from_numpy`` of a host array,
+        ``torch.from_dlpack`` of an OrtValue (made once per buffer)."""
+        import torch
+
+        found = self._tensors.get(id(buffer))
+        if found is None or found[0] is not buffer:
+            tensor = torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else torch.from_dlpack(buffer)
+            found = self._tensors[id(buffer)] = (buffer, tensor)
+        return found[1]
+
+    def _state(self, names: Sequence[str]) -> list[Any]:
+        """Torch tensors over the live state variables ``names``."""
+        return [self._shared(buffer) for buffer in self.session.state_tensors(names)]
+
+    def _settle(self) -> None:
+        """Wait for the collectives' device work (onnxruntime's next run reads the buffers on its
+        own stream; its own runs are finished when they return)."""
+        if self._device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(self._device).synchronize()
+
+    def _run_all(self, what: str, call, tensors, *args, **kwargs) -> None:
+        """``call(tensor, *args, async_op=True)`` for every tensor, all in flight, then waited for."""
+        pending = [self._collective(what, call, tensor, *args, group=self.group, async_op=True, **kwargs)
+                   for tensor in tensors]
+        for work in pending:
+            self._collective(what, work.wait)
+        self._settle()
 
     @property
     def owners(self) -> dict[str, int]:
@@ -191,9 +259,9 @@ class DistributedTrainingSession:
                 + ". Every rank must build or load the same model (state values may differ: rank 0's are "
                 "broadcast)")
 
-    def _buckets(self, buffer: np.ndarray) -> list[np.ndarray]:
-        per = max(1, self.bucket_bytes // buffer.itemsize)
-        return [buffer[i:i + per] for i in range(0, buffer.size, per)]
+    def _buckets(self, tensor) -> list:
+        per = max(1, self.bucket_bytes // tensor.element_size())
+        return [tensor[i:i + per] for i in range(0, tensor.numel(), per)]
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else self._dist.get_global_rank(self.group, rank)
@@ -207,63 +275,45 @@ class DistributedTrainingSession:
         """Average the accumulated gradients over the ranks, in place, bucket by bucket (all
         buckets in flight at once). Sharded: each gradient is averaged on its owner only
         (reduce), unless global-norm clipping needs them all."""
-        import torch
-
-        if self.world_size == 1:
-            return
         scale = 1.0 / self.world_size
         if self.sharded and not self._all_gradients:
-            if self._reduce_runs is None:  # the accumulators are live views: one plan serves every step
-                self._reduce_runs = _runs(self.session.gradient_views(), self._owners)
-            pending = []
-            for owner, array in self._reduce_runs:
-                for bucket in self._buckets(array):
-                    pending.append(self._collective("reduce", self._dist.reduce, torch.from_numpy(bucket),
-                                                    self._global(owner), group=self.group, async_op=True))
+            if self._reduce_runs is None:  # the accumulators keep their place: one plan serves every step
+                buffers = [self._shared(b) for b in self.session.gradient_tensors()]
+                runs = _runs(self.session.gradient_layout(), self._owners)
+                self._reduce_runs = [(owner, buffers[index][start:stop]) for owner, index, start, stop in runs]
+            pending = [self._collective("reduce", self._dist.reduce, bucket, self._global(owner), group=self.group,
+                                        async_op=True)
+                       for owner, run in self._reduce_runs for bucket in self._buckets(run)]
             for work in pending:
                 self._collective("reduce", work.wait)
-            for owner, array in self._reduce_runs:
+            for owner, run in self._reduce_runs:
                 if owner == self.rank:
-                    array *= array.dtype.type(scale)
+                    run.mul_(scale)
+            self._settle()
             return
-        buffers = self.session.gradient_buffers()
-        pending = []
+        buffers = [self._shared(b) for b in self.session.gradient_tensors()]
+        self._run_all("all-reduce", self._dist.all_reduce, [bucket for b in buffers for bucket in self._buckets(b)])
         for buffer in buffers:
-            for bucket in self._buckets(buffer):
-                pending.append(self._collective("all-reduce", self._dist.all_reduce, torch.from_numpy(bucket),
-                                                group=self.group, async_op=True))
-        for work in pending:
-            self._collective("all-reduce", work.wait)
-        for buffer in buffers:
-            buffer *= buffer.dtype.type(scale)
+            buffer.mul_(scale)
+        self._settle()
 
     def _all_gather_parameters(self) -> None:
         """Sharded: each owner broadcasts its updated parameters (one broadcast per tensor,
         all in flight at once, as ZeroRedundancyOptimizer does)."""
-        import torch
-
-        if self.world_size == 1:
-            return
         names = list(self._owners)
-        pending = [self._collective("all-gather", self._dist.broadcast, torch.from_numpy(array),
-                                    self._global(self._owners[name]), group=self.group, async_op=True)
-                   for name, array in zip(names, self.session.state_views(names))]
+        pending = [self._collective("all-gather", self._dist.broadcast, tensor, self._global(self._owners[name]),
+                                    group=self.group, async_op=True)
+                   for name, tensor in zip(names, self._state(names))]
         for work in pending:
             self._collective("all-gather", work.wait)
+        self._settle()
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers (BatchNorm running statistics) to every rank, as DDP's
         ``broadcast_buffers`` does: each rank's come from its own shard of the batch."""
-        import torch
-
         names = self.session.buffer_names
-        if self.world_size == 1 or not names:
-            return
-        pending = [self._collective("broadcast", self._dist.broadcast, torch.from_numpy(array), self._global(0),
-                                    group=self.group, async_op=True)
-                   for array in self.session.state_views(names)]
-        for work in pending:
-            self._collective("broadcast", work.wait)
+        if names:
+            self._run_all("broadcast", self._dist.broadcast, self._state(names), self._global(0))
 
     def _replicated(self) -> list[str]:
         """State every rank holds alike: all of it, or all but the optimizer state when sharded."""
@@ -274,13 +324,8 @@ class DistributedTrainingSession:
         position) to every rank."""
         import torch
 
-        names = self._replicated()
-        pending = [self._collective("broadcast", self._dist.broadcast, torch.from_numpy(array), self._global(src),
-                                    group=self.group, async_op=True)
-                   for array in self.session.state_views(names)]
-        for work in pending:
-            self._collective("broadcast", work.wait)
-        position = torch.tensor([self.session.lr_schedule_step], dtype=torch.int64)
+        self._run_all("broadcast", self._dist.broadcast, self._state(self._replicated()), self._global(src))
+        position = torch.tensor([self.session.lr_schedule_step], dtype=torch.int64, device=self._wire)
         self._collective("broadcast", self._dist.broadcast, position, self._global(src), group=self.group)
         if self.session.lr_schedule is not None:
             self.session.set_lr_schedule(self.session.lr_schedule, int(position.item()))
@@ -289,7 +334,8 @@ class DistributedTrainingSession:
         """Whether a rank skipped a batch (non-finite loss) since the last optimizer step."""
         import torch
 
-        flag = torch.tensor([int(self.session.skipped_steps != self._skipped_at_step)], dtype=torch.int64)
+        flag = torch.tensor([int(self.session.skipped_steps != self._skipped_at_step)], dtype=torch.int64,
+                            device=self._wire)
         self._collective("all-reduce", self._dist.all_reduce, flag, group=self.group)
         return bool(flag.item())
 
@@ -343,7 +389,7 @@ class DistributedTrainingSession:
         """The mean of ``value`` over the ranks (a loss or a metric)."""
         import torch
 
-        tensor = torch.tensor([float(value)], dtype=torch.float64)
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=self._wire)
         self._collective("all-reduce", self._dist.all_reduce, tensor, group=self.group)
         return float(tensor.item()) / self.world_size
 
@@ -353,9 +399,9 @@ class DistributedTrainingSession:
         """SHA-256 of the state every rank holds alike (by name) and the schedule position."""
         digest = hashlib.sha256()
         names = self._replicated()
-        for name, value in zip(names, self.session.state_views(names)):
+        for name, tensor in zip(names, self._state(names)):
             digest.update(name.encode())
-            digest.update(np.ascontiguousarray(value).tobytes())
+            digest.update(tensor.contiguous().cpu().numpy().tobytes())
         digest.update(str(self.session.lr_schedule_step).encode())
         return digest.hexdigest()
 
@@ -381,14 +427,13 @@ class DistributedTrainingSession:
                 continue
             for name in self._per_param[param]:
                 if self.rank == owner:
-                    self._collective("send", self._dist.send, torch.from_numpy(state[name]), self._global(0),
-                                     group=self.group)
+                    self._collective("send", self._dist.send, torch.from_numpy(state[name]).to(self._wire),
+                                     self._global(0), group=self.group)
                 elif self.rank == 0:
                     spec = self._skeleton[1][name]
-                    array = np.empty(spec[0], spec[1])
-                    self._collective("recv", self._dist.recv, torch.from_numpy(array), self._global(owner),
-                                     group=self.group)
-                    state[name] = array
+                    tensor = torch.from_numpy(np.empty(spec[0], spec[1])).to(self._wire)
+                    self._collective("recv", self._dist.recv, tensor, self._global(owner), group=self.group)
+                    state[name] = tensor.cpu().numpy()
         return state if self.rank == 0 else None
 
     def save(self, path: str | os.PathLike) -> str:
@@ -408,19 +453,16 @@ class DistributedTrainingSession:
         return os.fspath(path)
 
 
-def _runs(views: Sequence[tuple[str, np.ndarray]], owners: Mapping[str, int]) -> list[tuple[int, np.ndarray]]:
-    """(owner, array) runs: consecutive views with one owner that lie back to back in one
-    flat buffer merge into one slice of it (the layout is the same on every rank)."""
-    runs: list[tuple[int, np.ndarray]] = []
-    for param, view in views:
-        flat = view.reshape(-1)
-        if runs:
-            owner, last = runs[-1]
-            base = last.base if last.base is not None else last
-            if (owner == owners[param] and base is (flat.base if flat.base is not None else flat)
-                    and last.dtype == flat.dtype and last.ctypes.data + last.nbytes == flat.ctypes.data):
-                start = (last.ctypes.data - base.ctypes.data) // base.itemsize
-                runs[-1] = (owner, base[start:start + last.size + flat.size])
-                continue
-        runs.append((owners[param], flat))
+def _runs(layout: Sequence[tuple[str, int, int, tuple[int, ...]]],
+          owners: Mapping[str, int]) -> list[tuple[int, int, int, int]]:
+    """(owner, buffer index, start, stop): element ranges of the flat gradient buffers, each
+    gradient's (``TrainingSession.gradient_layout``) merged with the one before when they lie
+    back to back in one buffer and have one owner (the layout is the same on every rank)."""
+    runs: list[tuple[int, int, int, int]] = []
+    for param, index, offset, shape in layout:
+        owner, stop = owners[param], offset + int(np.prod(shape, dtype=np.int64))
+        if runs and runs[-1][:2] == (owner, index) and runs[-1][3] == offset:
+            runs[-1] = (owner, index, runs[-1][2], stop)
+        else:
+            runs.append((owner, index, offset, stop))
     return runs

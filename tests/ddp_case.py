@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from onnx_training_ops import Adam, build_training_model
@@ -9,6 +11,29 @@ from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.training.schedules import StepLR
 
 SIZES, BATCH = (8, 16, 4), 16
+
+
+def open_session(model, engine: str):
+    """``model`` on ``engine``: ``host`` (fused kernels on host arrays), ``cpu`` (``device="cpu"``:
+    the update in the graph, host arrays), ``device`` (the same with the state in OrtValues
+    onnxruntime allocated, as on a GPU: a private option) or ``cuda`` (``cuda:LOCAL_RANK``)."""
+    from onnx_training_ops import TrainingSession
+
+    if engine == "host":
+        return TrainingSession(model)
+    if engine == "cuda":  # TF32 off: float32 parity with the CPU
+        import torch
+
+        gpu = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        return TrainingSession(model, [("CUDAExecutionProvider", {"device_id": gpu, "use_tf32": "0"}),
+                                       "CPUExecutionProvider"])
+    if engine == "cpu":
+        return TrainingSession(model, device="cpu")
+    from onnx_training_ops.training.engine import checked_config  # OrtValues on the CPU: a private option
+
+    config = checked_config(["CPUExecutionProvider"], None, "raise", None, None, None, "cpu", 0, None, None, None,
+                            "device")
+    return TrainingSession._opened(model, config)
 
 
 def training_model(dtype=np.float64, clip: bool = True):

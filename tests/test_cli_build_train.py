@@ -139,6 +139,9 @@ def test_build_options_and_summary(digits, tmp_path, capsys):
     (["train", "{root}/train.onnx", "--data", "{root}/train.npz", "--optimizer", "adam"],
      "--optimizer: options of the demo"),
     (["train", "--data", "{root}/train.npz"], "needs a training model"),
+    (["train", "{root}/train.onnx", "--data", "{root}/train.npz", "--device", "tpu"],
+     "device must be 'cpu', 'cuda', 'cuda:N' or 'dml', found 'tpu'"),
+    (["train", "--nproc", "2", "--device", "cuda:1"], "--device cuda:1 with --nproc: give cpu or cuda"),
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "cross_entropy", "--trainable", "nope*"],
      "matches no initializer"),
     (["build", "{root}/mlp.onnx", "{out}", "--loss", "mse", "--class-axis", "1"], "--class-axis: options of"),
@@ -172,10 +175,10 @@ def test_trainable_patterns_see_parameters_the_torchscript_exporter_merged(tmp_p
     assert [t["name"] for t in s["trainable"]] == ["W1", "b1"] and {"W0", "b0"} <= {t["name"] for t in s["frozen"]}
 
 
-def test_progress_bar_and_threads(digits, tmp_path, capsys):
+def test_progress_bar_threads_and_device(digits, tmp_path, capsys):
     root, _, _ = digits
     assert main(["train", str(root / "train.onnx"), "--data", str(root / "train.npz"), "--epochs", "1",
-                 "--threads", "1", "--out", str(tmp_path), "--no-plot"]) == 0
+                 "--threads", "1", "--device", "cpu", "--out", str(tmp_path), "--no-plot"]) == 0
     captured = capsys.readouterr()
     assert "22/22" in captured.err and "step" in captured.err  # tqdm's bar: 22 steps of 64 (the last 56)
     assert "trained 1 epoch: training loss" in captured.out and not (tmp_path / "loss_curve.png").exists()

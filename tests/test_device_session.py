@@ -124,8 +124,22 @@ def test_accumulation_zero_grad_and_gradients(memory):
         assert not any(g.any() for g in device.gradients().values())
         device.zero_grad()
     else:
-        with pytest.raises(TrainingOpError, match="live on the device.*gradients\\(\\)"):
+        with pytest.raises(TrainingOpError, match="live on the device.*gradients\\(\\).*gradient_tensors"):
             device.gradient_buffers()
+    # in either memory: the live buffers as DLPack exporters, and where each gradient lies in them
+    device.backward(b[1])
+    exported, expected = device.gradient_tensors(), device.gradients()
+    assert all(isinstance(t, np.ndarray if memory == "host" else ort.OrtValue) for t in exported)
+    views = [np.from_dlpack(t) for t in exported]  # no copy: the same memory
+    assert [v.ctypes.data for v in views] == [t.ctypes.data if memory == "host" else t.data_ptr() for t in exported]
+    layout = device.gradient_layout()
+    assert [name for name, *_ in layout] == list(expected)
+    for name, index, offset, shape in layout:
+        size = int(np.prod(shape))
+        np.testing.assert_array_equal(views[index][offset:offset + size].reshape(shape), expected[name])
+    (w0,) = device.state_tensors(["W0"])
+    np.testing.assert_array_equal(np.from_dlpack(w0), device.state_dict()["W0"])
+    device.zero_grad()
     with pytest.raises(TrainingOpError, match="no gradients accumulated"):
         device.optimizer_step()
 
@@ -554,7 +568,7 @@ def test_on_a_gpu_convolution_gradients_are_convolutions(monkeypatch):
     batches = [{"x": rng.standard_normal((6, 3, 8, 8)).astype(np.float32), "labels": rng.integers(0, 5, 6)}
                for _ in range(3)]
     cpu = ot.TrainingSession(model, device="cpu")
-    monkeypatch.setattr(graph_module, "gpu_pipeline", lambda memory: True)
+    monkeypatch.setattr(graph_module, "device_provider", lambda device: "CUDAExecutionProvider")
     gpu = ot.TrainingSession(model, device="cpu")
     ops = {name: [n.op_type for n in s._programs.steps[0].session.prepared_model.graph.node]
            for name, s in (("cpu", cpu), ("gpu", gpu))}

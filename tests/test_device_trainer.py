@@ -248,15 +248,19 @@ def test_static_input_shapes_fold_the_shape_arithmetic_and_train_the_same(tmp_pa
 
 def test_in_place_falls_back_to_two_sets_where_an_update_may_run_before_a_read(tmp_path):
     """Per-tensor updates without clipping: W1's update depends only on W1's gradient, while the
-    gradient flowing to W0 still reads W1, so onnxruntime may write W1 first; the trainer keeps
-    two sets. One flat optimizer node reads every gradient: the same model goes in place."""
+    gradient flowing to W0 still reads W1, so onnxruntime may write W1 first. With the loss
+    guard, the guard's condition waits for those reads (passes/order_writes.py): in place.
+    Without a guard (on_nonfinite="ignore") nothing orders them: the trainer keeps two sets.
+    One flat optimizer node reads every gradient: in place either way."""
     model = ot.build_training_model(make_mlp((8, 16, 4)), "cross_entropy", ot.Adam(lr=1e-2))
     export_step(model, tmp_path / "per_tensor")
     export_step(model, tmp_path / "flat", flat_optimizer=True)
-    assert not DeviceTrainer(tmp_path / "per_tensor").in_place
+    assert DeviceTrainer(tmp_path / "per_tensor").in_place
+    assert not DeviceTrainer(tmp_path / "per_tensor", on_nonfinite="ignore").in_place
     with pytest.raises(TrainingOpError, match="in_place=True, but the step model may read"):
-        DeviceTrainer(tmp_path / "per_tensor", in_place=True)
+        DeviceTrainer(tmp_path / "per_tensor", on_nonfinite="ignore", in_place=True)
     assert DeviceTrainer(tmp_path / "flat").in_place
+    assert DeviceTrainer(tmp_path / "flat", on_nonfinite="ignore").in_place
 
 
 def test_open_export_is_a_training_session_on_the_one_engine(tmp_path):

@@ -16,7 +16,14 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-from ddp_case import TABLE_ROWS, batch, embedding_batch, embedding_training_model, training_model  # noqa: E402
+from ddp_case import (  # noqa: E402
+    TABLE_ROWS,
+    batch,
+    embedding_batch,
+    embedding_training_model,
+    open_session,
+    training_model,
+)
 
 from onnx_training_ops import TrainingSession  # noqa: E402
 
@@ -118,11 +125,120 @@ def test_four_ranks_float32_within_rounding(tmp_path):
         np.testing.assert_allclose(ranks[0][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_a_killed_worker_fails_the_job_with_a_clear_message(tmp_path):
-    done = _launch(2, tmp_path, "float64", "1", "0", str(STEPS), env_extra={"DDP_TEST_DIE_AT": "1:3"})
-    assert done[1].returncode == 3
+ENGINE_RUNS = ["cpu-0-1-mlp", "device-0-1-mlp", "device-1-0-mlp", "host-0-0-emb", "host-1-0-emb", "device-1-0-emb",
+               "device-0-1-mlp-die"]
+
+
+def _run(out: Path, run: str, world: int = 2) -> list[dict]:
+    return [dict(np.load(out / f"{run}.rank{r}.npz")) for r in range(world)]
+
+
+def _assert_close(result: dict, losses, state: dict) -> None:
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-12)
+    for name, value in state.items():
+        np.testing.assert_allclose(result[name], value, rtol=1e-10, atol=1e-13, err_msg=name)
+
+
+def test_every_engine_two_ranks_equal_one_process(two_ranks, tmp_path):
+    """One launch, seven runs. The update in the graph (``device="cpu"``), its state in host
+    arrays (``torch.from_numpy``) or in onnxruntime-allocated OrtValues as on a GPU
+    (``torch.from_dlpack``): 2 ranks on half batches (2 micro-batches each) equal one process on
+    the full batch (float64, 1e-10), bit for bit the host engine's 2-rank run; ZeRO-1 without
+    clipping (gradients reduced to their owners). Lazy Adam on a table, host engine unsharded and
+    ZeRO-1, device memory ZeRO-1: each rank scatters its rows' gradients and a touched count
+    into the flat buffer; after the reduction the rows touched on any rank are updated (and
+    only they), as one process on the full batch does. Last, rank 1 is killed after step 3:
+    rank 0's next collective stops it with the message."""
+    done = _launch(2, tmp_path, "float64", "2", "0", str(STEPS), env_extra={"DDP_TEST_RUNS": ",".join(ENGINE_RUNS)})
+    assert done[1].returncode == 3, done[1].stderr[-3000:]
     assert done[0].returncode != 0
-    assert "another worker died or the network failed" in done[0].stderr, done[0].stderr[-2000:]
+    assert "all-reduce failed on rank 0 of 2: another worker died or the network failed" in done[0].stderr, \
+        done[0].stderr[-3000:]
+    losses, state = _single(np.float64)
+    _, host = two_ranks
+    for run in ("cpu-0-1-mlp", "device-0-1-mlp"):
+        ranks = _run(tmp_path, run)
+        assert str(ranks[0]["digest"]) == str(ranks[1]["digest"])
+        _assert_close(ranks[0], losses, state)
+        for name in state:
+            assert np.array_equal(ranks[0][name], host[0][name]), (run, name)
+    # ZeRO-1 without clipping: each rank holds and updates its own trainables' V and H
+    losses, state = _single(np.float64, clip=False)
+    sharded = _run(tmp_path, "device-1-0-mlp")
+    _assert_close(sharded[0], losses, state)
+    owned = [{n for n in r if n.startswith("own:") and n.endswith((".V", ".H"))} for r in sharded]
+    assert owned[0] and owned[1] and not owned[0] & owned[1]
+    assert {n[4:] for n in owned[0] | owned[1]} == {n for n in state if n.endswith((".V", ".H"))}
+    # lazy tables: rows looked up on any rank are updated, the others keep their bits
+    session = TrainingSession(embedding_training_model())
+    initial = session.state_dict()
+    losses = [float(session.step(embedding_batch(k))["loss"]) for k in range(10)]
+    state = session.state_dict()
+    for run in ("host-0-0-emb", "host-1-0-emb", "device-1-0-emb"):
+        table = _run(tmp_path, run)[0]
+        _assert_close(table, losses, state)
+        assert np.array_equal(table["E"][TABLE_ROWS - 10:], initial["E"][TABLE_ROWS - 10:]), run
+        assert not np.array_equal(table["E"][:TABLE_ROWS - 10], initial["E"][:TABLE_ROWS - 10]), run
+
+
+def _gpus() -> int:
+    import onnxruntime as ort
+    import torch
+
+    cuda = torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+    return torch.cuda.device_count() if cuda else 0
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_cuda_ranks_equal_one_process(tmp_path, backend):
+    """On GPUs (skipped elsewhere): each rank's state on ``cuda:LOCAL_RANK``, its flat gradient
+    buffer reduced in place through DLPack, unsharded (clipping: all-reduce) and ZeRO-1
+    (reduce to owners, broadcast back); equal to one process on the full batch within float32
+    rounding. NCCL: 2 ranks on 2 GPUs, else 1 (NCCL refuses two ranks on one GPU; one rank
+    still reduces the device buffers through NCCL); gloo: 2 ranks, on one GPU if need be (gloo
+    stages CUDA tensors through host memory)."""
+    gpus = _gpus()
+    if not gpus:
+        pytest.skip("needs CUDA in torch and onnxruntime-gpu's CUDAExecutionProvider (no GPU here)")
+    world = min(2, gpus) if backend == "nccl" else 2
+    runs = ["cuda-0-1-mlp", "cuda-1-0-mlp"]
+    _ok(_launch(world, tmp_path, "float32", "1", "0", "10",
+                env_extra={"DDP_TEST_RUNS": ",".join(runs), "DDP_TEST_BACKEND": backend}))
+    for run, clip in zip(runs, (True, False)):
+        losses, state = _single(np.float32, last=10, clip=clip)
+        ranks = _run(tmp_path, run, world)
+        assert len({str(r["digest"]) for r in ranks}) == 1
+        np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5)
+        for name, value in state.items():
+            np.testing.assert_allclose(ranks[0][name], value, rtol=1e-4, atol=1e-5, err_msg=f"{run}: {name}")
+
+
+def test_device_memory_shares_its_buffers_with_torch(one_rank):
+    """OrtValues onnxruntime allocated (as on a GPU, here on the CPU): the flat gradient buffer
+    and the state reach torch by DLPack without a copy, and a world of one steps as the session
+    alone does, bit for bit, unsharded and sharded."""
+    import onnxruntime as ort
+    import torch
+
+    from onnx_training_ops.distributed import DistributedTrainingSession
+
+    model = training_model(np.float64)
+    alone = open_session(model, "device")
+    expected = [float(alone.step(dict(zip(("input", "labels"), batch(k))))["loss"]) for k in range(3)]
+    for zero in (False, True):
+        ddp = DistributedTrainingSession(open_session(model, "device"), shard_optimizer_state=zero)
+        for k in range(3):
+            assert float(ddp.step(dict(zip(("input", "labels"), batch(k))))["loss"]) == expected[k]
+        ddp.backward(dict(zip(("input", "labels"), batch(3))))
+        (buffer,) = ddp.session.gradient_tensors()
+        assert isinstance(buffer, ort.OrtValue)
+        shared = ddp._shared(buffer)
+        assert shared.data_ptr() == buffer.data_ptr() and shared.dtype == torch.float64
+        shared.zero_()  # what the all-reduce writes is what optimizer_step applies
+        assert not any(g.any() for g in ddp.session.gradients().values())
+        ddp.session.zero_grad()
+        for name, value in alone.state_dict().items():
+            np.testing.assert_array_equal(ddp.full_state_dict()[name], value, err_msg=name)
 
 
 def test_example_under_torchrun(tmp_path):
@@ -141,16 +257,18 @@ def test_example_under_torchrun(tmp_path):
 
 def test_cli_train_nproc_2(tmp_path):
     """``python -m onnx_training_ops train --nproc 2`` launches torchrun itself; a second run
-    resumes from the checkpoint and trains the remaining epoch only."""
+    resumes from the checkpoint and trains the remaining epoch only, with each rank's update in
+    the graph (``--device cpu``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "onnx_training_ops", "train", "--nproc", "2", "--out", str(tmp_path)]
     done = subprocess.run(command + ["--epochs", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 rank(s)" in done.stdout and "epoch 0:" in done.stdout
     assert TrainingSession(tmp_path / "checkpoint.onnx").properties["epoch"] == 1
-    done = subprocess.run(command + ["--epochs", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(command + ["--epochs", "2", "--device", "cpu"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "epochs 1..1" in done.stdout and "epoch 1:" in done.stdout and "epoch 0:" not in done.stdout
+    assert "state on cpu; epochs 1..1" in done.stdout and "epoch 1:" in done.stdout and "epoch 0:" not in done.stdout
     # what train writes in one process, rank 0 writes too (issue 20 item 14)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ranks"] == 2 and len(summary["held_out_losses_per_epoch"]) == 2
@@ -259,25 +377,6 @@ def test_batchnorm_buffers_follow_rank_0(tmp_path):
     assert stats and all(np.array_equal(r0[n], r1[n]) and np.abs(r0[n]).max() > 0 for n in stats)
 
 
-@pytest.mark.parametrize("zero", ["0", "1"], ids=["allreduce", "zero1"])
-def test_lazy_embedding_table_two_ranks_equal_one_process(tmp_path, zero):
-    """Lazy Adam on a table: each rank scatters its rows' gradients and a touched count into
-    the flat buffer; after the reduction the rows touched on any rank are updated (and only
-    they), as one process on the full batch does."""
-    _ok(_launch(2, tmp_path, "float64", "1", "0", "10", env_extra={"DDP_TEST_EMB": "1", "DDP_TEST_ZERO": zero}))
-    session = TrainingSession(embedding_training_model())
-    initial = session.state_dict()
-    losses = [float(session.step(embedding_batch(k))["loss"]) for k in range(10)]
-    state = session.state_dict()
-    r0 = _ranks(tmp_path, 2)[0]
-    np.testing.assert_allclose(r0["losses"], losses, rtol=1e-12)
-    for name, value in state.items():
-        np.testing.assert_allclose(r0[name], value, rtol=1e-10, atol=1e-13, err_msg=name)
-    untouched = slice(TABLE_ROWS - 10, None)
-    assert np.array_equal(r0["E"][untouched], initial["E"][untouched])
-    assert not np.array_equal(r0["E"][:TABLE_ROWS - 10], initial["E"][:TABLE_ROWS - 10])
-
-
 def test_without_torch_a_one_line_hint(tmp_path):
     """No torch: the example says how to install it, in one line and without a traceback."""
     script = str(ROOT / "examples" / "train_ddp.py")
@@ -314,15 +413,20 @@ def test_a_model_path_opens_the_session_and_a_sharded_world_of_one_saves_whole(o
     assert set(saved) == set(state) and all(np.array_equal(saved[k], state[k]) for k in state)
 
 
-def test_wrapper_errors_name_the_problem(one_rank):
+def test_wrapper_errors_name_the_problem(one_rank, monkeypatch):
+    import torch.distributed
+
     from onnx_training_ops.distributed import DistributedTrainingSession
     from onnx_training_ops.errors import TrainingOpError
 
     session = TrainingSession(training_model(np.float64))
     with pytest.raises(TrainingOpError, match=r"\['fast'\] apply only when a model is given"):
         DistributedTrainingSession(session, fast=False)
-    with pytest.raises(TrainingOpError, match="state on 'cpu'.*host gradient buffers"):
-        DistributedTrainingSession(TrainingSession(training_model(np.float64), device="cpu"))
+    with monkeypatch.context() as patch:  # a group that reduces CUDA tensors only, for host state
+        patch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+        with pytest.raises(TrainingOpError, match=r"state on cpu, but the process group's backend 'nccl' reduces "
+                                                  r"\['cuda'\] tensors only: init_process_group\('gloo'\)"):
+            DistributedTrainingSession(TrainingSession(training_model(np.float64), device="cpu"))
     ddp = DistributedTrainingSession(session, shard_optimizer_state=True)
     x, y = batch(0)
     ddp.backward({"input": x, "labels": y})

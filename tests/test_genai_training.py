@@ -40,9 +40,9 @@ def _batch(family: str):
 
 def _feeds(model: onnx.ModelProto, folder, ids, mask, labels) -> dict:
     """The batch, and the pasts ``model`` still takes (the builder removes those that only fill an
-    attention node's cache: :mod:`onnx_training_ops.builder.kv_cache`): empty pasts ``[B, kv_heads, 0, head_size]``; the layers genai_config.json lists under
-    ``sliding_window`` (Gemma 2's windowed layers: ``sliding_window_cache=1``) get a cache of the
-    window's capacity, zeros (onnxruntime refuses a smaller one; the prompt does not read it)."""
+    attention node's cache, :mod:`onnx_training_ops.builder.kv_cache`): empty pasts
+    ``[B, kv_heads, 0, head_size]``, or for a layer genai_config.json lists under ``sliding_window``
+    a zero cache of the window's capacity (onnxruntime refuses a smaller one)."""
     config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     windowed = config.get("sliding_window") or {}
     feeds = {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -25,6 +25,7 @@ from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.export import DeviceTrainer, export_step
 from onnx_training_ops.training.device_graphs import device_step_graphs
+from onnx_training_ops.training.engine.graph import APPLY
 from onnx_training_ops.training.state import collect_state_protos
 
 
@@ -181,8 +182,10 @@ def test_the_folded_step_computes_what_the_symbolic_one_does(block):
         session = ort.InferenceSession(graph.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
         names = {i.name: i for i in session.get_inputs()}
         values = {**{k: v for k, v in state.items() if k in names}, **feeds}
-        for name, info in names.items():  # the learning rate, the update count
-            if name not in values:
+        for name, info in names.items():  # the learning rate, the update count, the capture gate (static)
+            if name == APPLY:
+                values[name] = np.array(True)
+            elif name not in values:
                 values[name] = np.array(1e-2 if "float" in info.type else 1, np.float32 if "float" in info.type
                                         else np.int64).reshape([d if isinstance(d, int) else 1 for d in info.shape])
         results.append(dict(zip([o.name for o in session.get_outputs()], session.run(None, values))))

@@ -22,9 +22,11 @@ name says so, rather than giving the gradient of another function.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import NodeProto, TensorProto, helper
 
 from .emitter import Emitter
 from .registry import RuleContext, RuleError, register
@@ -62,7 +64,7 @@ def rotate(em: Emitter, x: str, cos: str, sin: str, rotary_dim: int, full: bool,
     return y
 
 
-def _rotary_dim(ctx: RuleContext, cos: str) -> int:
+def _rotary_dim(ctx: RuleContext | Emitter, cos: str) -> int:
     shape = ctx.shape(cos)
     if shape is None or not isinstance(shape[-1], int):
         raise RuleError(f"the shape of the rotary table {cos!r} is unknown")
@@ -146,19 +148,10 @@ def _kv_grad(em: Emitter, g5: str) -> str:
     return em.op("Transpose", [em.reduce_sum(g5, [2], keepdims=False)], "kv_grad", perm=[0, 2, 1, 3])
 
 
-def attention_grads(em: Emitter, q4: str, k4: str, v4: str, g: str, heads: int, kv_heads: int, alpha: str,
-                    like: str, softcap: float = 0.0, allowed: str | None = None, bias: str | None = None,
-                    empty_rows: bool = False) -> tuple[str, str, str]:
-    """(dQ, dK, dV) of ``O = softmax(alpha Q Kᵀ (+ bias), keys not ``allowed`` left out) V``.
-
-    ``q4`` ``[B, S, heads, d]``, ``k4``/``v4`` ``[B, T, kv_heads, d]`` (as the forward used
-    them: rotated), ``g`` = dO ``[B, S, heads * dv]``; ``allowed`` (bool) and ``bias`` broadcast
-    against ``[B, kv_heads, groups, S, T]``. ``empty_rows``: a row may have no allowed key (its
-    output is 0). ``like``: a value of the computation's element type (the query). The gradients
-    come back in the layouts of ``q4``, ``k4``, ``v4``."""
-    groups = heads // kv_heads
-    q5, k5, v5 = _grouped(em, q4, kv_heads, groups), _kv(em, k4), _kv(em, v4)
-    g5 = _grouped(em, _heads(em, g, heads), kv_heads, groups)
+def _probabilities(em: Emitter, q5: str, k5: str, alpha: str, like: str, softcap: float, allowed: str | None,
+                   bias: str | None, empty_rows: bool) -> tuple[str, str | None]:
+    """``P = softmax(alpha Q Kᵀ (+ bias) [softcapped], keys not allowed left out)`` in the grouped
+    layout, and the softcap's ``tanh`` (None without one)."""
     scores = em.op("Mul", [em.op("MatMul", [q5, em.swap_last_two(k5, 5)], "scores"), alpha], "scores")
     if bias is not None:
         scores = em.op("Add", [scores, bias], "scores")
@@ -172,6 +165,35 @@ def attention_grads(em: Emitter, q4: str, k4: str, v4: str, g: str, heads: int, 
     probs = em.op("Softmax", [scores], "probs", axis=-1)
     if allowed is not None and empty_rows:
         probs = em.op("Where", [allowed, probs, em.scalar(0.0, like)], "probs")
+    return probs, capped
+
+
+def attention(em: Emitter, q4: str, k4: str, v4: str, heads: int, kv_heads: int, alpha: str, like: str,
+              softcap: float = 0.0, allowed: str | None = None, bias: str | None = None,
+              empty_rows: bool = False) -> str:
+    """``O = softmax(alpha Q Kᵀ (+ bias), keys not ``allowed`` left out) V`` as ``[B, S, heads * dv]``
+    (the forward :func:`attention_grads` differentiates; same arguments)."""
+    groups = heads // kv_heads
+    q5, k5, v5 = _grouped(em, q4, kv_heads, groups), _kv(em, k4), _kv(em, v4)
+    probs, _ = _probabilities(em, q5, k5, alpha, like, softcap, allowed, bias, empty_rows)
+    out = _ungrouped(em, em.op("MatMul", [probs, v5], "attention"), heads)
+    return em.op("Reshape", [out, em.ints([0, 0, -1])], "attention")
+
+
+def attention_grads(em: Emitter, q4: str, k4: str, v4: str, g: str, heads: int, kv_heads: int, alpha: str,
+                    like: str, softcap: float = 0.0, allowed: str | None = None, bias: str | None = None,
+                    empty_rows: bool = False) -> tuple[str, str, str]:
+    """(dQ, dK, dV) of ``O = softmax(alpha Q Kᵀ (+ bias), keys not ``allowed`` left out) V``.
+
+    ``q4`` ``[B, S, heads, d]``, ``k4``/``v4`` ``[B, T, kv_heads, d]`` (as the forward used
+    them: rotated), ``g`` = dO ``[B, S, heads * dv]``; ``allowed`` (bool) and ``bias`` broadcast
+    against ``[B, kv_heads, groups, S, T]``. ``empty_rows``: a row may have no allowed key (its
+    output is 0). ``like``: a value of the computation's element type (the query). The gradients
+    come back in the layouts of ``q4``, ``k4``, ``v4``."""
+    groups = heads // kv_heads
+    q5, k5, v5 = _grouped(em, q4, kv_heads, groups), _kv(em, k4), _kv(em, v4)
+    g5 = _grouped(em, _heads(em, g, heads), kv_heads, groups)
+    probs, capped = _probabilities(em, q5, k5, alpha, like, softcap, allowed, bias, empty_rows)
     dv = em.op("MatMul", [em.swap_last_two(probs, 5), g5], "dv")
     dp = em.op("MatMul", [g5, em.swap_last_two(v5, 5)], "dp")
     rowsum = em.reduce_sum(em.op("Mul", [dp, probs]), [-1], keepdims=True)
@@ -184,19 +206,27 @@ def attention_grads(em: Emitter, q4: str, k4: str, v4: str, g: str, heads: int, 
     return dq, _kv_grad(em, dk), _kv_grad(em, dv)
 
 
-def _alpha(ctx: RuleContext, q4: str, head_size: int | None) -> str:
+def _alpha(em: Emitter, node: NodeProto, q4: str, head_size: int | None) -> str:
     """The score scale: the node's ``scale``, else ``1 / sqrt(head_size)``."""
-    em = ctx.em
-    scale = float(ctx.attr("scale", 0.0) or 0.0)
+    scale = float(_attr(node, "scale", 0.0) or 0.0)
     if scale:
-        return em.scalar(scale, ctx.node.input[0])
+        return em.scalar(scale, node.input[0])
     if head_size is not None:
-        return em.scalar(1.0 / math.sqrt(head_size), ctx.node.input[0])
-    size = em.cast_like(em.op("Shape", [q4], "head_size", start=3, end=4), ctx.node.input[0])
+        return em.scalar(1.0 / math.sqrt(head_size), node.input[0])
+    size = em.cast_like(em.op("Shape", [q4], "head_size", start=3, end=4), node.input[0])
     return em.op("Reciprocal", [em.op("Sqrt", [size])], "alpha")
 
 
-def _last_dim(ctx: RuleContext, x: str) -> int | None:
+def _attr(node: NodeProto, name: str, default=None):
+    found = next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+    return found.decode() if isinstance(found, bytes) else found
+
+
+def _input(node: NodeProto, i: int) -> str | None:
+    return node.input[i] if i < len(node.input) and node.input[i] else None
+
+
+def _last_dim(ctx: RuleContext | Emitter, x: str) -> int | None:
     shape = ctx.shape(x)
     return shape[-1] if shape is not None and isinstance(shape[-1], int) else None
 
@@ -224,26 +254,50 @@ def _refuse(ctx: RuleContext, inputs: dict[int, str], outputs: dict[int, str], a
             raise RuleError(f"{name}={ctx.attr(name)!r} ({what}) is not differentiated")
 
 
-@register(f"{MS}::GroupQueryAttention", frozen=(3, 4, 7, 8))
-def _group_query_attention(ctx: RuleContext) -> list:
-    """Prompt-form GroupQueryAttention: query packed ``[B, S, (H + 2 kvH) d]`` or Q, K, V
-    separate; rotary from ``cos_cache``/``sin_cache`` at positions ``0..S-1`` (``do_rotary``);
-    causal (``causal=1``), ``local_window_size``, ``softcap``, ``scale``."""
-    em, g = ctx.em, ctx.grad(0)
-    _refuse(ctx, {9: "position_ids", 10: "attention_bias", 11: "head_sink", 12: "k_scale", 13: "v_scale",
-                  14: "q_norm_weight", 15: "k_norm_weight", 16: "query_seqlens"},
-            {1: "present_key", 2: "present_value", 3: "output_qk"},
-            {"smooth_softmax": "a softmax sink", "k_quant_type": "a quantized KV cache",
-             "v_quant_type": "a quantized KV cache"})
-    if any(ctx.need(i) for i in (3, 4, 7, 8)):
-        raise RuleError("the past KV cache and the rotary tables do not train")
-    heads, kv_heads = int(ctx.attr("num_heads")), int(ctx.attr("kv_num_heads"))
-    window, softcap = int(ctx.attr("local_window_size", -1)), float(ctx.attr("softcap", 0.0) or 0.0)
-    causal, do_rotary = int(ctx.attr("causal", 1)), int(ctx.attr("do_rotary", 0))
-    interleaved = bool(ctx.attr("rotary_interleaved", 0))
-    query, key, value = ctx.node.input[0], ctx.input(1), ctx.input(2)
+@dataclass(frozen=True)
+class GroupQuery:
+    """A prompt-form GroupQueryAttention node's operands in standard ops (:func:`group_query`):
+    query ``q4`` ``[B, S, heads, d]``, key and value ``k4``/``v4`` ``[B, S, kv_heads, d]`` (the
+    query and key rotated), the score scale ``alpha`` (checked at run time: the prompt form),
+    the keys each row attends ``allowed`` (bool, ``[B, 1, 1, S, S]``), and the rotation by the
+    node's angles (None without ``do_rotary``; ``rotation(x, True)``: its adjoint)."""
+
+    q4: str
+    k4: str
+    v4: str
+    heads: int
+    kv_heads: int
+    alpha: str
+    allowed: str
+    softcap: float
+    window: int
+    packed: bool
+    rotation: Callable[[str, bool], str] | None
+
+    def output(self, em: Emitter, like: str) -> str:
+        """The node's output 0, ``[B, S, heads * d]``."""
+        return attention(em, self.q4, self.k4, self.v4, self.heads, self.kv_heads, self.alpha, like, self.softcap,
+                         allowed=self.allowed, empty_rows=self.window > 0)
+
+
+def group_query(em: Emitter, node: NodeProto, what: str) -> GroupQuery:
+    """The operands of GroupQueryAttention ``node`` in its prompt form (see the module doc):
+    query packed ``[B, S, (H + 2 kvH) d]`` or Q, K, V separate; rotary from ``cos_cache`` /
+    ``sin_cache`` at positions ``0..S-1`` (``do_rotary``); causal (``causal=1``),
+    ``local_window_size``, ``softcap``, ``scale``; keys past ``seqlens_k[b]`` left out. ``what``
+    names the computation in the run-time check's node (a run with a past fails there).
+
+    Raises:
+        RuleError: a form it does not cover (``local_window_size`` without ``causal``, an
+            unknown rotary table size).
+    """
+    heads, kv_heads = int(_attr(node, "num_heads")), int(_attr(node, "kv_num_heads"))
+    window, softcap = int(_attr(node, "local_window_size", -1)), float(_attr(node, "softcap", 0.0) or 0.0)
+    causal, do_rotary = int(_attr(node, "causal", 1)), int(_attr(node, "do_rotary", 0))
+    interleaved = bool(_attr(node, "rotary_interleaved", 0))
+    query, key, value = node.input[0], _input(node, 1), _input(node, 2)
     packed = key is None
-    width = _last_dim(ctx, query)
+    width = _last_dim(em, query)
     head_size = None if width is None else width // (heads + 2 * kv_heads if packed else heads)
 
     if packed:
@@ -255,8 +309,8 @@ def _group_query_attention(ctx: RuleContext) -> list:
 
     rotation = None
     if do_rotary:
-        cos, sin = ctx.node.input[7], ctx.node.input[8]
-        rotary_dim = _rotary_dim(ctx, cos)
+        cos, sin = node.input[7], node.input[8]
+        rotary_dim = _rotary_dim(em, cos)
         length = em.dims_of(query, 1, 2)
         c = em.unsqueeze(em.op("Slice", [cos, em.ints([0]), length, em.ints([0])], "cos"), [1])  # [S, 1, half]
         s = em.unsqueeze(em.op("Slice", [sin, em.ints([0]), length, em.ints([0])], "sin"), [1])
@@ -277,7 +331,7 @@ def _group_query_attention(ctx: RuleContext) -> list:
     length = em.dims_of(query, 1, 2)
     rows = _range(em, length, np.int32)
     row_i, key_j = em.unsqueeze(rows, [1]), em.unsqueeze(rows, [0])  # [S, 1], [1, S]
-    seqlens = em.op("Cast", [ctx.node.input[5]], "seqlens", to=TensorProto.INT32)  # int32 already: kept as is
+    seqlens = em.op("Cast", [node.input[5]], "seqlens", to=TensorProto.INT32)  # int32 already: kept as is
     total = em.op("Add", [seqlens, em.const(np.asarray([1], np.int32), "one")])
     allowed = em.op("Less", [key_j, em.unsqueeze(total, [1, 2])], "in_sequence")  # [B, 1, S]
     if causal:
@@ -289,23 +343,44 @@ def _group_query_attention(ctx: RuleContext) -> list:
         raise RuleError("local_window_size with causal=0")
     allowed = em.unsqueeze(allowed, [1, 2])  # [B, 1, 1, S or 1, S]
 
-    total_length = em.op("Cast", [em.op("Reshape", [ctx.node.input[6], em.ints([1])])], "total", to=TensorProto.INT32)
+    total_length = em.op("Cast", [em.op("Reshape", [node.input[6], em.ints([1])])], "total", to=TensorProto.INT32)
     prompt = em.op("Equal", [total_length, em.op("Cast", [length], "length", to=TensorProto.INT32)], "prompt")
-    alpha = em.check(prompt, _alpha(ctx, q4, head_size),
-                     f"GroupQueryAttention {ctx.node.name or ctx.node.output[0]!r} gradient: needs its prompt "
-                     "form (sequence_length == total_sequence_length, an empty past)")
-    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, kv_heads, alpha, query, softcap, allowed=allowed,
-                                 empty_rows=window > 0)
+    alpha = em.check(prompt, _alpha(em, node, q4, head_size),
+                     f"GroupQueryAttention {node.name or node.output[0]!r} {what}: needs its prompt form "
+                     "(sequence_length == total_sequence_length, an empty past)")
+    return GroupQuery(q4, k4, v4, heads, kv_heads, alpha, allowed, softcap, window, packed, rotation)
+
+
+GQA_UNCOVERED = ({9: "position_ids", 10: "attention_bias", 11: "head_sink", 12: "k_scale", 13: "v_scale",
+                  14: "q_norm_weight", 15: "k_norm_weight", 16: "query_seqlens"},
+                 {"smooth_softmax": "a softmax sink", "k_quant_type": "a quantized KV cache",
+                  "v_quant_type": "a quantized KV cache"})
+"""GroupQueryAttention's inputs (by position) and attributes (at other than their defaults)
+that :func:`group_query` does not cover."""
+
+
+@register(f"{MS}::GroupQueryAttention", frozen=(3, 4, 7, 8))
+def _group_query_attention(ctx: RuleContext) -> list:
+    """Prompt-form GroupQueryAttention (:func:`group_query`), differentiated."""
+    em, g = ctx.em, ctx.grad(0)
+    inputs, attrs = GQA_UNCOVERED
+    _refuse(ctx, inputs, {1: "present_key", 2: "present_value", 3: "output_qk"}, attrs)
+    if any(ctx.need(i) for i in (3, 4, 7, 8)):
+        raise RuleError("the past KV cache and the rotary tables do not train")
+    gq = group_query(em, ctx.node, "gradient")
+    query = ctx.node.input[0]
+    dq, dk, dv = attention_grads(em, gq.q4, gq.k4, gq.v4, g, gq.heads, gq.kv_heads, gq.alpha, query, gq.softcap,
+                                 allowed=gq.allowed, empty_rows=gq.window > 0)
     out = ctx.empty()
-    if packed:
+    if gq.packed:
         dqk = em.op("Concat", [dq, dk], "dqk", axis=2)
-        if rotation:
-            dqk = rotation(dqk, True)
+        if gq.rotation:
+            dqk = gq.rotation(dqk, True)
         dqkv = em.op("Concat", [dqk, dv], "dqkv", axis=2)
         out[0] = em.op("Reshape", [dqkv, em.ints([0, 0, -1])], "input_grad")
         return out
-    if rotation:
-        dq, dk = rotation(dq, True), rotation(dk, True)
+    if gq.rotation:
+        dq, dk = gq.rotation(dq, True), gq.rotation(dk, True)
     for i, d in enumerate((dq, dk, dv)):
         if ctx.need(i):
             out[i] = em.op("Reshape", [d, em.ints([0, 0, -1])], "input_grad")
@@ -366,7 +441,7 @@ def _multi_head_attention(ctx: RuleContext) -> list:
     for b in scores_bias:
         total_bias = b if total_bias is None else em.op("Add", [total_bias, b], "scores_bias")
     head_size = None if width is None else width // heads
-    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, heads, _alpha(ctx, q4, head_size), query,
+    dq, dk, dv = attention_grads(em, q4, k4, v4, g, heads, heads, _alpha(em, ctx.node, q4, head_size), query,
                                  bias=total_bias)
     if past_k is not None and past_v is not None:
         past = em.op("Shape", [past_k], "past", start=2, end=3)

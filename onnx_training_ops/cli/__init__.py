@@ -135,6 +135,8 @@ def _train_data_parallel(args: argparse.Namespace) -> int:
         command += ["--lr", str(args.lr)]
     if args.shard_optimizer_state:
         command.append("--shard-optimizer-state")
+    if args.device is not None:
+        command += ["--device", args.device]
     return subprocess.run(command).returncode
 
 
@@ -152,6 +154,11 @@ def _train(args: argparse.Namespace) -> int:
                                f"{option} ... (without one, train runs the digits demo)")
     args.optimizer = args.optimizer or "adam"
     if args.nproc > 1:
+        if args.device not in (None, "cpu", "cuda"):
+            from ..errors import TrainingOpError
+
+            raise TrainingOpError(f"--device {args.device} with --nproc: give cpu or cuda (each rank takes "
+                                  "cuda:LOCAL_RANK)")
         return _train_data_parallel(args)
     if args.shard_optimizer_state:
         raise MissingExtra("--shard-optimizer-state needs --nproc 2 or more (it shards over processes)")
@@ -161,7 +168,7 @@ def _train(args: argparse.Namespace) -> int:
 
     result = train(
         out_dir=args.out, epochs=args.epochs, optimizer=args.optimizer, lr=args.lr, seed=args.seed,
-        batch_size=args.batch_size, progress=not args.no_progress, plot=not args.no_plot,
+        batch_size=args.batch_size, progress=not args.no_progress, plot=not args.no_plot, device=args.device,
     )
     if result.accuracy < args.min_accuracy:
         print(f"held-out accuracy {result.accuracy:.3f} is below --min-accuracy "
@@ -323,6 +330,10 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--batch-size", type=_positive_int, default=64)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the state lives: cpu (the update in the graph, on host arrays), cuda or cuda:N "
+                        "(onnxruntime-gpu; with --nproc, each rank on cuda:LOCAL_RANK); default: host arrays with "
+                        "the fused kernels")
     t.add_argument("--threads", type=_threads, default=None,
                    help="onnxruntime intra-op threads (0: one per core; default: 1 for a small model, else 0)")
     t.add_argument("--min-accuracy", type=float, default=0.0,

@@ -151,7 +151,7 @@ def _open(args: argparse.Namespace):
     checkpoint = os.path.join(args.out, CHECKPOINT)
     resumed = os.path.exists(checkpoint)
     # --threads: 0 is onnxruntime's default, one per core; None the package's default
-    session = TrainingSession(checkpoint if resumed else args.model, threads=args.threads)
+    session = TrainingSession(checkpoint if resumed else args.model, threads=args.threads, device=args.device)
     if resumed:
         props = session.properties
         for key, value in _run_settings(args, None).items():

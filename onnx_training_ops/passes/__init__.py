@@ -25,6 +25,7 @@ from .flatten_optimizers import flatten_optimizers
 from .fuse_gelu import fuse_gelu
 from .lower_cross_entropy import lower_cross_entropy
 from .lower_cross_entropy_native import lower_cross_entropy_native
+from .lower_group_query_attention import lower_group_query_attention
 from .lower_optimizers import lower_optimizers
 from .lower_recurrent import lower_recurrent
 from .split_multi_tensor import split_multi_tensor_nodes
@@ -90,7 +91,12 @@ _LOWERING = [name for name, _ in PORTABLE_PASSES].index("lower_optimizers")
 FLAT_PORTABLE_PASSES: list[tuple[str, Pass]] = [
     *PORTABLE_PASSES[:_LOWERING], ("flatten_optimizers", flatten_optimizers), *PORTABLE_PASSES[_LOWERING:],
 ]  # the portable pipeline with flatten_optimizers right before the lowering
-# A CUDA device's: the flat form, and convolution gradients as Conv/ConvTranspose (cuDNN) where
-# the CPU's pipelines write im2col Gemms (hundreds of Pad/Slice nodes for a ResNet).
-GPU_PASSES: list[tuple[str, Pass]] = [(name, expand_gradient_gpu if name == "expand_gradient" else run)
-                                      for name, run in FLAT_PORTABLE_PASSES]
+# A CUDA device's: the flat form, convolution gradients as Conv/ConvTranspose (cuDNN) where the
+# CPU's pipelines write im2col Gemms (hundreds of Pad/Slice nodes for a ResNet), and float32
+# GroupQueryAttention (no CUDA kernel: float16/bfloat16 only) in standard ops before the Gradient
+# is expanded.
+GPU_PASSES: list[tuple[str, Pass]] = [
+    step for name, run in FLAT_PORTABLE_PASSES
+    for step in ([("lower_group_query_attention", lower_group_query_attention), ("expand_gradient",
+                                                                                 expand_gradient_gpu)]
+                 if name == "expand_gradient" else [(name, run)])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -134,20 +135,37 @@ def value_types(model: ModelProto) -> dict[str, ValueType]:
             vt = _from_type_proto(vi.type)
             if vt is not None and (vi.name not in types or types[vi.name].shape is None):
                 types[vi.name] = vt
-    if any(n.domain == "com.microsoft" for n in inferred.graph.node):  # onnx's inference stops at them
-        _complete_contrib(inferred, types)
+    if not all(onnx_infers(n) for n in inferred.graph.node):
+        _through_contrib_ops(inferred, types)
     return types
 
 
-def _complete_contrib(model: ModelProto, types: dict[str, ValueType]) -> None:
-    """``types`` of the main graph continued past onnxruntime's contrib ops
-    (:func:`~onnx_training_ops.autodiff.contrib_shapes.complete`)."""
-    meta = {name: ValueMeta(t.elem_type or None, t.shape) for name, t in types.items()}
-    small = {t.name: t for t in model.graph.initializer if len(t.dims) <= 1 and sum(t.dims) <= 64}
-    for n in model.graph.node:
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute and n.attribute[0].name == "value":
-            small[n.output[0]] = n.attribute[0].t
-    complete(model.graph.node, meta, small, model.opset_import)
+def onnx_infers(node: NodeProto) -> bool:
+    """Whether onnx's shape inference knows ``node``'s op (an onnxruntime contrib op, or the
+    ``SimplifiedLayerNormalization`` schema registered without inference, it does not)."""
+    return _infers(node.op_type, "" if node.domain == "ai.onnx" else node.domain)
+
+
+@functools.lru_cache(maxsize=1024)
+def _infers(op_type: str, domain: str) -> bool:
+    if not onnx.defs.has(op_type, domain):
+        return False
+    return onnx.defs.get_schema(op_type, domain).has_type_and_shape_inference_function
+
+
+def _through_contrib_ops(model: ModelProto, types: dict[str, ValueType]) -> None:
+    """``types`` completed past the main graph's onnxruntime contrib ops (``com.microsoft``),
+    where onnx's inference stops (:func:`~..autodiff.contrib_shapes.complete`): a loss after an
+    onnxruntime-genai graph's int4 LM head gets its logits' shape."""
+    graph = model.graph
+    # a value of unknown shape is left for the walk to compute again (onnx gave up on it midway)
+    meta = {name: ValueMeta(t.elem_type or None, t.shape) for name, t in types.items() if t.shape is not None}
+    constants = {t.name: t for t in graph.initializer
+                 if not t.external_data and t.data_location != onnx.TensorProto.EXTERNAL and len(t.dims) <= 1
+                 and int(np.prod(t.dims, dtype=np.int64)) <= 64}
+    constants.update({n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant"
+                      and n.domain in ("", "ai.onnx") and n.attribute and n.attribute[0].name == "value"})
+    complete(graph.node, meta, constants, model.opset_import)
     for name, m in meta.items():
         if m.dtype and (name not in types or types[name].shape is None):
             types[name] = ValueType(m.dtype, m.shape)

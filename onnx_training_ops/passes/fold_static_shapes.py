@@ -10,28 +10,16 @@ reduction axes come out of one); WebGPU runs none of them.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 from onnx import ModelProto, helper, numpy_helper
 
-from ..autodiff.contrib_shapes import complete
-from ..autodiff.emitter import ValueMeta
+from ._graph import value_types
 from ._rewrite import constants
 
 
 def _static_shapes(model: ModelProto) -> dict[str, list[int]]:
-    """Static shapes by onnx's inference, continued past onnxruntime's contrib ops (which onnx
-    does not know) by :func:`~onnx_training_ops.autodiff.contrib_shapes.complete`."""
-    g = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
-    meta = {t.name: ValueMeta(t.data_type, tuple(t.dims)) for t in g.initializer}
-    for vi in (*g.input, *g.output, *g.value_info):
-        meta[vi.name] = ValueMeta.from_type(vi.type)
-    small = {t.name: t for t in g.initializer if len(t.dims) <= 1 and int(np.prod(t.dims)) <= 64}
-    for n in g.node:
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.attribute and n.attribute[0].name == "value":
-            small[n.output[0]] = n.attribute[0].t
-    complete(g.node, meta, small, model.opset_import)
-    return {name: list(m.shape) for name, m in meta.items()
-            if m.shape is not None and all(isinstance(d, int) for d in m.shape)}
+    """The values of static shape: onnx's inference, carried through the onnxruntime contrib ops
+    it does not know (an onnxruntime-genai graph's MatMulNBits, GroupQueryAttention...)."""
+    return {name: list(t.static_shape) for name, t in value_types(model).items() if t.static_shape is not None}
 
 
 def fold_static_shapes(model: ModelProto) -> ModelProto:

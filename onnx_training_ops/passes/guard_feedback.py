@@ -71,7 +71,7 @@ def guard_feedback(model: onnx.ModelProto, feedback: Mapping[str, str], loss: st
     return guarded
 
 
-def _reads(node: onnx.NodeProto) -> set[str]:
+def node_reads(node: onnx.NodeProto) -> set[str]:
     """What ``node`` reads: its inputs and every name the nodes of its subgraphs read."""
     names = set(node.input)
     pending = list(subgraphs(node))
@@ -84,7 +84,7 @@ def _reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
-def _readers(graph: onnx.GraphProto, consumers: Mapping[str, list[int]], name: str) -> set[int]:
+def state_readers(graph: onnx.GraphProto, consumers: Mapping[str, list[int]], name: str) -> set[int]:
     """Indices of the nodes reading ``name``, directly or through ops that may alias it."""
     found: set[int] = set()
     pending, seen = [name], {name}
@@ -105,7 +105,7 @@ def in_place_unsafe(model: onnx.ModelProto, written: Mapping[str, str]) -> list[
     node may still read after that output is written: each reader must be the writer or one of
     its ancestors."""
     graph = model.graph
-    reads = [_reads(node) for node in graph.node]
+    reads = [node_reads(node) for node in graph.node]
     producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
     consumers: dict[str, list[int]] = {}
     for i, names in enumerate(reads):
@@ -124,6 +124,6 @@ def in_place_unsafe(model: onnx.ModelProto, written: Mapping[str, str]) -> list[
                 if j is not None and j not in ancestors:
                     ancestors.add(j)
                     pending.append(j)
-        if any(i != writer and i not in ancestors for i in _readers(graph, consumers, state)):
+        if any(i != writer and i not in ancestors for i in state_readers(graph, consumers, state)):
             unsafe.append(state)
     return unsafe

@@ -7,14 +7,17 @@ easy to make by accident (an int64 ``Pad``, a bfloat16 ``ReduceMean``), and noth
 step is just slow. :func:`cpu_nodes` finds them without a GPU, from :data:`CUDA_KERNELS`.
 
 :data:`CUDA_KERNELS` is onnxruntime's own table of the CUDA EP's kernels (domain ``ai.onnx``,
-opset ranges reaching 11 and later), condensed from ``docs/OperatorKernels.md`` of
+opset ranges reaching 11 and later; :data:`CUDA_CONTRIB_KERNELS` its ``com.microsoft`` ops, the
+contrib ops of onnxruntime-genai's graphs among them), condensed from ``docs/OperatorKernels.md`` of
 microsoft/onnxruntime (the file generated from the registered kernels by
 ``tools/python/gen_opkernel_doc.py``; read at commit 001d12d2623fd411ce0f83d05abb5e82304a3389,
 the 1.2x line; the kernels the supported releases 1.17-1.31 register at these types are the
 same for every op used by a training step: kernels are added over releases, not removed).
 One line per op and opset range: ``Op first[-last|+] CONSTRAINT=types ...``. Types use short
 names (:data:`TYPE_NAMES`) and groups (:data:`TYPE_GROUPS`); a constraint written ``*`` takes
-any type (sequences and optional values, which this check does not look into).
+any type (sequences and optional values, which this check does not look into). Which
+constraint each input and output of an op takes comes from the op's schema: onnx's for
+``ai.onnx``, onnxruntime's own (``get_all_operator_schema``) for ``com.microsoft``.
 
 :func:`host_tables` finds the other per-run host work the CUDA EP does: a ``Concat`` (or
 ``Split``) whose pieces differ in size along the axis fills a table with one int64 per element
@@ -34,6 +37,9 @@ import onnx
 from onnx import ModelProto, TensorProto
 
 CUDA = "CUDAExecutionProvider"
+PROVIDERS = (CUDA,)
+"""The execution providers whose kernel tables this module holds."""
+MS = "com.microsoft"
 
 TYPE_NAMES: dict[str, int] = {
     "b": TensorProto.BOOL, "bf16": TensorProto.BFLOAT16, "f16": TensorProto.FLOAT16, "f32": TensorProto.FLOAT,
@@ -251,6 +257,77 @@ Xor 7+ T=b T1=b
 """
 """The CUDA execution provider's kernels (see the module docstring for the source and format)."""
 
+CUDA_CONTRIB_KERNELS = """
+Attention 1+ T=bf16,f16,f32
+BeamSearch 1+ T=f16,f32
+BiasAdd 1+ T=f16,f32
+BiasDropout 1+ T=bflt T1=bflt T2=b
+BiasGelu 1+ T=bflt
+BiasSoftmax 1+ T=flt
+BiasSplitGelu 1+ T=f16,f32
+BitmaskBiasDropout 1+ T=bflt T1=bflt T2=b T3=u32
+BitmaskDropout 1+ T=bflt T1=bflt T2=b T3=u32
+ComplexMul 1+ T=f16,f32
+ComplexMulConj 1+ T=f16,f32
+ConvTransposeWithDynamicPads 1+ T=f32
+DecoderAttention 1+ T=f16,f32
+DecoderMaskedMultiHeadAttention 1+ QK=f16,f32 T=f16,f32
+DecoderMaskedSelfAttention 1+ T=f16,f32
+DequantizeLinear 1+ T1=i8,u8 T2=f16
+DequantizeWithOrder 1+ F=f16,f32 Q=i8 S=f32
+DynamicTimeWarping 1+ F=f32 I=i32
+EmbedLayerNormalization 1+ T=f16,f32
+FastGelu 1+ T=bflt
+FusedConv 1+ T=f32
+FusedMatMul 1+ T=bflt
+GatedRelativePositionBias 1+ T=f16,f32
+GatherBlockQuantized 1+ T1=i4,u4,u8 T2=bf16,f16,f32 Tind=i32,i64
+Gelu 1+ T=bflt
+GemmFloat8 1+ TA=bf16,f16,f32,f8e4m3fn,f8e5m2 TB=bf16,f16,f32,f8e4m3fn,f8e5m2 TR=bf16,f16,f32,f8e4m3fn,f8e5m2 TS=f32
+GemmaRotaryEmbedding 1+ T=f16 U=f32
+GreedySearch 1+ T=f16,f32
+GridSample 1+ T1=f32 T2=f32
+GroupNorm 1+ T=f16,f32
+GroupQueryAttention 1+ M=i32 T=bf16,f16 T_CACHE=bf16,f16,f8e4m3fn,i8 T_KV_SCALE=f32
+Inverse 1+ T=flt
+Irfft 1+ T=flt
+LongformerAttention 1+ T=f16,f32
+MatMulBnb4 1+ T1=bf16,f16,f32 T2=u8
+MatMulNBits 1+ T1=bf16,f16,f32 T2=u8 T3=bf16,f16,f32,u8
+MoE 1+ T=bf16,f16,f32
+MultiHeadAttention 1+ QK=bf16,f16,f32 T=bf16,f16,f32
+NGramRepeatBlock 1+ T=f32 Tid=i64
+NhwcConv 1+ T=f16,f32
+PackedAttention 1+ T=f16,f32
+PackedMultiHeadAttention 1+ T=f16,f32
+PagedAttention 1+ S=i32 T=bf16,f16
+QAttention 1+ T1=i8 T2=i8 T3=f16,f32 T4=i32
+QMoE 1+ T=bf16,f16 T1=u8 T2=bf16,f16
+QOrderedAttention 1+ G=i32 Q=i8 S=f32
+QOrderedGelu 1+ Q=i8 S=f32
+QOrderedLayerNormalization 1+ F=f16,f32 Q=i8 S=f32
+QOrderedLongformerAttention 1+ F=f16 G=i32 Q=i8 S=f32
+QOrderedMatMul 1+ Q=i8 S=f32
+QuantizeLinear 1+ T1=f16 T2=i8,u8
+QuantizeWithOrder 1+ F=f16,f32 Q=i8 S=f32
+QuickGelu 1+ T=bflt
+RelativePositionBias 1+ T=f16,f32
+RemovePadding 1+ T=f16,f32
+RestorePadding 1+ T=f16,f32
+Rfft 1+ T=flt
+RotaryEmbedding 1+ M=i64 T=bf16,f16,f32
+Sampling 1+ T=f16,f32
+SkipGroupNorm 1+ T=f16,f32
+SkipLayerNormalization 1+ T=bf16,f16,f32
+SkipSimplifiedLayerNormalization 1+ T=bf16,f16,f32
+SparseAttention 1+ M=i32 T=bf16,f16
+TransposeMatMul 1+ T=bflt
+Trilu 1+ T=all
+UnfoldTensor 1+ T=all,s
+WhisperBeamSearch 1+ T=f16,f32
+"""
+"""The CUDA execution provider's ``com.microsoft`` kernels (same source and format)."""
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -270,13 +347,17 @@ def _types(text: str) -> frozenset[int] | None:
     return frozenset(TYPE_NAMES[n] for n in names)
 
 
+_TEXTS = {(CUDA, ""): CUDA_KERNELS, (CUDA, MS): CUDA_CONTRIB_KERNELS}
+
+
 @functools.cache
-def table(provider: str = CUDA) -> dict[str, tuple[Kernel, ...]]:
-    """The parsed kernel table of ``provider`` (only the CUDA EP's is held): op -> its kernels."""
-    if provider != CUDA:
-        raise KeyError(f"no kernel table for {provider!r}; known: {CUDA}")
+def table(provider: str = CUDA, domain: str = "") -> dict[str, tuple[Kernel, ...]]:
+    """The parsed kernel table of ``provider`` (only the CUDA EP's is held) for ``domain``
+    (``""``: ai.onnx, or ``"com.microsoft"``): op -> its kernels."""
+    if provider not in PROVIDERS:
+        raise KeyError(f"no kernel table for {provider!r}; known: {', '.join(PROVIDERS)}")
     kernels: dict[str, list[Kernel]] = {}
-    for line in CUDA_KERNELS.strip().splitlines():
+    for line in _TEXTS.get((provider, "" if domain == "ai.onnx" else domain), "").strip().splitlines():
         op, versions, *constraints = line.split()
         first, _, rest = versions.partition("-")
         if versions.endswith("+"):
@@ -290,9 +371,9 @@ def table(provider: str = CUDA) -> dict[str, tuple[Kernel, ...]]:
     return {op: tuple(k) for op, k in kernels.items()}
 
 
-def kernel_for(op_type: str, since_version: int, provider: str = CUDA) -> Kernel | None:
+def kernel_for(op_type: str, since_version: int, provider: str = CUDA, domain: str = "") -> Kernel | None:
     """The registration of ``op_type`` whose opset range holds the schema version ``since_version``."""
-    for kernel in table(provider).get(op_type, ()):
+    for kernel in table(provider, domain).get(op_type, ()):
         if kernel.first <= since_version and (kernel.last is None or since_version <= kernel.last):
             return kernel
     return None
@@ -326,52 +407,123 @@ def _element_types(model: ModelProto) -> dict[str, int]:
     for vi in (*g.input, *g.value_info, *g.output):
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
             types.setdefault(vi.name, vi.type.tensor_type.elem_type)
+    versions = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     for node in g.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             types.setdefault(node.output[0], node.attribute[0].t.data_type)
+        elif any(o and o not in types for o in node.output):  # after an op onnx's inference does not know
+            _propagate(node, versions.get("" if node.domain == "ai.onnx" else node.domain, 1), types)
     return types
+
+
+def _propagate(node: onnx.NodeProto, version: int, types: dict[str, int]) -> None:
+    """The element types of ``node``'s outputs from its inputs' (by the type constraints they
+    share in its schema), for an op onnx's shape inference does not know."""
+    if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+        to = next((a.i for a in node.attribute if a.name == "to"), 0)
+        if to:
+            types.setdefault(node.output[0], to)
+        return
+    schema = signature(node.op_type, version, node.domain)
+    if schema is None:
+        return
+    bound: dict[str, int] = {}
+    for (_, type_str, _), name in zip(schema.inputs, node.input):
+        if name in types:
+            bound.setdefault(type_str, types[name])
+    for (_, type_str, _), name in zip(schema.outputs, node.output):
+        found = bound.get(type_str) or _FIXED.get(type_str)
+        if name and found:
+            types.setdefault(name, found)
+
+
+_FIXED = {f"tensor({TensorProto.DataType.Name(t).lower()})": t for t in TYPE_NAMES.values()}  # fixed-type params
 
 
 def _name(element_type: int) -> str:
     return TensorProto.DataType.Name(element_type).lower()
 
 
+@dataclass(frozen=True)
+class Signature:
+    """An op's schema as the check reads it: its version, and each input's and output's name,
+    type constraint (or fixed type) and whether it is variadic."""
+
+    since_version: int
+    inputs: tuple[tuple[str, str, bool], ...]
+    outputs: tuple[tuple[str, str, bool], ...]
+
+
+def _params(params, variadic) -> tuple[tuple[str, str, bool], ...]:
+    return tuple((p.name, getattr(p, "type_str", None) or getattr(p, "typeStr", ""), p.option == variadic)
+                 for p in params)
+
+
+@functools.cache
+def _onnxruntime_schemas() -> dict[tuple[str, str], tuple[Signature, ...]]:
+    """onnxruntime's own schemas (``com.microsoft``...) by (domain, op), oldest first; empty
+    where the build does not expose them."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+        schemas = ort_c.get_all_operator_schema()
+    except Exception:  # noqa: BLE001 - a minimal build: the contrib ops' types are not checked
+        return {}
+    found: dict[tuple[str, str], list[Signature]] = {}
+    for schema in schemas:
+        if schema.domain in ("", "ai.onnx"):
+            continue
+        variadic = type(schema.inputs[0].option).Variadic if schema.inputs else None
+        found.setdefault((schema.domain, schema.name), []).append(
+            Signature(schema.since_version, _params(schema.inputs, variadic), _params(schema.outputs, variadic)))
+    return {k: tuple(sorted(v, key=lambda s: s.since_version)) for k, v in found.items()}
+
+
+def signature(op_type: str, version: int, domain: str = "") -> Signature | None:
+    """The schema of ``op_type`` at opset ``version`` of ``domain`` (onnx's for ai.onnx,
+    onnxruntime's for its own domains), or None where it is unknown."""
+    if domain in ("", "ai.onnx"):
+        try:
+            schema = onnx.defs.get_schema(op_type, version, "")
+        except onnx.defs.SchemaError:
+            return None
+        variadic = onnx.defs.OpSchema.FormalParameterOption.Variadic
+        return Signature(schema.since_version, _params(schema.inputs, variadic), _params(schema.outputs, variadic))
+    known = [s for s in _onnxruntime_schemas().get((domain, op_type), ()) if s.since_version <= version]
+    return known[-1] if known else None
+
+
 def _check_node(node: onnx.NodeProto, version: int, types: Mapping[str, int], provider: str) -> str | None:
-    """Why ``provider`` has no kernel for ``node`` (None: it has one)."""
-    try:
-        schema = onnx.defs.get_schema(node.op_type, version, node.domain)
-    except onnx.defs.SchemaError:
-        schema = None
-    op = INLINED.get(node.op_type, node.op_type)
-    try:
-        since = onnx.defs.get_schema(op, version, node.domain).since_version
-    except onnx.defs.SchemaError:
-        since = version
-    kernel = kernel_for(op, since, provider)
+    """Why ``provider`` has no kernel for ``node`` at opset ``version`` of its domain (None: it has one)."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    schema = signature(node.op_type, version, domain)
+    op = INLINED.get(node.op_type, node.op_type) if not domain else node.op_type
+    placed = schema if op == node.op_type else signature(op, version, domain)
+    since = placed.since_version if placed is not None else version
+    kernel = kernel_for(op, since, provider, domain)
     if kernel is None:
-        known = sorted(f"{k.first}{'+' if k.last is None else f'-{k.last}'}" for k in table(provider).get(op, ()))
+        known = sorted(f"{k.first}{'+' if k.last is None else f'-{k.last}'}"
+                       for k in table(provider, domain).get(op, ()))
         where = f" (kernels for opsets {', '.join(known)})" if known else ""
         return f"no {provider} kernel for {node.op_type} at opset {since}{where}"
     if schema is None:
         return None
     for params, names in ((schema.inputs, list(node.input)), (schema.outputs, list(node.output))):
-        for index, param in enumerate(params):
-            allowed = kernel.types.get(param.type_str, ...)
+        for index, (param, type_str, variadic) in enumerate(params):
+            allowed = kernel.types.get(type_str, ...)
             if allowed is ... or allowed is None:
                 continue  # a fixed type (the schema's), or any
-            variadic = param.option == onnx.defs.OpSchema.FormalParameterOption.Variadic
             for name in (names[index:] if variadic else names[index:index + 1]):
                 found = types.get(name)
                 if name and found and found not in allowed:
-                    return (f"no {provider} kernel for {node.op_type} with {param.name} of type {_name(found)} "
-                            f"({param.type_str} takes {', '.join(sorted(_name(t) for t in allowed))})")
+                    return (f"no {provider} kernel for {node.op_type} with {param} of type {_name(found)} "
+                            f"({type_str} takes {', '.join(sorted(_name(t) for t in allowed))})")
     return None
 
 
 def cpu_nodes(model: ModelProto, provider: str = CUDA) -> list[Placement]:
     """The main-graph nodes of ``model`` that ``provider`` has no kernel for, at the model's
-    opset and the nodes' element types: onnxruntime runs them on the CPU. Nodes of other
-    domains than ``ai.onnx`` are listed too (the table holds no custom op).
+    opsets and the nodes' element types: onnxruntime runs them on the CPU. Nodes of a domain
+    the table does not hold (other than ``ai.onnx`` and ``com.microsoft``) are listed too.
 
     Args:
         model: a model onnxruntime would run (prepared: no training-domain node).
@@ -380,16 +532,17 @@ def cpu_nodes(model: ModelProto, provider: str = CUDA) -> list[Placement]:
     Returns:
         One :class:`Placement` per such node, in graph order.
     """
-    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    versions = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
     types = _element_types(model)
     found = []
     for node in model.graph.node:
-        if node.op_type in _SKIPPED and node.domain in ("", "ai.onnx"):
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if node.op_type in _SKIPPED and not domain:
             continue
-        if node.domain not in ("", "ai.onnx"):
+        if (provider, domain) not in _TEXTS:
             found.append(Placement(node.name, node.op_type, f"domain {node.domain!r}: no {provider} kernel known"))
             continue
-        reason = _check_node(node, version, types, provider)
+        reason = _check_node(node, versions.get(domain, 1), types, provider)
         if reason:
             found.append(Placement(node.name, node.op_type, reason))
     return found

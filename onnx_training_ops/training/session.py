@@ -372,6 +372,26 @@ class TrainingSession:
         gradient, then its per-row touched counter (see :meth:`gradient_buffers`)."""
         return self._loop.accumulation.views()
 
+    @locked
+    def gradient_tensors(self) -> list[Any]:
+        """The live accumulated gradients as flat 1-D buffers, one per dtype, wherever they
+        live: numpy arrays in host memory (:meth:`gradient_buffers`), onnxruntime OrtValues on a
+        device. Both are DLPack exporters: ``torch.from_dlpack(b)`` (or cupy's, jax's) shares
+        the memory, so a collective reduces them in place, without a copy (what
+        :class:`~onnx_training_ops.distributed.DistributedTrainingSession` does). On a GPU,
+        onnxruntime's runs have finished when they return; work queued on another stream must
+        be synchronized before the next :meth:`optimizer_step`. :meth:`gradient_layout` says
+        where each trainable's gradient lies."""
+        return self._loop.accumulation.exported
+
+    @locked
+    def gradient_layout(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """(trainable, index into :meth:`gradient_tensors`, element offset, shape) of each
+        accumulated gradient, in :meth:`gradient_views`' order (a sparse table: its gradient,
+        then its touched counter), in either memory; the same on every process that opens
+        the same model."""
+        return self._loop.accumulation.layout()
+
     @property
     def buffer_names(self) -> list[str]:
         """State the backward stage updates from the batch (BatchNorm running statistics), not
@@ -456,6 +476,19 @@ class TrainingSession:
             TrainingOpError: an unknown name.
         """
         return self._store.views(names)
+
+    @locked
+    def state_tensors(self, names: Sequence[str]) -> list[Any]:
+        """The live buffers of the state variables ``names``, wherever they live: the arrays of
+        :meth:`state_views` in host memory, onnxruntime OrtValues on a device. Both are DLPack
+        exporters (``torch.from_dlpack``): writing into them changes the state the next run
+        reads. On a device whose step cannot write in place (``repr`` says "two sets") a step
+        swaps each for its spare: take them again after each step.
+
+        Raises:
+            TrainingOpError: an unknown name.
+        """
+        return self._store.exported(names)
 
     @locked
     def initialize(self) -> None:
@@ -684,7 +717,7 @@ class TrainingSession:
 
     @property
     def cuda_graph(self) -> bool:
-        """Whether the step replays a CUDA graph (see ``cuda_graph=``)."""
+        """Whether the step replays a CUDA graph (see ``cuda_graph=``); ``repr`` says why not on a CUDA device."""
         return self._programs.graph_capture()
 
     @property
@@ -702,7 +735,8 @@ class TrainingSession:
         return summary(self._store.model, self._store.described())
 
     def __repr__(self) -> str:  # cheap: no shape inference (summary() walks the graph)
-        engine = describe_strategies(self._config, self._programs.in_place(), self._programs.graph_capture())
+        engine = describe_strategies(self._config, self._programs.in_place(), self._programs.graph_capture(),
+                                     self._programs.capture_note())
         return describe(self._store.described(), self._programs.meta, self.learning_rates, self.lr_schedule_step,
                         self.providers, engine)
 

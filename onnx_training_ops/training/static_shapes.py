@@ -20,6 +20,7 @@ import onnx
 from onnx import helper
 
 from ..errors import TrainingOpError
+from ..passes._graph import onnx_infers, value_types
 from ..passes.fold_constants import fold_constants
 from ..storage.tensors import location
 from .pruning import used_names
@@ -114,7 +115,21 @@ def fix_input_shapes(model: onnx.ModelProto, data: Sequence[str], shapes: Mappin
 
 def _check_inferable(model: onnx.ModelProto, shapes: Mapping[str, list[int]], what: str) -> None:
     """onnx's shape inference over the graph with the fixed shapes, its refusal as a TrainingOpError
-    (data inputs whose shapes contradict each other: ``labels`` [5] for ``input`` [4, 8])."""
+    (data inputs whose shapes contradict each other: ``labels`` [5] for ``input`` [4, 8]). The
+    graph's own ``value_info`` is left out but for the outputs of ops onnx does not know (the
+    contrib ops, through which nothing else would be inferred): an exporter's annotation of an
+    inner value may be stale (onnxruntime-genai's builder declares a constant of shape [1] as a
+    scalar)."""
+    graph = model.graph
+    annotations = list(graph.value_info)
+    opaque = {o for n in graph.node if not onnx_infers(n) for o in n.output if o}
+    del graph.value_info[:]
+    graph.value_info.extend(vi for vi in annotations if vi.name in opaque)
+    unknown = opaque - {vi.name for vi in graph.value_info}
+    if unknown:  # as the passes know them (through the contrib ops)
+        types = value_types(model)
+        graph.value_info.extend(helper.make_tensor_value_info(n, types[n].elem_type, types[n].shape)
+                                for n in sorted(unknown) if n in types and types[n].elem_type)
     try:
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
     except onnx.shape_inference.InferenceError as error:
@@ -122,6 +137,9 @@ def _check_inferable(model: onnx.ModelProto, shapes: Mapping[str, list[int]], wh
         text = str(error).strip()  # "[ShapeInferenceError] Inference error(s): (op_type:Mul, node name: n): ..."
         detail = text.splitlines()[0].partition("Inference error(s): ")[2] or text or type(error).__name__
         raise TrainingOpError(f"{what}: the graph does not take these shapes together ({given}): {detail}") from None
+    finally:
+        del graph.value_info[:]
+        graph.value_info.extend(annotations)
 
 
 def fold_with_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -162,6 +180,9 @@ def static_step(step: onnx.ModelProto, data: Sequence[str], shapes: Mapping[str,
     model = onnx.ModelProto()
     model.CopyFrom(step)
     fix_input_shapes(model, data, shapes, what)
+    # the graph's annotations of inner values keep the symbolic dims (onnxruntime-genai writes them):
+    # inference, through the contrib ops too (passes/_graph.value_types), finds the static ones
+    del model.graph.value_info[:]
     return fold_constants(model)
 
 

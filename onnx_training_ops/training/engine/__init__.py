@@ -19,7 +19,8 @@ Two strategies, chosen once when the session opens (:mod:`.config`), not class t
   guarded ``Where``, in place when safe else two sets, CUDA graphs at fixed addresses).
 
 The accumulated gradients are one flat buffer per dtype in either memory
-(:attr:`~.accumulation.GradientAccumulation.flat`): what a collective all-reduces.
+(:attr:`~.accumulation.GradientAccumulation.flat`): what a collective all-reduces, in place,
+through DLPack (``TrainingSession.gradient_tensors``).
 """
 
 from .config import RuntimeConfig, checked_config

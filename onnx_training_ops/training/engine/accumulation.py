@@ -69,11 +69,31 @@ class GradientAccumulation:
         self._host_only("gradient_buffers")
         return list(self.flat)
 
+    @property
+    def exported(self) -> list[Any]:
+        """The flat buffers in either memory, as DLPack exporters (numpy arrays, or OrtValues on
+        a device): what a collective reduces in place."""
+        self.programs()
+        return list(self.flat)
+
+    def layout(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """(parameter, index of its flat buffer, element offset, shape) of each accumulator, in
+        :meth:`views`' order, in either memory (the same on every process that opens the model)."""
+        stages = self.programs()[2]
+        memory = self._programs.store.memory
+        index = {id(buffer): i for i, buffer in enumerate(self.flat)}
+        out = []
+        for param, name in stages.views:
+            buffer, offset = memory.located(name)
+            out.append((param, index[id(buffer)], offset, tuple(memory.shape(name))))
+        return out
+
     def _host_only(self, what: str) -> None:
         store = self._programs.store
         if not store.live:
             raise TrainingOpError(f"{what}: the accumulated gradients live on the device "
-                                  f"({store.memory.device!r}); use gradients() for copies")
+                                  f"({store.memory.device!r}); use gradients() for copies, gradient_tensors() "
+                                  "to share them (DLPack)")
 
     def backward(self, feeds: Mapping[str, Any], scale: float, then: Callable[[bool], None]) -> dict[str, np.ndarray]:
         """Add ``scale`` times this batch's gradients; the outputs. The count, and the

@@ -38,6 +38,9 @@ class RuntimeConfig:
     cuda_graph: bool | None = None  # None: CUDA graphs when safe
     in_place: bool | None = None  # in-graph update: None in place when safe, False two sets, True required
     memory: str | None = None  # None: host arrays on the CPU, device OrtValues on a device; "device" on the CPU too
+    # the execution provider the in-graph programs are built for and checked against (None: the
+    # device's); CUDAExecutionProvider with device="cpu" runs a GPU's very graphs on the CPU
+    graphs_for: str | None = None
 
     @property
     def update(self) -> str:
@@ -88,13 +91,16 @@ def checked_config(providers: Sequence[Any], fast: bool | None, on_nonfinite: st
                          input_shapes, cuda_graph, in_place, memory)
 
 
-def describe_strategies(config: RuntimeConfig, in_place: bool | None, graph_capture: bool) -> str:
-    """The strategies in words, for ``repr``: where the state lives and where the update runs."""
+def describe_strategies(config: RuntimeConfig, in_place: bool | None, graph_capture: bool,
+                        no_capture: str | None = None) -> str:
+    """The strategies in words, for ``repr``: where the state lives and where the update runs;
+    ``no_capture``: why a CUDA device's step replays no CUDA graph."""
     if config.device is None:
         return "host arrays, " + ("fused kernels" if config.fast else "native kernels in the graph")
     memory = "host arrays" if config.host_memory else "device memory"
     where = "in the graph" + ("" if in_place is None else ", in place" if in_place else ", two sets")
-    return f"state on {config.device!r} ({memory}), update {where}{', CUDA graph' if graph_capture else ''}"
+    capture = ", CUDA graph" if graph_capture else f", no CUDA graph ({no_capture})" if no_capture else ""
+    return f"state on {config.device!r} ({memory}), update {where}{capture}"
 
 
 __all__ = ["MEMORIES", "RuntimeConfig", "checked_config", "describe_strategies"]

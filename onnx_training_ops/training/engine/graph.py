@@ -36,7 +36,8 @@ that every program of the session shares, not initializers copied into each onnx
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,9 @@ import onnxruntime as ort
 from ...errors import TrainingOpError
 from ...interrupts import held_interrupts
 from ...passes.guard_feedback import guard_feedback, in_place_unsafe
+from ...passes.order_writes import writes_after_reads
+from ...runtime.kernel_table import CUDA, Placement, cpu_nodes
+from ...runtime.kernel_table import PROVIDERS as KERNEL_PROVIDERS
 from ...runtime.pipeline import prepare_model
 from ...runtime.session import InferenceSession
 from ...storage.large_model import LargeModel
@@ -56,6 +60,7 @@ from ..binding import detached_as_inputs
 from ..feeds import FeedSpec, checked_learning_rate, feed_array, feed_spec
 from ..flat_parameters import lay_out_flat
 from ..program import combined_graph, learning_rate_inputs
+from ..providers import CPU, device_providers, provider_name
 from ..stages import Stages
 from ..static_shapes import static_graph
 from ..step import NonFiniteLossError
@@ -100,6 +105,8 @@ def plan_in_place(model: onnx.ModelProto, feedback: Mapping[str, str], loss: str
     written = guard_feedback(candidate, feedback, loss if guard else None, gate) if guard or gate \
         else dict(feedback)
     unsafe = in_place_unsafe(candidate, written)
+    if unsafe and writes_after_reads(candidate, written, unsafe):  # the guard waits for every read
+        unsafe = in_place_unsafe(candidate, written)
     if unsafe:
         if wanted:
             raise TrainingOpError(f"{what}: in_place=True, but the step model may read {unsafe[:3]}"
@@ -141,15 +148,22 @@ def static_inputs_plan(model: onnx.ModelProto, memory: StateMemory, returned: Se
     return None
 
 
-def captures(memory: StateMemory) -> bool:
-    """Whether a fixed-address program over ``memory`` replays a CUDA graph."""
-    return memory.device == "cuda"
+def captures(device: str) -> bool:
+    """Whether a fixed-address program over state on ``device`` replays a CUDA graph."""
+    return device == "cuda"
 
 
-def gpu_pipeline(memory: StateMemory) -> bool:
-    """Whether programs over ``memory`` take the GPU's prepare pipeline (convolution gradients
-    as cuDNN's Conv/ConvTranspose; the CPU keeps its im2col Gemms)."""
-    return memory.device == "cuda"
+def device_provider(device: str) -> str:
+    """The execution provider whose kernels run a graph over state on ``device``: the graphs
+    are built for it (its pass pipeline) and checked against its kernel table."""
+    return provider_name(device_providers(device)[0]) if device != "cpu" else CPU
+
+
+def off_device_text(nodes: Sequence[Placement], provider: str, limit: int = 6) -> str:
+    """``nodes`` (that ``provider`` has no kernel for) in one sentence."""
+    listed = "; ".join(str(p) for p in nodes[:limit]) + (f"; ... {len(nodes) - limit} more" if len(nodes) > limit
+                                                           else "")
+    return f"{len(nodes)} node(s) have no {provider} kernel at their types and run on the CPU: {listed}"
 
 
 def with_graph_capture(providers: Sequence[Any]) -> list:
@@ -196,18 +210,81 @@ class Feeds:
         return arrays
 
 
-class GraphProgram:
-    """One graph of standard ops over a :class:`~.memory.StateMemory` (see the module doc).
+@dataclass(frozen=True)
+class StateNames:
+    """What planning a graph program reads of a :class:`~.memory.StateMemory`: which names are
+    state, and the device it lives on. Stands in for a memory where none is open
+    (:func:`~..device_graphs.device_step_graphs`)."""
 
-    Args:
+    names: frozenset[str]
+    device: str = "cpu"
+    device_id: int = 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+
+@dataclass
+class ProgramPlan:
+    """A graph program as planned, before onnxruntime opens it: the graph it opens (frozen
+    tensors as inputs) and every decision made about it. :func:`plan_program` makes it, on any
+    machine; :class:`GraphProgram` opens it."""
+
+    model: LargeModel  # what onnxruntime opens
+    constants: dict[str, np.ndarray]  # the frozen tensors, inputs bound to the memory's one copy
+    feedback: dict[str, str]  # state input -> the output holding its new value (after the guard)
+    feeds: Feeds
+    returned: list[str]  # the outputs brought back to the host
+    in_place: bool
+    gated: bool  # the guard reads the APPLY input (the capture's warm-up)
+    not_fixed: str | None  # why the inputs and outputs are not at fixed addresses (None: they are)
+    graph_capture: bool  # CUDA graphs planned
+    not_captured: str | None  # why a fixed-address program on CUDA plans no CUDA graph (None: it does)
+    provider: str  # the execution provider the graph was built for
+    off_device: list[Placement]  # nodes ``provider`` has no kernel for (onnxruntime runs them on the CPU)
+    where: str
+    loss: str | None
+    on_nonfinite: str
+
+
+def plan_program(model: LargeModel, state: Container[str], feedback: Mapping[str, str], feeds: Feeds, *,
+                 provider: str = CPU, device: str = "cpu", loss: str | None = None, on_nonfinite: str = "ignore",
+                 in_place: bool | None = None, where: str = "step", fixed: bool = False,
+                 cuda_graph: bool | None = None) -> ProgramPlan:
+    """The plan of one graph program (see :class:`GraphProgram` for the arguments); ``model``
+    is changed (guarded in place when its new state goes in place, frozen tensors made inputs).
+
+    ``provider``: the execution provider the graph was built for; on CUDA its nodes are checked
+    against onnxruntime's kernel table (:func:`~onnx_training_ops.runtime.kernel_table.cpu_nodes`).
+    A node placed on the CPU brings Memcpy nodes, with which onnxruntime refuses CUDA graphs:
+    none is planned then, unless ``cuda_graph=True`` (onnxruntime then decides, and refuses)."""
+    proto = model.model_proto
+    returned = [o.name for o in proto.graph.output if o.name not in set(feedback.values())]
+    not_fixed: str | None = static_inputs_plan(proto, state, returned) if fixed else "not asked for"
+    gate = APPLY if not_fixed is None and feedback else None
+    placed, written = plan_in_place(proto, feedback, loss, on_nonfinite != "ignore", in_place, where, gate)
+    if not_fixed is None and not placed:
+        not_fixed = "the state is written into a second set (in place is unsafe or off)"
+    returned = [o.name for o in proto.graph.output if o.name not in set(written.values())]
+    model, constants = detached_as_inputs(model)
+    off_device = cpu_nodes(model.model_proto, provider) if provider in KERNEL_PROVIDERS else []
+    capture, not_captured = not_fixed is None and captures(device), None
+    if capture and off_device and not cuda_graph:
+        capture, not_captured = False, f"onnxruntime refuses CUDA graphs with Memcpy nodes: " \
+                                       f"{off_device_text(off_device, provider)}"
+    return ProgramPlan(model, constants, written, feeds, returned, placed, placed and gate is not None, not_fixed,
+                       capture, not_captured, provider, off_device, where, loss, on_nonfinite)
+
+
+class GraphProgram:
+    """One graph of standard ops over a :class:`~.memory.StateMemory`, opened from its
+    :class:`ProgramPlan` (see the module doc).
+
+    The plan's arguments (:func:`plan_program`):
         model: the graph (standard ops; state variables as inputs); guarded in place when its
             new state goes in place.
-        memory: the state it reads and writes.
         feedback: state input -> the output holding its new value (empty: the graph only reads).
         feeds: what it takes from the host.
-        options: makes fresh onnxruntime options (one object per session: onnxruntime refuses
-            external initializers added twice to one).
-        providers: the execution providers.
         loss: the loss output checked for non-finite values (None: no check).
         on_nonfinite: ``"raise"``, ``"skip"`` or ``"ignore"``.
         in_place: True, False or None (in place when safe): see :func:`plan_in_place`.
@@ -215,35 +292,29 @@ class GraphProgram:
         fixed: bind every input and output once, at fixed addresses, when
             :func:`static_inputs_plan` allows it and the state goes in place; on a CUDA device
             with CUDA graphs (``enable_cuda_graph``).
+
+    Args:
+        plan: the program as planned.
+        memory: the state it reads and writes.
+        options: makes fresh onnxruntime options (one object per session: onnxruntime refuses
+            external initializers added twice to one).
+        providers: the execution providers.
     """
 
-    def __init__(self, model: LargeModel, memory: StateMemory, feedback: Mapping[str, str], feeds: Feeds,
-                 options: Callable[[], ort.SessionOptions], providers: Sequence[Any], *, loss: str | None = None,
-                 on_nonfinite: str = "ignore", in_place: bool | None = None, where: str = "step",
-                 fixed: bool = False) -> None:
-        self.memory, self.where, self.on_nonfinite, self.loss, self.feeds = memory, where, on_nonfinite, loss, feeds
-        proto = model.model_proto  # guarded in place when written in place
-        self.returned = [o.name for o in proto.graph.output if o.name not in set(feedback.values())]
-        # why the inputs and outputs are not at fixed addresses (None: they are)
-        self.not_fixed: str | None = static_inputs_plan(proto, memory, self.returned) if fixed else "not asked for"
-        gate = APPLY if self.not_fixed is None and feedback else None
-        self.in_place, self.feedback = plan_in_place(proto, feedback, loss, on_nonfinite != "ignore", in_place,
-                                                     where, gate)
-        if self.not_fixed is None and not self.in_place:
-            self.not_fixed = "the state is written into a second set (in place is unsafe or off)"
-        self.gated = self.in_place and gate is not None
-        self.returned = [o.name for o in proto.graph.output if o.name not in set(self.feedback.values())]
-        self.graph_capture = self.not_fixed is None and captures(memory)
-        self.not_captured: str | None = None  # why onnxruntime refused to capture a planned graph
-        # frozen tensors: inputs bound to the memory's one copy, shared by every program
-        model, self.constants = detached_as_inputs(model)
-        self.session = self._open(model, options, providers)
+    def __init__(self, plan: ProgramPlan, memory: StateMemory, options: Callable[[], ort.SessionOptions],
+                 providers: Sequence[Any]) -> None:
+        self.memory, self.where, self.on_nonfinite, self.loss = memory, plan.where, plan.on_nonfinite, plan.loss
+        self.feeds, self.feedback, self.returned = plan.feeds, plan.feedback, plan.returned
+        self.in_place, self.gated, self.not_fixed = plan.in_place, plan.gated, plan.not_fixed
+        self.graph_capture, self.off_device, self.provider = plan.graph_capture, plan.off_device, plan.provider
+        self.not_captured = plan.not_captured  # why no CUDA graph was planned, or onnxruntime refused one
+        self.session = self._open(plan.model, options, providers)
         inputs = [i.name for i in self.session.get_inputs()]
-        self.reads = [name for name in inputs if name in memory and name not in self.constants]
+        self.reads = [name for name in inputs if name in memory and name not in plan.constants]
         missing = [n for n in self.feedback if n not in inputs]
         if missing:
-            raise TrainingOpError(f"{where}: the state variable(s) {missing} are fed back but not read")
-        self.constants = {n: a for n, a in self.constants.items() if n in inputs}
+            raise TrainingOpError(f"{self.where}: the state variable(s) {missing} are fed back but not read")
+        self.constants = {n: a for n, a in plan.constants.items() if n in inputs}
         self._io: Any = None  # the one binding of a fixed-address program (made on its first run)
         self._bound: dict[tuple, Any] = {}  # the state's buffers -> a binding to them
         self._fixed_inputs: dict[str, ort.OrtValue] = {}
@@ -282,6 +353,8 @@ class GraphProgram:
             except Exception as error:  # noqa: BLE001 - the reason is reported by graph_capture
                 self.graph_capture = False  # the buffers stay at fixed addresses: no binding per step
                 self.not_captured = f"onnxruntime refused CUDA graphs: {str(error).splitlines()[0]}"
+                if self.off_device:
+                    self.not_captured += f" ({off_device_text(self.off_device, self.provider)})"
         return InferenceSession(model, sess_options=options(), providers=providers)
 
     # ------------------------------------------------------------------ runs
@@ -448,11 +521,13 @@ def _host(value: ort.OrtValue) -> np.ndarray:
 
 class GraphUpdate:
     """The in-graph strategy's program maker: a program's combined graph lowered to standard
-    ops (:func:`~onnx_training_ops.prepare` with ``portable=True, flat=True``) and opened as a
-    :class:`GraphProgram` over the session's memory.
+    ops (:func:`~onnx_training_ops.prepare` with ``portable=True, flat=True``, the pass pipeline
+    of the provider the graphs are for) and opened as a :class:`GraphProgram` over the
+    session's memory. :meth:`plan_steps` is the same building without opening anything (what
+    :func:`~..device_graphs.device_step_graphs` returns).
 
     Args:
-        memory: the session's memory (state and accumulators).
+        memory: the session's memory (state and accumulators), or a :class:`StateNames` to plan only.
         protos: the state variables' initializers.
         meta: the builder's metadata.
         on_nonfinite: the session's policy for a non-finite loss.
@@ -463,34 +538,46 @@ class GraphUpdate:
         in_place: None (when safe), True (an error when unsafe) or False (two sets).
         trainable: the trained parameters: in host memory laid out as one buffer before the
             first program binds them (``get_flat_parameters(copy=False)``).
+        provider: the execution provider the graphs are built for (its passes: Conv gradients as
+            cuDNN's Conv/ConvTranspose and GroupQueryAttention in standard ops on CUDA) and
+            checked against (its kernel table); None: the memory's device's
+            (:func:`device_provider`). A CUDA build on ``device="cpu"`` runs the GPU's graphs on
+            the CPU.
     """
 
     name = "graph"
 
-    def __init__(self, memory: StateMemory, protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str],
-                 on_nonfinite: str, options: Callable[[], ort.SessionOptions], providers: Sequence[Any],
-                 input_shapes: Mapping[str, Sequence[int]] | None = None, cuda_graph: bool | None = None,
-                 in_place: bool | None = None, trainable: Sequence[str] = ()) -> None:
+    def __init__(self, memory: StateMemory | StateNames, protos: Mapping[str, onnx.TensorProto],
+                 meta: Mapping[str, str], on_nonfinite: str, options: Callable[[], ort.SessionOptions] | None,
+                 providers: Sequence[Any], input_shapes: Mapping[str, Sequence[int]] | None = None,
+                 cuda_graph: bool | None = None, in_place: bool | None = None, trainable: Sequence[str] = (),
+                 provider: str | None = None) -> None:
         self.memory, self.protos, self.meta, self.on_nonfinite = memory, protos, meta, on_nonfinite
         self.trainable = list(trainable)
         self.options, self.providers = options, providers
         self.input_shapes, self.cuda_graph, self.in_place = input_shapes, cuda_graph, in_place
+        self.provider = provider or device_provider(memory.device)
 
     def _loss(self, returned: Sequence[str]) -> str | None:
         return next((n for n in self.meta.get("loss", "").split(",") if n and n in returned), None)
 
-    def open_steps(self, model: LargeModel, first: bool) -> list[GraphProgram]:
+    def plan_steps(self, model: LargeModel, first: bool = True) -> list[ProgramPlan]:
+        """One step plan per TrainingInfoProto of ``model`` (``first``: the session's own steps,
+        with ``input_shapes`` and fixed addresses)."""
         proto = model.model_proto
-        if first and isinstance(self.memory, HostMemory):
-            lay_out_flat(self.memory.arrays, [n for n in self.trainable if n in self.memory.arrays])
-        programs = []
+        plans = []
         for i, info in enumerate(proto.training_info):
             combined = combined_graph(proto, i, self.protos, self.meta)
             feedback = {e.key: e.value for e in info.update_binding}
             returned = [o.name for o in combined.graph.output if o.name not in set(feedback.values())]
-            programs.append(self.open(model, combined, feedback, "step", self._loss(returned), self.on_nonfinite,
-                                      static=first))
-        return programs
+            plans.append(self.plan(model, combined, feedback, "step", self._loss(returned), self.on_nonfinite,
+                                   static=first))
+        return plans
+
+    def open_steps(self, model: LargeModel, first: bool) -> list[GraphProgram]:
+        if first and isinstance(self.memory, HostMemory):
+            lay_out_flat(self.memory.arrays, [n for n in self.trainable if n in self.memory.arrays])
+        return [self._opened(plan, first) for plan in self.plan_steps(model, first)]
 
     def open_evaluation(self, model: LargeModel) -> GraphProgram:
         combined = combined_graph(model.model_proto, 0, self.protos, self.meta, prune_inputs=True)
@@ -511,11 +598,11 @@ class GraphUpdate:
                                       self.on_nonfinite if backward else "ignore"))
         return programs
 
-    def open(self, model: LargeModel, combined: onnx.ModelProto, feedback: Mapping[str, str], where: str,
-             loss: str | None = None, on_nonfinite: str = "ignore", static: bool = False) -> GraphProgram:
-        """A program for ``combined`` (state as inputs; ``model`` holds its big arrays).
-        ``static``: the step, whose data inputs get ``input_shapes`` and whose buffers may sit at
-        fixed addresses (CUDA graphs)."""
+    def plan(self, model: LargeModel, combined: onnx.ModelProto, feedback: Mapping[str, str], where: str,
+             loss: str | None = None, on_nonfinite: str = "ignore", static: bool = False) -> ProgramPlan:
+        """The plan of a program for ``combined`` (state as inputs; ``model`` holds its big
+        arrays). ``static``: the step, whose data inputs get ``input_shapes`` and whose buffers
+        may sit at fixed addresses (CUDA graphs)."""
         graph = combined.graph
         memory = self.memory
         initial = {t.name: t for t in graph.initializer}
@@ -525,7 +612,7 @@ class GraphUpdate:
         input_defaults = {vi.name: np.ascontiguousarray(tensor_value(initial[vi.name], model.large_initializers))
                           for vi in graph.input
                           if vi.name in initial and vi.name not in memory and vi.name not in rate_defaults}
-        portable = prepare_model(model.with_proto(combined), portable=True, flat=True, gpu=gpu_pipeline(memory))
+        portable = prepare_model(model.with_proto(combined), portable=True, flat=True, gpu=self.provider == CUDA)
         # every input with a stored default (the learning rates among them) a plain input, fed
         # every run with the default when not given: onnxruntime's IOBinding cannot bind such an
         # input ("Failed to find NodeArg"), and a binding kept from run to run must never hold a
@@ -543,10 +630,25 @@ class GraphUpdate:
                 continue
             spec = feed_spec(folded.get(vi.name, vi))
             (optional if vi.name in initial or vi.name in rate_defaults else required).append(spec)
-        fixed = static and self.cuda_graph is not False
-        program = GraphProgram(portable, memory, feedback, Feeds(required, optional, rate_defaults, input_defaults),
-                               self.options, self.providers, loss=loss, on_nonfinite=on_nonfinite,
-                               in_place=self.in_place if feedback else None, where=where, fixed=fixed)
+        return plan_program(portable, memory, feedback, Feeds(required, optional, rate_defaults, input_defaults),
+                            provider=self.provider, device=memory.device, loss=loss, on_nonfinite=on_nonfinite,
+                            in_place=self.in_place if feedback else None, where=where,
+                            fixed=static and self.cuda_graph is not False, cuda_graph=self.cuda_graph)
+
+    def open(self, model: LargeModel, combined: onnx.ModelProto, feedback: Mapping[str, str], where: str,
+             loss: str | None = None, on_nonfinite: str = "ignore", static: bool = False) -> GraphProgram:
+        """A program for ``combined`` (:meth:`plan`, then opened over the memory)."""
+        return self._opened(self.plan(model, combined, feedback, where, loss, on_nonfinite, static), static)
+
+    def _opened(self, plan: ProgramPlan, static: bool) -> GraphProgram:
+        memory = self.memory
+        if isinstance(memory, StateNames) or self.options is None:
+            raise TrainingOpError("this GraphUpdate plans only: it has no memory or options to open programs with")
+        program = GraphProgram(plan, memory, self.options, self.providers)
+        if static and plan.off_device:
+            warnings.warn(f"{plan.where}: {off_device_text(plan.off_device, plan.provider)}. onnxruntime copies "
+                          "their inputs and outputs between host and device every step (Memcpy nodes) and refuses "
+                          "CUDA graphs for such a step", stacklevel=2)
         if static and self.cuda_graph and not program.graph_capture:
             reasons = [r for r in (program.not_fixed, program.not_captured, None if memory.device == "cuda" else
                                    f"the state is on {memory.device!r}, not a CUDA device") if r]

@@ -14,9 +14,13 @@ kernels write host arrays directly (:mod:`.fused`).
   only when asked (:meth:`~StateMemory.download`, :meth:`~StateMemory.upload`).
 
 Both hold the accumulated gradients as one flat buffer per dtype (:meth:`~StateMemory.add_flat`):
-each accumulator is a slice of it, bound by address on a device, so a step's gradients are one
-block to all-reduce or zero. A program that cannot write in place writes into *spares*, which
-:meth:`~StateMemory.commit` makes the state (a skipped step leaves the state as it was).
+each accumulator is a slice of it (:meth:`~StateMemory.located`), bound by address on a device,
+so a step's gradients are one block to all-reduce or zero. Both hand their live buffers out as
+DLPack exporters (:meth:`~StateMemory.exported`: the numpy array, or the OrtValue), which torch
+wraps without a copy: how data-parallel training reduces the gradients in place.
+
+A program that cannot write in place writes into *spares*, which :meth:`~StateMemory.commit`
+makes the state (a skipped step leaves the state as it was).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from ...errors import TrainingOpError
 from ..providers import device_providers
 
 # OrtValue.data_type() text -> numpy dtype
@@ -87,6 +92,16 @@ class StateMemory(Protocol):
         ``arrays``' order); returns the buffers."""
         ...
 
+    def located(self, name: str) -> tuple[Any, int]:
+        """The flat buffer (from :meth:`add_flat`) holding ``name`` and its element offset there."""
+        ...
+
+    def exported(self, name: str) -> Any:
+        """``name``'s live buffer as a DLPack exporter (``torch.from_dlpack`` shares its memory):
+        the numpy array in host memory, the OrtValue on a device (a two-set program's commit
+        swaps it for its spare: take it again after a step)."""
+        ...
+
     def zero(self, buffers: Iterable[Any]) -> None:
         """Write zeros over ``buffers`` (from :meth:`add_flat`)."""
         ...
@@ -108,6 +123,7 @@ class HostMemory:
         self.device, self.device_id = "cpu", 0
         self.arrays = arrays
         self.extra: dict[str, np.ndarray] = {}  # accumulators: not state variables
+        self._located: dict[str, tuple[np.ndarray, int]] = {}
         self._values: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
         self._spares: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
         self._constants: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
@@ -170,7 +186,14 @@ class HostMemory:
     def add_flat(self, arrays: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         views, buffers = flat_arrays(arrays)
         self.extra.update(views)
+        self._located.update(_offsets(views, buffers))
         return buffers
+
+    def located(self, name: str) -> tuple[np.ndarray, int]:
+        return self._located[name]
+
+    def exported(self, name: str) -> np.ndarray:
+        return self.array(name)
 
     def constant(self, name: str, array: np.ndarray) -> ort.OrtValue:
         found = self._constants.get(name)
@@ -306,14 +329,19 @@ class DeviceMemory:
         device_buffers = []
         for buffer in buffers:
             device_buffers.append(self._new(buffer))
-        by_base = {id(b): d for b, d in zip(buffers, device_buffers)}
-        for name, view in views.items():
-            base = view.base if view.base is not None else view
-            while base.base is not None and id(base) not in by_base:
-                base = base.base
-            start = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-            self.slices[name] = (by_base[id(base)], start, view.shape, view.dtype)
+        for name, (buffer, offset) in _offsets(views, buffers).items():
+            device_buffer = device_buffers[next(i for i, b in enumerate(buffers) if b is buffer)]
+            self.slices[name] = (device_buffer, offset * buffer.itemsize, views[name].shape, views[name].dtype)
         return device_buffers
+
+    def located(self, name: str) -> tuple[ort.OrtValue, int]:
+        buffer, offset, _, dtype = self.slices[name]
+        return buffer, offset // dtype.itemsize
+
+    def exported(self, name: str) -> ort.OrtValue:
+        if name in self.slices:
+            raise TrainingOpError(f"{name!r} is a slice of a flat buffer: export the buffer (located) instead")
+        return self.values[name]
 
     def constant(self, name: str, array: np.ndarray) -> ort.OrtValue:
         found = self._constants.get(name)
@@ -354,6 +382,18 @@ def flat_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray]
             offset += array.size
         buffers.append(flat)
     return {name: views[name] for name in arrays}, buffers
+
+
+def _offsets(views: Mapping[str, np.ndarray], buffers: list[np.ndarray]) -> dict[str, tuple[np.ndarray, int]]:
+    """name -> (the buffer of :func:`flat_arrays` that ``views[name]`` lies in: its dtype's, its
+    element offset there)."""
+    by_dtype = {buffer.dtype: buffer for buffer in buffers}
+    out = {}
+    for name, view in views.items():
+        buffer = by_dtype[view.dtype]
+        start = view.__array_interface__["data"][0] - buffer.__array_interface__["data"][0]
+        out[name] = (buffer, start // buffer.itemsize)
+    return out
 
 
 class _Helper:

@@ -18,6 +18,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from ...errors import TrainingOpError
+from ...runtime.kernel_table import CUDA
 from ...storage.large_model import LargeModel
 from ...storage.tensors import proto_of
 from ..checks import batch_checker, label_mismatch
@@ -68,7 +69,8 @@ def update_strategy(store: StateStore, meta: Mapping[str, str], config: RuntimeC
     """The strategy ``config`` selects (:mod:`.config`), over ``store``'s memory."""
     if config.update == "graph":
         return GraphUpdate(store.memory, store.protos, meta, config.on_nonfinite, options, config.providers,
-                           config.input_shapes, config.cuda_graph, config.in_place, store.trainable_names())
+                           config.input_shapes, config.cuda_graph, config.in_place, store.trainable_names(),
+                           config.graphs_for)
     if not isinstance(store.memory, HostMemory):
         raise TrainingOpError("the fused kernels update host arrays: a device memory needs device=...")
     return FusedUpdate(store.memory, store.protos, meta, store.trainable_names(), store.zero_filled, config.fast,
@@ -232,6 +234,19 @@ class SessionPrograms:
     def graph_capture(self) -> bool:
         """Whether a step replays a CUDA graph."""
         return any(p.graph_capture for p in self.steps)
+
+    def capture_note(self) -> str | None:
+        """Why the steps of a session on a CUDA device replay no CUDA graph, in a few words (None:
+        they do, or the session is not on one): nodes without a kernel on the device first."""
+        steps = [p for p in self.steps if isinstance(p, GraphProgram)]
+        if not steps or any(p.graph_capture for p in steps) or all(p.provider != CUDA for p in steps):
+            return None
+        for p in steps:
+            if p.off_device:
+                return f"{len(p.off_device)} node(s) without a {p.provider} kernel run on the CPU"
+        device = self.store.memory.device
+        return next((r for p in steps for r in (p.not_captured, p.not_fixed) if r),
+                    None if device == "cuda" else f"the state is on {device!r}")
 
     def in_place(self) -> bool | None:
         """Whether the in-graph steps write the state over itself (None: the fused strategies)."""

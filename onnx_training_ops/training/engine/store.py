@@ -162,11 +162,19 @@ class StateStore:
         """The live arrays of ``names`` (``state_views``)."""
         if not self.live:
             raise TrainingOpError(f"state_views: the state lives on the device ({self.memory.device!r}), not in host "
-                                  "arrays; use state_dict() for copies and load_state_dict() to write")
+                                  "arrays; use state_dict() for copies and load_state_dict() to write, "
+                                  "state_tensors() to share them (DLPack)")
         unknown = [n for n in names if n not in self.arrays]
         if unknown:
             raise TrainingOpError(f"state_views: unknown state variable(s) {unknown}")
         return [self.arrays[n] for n in names]
+
+    def exported(self, names: Sequence[str]) -> list[Any]:
+        """The live buffers of ``names`` in either memory, as DLPack exporters (``state_tensors``)."""
+        unknown = [n for n in names if n not in self.arrays]
+        if unknown:
+            raise TrainingOpError(f"state_tensors: unknown state variable(s) {unknown}")
+        return [self.memory.exported(n) for n in names]
 
     def reset(self, open_session: Callable[[onnx.ModelProto], Any]) -> None:
         """Every state variable back to its initializer, then the initialization graphs run
