@@ -464,8 +464,8 @@ def test_dequantize_with_float_ops_equals_gather_block_quantized(bits, zero_poin
     _, inits = quantized_weight(rng, n, k, bits, block, zero_points)
     names = ["B", "scales"] + (["zero_points"] if "zero_points" in inits else [])
     node = helper.make_node("MatMulNBits", ["a", *names], ["y"], domain=MS, K=k, N=n, bits=bits, block_size=block)
-    em = Emitter("grad/", 18, {name: ValueMeta(TensorProto.FLOAT if name == "scales" else TensorProto.UINT8, value.shape)
-                               for name, value in inits.items()})
+    em = Emitter("grad/", 18, {name: ValueMeta(TensorProto.FLOAT if name == "scales" else TensorProto.UINT8,
+                                               value.shape) for name, value in inits.items()})
     em.set_meta("g", TensorProto.FLOAT, (3, n))
     em.set_meta("a", TensorProto.FLOAT, (3, k))
     weight = QuantizedWeight(RuleContext(node, ["g"], [True], em, {}))
@@ -495,7 +495,8 @@ def test_the_int4_lora_webgpu_step_trains_like_the_portable_step(tmp_path):
     manifest = export_step(training, tmp_path / "lora", target="webgpu", input_shapes=shapes)
     model = onnx.load(tmp_path / "lora" / "step.webgpu.onnx")
     assert not _left_for_the_cpu(model)
-    assert {"MatMulNBits", "GroupQueryAttention"} <= {n.op_type for n in model.graph.node if n.domain == "com.microsoft"}
+    contrib = {n.op_type for n in model.graph.node if n.domain == "com.microsoft"}
+    assert {"MatMulNBits", "GroupQueryAttention"} <= contrib
     assert {e["name"]: e["dtype"] for e in manifest["webgpu"]["inputs"]}["attention_mask"] == "int32"
     ours, our_state = _webgpu_steps(tmp_path / "lora", manifest, batches, 10)
     theirs, their_state = _portable_steps(tmp_path / "lora", manifest, batches, 10)

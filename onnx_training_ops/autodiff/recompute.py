@@ -18,9 +18,10 @@ makes an input bigger than what it saves), and it has at least :data:`MIN_ELEMEN
 per example (dynamic dimensions counted as 1: small values are not worth their nodes).
 
 The copy is made where the backward pass first reads ``v``, and is tied to the gradient of the
-rule that reads it: one of its inputs gets a zero computed from that gradient's first element
-(``x + 0`` is ``x``), so onnxruntime runs it no earlier than the backward pass needs it, and
-its common-subexpression elimination cannot merge it back into the forward node.
+rule that reads it: a zero computed from that gradient's first element is subtracted from one
+of its inputs (``x - 0`` is ``x``, ``-0`` and NaN included, where ``x + 0`` turns ``-0`` into
+``+0``), so onnxruntime runs it no earlier than the backward pass needs it, and its
+common-subexpression elimination cannot merge it back into the forward node.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _make(v: str, producer, chosen: set[str], made: dict[str, str], em: Emitter,
     inputs = [_make(i, producer, chosen, made, em, zero, constants) if i in chosen else i for i in node.input]
     if inputs == list(node.input):  # nothing made again below: tie one input to the gradient
         j = next(j for j, i in enumerate(inputs) if i and i not in constants)
-        tied = em.op("Add", [inputs[j], zero(inputs[j])], "tied")
+        tied = em.op("Sub", [inputs[j], zero(inputs[j])], "tied")
         em.set_meta(tied, em.dtype(inputs[j]), em.shape(inputs[j]))
         inputs[j] = tied
     copy = em.fresh(f"again_{node.op_type}")
