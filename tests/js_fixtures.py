@@ -134,10 +134,13 @@ def _lora_int4(rng, directory: Path):
 
 LORA = {"lora_int4": _lora_int4}  # trained by js/test/lora.test.js (node, wasm and WebGPU)
 LORA_STEPS = 20
+LORA_WEBGPU_STEPS = 3  # SwiftShader compiles each WebGPU session's shaders for ~10 s: a short run (lora.test.js)
 
 
-def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
-    """Export ``name`` fresh, train it ``steps`` steps in Python, write what JS must match."""
+def write_model(name: str, out_dir: Path, steps: int = STEPS, state_after: tuple[int, ...] = ()) -> Path:
+    """Export ``name`` fresh, train it ``steps`` steps in Python, write what JS must match
+    (``expected_state.safetensors`` at the end, ``expected_state_<n>.safetensors`` after each
+    ``n`` of ``state_after``)."""
     directory = out_dir / name
     rng = np.random.default_rng(0)
     training, batches, schedule = MODELS[name](rng) if name in MODELS else LORA[name](rng, directory)
@@ -154,6 +157,8 @@ def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
         result = session.step({k: v[i % CYCLE] for k, v in batches.items()})
         losses.append(float(result["loss"]))
         returned.append({k: float(v) for k, v in result.items() if np.size(v) == 1})
+        if i + 1 in state_after:
+            (directory / f"expected_state_{i + 1}.safetensors").write_bytes(safetensors.encode(session.state_dict()))
     evaluation = session.evaluate({k: v[0] for k, v in batches.items()})
     (directory / "expected.json").write_text(json.dumps({
         "steps": steps, "cycle": CYCLE, "losses": losses, "learning_rates": rates, "returned": returned,

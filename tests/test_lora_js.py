@@ -25,21 +25,23 @@ pytest.importorskip("torch")
 
 def test_the_int4_llamas_adapters_train_in_node_and_chromium_like_in_python(tmp_path):
     js_fixtures.write_probes(tmp_path)  # the WebGPU harness's IsNaN probe
-    directory = js_fixtures.write_model("lora_int4", tmp_path, js_fixtures.LORA_STEPS)
+    directory = js_fixtures.write_model("lora_int4", tmp_path, js_fixtures.LORA_STEPS,
+                                        state_after=(js_fixtures.LORA_WEBGPU_STEPS,))
     node_test(["test/lora.test.js"], tmp_path)
-    expected, _ = safetensors.read(directory / "expected_state.safetensors")
-    runs = ["node_state.safetensors"]
+    runs = {"node_state.safetensors": "expected_state.safetensors"}
     if os.environ.get("OTO_SKIP_BROWSER", "") in ("", "0"):
-        runs.append("browser_state.safetensors")
+        runs["browser_state.safetensors"] = "expected_state.safetensors"
         if (directory / "webgpu_report.json").exists():  # Chromium offered a WebGPU adapter (SwiftShader here)
             report = json.loads((directory / "webgpu_report.json").read_text())
             assert any("All nodes placed on [WebGpuExecutionProvider]" in line for line in report["placement"])
-            runs.append("webgpu_state.safetensors")
-    for run in runs:
+            assert report["report"]["steps"] == js_fixtures.LORA_WEBGPU_STEPS
+            runs["webgpu_state.safetensors"] = f"expected_state_{js_fixtures.LORA_WEBGPU_STEPS}.safetensors"
+    for run, reference in runs.items():
+        expected, _ = safetensors.read(directory / reference)
         trained, _ = safetensors.read(directory / run)
         assert set(trained) == set(expected)
         for key, value in expected.items():
-            if "lora_" in key:  # the adapters, after 20 AdamW steps (lr 1e-2), in float32 rounding
+            if "lora_" in key:  # the adapters, after 20 (WebGPU: 3) AdamW steps (lr 1e-2), in float32 rounding
                 np.testing.assert_allclose(trained[key], value, rtol=1e-4, atol=1e-5, err_msg=f"{run} {key}")
             else:
                 np.testing.assert_array_equal(trained[key], value, err_msg=f"{run} {key}")
