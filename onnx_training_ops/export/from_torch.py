@@ -69,7 +69,7 @@ def export_for_training(
     try:
         import torch
     except ImportError as error:
-        raise TrainingOpError("export_for_training needs torch: pip install 'onnx-training-ops[test]'") from error
+        raise TrainingOpError("export_for_training needs torch: pip install 'onnx-training-ops[torch]'") from error
     if len(input_names) != len(args):
         raise TrainingOpError(f"export_for_training: {len(args)} example inputs but {len(input_names)} input_names")
     axes = dict(dynamic_axes) if dynamic_axes is not None else {n: {0: "batch"} for n in input_names}
