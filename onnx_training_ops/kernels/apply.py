@@ -12,7 +12,7 @@ step on the gathered rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -109,18 +109,19 @@ def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False, rows=None):
     return adagrad_update(x, g, h, rate, a["epsilon"], a["norm_coefficient"])
 
 
-STEPS = {"Adam": adam_step, "Momentum": momentum_step, "Adagrad": adagrad_step}
+# op type -> ``step(r, t, *tensors, attributes, inplace=False, rows=None)``: the updated tensors
+STEPS: dict[str, Callable[..., tuple[np.ndarray, ...]]] = {
+    "Adam": adam_step, "Momentum": momentum_step, "Adagrad": adagrad_step}
 
 
-def prepare(op_type: str, r: np.ndarray, t: np.ndarray, tensors: Sequence[np.ndarray], attributes: Mapping[str, Any],
-            decay: np.ndarray | None = None) -> Callable[[], None] | None:
+def prepare(op_type: str, r: object, t: object, tensors: Sequence[object], attributes: Mapping[str, Any],
+            decay: object = None) -> Callable[[], None] | None:
     """``STEPS[op_type](r, t, *tensors, attributes, inplace=True)`` for arrays that stay the
     same objects from call to call (the fast path's buffers): every check runs once, here,
     and the returned ``run()`` reads R and T and calls the fused kernel. None when the fused
     kernels do not apply (the caller keeps the checked per-call path). ``decay`` (Adam only:
     None otherwise): a 0-d array of X's dtype, ``X *= decay`` first, in the kernel's pass."""
-    arrays = (r, t, *tensors)
-    if not _FUSED or not all(type(a) is np.ndarray for a in arrays):
+    if not _FUSED or type(r) is not np.ndarray or type(t) is not np.ndarray or not _plain_arrays(tensors):
         return None
     if decay is not None and (op_type != "Adam" or type(decay) is not np.ndarray or decay.size != 1
                               or decay.dtype != tensors[0].dtype):
@@ -146,6 +147,11 @@ def prepare(op_type: str, r: np.ndarray, t: np.ndarray, tensors: Sequence[np.nda
     decay_factor = a["decay_factor"]
     adagrad = _fused.adagrad_prepared(x, g, h, a["epsilon"], a["norm_coefficient"])
     return lambda: adagrad(adagrad_rate(float(r0), int(t0), decay_factor))
+
+
+def _plain_arrays(values: Sequence[object]) -> TypeGuard[Sequence[np.ndarray]]:
+    """Every value a numpy array itself (no subclass, no OrtValue): buffers the fast path keeps."""
+    return all(type(v) is np.ndarray for v in values)
 
 
 def rmsprop_step(r, x, g, states: dict, optimizer, rows=None) -> bool:
