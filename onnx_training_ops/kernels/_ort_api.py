@@ -203,7 +203,7 @@ def _compile(signature: Signature, func: Callable[..., object]) -> CFunc[Any]:
     decoration), compiled for this process only, with one warning naming NUMBA_CACHE_DIR."""
     global _uncached_warned
     try:
-        return _cfunc(signature, func, cache=True)
+        return _cfunc(signature, func, _OPTIONS)
     except RuntimeError as error:  # "cannot cache function ...: no locator available"
         if "cache" not in str(error):
             raise
@@ -213,11 +213,10 @@ def _compile(signature: Signature, func: Callable[..., object]) -> CFunc[Any]:
             _uncached_warned = True
             warnings.warn(f"numba cannot cache the native kernels ({error}); compiling them once per process. "
                           "Set NUMBA_CACHE_DIR to a writable directory to keep them between runs", stacklevel=3)
-        return _cfunc(signature, func, cache=False)
+        return _cfunc(signature, func, {**_OPTIONS, "cache": False})
 
 
-def _cfunc(signature: Signature, func: Callable[..., object], cache: bool) -> CFunc[Any]:
-    options: JitOptions = {**_OPTIONS, "cache": cache}
+def _cfunc(signature: Signature, func: Callable[..., object], options: JitOptions) -> CFunc[Any]:
     # numba's stubs leave boundscheck out of cfunc's options; the compiler honours it as it does njit's
     return cfunc(signature, **options)(func)  # type: ignore[misc]
 
