@@ -21,6 +21,7 @@
 # Knobs: LOSSES, TIMED (steps), BATCH, SEQ, FIRST, REST (contenders), WORKER_TIMEOUT, TEST_TIMEOUT,
 # LORA_TIMEOUT (s), LORA_SKELETON, DIAGNOSE.
 set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2  # the checkout's root: `python3 -m benchmarks`, tests/, out/
 OUT=${OUT:-out/gpu}
 MODEL=${1:-gpt2-124m}
 DEVICE=${DEVICE:-cuda}
@@ -48,7 +49,7 @@ stamp() { echo "[gpu_check +$((SECONDS - start))s] $*"; }
 
 # 1. the export every contender reuses (torch -> ONNX takes a while for GPT-2 124M): in the background
 stamp "exporting $MODEL into the zoo cache"
-python3 -m onnx_training_ops bench gpu --prepare --models "$MODEL" "${SIZES[@]}" > "$OUT/prepare.log" 2>&1 &
+python3 -m benchmarks gpu --prepare --models "$MODEL" "${SIZES[@]}" > "$OUT/prepare.log" 2>&1 &
 prepare=$!
 
 # 2. correctness first: TrainingSession(device='cuda') and DeviceTrainer on CUDA against the CPU,
@@ -62,7 +63,7 @@ timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rs tests/test_
 wait "$prepare"; cat "$OUT/prepare.log"
 
 bench() {  # bench gpu over the contenders $1, appended to bench_gpu.json
-  python3 -m onnx_training_ops bench gpu --device "$DEVICE" --models "$MODEL" "${SIZES[@]}" --losses "$LOSSES" \
+  python3 -m benchmarks gpu --device "$DEVICE" --models "$MODEL" "${SIZES[@]}" --losses "$LOSSES" \
     --timed "$TIMED" --contenders "$1" --worker-timeout "$WORKER_TIMEOUT" --json "$OUT/bench_gpu.json" --append \
     2>&1 | tee -a "$OUT/bench_gpu.log"
 }

@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
+
 
 @contextlib.contextmanager
 def _stderr_to(path: str):
@@ -87,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
-    from onnx_training_ops.bench.gpu import _batches, _cuda_providers, _training_model, model_spec
-    from onnx_training_ops.training.session import TrainingSession
+    from benchmarks.gpu import _batches, _cuda_providers, _training_model, model_spec
+    from onnx_training_ops.training.session.session import TrainingSession
 
     os.makedirs(args.out, exist_ok=True)
     report_path = os.path.join(args.out, "diagnose.txt")

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import onnx_training_ops as ot  # noqa: E402
 from onnx_training_ops import schedules  # noqa: E402
 from onnx_training_ops.demo import make_mlp  # noqa: E402
-from onnx_training_ops.export import export_step, safetensors, session_from_export  # noqa: E402
+from onnx_training_ops.export import export_step, session_from_export  # noqa: E402
+from onnx_training_ops.storage import safetensors
 
 STEPS = 200
 CYCLE = 8
@@ -123,7 +124,7 @@ def _lora_int4(rng, directory: Path):
     """LoRA on a tiny int4 Llama built by onnxruntime-genai's builder (MatMulNBits,
     GroupQueryAttention, SkipSimplifiedLayerNormalization: onnxruntime's contrib ops, which
     the exported step keeps and onnxruntime-node and onnxruntime-web's wasm run)."""
-    from onnx_training_ops.bench import genai
+    from benchmarks import genai
 
     built = genai.tiny(str(directory / "genai"))
     model = ot.add_lora(built.onnx, rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])

@@ -11,7 +11,7 @@ import pytest
 from onnx_training_ops import TrainingSession
 from onnx_training_ops.cli import main
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.export.safetensors import encode
+from onnx_training_ops.storage.safetensors import encode
 
 pytest.importorskip("sklearn")
 

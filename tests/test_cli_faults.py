@@ -207,3 +207,14 @@ def test_ctrl_c_elsewhere_is_one_word(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_conformance", interrupted)
     assert main(["conformance"]) == 130
     assert _errors(capsys) == ["interrupted"]
+
+
+def test_export_for_training_without_torch_names_the_extra(monkeypatch):
+    """A missing extra is a one-line hint, never an ImportError's traceback."""
+    from onnx_training_ops.errors import TrainingOpError
+    from onnx_training_ops.export.from_torch import export_for_training
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    with pytest.raises(TrainingOpError, match=r"^export_for_training needs torch: pip install "
+                                              r"'onnx-training-ops\[torch\]'$"):
+        export_for_training(object(), (np.zeros(1),), "model.onnx", input_names=["x"], output_names=["y"])

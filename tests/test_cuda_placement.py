@@ -25,14 +25,14 @@ from onnx import TensorProto, helper
 
 import onnx_training_ops as ot
 from onnx_training_ops.runtime.kernel_table import CUDA, INLINED, cpu_nodes, host_tables, kernel_for, table
-from onnx_training_ops.training.device_graphs import device_step_graphs
+from onnx_training_ops.training.engine.device_graphs import device_step_graphs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
 def _specs():
-    from onnx_training_ops.bench import lora, zoo
+    from benchmarks import lora, zoo
 
     return {
         "gpt2": zoo.spec("gpt2", layers=2, vocab=128, hidden=32, heads=2, batch=2, seq=8),
@@ -61,8 +61,8 @@ CASES = [("gpt2", "fp32"), ("gpt2", "bf16"), ("gpt2", "fp16"), ("bert", "fp32"),
 def test_every_node_of_the_static_step_has_a_cuda_kernel(name, precision, zoo_cache):
     if name == "lora-llama":
         pytest.importorskip("peft")
-    from onnx_training_ops.bench import lora, zoo
-    from onnx_training_ops.bench.gpu import _training_model
+    from benchmarks import lora, zoo
+    from benchmarks.gpu import _training_model
 
     spec = _specs()[name]
     with warnings.catch_warnings():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from node_runner import node_test
 
-from onnx_training_ops.export import safetensors
+from onnx_training_ops.storage import safetensors
 
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("torch")

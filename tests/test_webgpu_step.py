@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.export import export_step, safetensors
+from onnx_training_ops.export import export_step
 from onnx_training_ops.export.host_program import run as run_host
 from onnx_training_ops.passes.fold_static_shapes import fold_static_shapes
 from onnx_training_ops.passes.int32_inputs import int32_inputs
@@ -23,6 +23,7 @@ from onnx_training_ops.passes.lower_log_softmax import lower_log_softmax
 from onnx_training_ops.passes.lower_one_hot import lower_one_hot
 from onnx_training_ops.passes.lower_sum import lower_sum
 from onnx_training_ops.passes.split_host_scalars import split_host_scalars
+from onnx_training_ops.storage import safetensors
 
 sys.path.insert(0, str(Path(__file__).parent))
 import js_fixtures  # noqa: E402

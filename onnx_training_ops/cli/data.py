@@ -125,7 +125,7 @@ def _read_csv(path: str, label: str | None) -> dict[str, np.ndarray]:
 
 
 def match_feeds(columns: Mapping[str, np.ndarray], feeds: Sequence, where: str) -> dict[str, np.ndarray]:
-    """``columns`` as the feeds of ``feeds`` (:class:`~onnx_training_ops.training.feeds.Feed`): cast, reshaped.
+    """``columns`` as the feeds of ``feeds`` (:class:`~onnx_training_ops.training.inputs.feeds.Feed`): cast, reshaped.
 
     Args:
         columns: arrays by name (:func:`read_columns`).

@@ -40,7 +40,7 @@ from ..passes.lower_sum import lower_sum
 from ..passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
 from ..passes.slice_as_pad import slice_as_pad
 from ..passes.split_host_scalars import split_host_scalars
-from ..training.static_shapes import fix_input_shapes, fold_with_onnxruntime
+from ..training.graphs.static_shapes import fix_input_shapes, fold_with_onnxruntime
 
 FILE = "step.webgpu.onnx"
 EVAL_FILE = "eval.webgpu.onnx"

@@ -30,9 +30,9 @@ from ..storage.external_data import write_tensors
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
 from ..storage.tensors import location, set_location, tensor_value
-from ..training.nominal import nominal_names
-from ..training.state import collect_state_protos
-from ..training.static_shapes import checked_input_shapes
+from ..training.graphs.static_shapes import checked_input_shapes
+from ..training.state.nominal import nominal_names
+from ..training.state.state import collect_state_protos
 from . import graphs, packing, webgpu
 from . import manifest as manifest_
 
