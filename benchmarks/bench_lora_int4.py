@@ -47,8 +47,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # genai_models: the builder's models, shared with the tests
 
-from benchmarks import genai  # noqa: E402
+import genai_models as genai  # noqa: E402
+
 from benchmarks.measure import loadavg  # noqa: E402
 from benchmarks.rounds import interleaved, median_ratio  # noqa: E402
 from benchmarks.zoo import cache_dir  # noqa: E402
@@ -73,7 +75,7 @@ def built_folder(layers: int, shape: str = "tinyllama") -> tuple[str, dict]:
     if not os.path.isfile(os.path.join(onnx_dir, "genai_config.json")):
         hf = os.path.join(root, "hf")
         if not os.path.isfile(os.path.join(hf, "config.json")):
-            genai.hf_folder(hf, config, seed=0, perturb_norms=False)
+            genai.hf_folder(hf, "llama", config, seed=0, perturb=False)
         genai.build(hf, onnx_dir, accuracy_level=None)  # the builder's CPU default: accuracy_level 4
         shutil.rmtree(hf)  # 4.4 GB of float32 weights: torch makes its own random init
         with open(os.path.join(onnx_dir, HF_CONFIG), "w") as f:

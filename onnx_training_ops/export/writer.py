@@ -160,7 +160,7 @@ def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelP
     counter = _counter(model, state)
     gpu_model, info = webgpu.webgpu_step(step, list(state), counter, [vi.name for vi in step.graph.input
                                                                        if vi.name in rates], input_shapes)
-    gpu_model = graphs._standard(gpu_model, "webgpu step")
+    gpu_model = graphs._standard(gpu_model, "webgpu step", allowed=graphs.domains(step))
     inputs = list(gpu_model.graph.input)
     outputs = {o.name for o in gpu_model.graph.output}
     host_fed = {f["name"] for f in info["host"]["feeds"]}
@@ -183,7 +183,7 @@ def _webgpu_eval(evaluation: onnx.ModelProto, state: dict[str, np.ndarray],
     names = {vi.name for vi in evaluation.graph.input}
     shapes = {k: v for k, v in (input_shapes or {}).items() if k in names}
     gpu_model, _ = webgpu.webgpu_step(evaluation, list(state), None, [], shapes)
-    gpu_model = graphs._standard(gpu_model, "webgpu eval")
+    gpu_model = graphs._standard(gpu_model, "webgpu eval", allowed=graphs.domains(evaluation))
     return gpu_model, [manifest_.value_entry(vi) for vi in gpu_model.graph.input if vi.name not in state]
 
 

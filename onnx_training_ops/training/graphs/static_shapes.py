@@ -152,9 +152,14 @@ def fold_with_onnxruntime(model: onnx.ModelProto) -> onnx.ModelProto:
     options.log_severity_level = 3  # the unused initializers it drops are expected
     with tempfile.TemporaryDirectory() as tmp:
         options.optimized_model_filepath = os.path.join(tmp, "folded.onnx")
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        # ReshapeFusion names its shape initializers "_new_shape..." unique among its own run only: a
+        # model it rewrote once fails the next fold ("Shape of initializer _new_shape does not
+        # match"); with static shapes constant folding makes those Reshape targets constant anyway
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"],
+                             disabled_optimizers=["ReshapeFusion"])
         folded = onnx.load(options.optimized_model_filepath)
-    kept = [o for o in folded.opset_import if o.domain in ("", "ai.onnx", "ai.onnx.ml")]
+    used = {n.domain for n in folded.graph.node}  # onnxruntime lists every domain it registers
+    kept = [o for o in folded.opset_import if o.domain in ("", "ai.onnx", "ai.onnx.ml") or o.domain in used]
     del folded.opset_import[:]
     folded.opset_import.extend(kept)
     for entry in model.metadata_props:  # the optimized file keeps no metadata (the feedback record)

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import onnxruntime as ort
 
+from ..runtime.heap import return_big_blocks
+
 # every settable SessionOptions attribute (intra_op_num_threads, enable_profiling, ...)
 _OPTION_ATTRIBUTES = [name for name, value in vars(ort.SessionOptions).items()
                       if isinstance(value, property) and value.fset is not None]
@@ -123,6 +125,8 @@ def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
         _memory_defaults(so, base, held, large)
     for key, value in config.items():
         so.add_session_config_entry(key, value)
+    if large and not so.enable_cpu_mem_arena:  # tensors from malloc: freed big blocks go back (runtime/heap.py)
+        return_big_blocks()
     return so
 
 
