@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import onnxruntime as ort
 
-from ..runtime.heap import return_big_blocks
+from ...runtime.heap import return_big_blocks
 
 # every settable SessionOptions attribute (intra_op_num_threads, enable_profiling, ...)
 _OPTION_ATTRIBUTES = [name for name, value in vars(ort.SessionOptions).items()
