@@ -2,11 +2,12 @@
 #   make demo   create .venv, install the package with its demo extra, train on digits
 #   make test   create .venv, install the package with its test extra, the JavaScript trainer's
 #               npm packages (js/, from its lockfile) and, when missing, nodejs, npm and Debian's
-#               chromium system-wide with apt-get (it says so first), then ruff (`make lint`) and the whole suite
+#               chromium system-wide with apt-get (it says so first), then ruff and mypy (`make lint`) and the whole suite
 #               (the Node and headless-Chromium tests run inside it: tests/test_export_js.py;
 #               the documentation site is built with `mkdocs build --strict`: tests/test_docs_site.py)
 #   make test SKIP_BROWSER=1   the same without chromium: the browser tests are skipped, with the reason
-#   make lint   ruff over the whole tree (pyproject.toml [tool.ruff]; the test extra installs it)
+#   make lint   ruff over the whole tree and mypy over the package (pyproject.toml [tool.ruff], [tool.mypy];
+#               the test extra installs both)
 #   make docs   build the documentation site into site/ (mkdocs, Material, mkdocstrings)
 PYTHON ?= python3
 VENV := .venv
@@ -56,9 +57,11 @@ endif
 
 js-deps: $(JS_INSTALLED) browser-deps
 
-# ruff over the whole tree (rules: pyproject.toml [tool.ruff]); `make test` runs it before pytest
+# ruff over the whole tree and mypy over the package (pyproject.toml [tool.ruff], [tool.mypy]);
+# `make test` runs both before pytest
 lint: $(VENV)/.test-installed
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 test: $(VENV)/.test-installed js-deps lint
 	$(if $(SKIP_BROWSER),OTO_SKIP_BROWSER=1 )$(PY) -m pytest
@@ -93,4 +96,4 @@ bench: $(VENV)/.test-installed
 	$(PY) -m benchmarks
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) out build site *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(MIN_VENV) out build site *.egg-info .pytest_cache .hypothesis .mypy_cache

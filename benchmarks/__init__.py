@@ -144,19 +144,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--breakdown-worker", help=argparse.SUPPRESS)
 
 
-def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_script: str | None = None) -> int:
-    """Run what ``args`` ask (a worker's part, or the whole bench); the exit status."""
-    if args.threads is not None and args.threads < 1:
-        ap.error(f"--threads must be >= 1, found {args.threads}")
-    threads.pin(args.threads or threads.requested() or (1 if args.quick else os.cpu_count()))
-    sizes = [int(float(s)) for s in (args.sizes or ("1e4,1e5" if args.quick else ",".join(map(str, SIZES)))).split(",")]
-    ops = args.ops.split(",")
-    contenders = [c for c in (args.contenders or ",".join(DEFAULT_CONTENDERS)).split(",") if c]
-    if args.ortt_python and not args.contenders and ORTT not in contenders:
-        contenders.append(ORTT)
-    min_time = args.min_time if args.min_time is not None else (0.05 if args.quick else 0.5)
-    max_reps = args.max_reps if args.max_reps is not None else (20 if args.quick else 500)
-    mlp_names = [] if args.mlp in ("", "none") else args.mlp.split(",")
+def _check_names(args: argparse.Namespace, ap: argparse.ArgumentParser, contenders: list[str], ops: list[str],
+                 mlp_names: list[str]) -> None:
+    """argparse's error (exit 2) for an unknown contender, op, MLP contender or shape, or a missing
+    --ortt-python executable."""
     for c in contenders + ([args.worker] if args.worker else []):
         if c not in CONTENDERS:
             ap.error(f"unknown contender {c!r}; known: {', '.join(CONTENDERS)}")
@@ -173,6 +164,22 @@ def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_
             parse_shape(shape)
         except ValueError:
             ap.error(f"--mlp-shapes: {shape!r} is not layer sizes x batch, e.g. {DEFAULT_SHAPES[0]!r}")
+
+
+def run_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser, worker_script: str | None = None) -> int:
+    """Run what ``args`` ask (a worker's part, or the whole bench); the exit status."""
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be >= 1, found {args.threads}")
+    threads.pin(args.threads or threads.requested() or (1 if args.quick else os.cpu_count()))
+    sizes = [int(float(s)) for s in (args.sizes or ("1e4,1e5" if args.quick else ",".join(map(str, SIZES)))).split(",")]
+    ops = args.ops.split(",")
+    contenders = [c for c in (args.contenders or ",".join(DEFAULT_CONTENDERS)).split(",") if c]
+    if args.ortt_python and not args.contenders and ORTT not in contenders:
+        contenders.append(ORTT)
+    min_time = args.min_time if args.min_time is not None else (0.05 if args.quick else 0.5)
+    max_reps = args.max_reps if args.max_reps is not None else (20 if args.quick else 500)
+    mlp_names = [] if args.mlp in ("", "none") else args.mlp.split(",")
+    _check_names(args, ap, contenders, ops, mlp_names)
     if args.worker:
         print(json.dumps({**measure(args.worker, ops, sizes, min_time, max_reps), "threads": threads.in_use()}))
         return 0

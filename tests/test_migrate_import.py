@@ -131,3 +131,17 @@ def test_cli_import_ortt_writes_a_model_that_resumes(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "onnx_training_ops", "import-ortt", str(tmp_path), str(out)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "error:" in bad.stderr and "checkpoint" in bad.stderr
+
+
+def test_cli_import_ortt_of_a_large_model_reads_its_metadata(tmp_path, monkeypatch, capsys):
+    """Past the large-model size the import is a LargeModel: the command reads the step from the
+    message inside it (it read ``model.metadata_props``, which a LargeModel does not have)."""
+    from onnx_training_ops.cli import main
+    from onnx_training_ops.storage.large_model import LargeModel
+
+    monkeypatch.setenv("ONNX_TRAINING_OPS_LARGE_MODEL_BYTES", "1")
+    assert isinstance(import_onnxruntime_training(ORTT / "mlp", checkpoint="checkpoint_10"), LargeModel)
+    out = tmp_path / "imported.onnx"
+    assert main(["import-ortt", str(ORTT / "mlp"), str(out), "--checkpoint", "checkpoint_10", "--lr", "0.01"]) == 0
+    assert "10 steps done" in capsys.readouterr().out
+    assert int(ot.TrainingSession(str(out)).state_dict()["optimizer.T"]) == 10

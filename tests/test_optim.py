@@ -126,3 +126,18 @@ def test_kernel_caches_are_stale_when_an_inlined_source_changes(tmp_path):
     assert run("same") == [0, 1]  # compiled
     assert run("same") == [1, 0]  # loaded
     assert run("edited") == [0, 1]  # the stamp changed: compiled again
+
+
+def test_to_json_refuses_what_is_not_an_optimizer_description():
+    """to_json writes a description's fields: anything but one (a dataclass instance) is a
+    TrainingOpError naming the registered ones, not dataclasses' TypeError."""
+    from onnx_training_ops.errors import TrainingOpError
+
+    class Custom:
+        lr = 0.1
+
+    with pytest.raises(TrainingOpError, match="not an optimizer description.*Adam"):
+        registry.to_json(Custom())
+    with pytest.raises(TrainingOpError, match="not an optimizer description"):
+        registry.to_json(adam.Adam)  # the class, not an instance
+    assert json.loads(registry.to_json(adam.Adam(lr=0.5)))["lr"] == 0.5

@@ -42,14 +42,16 @@ def _skip_norm(node, meta: Meta) -> list[ValueMeta | None]:
     if x is None:
         return [None] * len(node.output)
     stats = ValueMeta(TensorProto.FLOAT, None if x.shape is None else (*x.shape[:-1], 1))
-    return [x, stats, stats, x][:len(node.output)]
+    out: list[ValueMeta | None] = [x, stats, stats, x]
+    return out[:len(node.output)]
 
 
 def _simplified_norm(node, meta: Meta) -> list[ValueMeta | None]:
     x = meta.get(node.input[0])
     if x is None:
         return [None] * len(node.output)
-    return [x, ValueMeta(TensorProto.FLOAT, None)][:len(node.output)]
+    out: list[ValueMeta | None] = [x, ValueMeta(TensorProto.FLOAT, None)]
+    return out[:len(node.output)]
 
 
 def _attention(node, meta: Meta) -> list[ValueMeta | None]:
@@ -100,6 +102,8 @@ SHAPES: dict[str, Callable[[onnx.NodeProto, Meta], list[ValueMeta | None]]] = {
 
 
 def _type_proto(m: ValueMeta) -> onnx.TypeProto:
+    if m.dtype is None:
+        raise LookupError("element type unknown")
     return helper.make_tensor_type_proto(m.dtype, None if m.shape is None else list(m.shape))
 
 
@@ -107,6 +111,8 @@ def _onnx_node(node: onnx.NodeProto, meta: Meta, constants: Mapping[str, onnx.Te
                opset_imports: Sequence[onnx.OperatorSetIdProto]) -> list[ValueMeta | None]:
     """onnx's inference of one standard node from its inputs' facts (constants as data)."""
     opset = next((o.version for o in opset_imports if o.domain in ("", "ai.onnx")), None)
+    if opset is None:
+        return [None] * len(node.output)
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, "")
         types = {i: _type_proto(meta[i]) for i in node.input if i}

@@ -129,6 +129,20 @@ class Emitter:
     def shape(self, name: str) -> Shape:
         return self.info(name).shape
 
+    def known_dtype(self, name: str) -> int:
+        """The element type of ``name``; a LookupError (the walk names the node) when inference found none."""
+        dt = self.dtype(name)
+        if dt is None:
+            raise LookupError(f"element type of {name!r} unknown (shape inference found none)")
+        return dt
+
+    def known_shape(self, name: str) -> tuple:
+        """The shape of ``name`` (dims: ints or symbols); a LookupError when its rank is unknown."""
+        s = self.shape(name)
+        if s is None:
+            raise LookupError(f"the rank of {name!r} is unknown (shape inference found none)")
+        return s
+
     def rank(self, name: str) -> int | None:
         s = self.shape(name)
         return None if s is None else len(s)

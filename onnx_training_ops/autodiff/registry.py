@@ -139,8 +139,8 @@ class RuleContext:
     """Everything a rule may look at: the node, its output gradients, what is needed."""
 
     node: onnx.NodeProto
-    grads: list  # per output: gradient name or None
-    needs: list  # per input: True when its gradient is wanted
+    grads: list[str | None]  # per output: gradient name or None
+    needs: list[bool]  # per input: True when its gradient is wanted
     em: Emitter
     constants: Mapping[str, np.ndarray]
 
@@ -165,7 +165,25 @@ class RuleContext:
         return self.node.output[i]
 
     def grad(self, i: int = 0) -> str | None:
+        """The gradient of output ``i``, None where it has none (a walk reaches every output apart)."""
         return self.grads[i] if i < len(self.grads) else None
+
+    @property
+    def dy(self) -> str:
+        """The gradient of output 0, which a rule reads (a RuleError, not a node with a missing
+        input, where only another output has a gradient)."""
+        g = self.grad(0)
+        if g is None:
+            raise RuleError(f"output 0 ({self.output(0)!r}) has no gradient; the rule needs it")
+        return g
+
+    @property
+    def y(self) -> str:
+        """Output 0's name (a RuleError where the node leaves it out)."""
+        y = self.output(0)
+        if y is None:
+            raise RuleError("output 0 is left out; the rule reads it")
+        return y
 
     def need(self, i: int) -> bool:
         return i < len(self.needs) and bool(self.needs[i])
@@ -194,5 +212,5 @@ class RuleContext:
         """Reduce ``g`` (shaped like output 0) to the shape of input ``target``."""
         return self.em.unbroadcast(g, self.em.shape(self.node.output[0]), target)
 
-    def empty(self) -> list:
+    def empty(self) -> list[str | None]:
         return [None] * len(self.node.input)

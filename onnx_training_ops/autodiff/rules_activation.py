@@ -28,7 +28,7 @@ def _erf(ctx: RuleContext) -> list:
     em, x = ctx.em, ctx.node.input[0]
     slope = em.op("Exp", [em.op("Neg", [em.op("Mul", [x, x])])])
     slope = em.op("Mul", [slope, em.scalar(2.0 / math.sqrt(math.pi), x)])
-    return [em.op("Mul", [ctx.grad(0), slope])]
+    return [em.op("Mul", [ctx.dy, slope])]
 
 
 @register("Gelu", "com.microsoft::Gelu", "com.microsoft::FastGelu", "com.microsoft::BiasGelu")
@@ -37,7 +37,7 @@ def _gelu(ctx: RuleContext) -> list:
     onnxruntime's ``com.microsoft`` Gelu and FastGelu (what ``passes.fuse_gelu`` writes) are
     the same two forms; FastGelu's optional bias and BiasGelu's second input are added to x
     first (BiasGelu is the erf form)."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     x = ctx.node.input[0]
     bias = ctx.input(1) if ctx.node.domain == "com.microsoft" else None
     if bias is not None:
@@ -71,7 +71,7 @@ def _gelu(ctx: RuleContext) -> list:
 @register("com.microsoft::QuickGelu")
 def _quick_gelu(ctx: RuleContext) -> list:
     """``y = x sigmoid(alpha x)``: ``dy/dx = s + alpha x s (1 - s)``, s = sigmoid(alpha x)."""
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    em, x, g = ctx.em, ctx.node.input[0], ctx.dy
     alpha = em.scalar(float(ctx.attr("alpha", 1.702)), x)
     ax = em.op("Mul", [x, alpha])
     sig = em.op("Sigmoid", [ax])
@@ -88,7 +88,7 @@ def _inside(ctx: RuleContext, v: str, lo: float, hi: float) -> str:
 @register("HardSigmoid")
 def _hard_sigmoid(ctx: RuleContext) -> list:
     """y = clip(alpha x + beta, 0, 1): slope alpha strictly inside, 0 outside."""
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    em, x, g = ctx.em, ctx.node.input[0], ctx.dy
     alpha, beta = float(ctx.attr("alpha", 0.2)), float(ctx.attr("beta", 0.5))
     z = em.op("Add", [em.op("Mul", [x, em.scalar(alpha, x)]), em.scalar(beta, x)])
     return [em.op("Where", [_inside(ctx, z, 0.0, 1.0), em.op("Mul", [g, em.scalar(alpha, x)]),
@@ -98,7 +98,7 @@ def _hard_sigmoid(ctx: RuleContext) -> list:
 @register("HardSwish")
 def _hard_swish(ctx: RuleContext) -> list:
     """y = x clip(x/6 + 1/2, 0, 1): 0 below -3, x/3 + 1/2 on [-3, 3], 1 above (torch's kinks)."""
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    em, x, g = ctx.em, ctx.node.input[0], ctx.dy
     mid = em.op("Add", [em.op("Mul", [x, em.scalar(1.0 / 3.0, x)]), em.scalar(0.5, x)])
     slope = em.op("Where", [em.op("Less", [x, em.scalar(-3.0, x)]), em.scalar(0, x),
                             em.op("Where", [em.op("LessOrEqual", [x, em.scalar(3.0, x)]), mid,
@@ -108,7 +108,7 @@ def _hard_swish(ctx: RuleContext) -> list:
 
 @register("Softplus")
 def _softplus(ctx: RuleContext) -> list:
-    return [ctx.em.op("Mul", [ctx.grad(0), ctx.em.op("Sigmoid", [ctx.node.input[0]])])]
+    return [ctx.em.op("Mul", [ctx.dy, ctx.em.op("Sigmoid", [ctx.node.input[0]])])]
 
 
 @register("Softsign")
@@ -116,13 +116,13 @@ def _softsign(ctx: RuleContext) -> list:
     """y = x / (1 + |x|): dy = 1 / (1 + |x|)^2."""
     em, x = ctx.em, ctx.node.input[0]
     d = em.op("Add", [em.scalar(1.0, x), em.op("Abs", [x])])
-    return [em.op("Div", [ctx.grad(0), em.op("Mul", [d, d])])]
+    return [em.op("Div", [ctx.dy, em.op("Mul", [d, d])])]
 
 
 @register("Elu")
 def _elu(ctx: RuleContext) -> list:
     """x > 0: 1; else y + alpha."""
-    em, x, y, g = ctx.em, ctx.node.input[0], ctx.output(0), ctx.grad(0)
+    em, x, y, g = ctx.em, ctx.node.input[0], ctx.y, ctx.dy
     alpha = float(ctx.attr("alpha", 1.0))
     neg = em.op("Mul", [g, em.op("Add", [y, em.scalar(alpha, x)])])
     return [_where_positive(ctx, x, g, neg)]
@@ -131,7 +131,7 @@ def _elu(ctx: RuleContext) -> list:
 @register("Selu")
 def _selu(ctx: RuleContext) -> list:
     """x > 0: gamma; else y + gamma alpha."""
-    em, x, y, g = ctx.em, ctx.node.input[0], ctx.output(0), ctx.grad(0)
+    em, x, y, g = ctx.em, ctx.node.input[0], ctx.y, ctx.dy
     alpha, gamma = float(ctx.attr("alpha", SELU_ALPHA)), float(ctx.attr("gamma", SELU_GAMMA))
     pos = em.op("Mul", [g, em.scalar(gamma, x)])
     neg = em.op("Mul", [g, em.op("Add", [y, em.scalar(gamma * alpha, x)])])
@@ -141,7 +141,7 @@ def _selu(ctx: RuleContext) -> list:
 @register("Celu")
 def _celu(ctx: RuleContext) -> list:
     """x > 0: 1; else exp(x / alpha)."""
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    em, x, g = ctx.em, ctx.node.input[0], ctx.dy
     alpha = float(ctx.attr("alpha", 1.0))
     neg = em.op("Mul", [g, em.op("Exp", [em.op("Mul", [x, em.scalar(1.0 / alpha, x)])])])
     return [_where_positive(ctx, x, g, neg)]
@@ -154,13 +154,13 @@ def _mish(ctx: RuleContext) -> list:
     t = em.op("Tanh", [em.op("Softplus", [x])])
     sech2 = em.op("Sub", [em.scalar(1.0, x), em.op("Mul", [t, t])])
     slope = em.op("Add", [t, em.op("Mul", [x, em.op("Mul", [sech2, em.op("Sigmoid", [x])])])])
-    return [em.op("Mul", [ctx.grad(0), slope])]
+    return [em.op("Mul", [ctx.dy, slope])]
 
 
 @register("PRelu")
 def _prelu(ctx: RuleContext) -> list:
     """y = x (x > 0) or slope x: dx = g or g slope; dslope = g x where x <= 0."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     x, slope = ctx.node.input[:2]
     positive = em.op("Greater", [x, em.scalar(0, x)])
     out = ctx.empty()
@@ -176,13 +176,13 @@ def _prelu(ctx: RuleContext) -> list:
 def _thresholded_relu(ctx: RuleContext) -> list:
     em, x = ctx.em, ctx.node.input[0]
     above = em.op("Greater", [x, em.scalar(float(ctx.attr("alpha", 1.0)), x)])
-    return [em.op("Where", [above, ctx.grad(0), em.scalar(0, x)])]
+    return [em.op("Where", [above, ctx.dy, em.scalar(0, x)])]
 
 
 @register("Clip")
 def _clip(ctx: RuleContext) -> list:
     """Passes g where min <= x <= max (torch.clamp); a bound input gets g where it clipped."""
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    em, x, g = ctx.em, ctx.node.input[0], ctx.dy
     zero = em.scalar(0, x)
     if ctx.opset < 11:
         raise RuleError("Clip before opset 11 (min/max attributes) has no derivative rule; "
@@ -213,7 +213,7 @@ def _clip(ctx: RuleContext) -> list:
 @register("Max", "Min")
 def _max_min(ctx: RuleContext) -> list:
     """Each input that attains the result gets g / (number of inputs attaining it)."""
-    em, g, y = ctx.em, ctx.grad(0), ctx.output(0)
+    em, g, y = ctx.em, ctx.dy, ctx.y
     inputs = list(ctx.node.input)
     hits = [em.cast_like(em.op("Equal", [x, y]), y) for x in inputs]
     count = hits[0] if len(hits) == 1 else em.op("Sum", hits)
@@ -224,16 +224,16 @@ def _max_min(ctx: RuleContext) -> list:
 
 @register("Reciprocal")
 def _reciprocal(ctx: RuleContext) -> list:
-    em, y = ctx.em, ctx.output(0)
-    return [em.op("Neg", [em.op("Mul", [ctx.grad(0), em.op("Mul", [y, y])])])]
+    em, y = ctx.em, ctx.y
+    return [em.op("Neg", [em.op("Mul", [ctx.dy, em.op("Mul", [y, y])])])]
 
 
 @register("Sin")
 def _sin(ctx: RuleContext) -> list:
-    return [ctx.em.op("Mul", [ctx.grad(0), ctx.em.op("Cos", [ctx.node.input[0]])])]
+    return [ctx.em.op("Mul", [ctx.dy, ctx.em.op("Cos", [ctx.node.input[0]])])]
 
 
 @register("Cos")
 def _cos(ctx: RuleContext) -> list:
     em = ctx.em
-    return [em.op("Neg", [em.op("Mul", [ctx.grad(0), em.op("Sin", [ctx.node.input[0]])])])]
+    return [em.op("Neg", [em.op("Mul", [ctx.dy, em.op("Sin", [ctx.node.input[0]])])])]

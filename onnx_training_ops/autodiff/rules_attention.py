@@ -73,7 +73,7 @@ def _rotary_dim(ctx: RuleContext | Emitter, cos: str) -> int:
 
 def _rotary_embedding(ctx: RuleContext, x: str, positions: str | None, cos: str, sin: str) -> str:
     """The input gradient of a RotaryEmbedding node (contrib or ONNX): ``dY`` rotated back."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     interleaved = bool(ctx.attr("interleaved", 0))
     num_heads, dim = int(ctx.attr("num_heads", 0) or 0), int(ctx.attr("rotary_embedding_dim", 0) or 0)
     if int(ctx.attr("is_packed_batching", 0) or 0):
@@ -300,14 +300,7 @@ def group_query(em: Emitter, node: NodeProto, what: str) -> GroupQuery:
     width = _last_dim(em, query)
     head_size = None if width is None else width // (heads + 2 * kv_heads if packed else heads)
 
-    if packed:
-        qkv = _heads(em, query, heads + 2 * kv_heads)
-        qk, v4 = _slice(em, qkv, 0, heads + kv_heads, 2), _slice(em, qkv, heads + kv_heads, END, 2)
-    else:
-        qk, v4 = None, _heads(em, value, kv_heads)
-        q4, k4 = _heads(em, query, heads), _heads(em, key, kv_heads)
-
-    rotation = None
+    rotation: Callable[[str, bool], str] | None = None
     if do_rotary:
         cos, sin = node.input[7], node.input[8]
         rotary_dim = _rotary_dim(em, cos)
@@ -316,14 +309,23 @@ def group_query(em: Emitter, node: NodeProto, what: str) -> GroupQuery:
         s = em.unsqueeze(em.op("Slice", [sin, em.ints([0]), length, em.ints([0])], "sin"), [1])
         full = head_size == rotary_dim
 
-        def rotation(x: str, inverse: bool) -> str:
+        def rotate_heads(x: str, inverse: bool) -> str:
             return rotate(em, x, c, s, rotary_dim, full, interleaved, inverse)
 
-    if packed:
-        qk_rot = rotation(qk, False) if rotation else qk
-        q4, k4 = _slice(em, qk_rot, 0, heads, 2), _slice(em, qk_rot, heads, END, 2)
-    elif rotation:
-        q4, k4 = rotation(q4, False), rotation(k4, False)
+        rotation = rotate_heads
+
+    if key is None:  # packed
+        qkv = _heads(em, query, heads + 2 * kv_heads)
+        qk, v4 = _slice(em, qkv, 0, heads + kv_heads, 2), _slice(em, qkv, heads + kv_heads, END, 2)
+        if rotation is not None:
+            qk = rotation(qk, False)
+        q4, k4 = _slice(em, qk, 0, heads, 2), _slice(em, qk, heads, END, 2)
+    else:
+        if value is None:
+            raise RuleError("GroupQueryAttention with a key input needs a value input")
+        q4, k4, v4 = _heads(em, query, heads), _heads(em, key, kv_heads), _heads(em, value, kv_heads)
+        if rotation is not None:
+            q4, k4 = rotation(q4, False), rotation(k4, False)
 
     # keys j a row i attends: j <= i (causal), j > i - window, j < seqlens_k[b] + 1 (right padding);
     # in int32, the type of seqlens_k and total_sequence_length (onnxruntime-web's WebGPU runs no
@@ -362,9 +364,9 @@ that :func:`group_query` does not cover."""
 @register(f"{MS}::GroupQueryAttention", frozen=(3, 4, 7, 8))
 def _group_query_attention(ctx: RuleContext) -> list:
     """Prompt-form GroupQueryAttention (:func:`group_query`), differentiated."""
-    em, g = ctx.em, ctx.grad(0)
     inputs, attrs = GQA_UNCOVERED
     _refuse(ctx, inputs, {1: "present_key", 2: "present_value", 3: "output_qk"}, attrs)
+    em, g = ctx.em, ctx.dy
     if any(ctx.need(i) for i in (3, 4, 7, 8)):
         raise RuleError("the past KV cache and the rotary tables do not train")
     gq = group_query(em, ctx.node, "gradient")
@@ -393,9 +395,9 @@ def _multi_head_attention(ctx: RuleContext) -> list:
     projections' biases), ``key_padding_mask`` (``[B, T]`` of 0/1 or ``[B]`` lengths),
     ``attention_bias`` (added to the scores), a past KV cache (keys before the new ones) and
     ``unidirectional``; masked scores get ``mask_filter_value`` added, as onnxruntime does."""
-    em, g = ctx.em, ctx.grad(0)
     _refuse(ctx, {8: "past_sequence_length (a shared KV buffer)", 9: "cache_indirection"},
             {1: "present_key", 2: "present_value", 3: "qk"}, {})
+    em, g = ctx.em, ctx.dy
     query, key, value, bias = ctx.node.input[0], ctx.input(1), ctx.input(2), ctx.input(3)
     if key is None or value is None or ctx.rank(query) != 3 or ctx.rank(key) != 3 or ctx.rank(value) != 3:
         raise RuleError("only query, key and value of rank 3 ([B, S, hidden], not packed) are differentiated")
@@ -406,8 +408,9 @@ def _multi_head_attention(ctx: RuleContext) -> list:
     width = _last_dim(ctx, query)
     q, k, v = query, key, value
     if bias is not None:  # [Dq + Dk + Dv]
-        sizes = [_last_dim(ctx, x) for x in (query, key, value)]
-        if None in sizes:
+        hidden = [_last_dim(ctx, x) for x in (query, key, value)]
+        sizes = [size for size in hidden if size is not None]
+        if len(sizes) != 3:
             raise RuleError("MultiHeadAttention with a bias needs the hidden sizes of query, key and value")
         bq, bk, bv = em.op_n("Split", [bias, em.ints(sizes)], 3, "bias", axis=0)
         q, k, v = em.op("Add", [q, bq]), em.op("Add", [k, bk]), em.op("Add", [v, bv])

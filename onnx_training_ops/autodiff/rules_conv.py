@@ -20,6 +20,8 @@ computed at run time from ``Shape``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from . import conv_gemm
 from .emitter import Emitter, static_dims
 from .native_ops import CONV_BY_CONV
@@ -69,14 +71,7 @@ def _pads(ctx: RuleContext, x: str, kernel: Ints, strides, dilations) -> tuple[I
     s = ctx.shape(x)
     sp = static_dims(s[2:]) if s is not None else None
     if sp is not None and isinstance(extent, list):
-        pb, pe = [], []
-        for size, st, ext in zip(sp, strides, extent):
-            out = -(-size // st)
-            total = max(0, (out - 1) * st + ext - size)
-            b = total // 2 if upper else total - total // 2
-            pb.append(b)
-            pe.append(total - b)
-        return pb, pe
+        return _static_same_pads(sp, strides, extent, upper)
     size = em.dims_of(x, 2)
     st = em.ints(strides)
     out = em.op("Div", [em.op("Add", [size, em.ints([v - 1 for v in strides])]), st])
@@ -86,6 +81,19 @@ def _pads(ctx: RuleContext, x: str, kernel: Ints, strides, dilations) -> tuple[I
     half = em.op("Div", [total, em.ints([2] * n)])
     pb = half if upper else em.op("Sub", [total, half])
     return pb, em.op("Sub", [total, pb])
+
+
+def _static_same_pads(sizes: Sequence[int], strides: Sequence[int], extent: Sequence[int],
+                      upper: bool) -> tuple[list[int], list[int]]:
+    """SAME_UPPER / SAME_LOWER pads of static spatial ``sizes``: the output ceil(size / stride)."""
+    pb, pe = [], []
+    for size, st, ext in zip(sizes, strides, extent):
+        out = -(-size // st)
+        total = max(0, (out - 1) * st + ext - size)
+        b = total // 2 if upper else total - total // 2
+        pb.append(b)
+        pe.append(total - b)
+    return pb, pe
 
 
 def _pad_tensor(em: Emitter, begin: Ints, end: Ints) -> str:
@@ -183,11 +191,11 @@ def _geometry(ctx: RuleContext) -> tuple:
 def _conv(ctx: RuleContext) -> list:
     if ctx.opset < 11:
         raise RuleError(f"the Conv gradient needs opset >= 11 (graph has {ctx.opset})")
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     x, w, kernel, n, strides, dilations, group = _geometry(ctx)
     pb, pe = _pads(ctx, x, kernel, strides, dilations)
     out = ctx.empty()
-    geometry = None if CONV_BY_CONV in em.native else conv_gemm.gemm_geometry(em, x, w, ctx.output(0), group, pb, pe)
+    geometry = None if CONV_BY_CONV in em.native else conv_gemm.gemm_geometry(em, x, w, ctx.y, group, pb, pe)
     if geometry is not None:  # one Gemm per gradient (conv_gemm)
         g2 = conv_gemm.gradient_rows(em, g, geometry)
         if ctx.need(0):
@@ -198,7 +206,7 @@ def _conv(ctx: RuleContext) -> list:
             out[2] = em.reduce_sum(g2, [1], keepdims=False)
         return out
     if ctx.need(0):
-        out[0] = _input_grad(em, g, w, x, _spatial(em, ctx.output(0)), kernel, strides,
+        out[0] = _input_grad(em, g, w, x, _spatial(em, ctx.y), kernel, strides,
                              dilations, group, pb, pe)
     if ctx.need(1):
         out[1] = _weight_grad(em, x, g, w, kernel, strides, dilations, group, pb, pe)
@@ -240,7 +248,7 @@ def _transpose_pads(ctx: RuleContext, x: str, kernel: Ints, strides, dilations) 
 def _conv_transpose(ctx: RuleContext) -> list:
     """ConvTranspose is the adjoint of Conv with the same W, strides, pads and dilations:
     dx = Conv(g, W); dW is Conv's weight gradient with input g and output gradient x."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     x, w, kernel, n, strides, dilations, group = _geometry(ctx)
     pb, pe = _transpose_pads(ctx, x, kernel, strides, dilations)
     pads = list(pb) + list(pe)

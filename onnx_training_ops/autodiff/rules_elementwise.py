@@ -15,12 +15,12 @@ from .registry import RuleContext, RuleError, register
 
 @register("Identity")
 def _identity(ctx: RuleContext) -> list:
-    return [ctx.grad(0)]
+    return [ctx.dy]
 
 
 @register("Add", "Sub")
 def _add_sub(ctx: RuleContext) -> list:
-    g, (a, b) = ctx.grad(0), ctx.node.input[:2]
+    g, (a, b) = ctx.dy, ctx.node.input[:2]
     out = ctx.empty()
     if ctx.need(0):
         out[0] = ctx.unbroadcast(g, a)
@@ -32,7 +32,7 @@ def _add_sub(ctx: RuleContext) -> list:
 
 @register("Mul")
 def _mul(ctx: RuleContext) -> list:
-    em, g, (a, b) = ctx.em, ctx.grad(0), ctx.node.input[:2]
+    em, g, (a, b) = ctx.em, ctx.dy, ctx.node.input[:2]
     out = ctx.empty()
     if ctx.need(0):
         out[0] = ctx.unbroadcast(em.op("Mul", [g, b]), a)
@@ -44,7 +44,7 @@ def _mul(ctx: RuleContext) -> list:
 @register("Div")
 def _div(ctx: RuleContext) -> list:
     """y = a / b: da = g / b, db = -g * y / b."""
-    em, g, (a, b), y = ctx.em, ctx.grad(0), ctx.node.input[:2], ctx.output(0)
+    em, g, (a, b), y = ctx.em, ctx.dy, ctx.node.input[:2], ctx.y
     out = ctx.empty()
     g_over_b = em.op("Div", [g, b])
     if ctx.need(0):
@@ -56,19 +56,19 @@ def _div(ctx: RuleContext) -> list:
 
 @register("Sum")
 def _sum(ctx: RuleContext) -> list:
-    return [ctx.unbroadcast(ctx.grad(0), x) if ctx.need(i) else None
+    return [ctx.unbroadcast(ctx.dy, x) if ctx.need(i) else None
             for i, x in enumerate(ctx.node.input)]
 
 
 @register("Neg")
 def _neg(ctx: RuleContext) -> list:
-    return [ctx.em.op("Neg", [ctx.grad(0)])]
+    return [ctx.em.op("Neg", [ctx.dy])]
 
 
 @register("Pow")
 def _pow(ctx: RuleContext) -> list:
     """y = a ** b: da = g * b * a ** (b - 1), db = g * y * log(a)."""
-    em, g, (a, b), y = ctx.em, ctx.grad(0), ctx.node.input[:2], ctx.output(0)
+    em, g, (a, b), y = ctx.em, ctx.dy, ctx.node.input[:2], ctx.y
     out = ctx.empty()
     if ctx.need(0):
         b_minus_1 = em.op("Sub", [b, em.scalar(1, b)])
@@ -82,43 +82,43 @@ def _pow(ctx: RuleContext) -> list:
 
 @register("Sqrt")
 def _sqrt(ctx: RuleContext) -> list:
-    em, y = ctx.em, ctx.output(0)
-    return [em.op("Div", [ctx.grad(0), em.op("Add", [y, y])])]
+    em, y = ctx.em, ctx.y
+    return [em.op("Div", [ctx.dy, em.op("Add", [y, y])])]
 
 
 @register("Exp")
 def _exp(ctx: RuleContext) -> list:
-    return [ctx.em.op("Mul", [ctx.grad(0), ctx.output(0)])]
+    return [ctx.em.op("Mul", [ctx.dy, ctx.y])]
 
 
 @register("Log")
 def _log(ctx: RuleContext) -> list:
-    return [ctx.em.op("Div", [ctx.grad(0), ctx.node.input[0]])]
+    return [ctx.em.op("Div", [ctx.dy, ctx.node.input[0]])]
 
 
 @register("Abs")
 def _abs(ctx: RuleContext) -> list:
     em = ctx.em
-    return [em.op("Mul", [ctx.grad(0), em.op("Sign", [ctx.node.input[0]])])]
+    return [em.op("Mul", [ctx.dy, em.op("Sign", [ctx.node.input[0]])])]
 
 
 @register("Relu")
 def _relu(ctx: RuleContext) -> list:
     em, x = ctx.em, ctx.node.input[0]
     if ctx.output(0):  # y > 0 exactly where x > 0; reading y leaves x to a fused Gemm+Relu
-        x = ctx.output(0)  # (onnxruntime's Sign would do in one node less, but runs 2x slower)
+        x = ctx.y  # (onnxruntime's Sign would do in one node less, but runs 2x slower)
     if RELU_GRAD in em.native and em.dtype(x) == TensorProto.FLOAT:  # the same product, one node
-        return [em.native_op(RELU_GRAD, [ctx.grad(0), x], "drelu")]
+        return [em.native_op(RELU_GRAD, [ctx.dy, x], "drelu")]
     positive = em.op("Greater", [x, em.scalar(0, x)])
     try:  # g * (x > 0): a plain elementwise Mul, where onnxruntime's Where broadcasts slowly
-        return [em.op("Mul", [ctx.grad(0), em.cast_like(positive, x)])]
+        return [em.op("Mul", [ctx.dy, em.cast_like(positive, x)])]
     except LookupError:  # x's type unknown below opset 15
-        return [em.op("Where", [positive, ctx.grad(0), em.scalar(0, x)])]
+        return [em.op("Where", [positive, ctx.dy, em.scalar(0, x)])]
 
 
 @register("LeakyRelu")
 def _leaky_relu(ctx: RuleContext) -> list:
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    em, x, g = ctx.em, ctx.node.input[0], ctx.dy
     alpha = float(ctx.attr("alpha", 0.01))
     positive = em.op("Greater", [x, em.scalar(0, x)])
     return [em.op("Where", [positive, g, em.op("Mul", [g, em.scalar(alpha, x)])])]
@@ -127,24 +127,24 @@ def _leaky_relu(ctx: RuleContext) -> list:
 @register("Sigmoid")
 def _sigmoid(ctx: RuleContext) -> list:
     """dy/dx = y (1 - y)."""
-    em, y = ctx.em, ctx.output(0)
+    em, y = ctx.em, ctx.y
     one_minus = em.op("Sub", [em.scalar(1, y), y])
-    return [em.op("Mul", [ctx.grad(0), em.op("Mul", [y, one_minus])])]
+    return [em.op("Mul", [ctx.dy, em.op("Mul", [y, one_minus])])]
 
 
 @register("Tanh")
 def _tanh(ctx: RuleContext) -> list:
     """dy/dx = 1 - y^2."""
-    em, y = ctx.em, ctx.output(0)
+    em, y = ctx.em, ctx.y
     one_minus = em.op("Sub", [em.scalar(1, y), em.op("Mul", [y, y])])
-    return [em.op("Mul", [ctx.grad(0), one_minus])]
+    return [em.op("Mul", [ctx.dy, one_minus])]
 
 
 @register("Cast")
 def _cast(ctx: RuleContext) -> list:
     """Only float-to-float casts carry a gradient (integer values are constants)."""
     try:
-        return [ctx.em.cast_like(ctx.grad(0), ctx.node.input[0])]
+        return [ctx.em.cast_like(ctx.dy, ctx.node.input[0])]
     except LookupError as e:
         raise RuleError(str(e)) from None
 
@@ -153,12 +153,12 @@ def _cast(ctx: RuleContext) -> list:
 def _cast_like(ctx: RuleContext) -> list:
     """CastLike(x, like): the gradient goes back to x's type; ``like`` only gives a type."""
     x = ctx.node.input[0]
-    return [ctx.em.op("CastLike", [ctx.grad(0), x], "cast"), None]
+    return [ctx.em.op("CastLike", [ctx.dy, x], "cast"), None]
 
 
 @register("Where")
 def _where(ctx: RuleContext) -> list:
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     cond, a, b = ctx.node.input[:3]
     out = ctx.empty()
     if ctx.need(1):
@@ -170,4 +170,4 @@ def _where(ctx: RuleContext) -> list:
 
 @register("Expand")
 def _expand(ctx: RuleContext) -> list:
-    return [ctx.unbroadcast(ctx.grad(0), ctx.node.input[0]), None]
+    return [ctx.unbroadcast(ctx.dy, ctx.node.input[0]), None]

@@ -61,7 +61,7 @@ def moved_elements(ctx: RuleContext, add: bool = True) -> str:
     node = helper.make_node(ctx.node.op_type, inputs, [source], name=source)
     node.attribute.extend(attrs.values())
     em.add_node(node)
-    return scatter_back(em, x, source, ctx.grad(0), add=add)
+    return scatter_back(em, x, source, ctx.dy, add=add)
 
 
 @register("GatherElements")
@@ -77,7 +77,7 @@ def _gather_nd(ctx: RuleContext) -> list:
 def _scatter_updates(ctx: RuleContext, gather_op: str, **attrs) -> list:
     """y = data with ``updates`` written at ``indices``: d data = g with those positions
     zeroed (when replaced), d updates = g gathered there."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     data, indices, updates = ctx.node.input[:3]
     reduction = ctx.attr("reduction", "none")
     if reduction not in ("none", "add"):

@@ -26,7 +26,7 @@ def _matmul(ctx: RuleContext) -> list:
     over broadcast batch dims and squeezed back. ``g @ B^T`` with the Transpose next to the
     MatMul is what onnxruntime fuses into one FusedMatMul (transB); a 2-D ``B`` gets its
     gradient from one Gemm (:func:`_weight_grad`)."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     a, b = ctx.node.input[:2]
     ra, rb = ctx.rank(a), ctx.rank(b)
     a2, b2, g2 = a, b, g
@@ -72,7 +72,7 @@ def _gemm(ctx: RuleContext) -> list:
     dA' = alpha g B'^T and dB' = alpha A'^T g, each written as one Gemm that folds the
     transposes in; dC = beta g reduced to C's shape.
     """
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     a, b = ctx.node.input[:2]
     alpha = float(ctx.attr("alpha", 1.0))
     beta = float(ctx.attr("beta", 1.0))
@@ -148,11 +148,11 @@ def _einsum_terms(equation: str, n_inputs: int) -> tuple[list[list[str]], list[s
 def _einsum(ctx: RuleContext) -> list:
     """d operand_i = Einsum(g, the other operands -> term_i); letters only operand i has
     (summed away in the forward pass) come back by broadcasting."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     equation = ctx.attr("equation")
     inputs = list(ctx.node.input)
     terms, out_term = _einsum_terms(equation, len(inputs))
-    grads = []
+    grads: list[str | None] = []
     for i, x in enumerate(inputs):
         if not ctx.need(i):
             grads.append(None)

@@ -42,7 +42,7 @@ def _onehot(em: Emitter, labels: str, scores: str, rank: int) -> str:
 
 def _coefficient(ctx: RuleContext, labels: str, weights: str | None, scores: str) -> str:
     """Per-sample coefficient ``coef_i`` (shape of labels), or a scalar for sum/mean w/o weights."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     reduction = ctx.attr("reduction", "mean")
     ignore = ctx.attr("ignore_index")
     w = None
@@ -114,7 +114,7 @@ def _gathered_gradient(ctx: RuleContext, log_prob: str, labels: str, dtype) -> s
     em = ctx.em
     index, kept = label_columns(lambda t, i, **a: em.op(t, i, **a), lambda v, d: em.const(np.asarray(v, d)),
                                 labels, ctx.attr("ignore_index"), dtype)
-    c = ctx.grad(0)
+    c = ctx.dy
     if ctx.attr("reduction", "mean") == "mean":
         count = em.op("ReduceSum", [kept], "count", keepdims=0) if kept is not None else \
             em.cast_like(em.op("Size", [labels]), log_prob)
@@ -161,7 +161,7 @@ def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
         config = em.const(cross_entropy_config(reduction, ignore))
         hint = f"{ctx.node.name}/dscores" if ctx.node.name else "dscores"  # an error names the loss
         prob = em.op("Exp", [log_prob])
-        return em.native_op(CROSS_ENTROPY_GRAD, [ctx.grad(0), prob, labels, config], hint)
+        return em.native_op(CROSS_ENTROPY_GRAD, [ctx.dy, prob, labels, config], hint)
     index = labels
     if ignore_needs_mapping(ignore, classes):
         ignored = em.op("Equal", [labels, em.const(np.int64(ignore))])
@@ -171,7 +171,7 @@ def _lean_gradient(ctx: RuleContext, log_prob: str) -> str | None:
     prob = em.op("Exp", [log_prob])
     if ignore is not None:
         prob = em.op("Mul", [prob, em.reduce_sum(hot, [1], keepdims=True)])
-    scale = ctx.grad(0)
+    scale = ctx.dy
     if reduction == "mean":
         scale = em.op("Div", [scale, em.op("ReduceSum", [hot], "count", keepdims=0)])
     return em.op("Mul", [em.op("Sub", [prob, hot]), scale])
@@ -183,13 +183,12 @@ def _softmax_cross_entropy(ctx: RuleContext) -> list:
     scores, labels = ctx.node.input[:2]
     weights = ctx.input(2)
     rank = ctx.rank(scores)
-    if ctx.output(1):
-        log_prob = ctx.output(1)
-    elif ctx.opset >= 13 or rank == 2:
+    log_prob = ctx.output(1)
+    if log_prob is None:
+        if ctx.opset < 13 and rank != 2:
+            raise RuleError(f"opset {ctx.opset} with rank {rank} scores: LogSoftmax cannot work "
+                            "on axis 1 alone")
         log_prob = em.op("LogSoftmax", [scores], axis=1)
-    else:
-        raise RuleError(f"opset {ctx.opset} with rank {rank} scores: LogSoftmax cannot work "
-                        "on axis 1 alone")
     lean = _lean_gradient(ctx, log_prob)
     if lean is not None:
         return [lean] + [None] * (len(ctx.node.input) - 1)
@@ -199,8 +198,8 @@ def _softmax_cross_entropy(ctx: RuleContext) -> list:
         coef = _coefficient(ctx, labels, weights, scores)
         diff = em.op("Sub", [prob, _onehot(em, labels, scores, rank)])
         terms.append(_scale(em, diff, coef, _per_sample(ctx, weights)))
-    if ctx.grad(1):  # the log_prob output is a LogSoftmax over axis 1
-        g2 = ctx.grad(1)
+    g2 = ctx.grad(1)
+    if g2:  # the log_prob output is a LogSoftmax over axis 1
         total = em.reduce_sum(g2, [1], keepdims=True)
         terms.append(em.op("Sub", [g2, em.op("Mul", [prob, total])]))
     d = terms[0] if len(terms) == 1 else em.op("Add", terms)

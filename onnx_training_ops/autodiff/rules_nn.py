@@ -30,7 +30,7 @@ def _coerced(ctx: RuleContext, names: Sequence[str]) -> tuple[list[str], int]:
 def _softmax(ctx: RuleContext) -> list:
     """dx = y * (g - sum(g * y, axis))."""
     em = ctx.em
-    (g, y), axis = _coerced(ctx, [ctx.grad(0), ctx.output(0)])
+    (g, y), axis = _coerced(ctx, [ctx.dy, ctx.y])
     dot = em.reduce_sum(em.op("Mul", [g, y]), [axis], keepdims=True)
     dx = em.op("Mul", [y, em.op("Sub", [g, dot])])
     return [dx if ctx.opset >= 13 else em.reshape_like(dx, ctx.node.input[0])]
@@ -40,7 +40,7 @@ def _softmax(ctx: RuleContext) -> list:
 def _log_softmax(ctx: RuleContext) -> list:
     """dx = g - exp(y) * sum(g, axis)."""
     em = ctx.em
-    (g, y), axis = _coerced(ctx, [ctx.grad(0), ctx.output(0)])
+    (g, y), axis = _coerced(ctx, [ctx.dy, ctx.y])
     total = em.reduce_sum(g, [axis], keepdims=True)
     dx = em.op("Sub", [g, em.op("Mul", [em.op("Exp", [y]), total])])
     return [dx if ctx.opset >= 13 else em.reshape_like(dx, ctx.node.input[0])]
@@ -55,7 +55,7 @@ def _dropout(ctx: RuleContext) -> list:
         if value is None or bool(np.asarray(value).reshape(-1)[0]):
             raise RuleError("Dropout in training mode (training_mode not a constant false) "
                             "has no derivative rule")
-    return [ctx.grad(0)] + [None] * (len(ctx.node.input) - 1)
+    return [ctx.dy] + [None] * (len(ctx.node.input) - 1)
 
 
 
@@ -66,10 +66,9 @@ def _max_pool(ctx: RuleContext) -> list:
     if ctx.opset < 16:
         raise RuleError("the MaxPool gradient needs ScatterElements reduction='add' "
                         f"(opset >= 16), graph has opset {ctx.opset}")
-    em, g, x = ctx.em, ctx.grad(0), ctx.node.input[0]
-    if ctx.output(1) and int(ctx.attr("storage_order", 0)) == 0:
-        indices = ctx.output(1)
-    else:
+    em, g, x = ctx.em, ctx.dy, ctx.node.input[0]
+    indices = ctx.output(1)
+    if indices is None or int(ctx.attr("storage_order", 0)) != 0:
         outs = [em.fresh("maxpool"), em.fresh("argmax")]
         node = helper.make_node("MaxPool", [x], outs, name=outs[0])
         node.attribute.extend(a for a in ctx.node.attribute if a.name != "storage_order")
@@ -97,11 +96,12 @@ def _average_pool(ctx: RuleContext) -> list:
         raise RuleError("AveragePool with ceil_mode=1 has no derivative rule")
     if ctx.opset < 11:
         raise RuleError(f"the AveragePool gradient needs opset >= 11 (graph has {ctx.opset})")
-    em, g, x, y = ctx.em, ctx.grad(0), ctx.node.input[0], ctx.output(0)
+    em, g, x, y = ctx.em, ctx.dy, ctx.node.input[0], ctx.y
     kernel = _kernel(ctx, None)
     n = len(kernel)
     strides, dilations = _window(ctx, n)
     pb, pe = _pads(ctx, x, kernel, strides, dilations)
+    assert isinstance(kernel, list), "without a weight, _kernel reads the attribute or raises"
     dt = em.dtype(x)
     if dt is None:
         raise RuleError(f"element type of {x!r} unknown")
@@ -134,7 +134,7 @@ def _batch_norm(ctx: RuleContext) -> list:
     if int(ctx.attr("training_mode", 0)) or ctx.opset < 9:
         raise RuleError("only inference-mode BatchNormalization (training_mode=0, opset >= 9) "
                         "or training_mode=1 at opset >= 14 has a derivative rule")
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     x, scale, bias, mean, var = ctx.node.input[:5]
     r = ctx.rank(x)
     other = [0] + list(range(2, r))
@@ -159,6 +159,6 @@ def _batch_norm(ctx: RuleContext) -> list:
             cube = em.op("Mul", [inv_std, em.op("Mul", [inv_std, inv_std])])
             half = em.op("Mul", [em.op("Mul", [s1, scale]), em.scalar(-0.5, var)])
             out[4] = em.op("Mul", [half, cube])
-    if ctx.need(3):
+    if gsum is not None and ctx.need(3):
         out[3] = em.op("Neg", [em.op("Mul", [gsum, em.op("Mul", [scale, inv_std])])])
     return out

@@ -55,9 +55,9 @@ def _check_float(ctx: RuleContext, x: str) -> None:
 @register("LayerNormalization")
 def _layer_norm(ctx: RuleContext) -> list:
     """Normalized over axes [axis, rank); Scale and B broadcast to those axes."""
-    em, g = ctx.em, ctx.grad(0)
     if any(ctx.grad(i) for i in (1, 2)):
         raise RuleError("gradients flowing into the Mean/InvStdDev outputs are not supported")
+    em, g = ctx.em, ctx.dy
     _check_float(ctx, ctx.node.input[0])
     x, scale = ctx.node.input[:2]
     bias = ctx.input(2)
@@ -103,7 +103,7 @@ def _channel_stats_grad(ctx: RuleContext, x4: str, g4: str, scale_b: str, bias_b
 @register("InstanceNormalization")
 def _instance_norm(ctx: RuleContext) -> list:
     """x [N, C, d...]: normalized over the spatial axes; scale, B of shape [C]."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     x, scale, bias = ctx.node.input[:3]
     r = ctx.rank(x)
     if r < 3:
@@ -111,7 +111,7 @@ def _instance_norm(ctx: RuleContext) -> list:
     spatial = list(range(2, r))
     scale_b = em.unsqueeze(scale, [0] + spatial)
     bias_b = em.unsqueeze(bias, [0] + spatial)
-    shape = ctx.shape(x)
+    shape = em.known_shape(x)
     for b in (scale_b, bias_b):
         em.set_meta(b, em.dtype(x), (1, shape[1]) + (1,) * len(spatial))
     dx, ds, db = _channel_stats_grad(ctx, x, g, scale_b, bias_b, spatial)
@@ -129,22 +129,22 @@ def batch_norm_batch_statistics(ctx: RuleContext) -> list:
     gets them as inputs 3 and 4. The closed form includes the statistics' dependence on x, so
     inputs 3 and 4 get no gradient of their own (the running statistics, or values already
     accounted for)."""
-    em, g = ctx.em, ctx.grad(0)
     if any(ctx.grad(i) for i in (1, 2)):
         raise RuleError("gradients flowing into the running-statistic outputs are not supported")
+    em, g = ctx.em, ctx.dy
     x, scale, bias = ctx.node.input[:3]
     if ctx.node.doc_string == BATCH_STATISTICS_DOC and BATCH_NORM_GRAD in em.native \
             and em.dtype(x) == em.dtype(scale) == TensorProto.FLOAT:
         return _native_batch_norm_grad(ctx) + [None] * (len(ctx.node.input) - 3)
     r = ctx.rank(x)
-    shape = ctx.shape(x)
+    shape = em.known_shape(x)
     axes = [0] + list(range(2, r))
     scale_b, bias_b = em.unsqueeze(scale, axes), em.unsqueeze(bias, axes)
     for b in (scale_b, bias_b):
         em.set_meta(b, em.dtype(x), (1, shape[1]) + (1,) * (r - 2))
     stats = None
     if ctx.node.doc_string == BATCH_STATISTICS_DOC:
-        stats = tuple(em.unsqueeze(ctx.node.input[i], axes) for i in (3, 4))
+        stats = (em.unsqueeze(ctx.node.input[3], axes), em.unsqueeze(ctx.node.input[4], axes))
     dx, ds, db = _channel_stats_grad(ctx, x, g, scale_b, bias_b, axes, stats)
     return [dx, ds and em.squeeze(ds, axes), db and em.squeeze(db, axes)] + [None] * (len(ctx.node.input) - 3)
 
@@ -156,10 +156,11 @@ def _native_batch_norm_grad(ctx: RuleContext) -> list:
     x, scale, _, mean, var = ctx.node.input[:5]
     eps = em.scalar(float(ctx.attr("epsilon", 1e-5)), x)
     outs = [em.fresh(hint) for hint in ("dx", "dscale", "dbias")]
-    em.add_node(helper.make_node(BATCH_NORM_GRAD, [ctx.grad(0), x, scale, mean, var, eps], outs, name=outs[0],
+    em.add_node(helper.make_node(BATCH_NORM_GRAD, [ctx.dy, x, scale, mean, var, eps], outs, name=outs[0],
                                  domain=DOMAIN))
-    channels = ctx.shape(x)[1] if ctx.shape(x) else None
-    for out, shape in zip(outs, (ctx.shape(x), (channels,), (channels,))):
+    x_shape = ctx.shape(x)
+    channels = x_shape[1] if x_shape else None
+    for out, shape in zip(outs, (x_shape, (channels,), (channels,))):
         em.set_meta(out, TensorProto.FLOAT, shape)
     return [out if ctx.need(i) else None for i, out in enumerate(outs)]
 
@@ -168,7 +169,7 @@ def _native_batch_norm_grad(ctx: RuleContext) -> list:
 def _group_norm(ctx: RuleContext) -> list:
     """x [N, C, d...] seen as [N, G, C/G, S]: normalized over the last two axes. Scale and
     bias are per group ([G], opset 18) or per channel ([C], opset 21)."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     x, scale, bias = ctx.node.input[:3]
     _check_float(ctx, x)
     shape = ctx.shape(x)
@@ -204,17 +205,17 @@ def _global_average_pool(ctx: RuleContext) -> list:
         count = em.scalar(float(np.prod(shape[2:], dtype=np.int64)), x)
     else:
         count = em.cast_like(em.op("ReduceProd", [em.dims_of(x, 2)], keepdims=0), x)
-    g = em.op("Div", [ctx.grad(0), count])
+    g = em.op("Div", [ctx.dy, count])
     return [em.op("Expand", [g, em.shape_of(x)], "expand")]
 
 
 @register("GlobalMaxPool")
 def _global_max_pool(ctx: RuleContext) -> list:
     """g to the maxima of each channel, split evenly among ties (as torch's amax)."""
-    em, x, y = ctx.em, ctx.node.input[0], ctx.output(0)
+    em, x, y = ctx.em, ctx.node.input[0], ctx.y
     hit = em.cast_like(em.op("Equal", [x, y]), x)
     count = em.reduce_sum(hit, list(range(2, ctx.rank(x))), keepdims=True)
-    return [em.op("Mul", [hit, em.op("Div", [ctx.grad(0), count])])]
+    return [em.op("Mul", [hit, em.op("Div", [ctx.dy, count])])]
 
 
 # ----------------------------------------------------------------- onnxruntime's fused norms
@@ -237,9 +238,9 @@ def rms_input_grad(em: Emitter, dxhat: str, xhat: str, inv: str, axes: Sequence[
 
 def sum_to(em: Emitter, t: str, like: str) -> str:
     """``t`` summed over its leading axes down to the shape of ``like`` (its trailing axes)."""
+    dims = static_dims(em.shape(like))
     rows = em.op("Reshape", [t, em.op("Concat", [em.ints([-1]), em.shape_of(like)], "rows", axis=0)
-                             if static_dims(em.shape(like)) is None
-                             else em.ints([-1, *static_dims(em.shape(like))])], "rows")
+                             if dims is None else em.ints([-1, *dims])], "rows")
     return em.reduce_sum(rows, [0], keepdims=False)
 
 
@@ -253,9 +254,9 @@ def _normalized_axes(ctx: RuleContext, x: str) -> list[int]:
 @register("SimplifiedLayerNormalization", "com.microsoft::SimplifiedLayerNormalization")
 def _simplified_layer_norm(ctx: RuleContext) -> list:
     """RMSNorm, ``y = x / sqrt(mean(x^2) + eps) * scale`` over axes [axis, rank)."""
-    em, g = ctx.em, ctx.grad(0)
     if ctx.grad(1):
         raise RuleError("gradients flowing into the inv_std_var output are not supported")
+    em, g = ctx.em, ctx.dy
     x, scale = ctx.node.input[:2]
     axes = _normalized_axes(ctx, x)
     xhat, inv = rms_statistics(em, x, axes, float(ctx.attr("epsilon", 1e-5)))

@@ -143,7 +143,7 @@ class QuantizedWeight:
 def _matmul_nbits(ctx: RuleContext) -> list:
     """``dA = dY · dequant(B)``; ``dbias`` = dY summed over the rows. B, scales, zero points and
     ``g_idx`` are frozen."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     if any(ctx.need(i) for i in (1, 2, 3, 4)):
         raise RuleError("the quantized weight (B, scales, zero_points, g_idx) is frozen")
     out = ctx.empty()

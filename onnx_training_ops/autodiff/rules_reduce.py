@@ -32,9 +32,9 @@ def _reduce_rule(slope):
     def rule(ctx: RuleContext) -> list:
         rest = [None] * (len(ctx.node.input) - 1)
         if _is_identity(ctx):
-            return [ctx.grad(0)] + rest
+            return [ctx.dy] + rest
         em, x = ctx.em, ctx.node.input[0]
-        g, y = _keepdims(ctx, ctx.grad(0)), _keepdims(ctx, ctx.output(0))
+        g, y = _keepdims(ctx, ctx.dy), _keepdims(ctx, ctx.y)
         return [em.op("Expand", [slope(ctx, x, y, g), em.shape_of(x)], "expand")] + rest
 
     return rule

@@ -40,13 +40,15 @@ def interpolation_matrix(ctx: RuleContext, n: int, m: int, scale: float | None,
         [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None)], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", max(ctx.opset, 13))])
     model.ir_version = 8
-    rows = ReferenceEvaluator(model).run(None, {"x": np.eye(n)})[0]
+    result = ReferenceEvaluator(model).run(None, {"x": np.eye(n)})
+    assert isinstance(result, list)  # a dict only with intermediate=True
+    rows = result[0]
     if rows.shape != (n, m):
         raise RuleError(f"Resize along an axis of {n}: expected {m} outputs, got {rows.shape[1]}")
     return rows.T
 
 
-def _axis_values(ctx: RuleContext, rank: int) -> tuple[list, list, list]:
+def _axis_values(ctx: RuleContext, rank: int) -> tuple[list[float | None], list[int | None], list[int | None]]:
     """Per axis: (static scale or None, static size or None, position in scales/sizes or None).
 
     A position is None for an axis the node does not resize (``axes`` attribute)."""
@@ -57,13 +59,16 @@ def _axis_values(ctx: RuleContext, rank: int) -> tuple[list, list, list]:
     axes = ctx.attr("axes")
     axes = [a + rank if a < 0 else a for a in axes] if axes else list(range(rank))
     position = [axes.index(a) if a in axes else None for a in range(rank)]
-    scales, sizes = [None] * rank, [None] * rank
-    for inp, out, cast in ((3, sizes, int), (2, scales, float)):
-        value = ctx.const_value(ctx.input(inp)) if ctx.input(inp) else None
-        if value is not None and np.size(value):
-            for a in range(rank):
-                if position[a] is not None:
-                    out[a] = cast(np.asarray(value).reshape(-1)[position[a]])
+
+    def static(inp: int) -> list[np.generic | None]:  # per axis: the value of input ``inp`` if a constant
+        value = ctx.const_value(ctx.input(inp))
+        if value is None or not np.size(value):
+            return [None] * rank
+        flat = np.asarray(value).reshape(-1)
+        return [None if p is None else flat[p] for p in position]
+
+    sizes = [None if v is None else int(v) for v in static(3)]
+    scales = [None if v is None else float(v) for v in static(2)]
     return scales, sizes, position
 
 
@@ -76,16 +81,19 @@ def _runtime_matrix_t(ctx: RuleContext, x: str, axis: int, position: int) -> str
     n = em.dims_of(x, axis, axis + 1)
     square = em.op("Concat", [n, n], axis=0)
     zeros = em.op("ConstantOfShape", [square], "zeros",
-                  value=helper.make_tensor("v", em.dtype(x), [1], [0.0]))
+                  value=helper.make_tensor("v", em.known_dtype(x), [1], [0.0]))
     eye = em.op("EyeLike", [zeros], "eye")
     attrs = {a.name: helper.get_attribute_value(a) for a in ctx.node.attribute
              if a.name in ONE_AXIS_ATTRIBUTES}
     at = em.ints([position])
-    if ctx.input(3):
-        picked = em.op("Gather", [ctx.input(3), at], axis=0)
+    sizes, scales_in = ctx.input(3), ctx.input(2)
+    if sizes:
+        picked = em.op("Gather", [sizes, at], axis=0)
         return em.op("Resize", [eye, "", "", em.op("Concat", [n, picked], axis=0)], "resized",
                      **attrs)
-    picked = em.op("Gather", [ctx.input(2), at], axis=0)
+    if scales_in is None:
+        raise RuleError("Resize with neither scales nor sizes")
+    picked = em.op("Gather", [scales_in, at], axis=0)
     scales = em.op("Concat", [em.const(np.ones(1, np.float32)), picked], axis=0)
     return em.op("Resize", [eye, "", scales], "resized", **attrs)
 
@@ -94,17 +102,17 @@ def _runtime_matrix_t(ctx: RuleContext, x: str, axis: int, position: int) -> str
 def _resize(ctx: RuleContext) -> list:
     """Per resized axis: dx = g . M along that axis (M static when the shapes and
     scales/sizes are, else computed at run time by the same Resize)."""
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    em, x, g = ctx.em, ctx.node.input[0], ctx.dy
     rank = ctx.rank(x)
-    shape = ctx.shape(x)
+    shape = em.known_shape(x)
     scales, sizes, position = _axis_values(ctx, rank)
-    roi_v = ctx.const_value(ctx.input(1)) if ctx.input(1) else None
+    roi_v = ctx.const_value(ctx.input(1))
     crop = ctx.attr("coordinate_transformation_mode", "half_pixel") == "tf_crop_and_resize"
     if crop and roi_v is None:
         raise RuleError("tf_crop_and_resize needs a constant roi")
     dx = g
-    for axis in range(rank):
-        if position[axis] is None:
+    for axis, at in enumerate(position):
+        if at is None:
             continue
         n, scale, size = shape[axis], scales[axis], sizes[axis]
         static_n = isinstance(n, int)
@@ -117,12 +125,12 @@ def _resize(ctx: RuleContext) -> list:
         if m == n and not crop and (scale is None or scale == 1.0):
             continue  # identity along this axis
         if m is not None:
-            roi = (float(roi_v[axis]), float(roi_v[rank + axis])) if crop else None
+            roi = (float(roi_v[axis]), float(roi_v[rank + axis])) if crop and roi_v is not None else None
             matrix = interpolation_matrix(ctx, n, m, scale if size is None else None, roi)
-            matrix_t = em.const(matrix.astype(helper.tensor_dtype_to_np_dtype(em.dtype(x))),
+            matrix_t = em.const(matrix.astype(helper.tensor_dtype_to_np_dtype(em.known_dtype(x))),
                                 "resize_matrix")
         else:
-            matrix_t = em.op("Transpose", [_runtime_matrix_t(ctx, x, axis, position[axis])])
+            matrix_t = em.op("Transpose", [_runtime_matrix_t(ctx, x, axis, at)])
         perm = [i for i in range(rank) if i != axis] + [axis]
         inverse = [perm.index(i) for i in range(rank)]
         moved = em.op("Transpose", [dx], perm=perm)

@@ -33,18 +33,18 @@ def padding_row(node) -> int | None:
 @register("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 def _reshape(ctx: RuleContext) -> list:
     x = ctx.node.input[0]
-    return [ctx.em.reshape_like(ctx.grad(0), x)] + [None] * (len(ctx.node.input) - 1)
+    return [ctx.em.reshape_like(ctx.dy, x)] + [None] * (len(ctx.node.input) - 1)
 
 
 @register("Transpose")
 def _transpose(ctx: RuleContext) -> list:
     perm = ctx.attr("perm")
     if perm is None:  # default: reverse the axes, its own inverse
-        return [ctx.em.op("Transpose", [ctx.grad(0)])]
+        return [ctx.em.op("Transpose", [ctx.dy])]
     inverse = [0] * len(perm)
     for i, p in enumerate(perm):
         inverse[p] = i
-    return [ctx.em.op("Transpose", [ctx.grad(0)], perm=inverse)]
+    return [ctx.em.op("Transpose", [ctx.dy], perm=inverse)]
 
 
 @register("Concat")
@@ -58,18 +58,19 @@ def _concat(ctx: RuleContext) -> list:
     for x in inputs:
         s = ctx.shape(x)
         sizes.append(s[axis] if s is not None and isinstance(s[axis], int) else None)
-    if all(s is not None for s in sizes):
-        split = sizes
-        split_t = em.ints(sizes)
+    static = [s for s in sizes if s is not None]
+    if len(static) == len(sizes):
+        split = static
+        split_t = em.ints(static)
     elif ctx.opset >= 13:
         split = None
         split_t = em.op("Concat", [em.dims_of(x, axis, axis + 1) for x in inputs], axis=0)
     else:
         raise RuleError(f"opset {ctx.opset} Concat gradient needs static input sizes")
     if ctx.opset >= 13:
-        parts = em.op_n("Split", [ctx.grad(0), split_t], len(inputs), "split", axis=axis)
+        parts = em.op_n("Split", [ctx.dy, split_t], len(inputs), "split", axis=axis)
     else:
-        parts = em.op_n("Split", [ctx.grad(0)], len(inputs), "split", axis=axis, split=split)
+        parts = em.op_n("Split", [ctx.dy], len(inputs), "split", axis=axis, split=split)
     return [p if ctx.need(i) else None for i, p in enumerate(parts)]
 
 
@@ -95,7 +96,7 @@ def _gather(ctx: RuleContext) -> list:
     with ``reduction="add"``, opset >= 16), so repeated indices accumulate. A padding row in
     the node's metadata (:data:`PADDING_ROW_KEY`, axis 0): the positions looking it up add
     nothing, as torch's ``embedding_backward``."""
-    em, g = ctx.em, ctx.grad(0)
+    em, g = ctx.em, ctx.dy
     data = ctx.node.input[0]
     axis = int(ctx.attr("axis", 0))
     if axis < 0:
@@ -105,11 +106,11 @@ def _gather(ctx: RuleContext) -> list:
     if window is not None:
         first, count = window
         r = ctx.rank(data)
-        dim = ctx.shape(data)[axis]
+        dim = em.known_shape(data)[axis]
         if ctx.rank(ctx.node.input[1]) != 1:  # the indices' axes folded into one axis of `count`
-            dims = list(ctx.shape(data))
-            dims[axis] = count
-            target = em.ints(dims) if static_dims(tuple(dims)) is not None else em.op("Concat", [
+            window_dims = list(em.known_shape(data))
+            window_dims[axis] = count
+            target = em.ints(window_dims) if static_dims(tuple(window_dims)) is not None else em.op("Concat", [
                 em.dims_of(data, 0, axis), em.ints([count]), em.dims_of(data, axis + 1)], "dims", axis=0)
             g = em.op("Reshape", [g, target], "window")
         return [pad_back(em, g, r, {axis: first}, {axis: dim - first - count}), None]
@@ -131,7 +132,7 @@ def _gather(ctx: RuleContext) -> list:
         if r > 2:
             q = ctx.rank(indices)
             is_pad = em.unsqueeze(is_pad, list(range(q + 1, q + r - 1)))
-        zero = em.const(np.zeros((), helper.tensor_dtype_to_np_dtype(em.dtype(data))))
+        zero = em.const(np.zeros((), helper.tensor_dtype_to_np_dtype(em.known_dtype(data))))
         g = em.op("Where", [is_pad, zero, g], "padding_masked")
     if axis == 0:
         zeros = em.filled_like(0.0, data)
@@ -168,13 +169,13 @@ def reduce_axes(ctx: RuleContext, attr_form: bool):
         return None, noop
     value = ctx.const_value(name)
     if value is not None:
-        value = [int(v) for v in np.asarray(value).reshape(-1)]
-        return (value or None), noop
+        axes = [int(v) for v in np.asarray(value).reshape(-1)]
+        return (axes or None), noop
     return name, noop
 
 
 def _reduce_grad(ctx: RuleContext, attr_form: bool, mean: bool) -> list:
-    em, g, x = ctx.em, ctx.grad(0), ctx.node.input[0]
+    em, g, x = ctx.em, ctx.dy, ctx.node.input[0]
     axes, noop = reduce_axes(ctx, attr_form)
     rest = [None] * (len(ctx.node.input) - 1)
     if axes is None and noop:

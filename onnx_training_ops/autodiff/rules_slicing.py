@@ -72,7 +72,7 @@ def _slice(ctx: RuleContext) -> list:
     rest = [None] * (len(ctx.node.input) - 1)
     bounds = slice_bounds(ctx)
     if bounds is not None:
-        return [pad_back(ctx.em, ctx.grad(0), ctx.rank(ctx.node.input[0]), *bounds)] + rest
+        return [pad_back(ctx.em, ctx.dy, ctx.rank(ctx.node.input[0]), *bounds)] + rest
     return [moved_elements(ctx, add=False)] + rest
 
 
@@ -87,9 +87,11 @@ def _pad(ctx: RuleContext) -> list:
     A float constant_value input gets the sum of the gradient over the padding."""
     if ctx.opset < 11:
         raise RuleError("Pad before opset 11 (pads attribute) has no derivative rule")
-    em, x, g = ctx.em, ctx.node.input[0], ctx.grad(0)
+    em, x, g = ctx.em, ctx.node.input[0], ctx.dy
     mode = ctx.attr("mode", "constant")
     pads, axes = ctx.input(1), ctx.input(3)
+    if pads is None:
+        raise RuleError("Pad without its pads input")
     numbers = element_numbers(em, x)
     fill = em.const(np.int64(-1)) if mode == "constant" else ""
     inputs = [numbers, pads, fill] + ([axes] if axes else [])
@@ -112,7 +114,7 @@ def _pad(ctx: RuleContext) -> list:
 def _trilu(ctx: RuleContext) -> list:
     """The same triangle of the gradient."""
     em = ctx.em
-    inputs = [ctx.grad(0)] + list(ctx.node.input[1:])
+    inputs = [ctx.dy] + list(ctx.node.input[1:])
     return [em.op("Trilu", inputs, "trilu", upper=int(ctx.attr("upper", 1)))] + \
         [None] * (len(ctx.node.input) - 1)
 
@@ -122,6 +124,6 @@ def _cumsum(ctx: RuleContext) -> list:
     """The cumulative sum of the gradient in the other direction."""
     em = ctx.em
     reverse = 1 - int(ctx.attr("reverse", 0))
-    dx = em.op("CumSum", [ctx.grad(0), ctx.node.input[1]], "cumsum",
+    dx = em.op("CumSum", [ctx.dy, ctx.node.input[1]], "cumsum",
                exclusive=int(ctx.attr("exclusive", 0)), reverse=reverse)
     return [dx, None]

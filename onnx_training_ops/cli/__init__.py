@@ -53,6 +53,7 @@ def _import_ortt(args: argparse.Namespace) -> int:
 
     from ..errors import TrainingOpError
     from ..storage.save import save_model
+    from ..storage.tensors import proto_of
 
     _require("flatbuffers", "migrate")
     from ..migrate import import_onnxruntime_training
@@ -61,7 +62,7 @@ def _import_ortt(args: argparse.Namespace) -> int:
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
     model = import_onnxruntime_training(args.artifacts, checkpoint=args.checkpoint, lr=args.lr)
     save_model(model, args.output)
-    meta = {m.key: m.value for m in model.metadata_props}
+    meta = {m.key: m.value for m in proto_of(model).metadata_props}  # a LargeModel past the large-model size
     step = json.loads(meta["onnx_training_ops.imported_from"])["step"]
     print(f"imported {args.artifacts} ({args.checkpoint}, {step} steps done) -> {args.output}: "
           f"TrainingSession({args.output!r}) continues the run")

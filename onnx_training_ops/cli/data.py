@@ -105,7 +105,7 @@ def _read_csv(path: str, label: str | None) -> dict[str, np.ndarray]:
         groups.setdefault(base, []).append((index, column))
     if label is not None and label not in groups:  # the label column last, unnamed
         last = header[-1]
-        base = _ELEMENT.match(last).group(1) if _ELEMENT.match(last) else last
+        base = element.group(1) if (element := _ELEMENT.match(last)) else last
         groups[base] = [p for p in groups[base] if p[1] != len(header) - 1]
         if not groups[base]:
             del groups[base]

@@ -180,26 +180,8 @@ def train_model(args: argparse.Namespace) -> int:
     Raises:
         TrainingOpError: bad data, model or options (exit status 2).
     """
-    demo_only = {"--nproc": args.nproc > 1, "--shard-optimizer-state": args.shard_optimizer_state,
-                 "--max-restarts": args.max_restarts != 0, "--min-accuracy": args.min_accuracy != 0.0,
-                 "--optimizer": args.optimizer is not None}
-    if any(demo_only.values()):
-        raise TrainingOpError(f"{', '.join(k for k, v in demo_only.items() if v)}: "
-                              "options of the demo (train without "
-                              "a model); a training model holds its optimizer "
-                              "(choose it with `onnx-training-ops build`)")
-    if not args.data:
-        raise TrainingOpError("train TRAINING.onnx needs --data FILE (.npz, .safetensors or .csv)")
-    if args.lr is not None and args.schedule:
-        raise TrainingOpError("give --lr or --schedule, not both (a schedule starts from the model's learning rate)")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise TrainingOpError(f"--out {args.out!r} is a file; give a directory")
-    plot = not args.no_plot
-    if plot and importlib.util.find_spec("matplotlib") is None:
-        plot = False
-        print(f"note: no {CURVE}: matplotlib is not installed (pip install 'onnx-training-ops[cli]'; --no-plot "
-              "silences this)", file=sys.stderr)
-
+    _check_options(args)
+    plot = _plots(args)
     session, resumed = _open(args)
     labels = session.metadata.get("labels")
     rates = set(session.learning_rates)  # --lr/--schedule set them, never a data column
@@ -209,11 +191,8 @@ def train_model(args: argparse.Namespace) -> int:
         eval_data = match_feeds(read_columns(args.eval_data, labels), session.eval_feeds(), args.eval_data)
     n = len(next(iter(data.values())))
     checkpoint, inference = os.path.join(args.out, CHECKPOINT), os.path.join(args.out, INFERENCE)
-    if resumed and session.properties.get("cli.samples", n) != n:
-        raise TrainingOpError(f"{checkpoint} was trained on {session.properties['cli.samples']} "
-                              f"samples, --data {args.data} holds {n}: use another --out to start afresh")
     steps_per_epoch = -(-n // args.batch_size)
-    done = int(session.properties.get("epoch", 0)) if resumed else 0
+    done = _epochs_done(session, resumed, n, checkpoint, args.data)
     if not resumed and args.schedule:
         session.set_lr_schedule(parse_schedule(args.schedule, args.epochs * steps_per_epoch))
     os.makedirs(args.out, exist_ok=True)
@@ -267,6 +246,46 @@ def train_model(args: argparse.Namespace) -> int:
           + f"; wrote {os.path.join(args.out, '')}{{{CHECKPOINT}, {METRICS}, {INFERENCE}"
           + ("" if not plot else f", {CURVE}") + "}")
     return 0
+
+
+def _epochs_done(session, resumed: bool, n: int, checkpoint: str, data: str) -> int:
+    """The epochs the checkpoint holds (0 when starting afresh); a TrainingOpError when it was
+    trained on another number of samples."""
+    if not resumed:
+        return 0
+    if session.properties.get("cli.samples", n) != n:
+        raise TrainingOpError(f"{checkpoint} was trained on {session.properties['cli.samples']} "
+                              f"samples, --data {data} holds {n}: use another --out to start afresh")
+    return int(session.properties.get("epoch", 0))
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """TrainingOpError for options ``train TRAINING.onnx`` does not take or that conflict."""
+    demo_only = {"--nproc": args.nproc > 1, "--shard-optimizer-state": args.shard_optimizer_state,
+                 "--max-restarts": args.max_restarts != 0, "--min-accuracy": args.min_accuracy != 0.0,
+                 "--optimizer": args.optimizer is not None}
+    if any(demo_only.values()):
+        raise TrainingOpError(f"{', '.join(k for k, v in demo_only.items() if v)}: "
+                              "options of the demo (train without "
+                              "a model); a training model holds its optimizer "
+                              "(choose it with `onnx-training-ops build`)")
+    if not args.data:
+        raise TrainingOpError("train TRAINING.onnx needs --data FILE (.npz, .safetensors or .csv)")
+    if args.lr is not None and args.schedule:
+        raise TrainingOpError("give --lr or --schedule, not both (a schedule starts from the model's learning rate)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise TrainingOpError(f"--out {args.out!r} is a file; give a directory")
+
+
+def _plots(args: argparse.Namespace) -> bool:
+    """Whether the loss curve is drawn (a note on stderr where matplotlib is missing)."""
+    if args.no_plot:
+        return False
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"note: no {CURVE}: matplotlib is not installed (pip install 'onnx-training-ops[cli]'; --no-plot "
+              "silences this)", file=sys.stderr)
+        return False
+    return True
 
 
 def _is_current(path: str, session) -> bool:

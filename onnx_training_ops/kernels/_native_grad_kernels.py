@@ -39,6 +39,7 @@ import numpy as np
 from numba import carray, njit
 
 from ._ort_api import (
+    _OPTIONS,
     API_CREATE_STATUS,
     API_GET_TENSOR_MUTABLE_DATA,
     API_KERNEL_CONTEXT_GET_OUTPUT,
@@ -77,7 +78,6 @@ JOB_WORDS = GEO_WORDS + 2
 
 _I64 = np.int64(0)
 _F32 = np.float32(0)
-_OPTIONS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False)
 
 
 @njit(**_OPTIONS)
@@ -354,24 +354,11 @@ def _cross_entropy(state_addr, context, grad):
         return _invalid(fns, state)
     labels = carray(_ptr(lab, _I64), rows)
     x = carray(_ptr(lp, _F32), rows * classes)  # log_prob (the loss) or prob (the gradient)
-    count = 0
-    total = 0.0
-    for i in range(rows):
-        label = labels[i]
-        if has_ignore and label == ignore:
-            continue
-        if label < 0 or label >= classes:
-            return _invalid(fns, state)
-        count += 1
-        if not grad:
-            total += np.float64(x[i * classes + label])
+    count, total = _counted_rows(x, labels, classes, has_ignore, ignore, grad)
+    if count < 0:
+        return _invalid(fns, state)
     if not grad:
-        status, data = _output(fns, context, 0, lp_dims[:0], out)
-        if status != 0:
-            return status
-        loss = np.float32(-total)
-        carray(_ptr(data, _F32), 1)[0] = loss / np.float32(count) if mean else loss
-        return 0
+        return _write_loss(fns, context, lp_dims, out, total, count, mean)
     status, data = _output(fns, context, 0, lp_dims, out)
     if status != 0:
         return status
@@ -381,6 +368,35 @@ def _cross_entropy(state_addr, context, grad):
         _scaled_rows(d, x, labels, classes, has_ignore, ignore, np.float32(count) / scale, True)
     else:
         _scaled_rows(d, x, labels, classes, has_ignore, ignore, scale, False)
+    return 0
+
+
+@njit(**_OPTIONS)
+def _counted_rows(x, labels, classes, has_ignore, ignore, grad):
+    """The rows not ignored (-1 when a label is out of range) and, for the loss (``grad``
+    False), the float64 sum of their labels' log_prob ``x``."""
+    count = 0
+    total = 0.0
+    for i in range(labels.size):
+        label = labels[i]
+        if has_ignore and label == ignore:
+            continue
+        if label < 0 or label >= classes:
+            return -1, total
+        count += 1
+        if not grad:
+            total += np.float64(x[i * classes + label])
+    return count, total
+
+
+@njit(**_OPTIONS)
+def _write_loss(fns, context, lp_dims, out, total, count, mean):
+    """The loss output (a scalar): ``-total``, divided by ``count`` for the mean."""
+    status, data = _output(fns, context, 0, lp_dims[:0], out)
+    if status != 0:
+        return status
+    loss = np.float32(-total)
+    carray(_ptr(data, _F32), 1)[0] = loss / np.float32(count) if mean else loss
     return 0
 
 

@@ -26,8 +26,10 @@ import math
 import numpy as np
 from numba import carray, njit
 
+from ..optim._numba import JitOptions
 from ._native_grad_kernels import ST_API, ST_SHAPE_REFERENCE, ST_WORDS, ST_WORKER, _invalid, _output
 from ._ort_api import (
+    _OPTIONS,
     API_KERNEL_CONTEXT_PARALLEL_FOR,
     API_TABLE_LENGTH,
     COMPUTE,
@@ -52,8 +54,7 @@ INPUTS = 6
 
 _I64 = np.int64(0)
 _F32 = np.float32(0)
-_OPTIONS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False)
-_SUM_OPTIONS = dict(_OPTIONS, fastmath={"reassoc"})
+_SUM_OPTIONS: JitOptions = {**_OPTIONS, "fastmath": {"reassoc"}}
 
 
 @njit(**_SUM_OPTIONS)

@@ -37,10 +37,11 @@ from ..optim import adagrad as _adagrad
 from ..optim import adam as _adam
 from ..optim import momentum as _momentum
 from ..optim._numba import OPTIONS as _OPTIONS
-from ..optim._numba import cache_covers_inlined_sources
+from ..optim._numba import JitOptions, cache_covers_inlined_sources
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
+    # numba.config defines its settings in a function that copies its locals into globals()
+    numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
 
 _WARNED = False
 cache_covers_inlined_sources()  # before any cached loop below is defined
@@ -58,15 +59,17 @@ def _jit(parallel: bool):
 
     def decorate(func):
         global _WARNED
+        cached: JitOptions = {**_OPTIONS, "parallel": parallel, "cache": True}
         try:
-            return njit(parallel=parallel, cache=True, **_OPTIONS)(func)
+            return njit(**cached)(func)
         except RuntimeError as exc:  # "cannot cache function ...: no locator available"
             if not _WARNED:
                 _WARNED = True
                 warnings.warn(f"numba cannot cache the fused kernels ({exc}); compiling them once "
                               "per process (about 5 s). Set NUMBA_CACHE_DIR to a writable "
                               "directory to keep them between runs", stacklevel=2)
-            return njit(parallel=parallel, cache=False, **_OPTIONS)(func)
+            uncached: JitOptions = {**cached, "cache": False}
+            return njit(**uncached)(func)
 
     return decorate
 

@@ -19,14 +19,19 @@ the trampoline calls the op's function on the state after the header.
 
 from __future__ import annotations
 
+import ctypes
 import threading
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 from llvmlite import ir
 from numba import carray, cfunc, njit, types
+from numba.core.ccallback import CFunc
+from numba.core.typing import Signature
 from numba.extending import intrinsic
 
-from ..optim._numba import cache_covers_inlined_sources
+from ..optim._numba import OPTIONS, JitOptions, cache_covers_inlined_sources
 from .compile_notice import announce_compiles
 
 cache_covers_inlined_sources()  # the native kernels' caches cover the sources they inline
@@ -63,8 +68,21 @@ ELEM_FLOAT, ELEM_INT64, ELEM_DOUBLE = 1, 7, 11
 
 _i64 = ir.IntType(64)
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
-@intrinsic
+
+def _nopython(returns: type[_R]) -> Callable[[Callable[Concatenate[Any, _P], object]], Callable[_P, _R]]:
+    """numba's ``@intrinsic``, typed as its result is called: from nopython code only, without the
+    typing context, returning ``returns`` (numba's stubs type the call from Python, which raises)."""
+
+    def decorate(defn: Callable[Concatenate[Any, _P], object]) -> Callable[_P, _R]:
+        return cast("Callable[_P, _R]", intrinsic(defn))
+
+    return decorate
+
+
+@_nopython(ctypes._Pointer)
 def _ptr(typingctx, addr, like):
     """``addr`` (int64) as a pointer to ``like``'s type, for ``carray``."""
     ptr_type = types.CPointer(like)
@@ -75,7 +93,7 @@ def _ptr(typingctx, addr, like):
     return ptr_type(types.int64, like), codegen
 
 
-@intrinsic
+@_nopython(int)
 def _addr(typingctx, pointer):
     """A ``voidptr`` as int64."""
 
@@ -105,38 +123,39 @@ def _make_call(n_args: int, void: bool):
 
 
 # numba's @intrinsic wants a fixed parameter list: spell out the arities used
-@intrinsic
+@_nopython(int)
 def _call2(typingctx, fn, a, b):
     return _make_call(2, False)(typingctx, fn, a, b)
 
 
-@intrinsic
+@_nopython(int)
 def _call3(typingctx, fn, a, b, c):
     return _make_call(3, False)(typingctx, fn, a, b, c)
 
 
-@intrinsic
+@_nopython(int)
 def _call4(typingctx, fn, a, b, c, d):
     return _make_call(4, False)(typingctx, fn, a, b, c, d)
 
 
-@intrinsic
+@_nopython(int)
 def _call5(typingctx, fn, a, b, c, d, e):
     return _make_call(5, False)(typingctx, fn, a, b, c, d, e)
 
 
-@intrinsic
+@_nopython(type(None))
 def _call_void1(typingctx, fn, a):
     return _make_call(1, True)(typingctx, fn, a)
 
 
-@intrinsic
+@_nopython(type(None))
 def _call_void2(typingctx, fn, a, b):
     return _make_call(2, True)(typingctx, fn, a, b)
 
 
 _I64 = np.int64(0)
-_OPTIONS = dict(nogil=True, cache=True, fastmath=False, error_model="numpy", boundscheck=False)
+
+_OPTIONS: JitOptions = {"nogil": True, "cache": True, **OPTIONS}  # every native kernel's numba options
 COMPUTE = types.int64(types.voidptr, types.voidptr)  # KernelComputeV2(state, context) -> OrtStatus*
 WORKER = types.void(types.voidptr, types.uintp)  # KernelContext_ParallelFor's task(job, index)
 
@@ -152,18 +171,23 @@ class LazyCFunc:
         func: the Python function to compile (module level: numba's cache finds it by name).
     """
 
-    def __init__(self, signature, func) -> None:
-        self.signature, self.func, self.compiled = signature, func, None
+    def __init__(self, signature: Signature, func: Callable[..., object]) -> None:
+        self.signature, self.func = signature, func
+        self.compiled: CFunc[Any] | None = None
         self.__doc__, self.__name__ = func.__doc__, func.__name__
 
     @property
     def address(self) -> int:
         """The C function's address (compiled now if it is not yet)."""
-        if self.compiled is None:
+        compiled = self.compiled
+        if compiled is None:
             with _compile_lock, announce_compiles():
-                if self.compiled is None:
-                    self.compiled = _compile(self.signature, self.func)
-        return self.compiled.address
+                compiled = self.compiled
+                if compiled is None:
+                    compiled = self.compiled = _compile(self.signature, self.func)
+        address = compiled.address
+        assert address is not None, "a compiled cfunc has an address"
+        return address
 
     @property
     def cache_hits(self) -> int:
@@ -174,12 +198,12 @@ class LazyCFunc:
 _uncached_warned = False
 
 
-def _compile(signature, func):
+def _compile(signature: Signature, func: Callable[..., object]) -> CFunc[Any]:
     """``cfunc`` with numba's disk cache; where no cache directory is writable (numba raises at
     decoration), compiled for this process only, with one warning naming NUMBA_CACHE_DIR."""
     global _uncached_warned
     try:
-        return cfunc(signature, **_OPTIONS)(func)
+        return _cfunc(signature, func, _OPTIONS)
     except RuntimeError as error:  # "cannot cache function ...: no locator available"
         if "cache" not in str(error):
             raise
@@ -189,10 +213,15 @@ def _compile(signature, func):
             _uncached_warned = True
             warnings.warn(f"numba cannot cache the native kernels ({error}); compiling them once per process. "
                           "Set NUMBA_CACHE_DIR to a writable directory to keep them between runs", stacklevel=3)
-        return cfunc(signature, **dict(_OPTIONS, cache=False))(func)
+        return _cfunc(signature, func, {**_OPTIONS, "cache": False})
 
 
-def lazy_cfunc(signature):
+def _cfunc(signature: Signature, func: Callable[..., object], options: JitOptions) -> CFunc[Any]:
+    # numba's stubs leave boundscheck out of cfunc's options; the compiler honours it as it does njit's
+    return cfunc(signature, **options)(func)  # type: ignore[misc]
+
+
+def lazy_cfunc(signature: Signature) -> Callable[[Callable[..., object]], LazyCFunc]:
     """Decorate a module-level function as a :class:`LazyCFunc` of ``signature``."""
     return lambda func: LazyCFunc(signature, func)
 

@@ -11,7 +11,8 @@ step on the gathered rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -26,16 +27,18 @@ from ..optim.momentum import check_mode, momentum_beta, momentum_update
 try:  # the fused kernels are an optional accelerator; the reference is always there
     from . import fused as _fused
 except ImportError:  # pragma: no cover - exercised only without numba
-    _fused = None
+    _FUSED = False  # and ``_fused`` unbound: every use below checks _FUSED first
+else:
+    _FUSED = True
 
 
 def _fusable(*arrays: np.ndarray) -> bool:
-    return _fused is not None and _fused.supports(*arrays)
+    return _FUSED and _fused.supports(*arrays)
 
 
 def _on_rows(step, r, t, tables, g, attributes, rows):
     """``step`` on ``tables[k][rows]``: fused in place when possible, else gathered and scattered."""
-    if _fused is not None and _fused.supports_rows(tables, g, rows):
+    if _FUSED and _fused.supports_rows(tables, g, rows):
         return None  # the caller runs the fused row driver
     outs = step(r, t, tables[0][rows], g, *(a[rows] for a in tables[1:]), attributes)
     for table, out in zip(tables, outs):
@@ -106,17 +109,19 @@ def adagrad_step(r, t, x, g, h, attributes, inplace: bool = False, rows=None):
     return adagrad_update(x, g, h, rate, a["epsilon"], a["norm_coefficient"])
 
 
-STEPS = {"Adam": adam_step, "Momentum": momentum_step, "Adagrad": adagrad_step}
+# op type -> ``step(r, t, *tensors, attributes, inplace=False, rows=None)``: the updated tensors
+STEPS: dict[str, Callable[..., tuple[np.ndarray, ...]]] = {
+    "Adam": adam_step, "Momentum": momentum_step, "Adagrad": adagrad_step}
 
 
-def prepare(op_type: str, r, t, tensors, attributes, decay=None) -> Callable[[], None] | None:
+def prepare(op_type: str, r: object, t: object, tensors: Sequence[object], attributes: Mapping[str, Any],
+            decay: object = None) -> Callable[[], None] | None:
     """``STEPS[op_type](r, t, *tensors, attributes, inplace=True)`` for arrays that stay the
     same objects from call to call (the fast path's buffers): every check runs once, here,
     and the returned ``run()`` reads R and T and calls the fused kernel. None when the fused
     kernels do not apply (the caller keeps the checked per-call path). ``decay`` (Adam only:
     None otherwise): a 0-d array of X's dtype, ``X *= decay`` first, in the kernel's pass."""
-    arrays = (r, t, *tensors)
-    if _fused is None or not all(type(a) is np.ndarray for a in arrays):
+    if not _FUSED or type(r) is not np.ndarray or type(t) is not np.ndarray or not _plain_arrays(tensors):
         return None
     if decay is not None and (op_type != "Adam" or type(decay) is not np.ndarray or decay.size != 1
                               or decay.dtype != tensors[0].dtype):
@@ -128,17 +133,25 @@ def prepare(op_type: str, r, t, tensors, attributes, decay=None) -> Callable[[],
         return None
     r0, t0, a = r.reshape(()), t.reshape(()), attributes
     if op_type == "Adam":
+        x, g, v, h = tensors
         alpha, beta = a["alpha"], a["beta"]
-        adam = _fused.adam_prepared(*tensors, alpha, beta, a["epsilon"], a["norm_coefficient"],
+        adam = _fused.adam_prepared(x, g, v, h, alpha, beta, a["epsilon"], a["norm_coefficient"],
                                     a["norm_coefficient_post"], decay)
         return lambda: adam(adam_rate(float(r0), int(t0), alpha, beta))
     if op_type == "Momentum":
+        x, g, v = tensors
         beta = a["beta"]
-        momentum = _fused.momentum_prepared(*tensors, a["alpha"], a["norm_coefficient"], check_mode(a["mode"]))
+        momentum = _fused.momentum_prepared(x, g, v, a["alpha"], a["norm_coefficient"], check_mode(a["mode"]))
         return lambda: momentum(float(r0), momentum_beta(int(t0), beta))
-    decay = a["decay_factor"]
-    adagrad = _fused.adagrad_prepared(*tensors, a["epsilon"], a["norm_coefficient"])
-    return lambda: adagrad(adagrad_rate(float(r0), int(t0), decay))
+    x, g, h = tensors
+    decay_factor = a["decay_factor"]
+    adagrad = _fused.adagrad_prepared(x, g, h, a["epsilon"], a["norm_coefficient"])
+    return lambda: adagrad(adagrad_rate(float(r0), int(t0), decay_factor))
+
+
+def _plain_arrays(values: Sequence[object]) -> TypeGuard[Sequence[np.ndarray]]:
+    """Every value a numpy array itself (no subclass, no OrtValue): buffers the fast path keeps."""
+    return all(type(v) is np.ndarray for v in values)
 
 
 def rmsprop_step(r, x, g, states: dict, optimizer, rows=None) -> bool:
@@ -146,11 +159,11 @@ def rmsprop_step(r, x, g, states: dict, optimizer, rows=None) -> bool:
     fused kernel, on the ``rows`` of 2-D tables if given; False (nothing done) when it does not apply."""
     if rows is None and not _fusable(x, g, *states.values()):
         return False
-    if rows is not None and (_fused is None or not _fused.supports_rows([x, *states.values()], g, rows)):
+    if rows is not None and (not _FUSED or not _fused.supports_rows([x, *states.values()], g, rows)):
         return False
     _fused.rmsprop_(x, g, states, np.asarray(r, x.dtype).reshape(()), optimizer, rows=rows)
     return True
 
 
 def fused_available() -> bool:
-    return _fused is not None
+    return _FUSED

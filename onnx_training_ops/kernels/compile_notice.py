@@ -18,12 +18,14 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 MESSAGE = "onnx-training-ops: compiling the kernels this model uses (first run only, then cached)..."
 _announced = False
 _lock = threading.Lock()
-F = TypeVar("F", bound=Callable)
+_S = TypeVar("_S")  # the object a decorated method is bound to
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def _announce() -> None:
@@ -62,7 +64,7 @@ def announce_compiles() -> Iterator[None]:
         event.unregister("numba:run_pass", listener)
 
 
-def announced_on_first_call(method: F) -> F:
+def announced_on_first_call(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
     """Decorate a method so that its first call on each object runs under
     :func:`announce_compiles` (a session's first step may compile the kernels it uses first).
 
@@ -75,11 +77,11 @@ def announced_on_first_call(method: F) -> F:
     seen: weakref.WeakSet = weakref.WeakSet()
 
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: _S, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if _announced or self in seen:
             return method(self, *args, **kwargs)
         seen.add(self)
         with announce_compiles():
             return method(self, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper

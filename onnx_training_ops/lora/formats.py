@@ -37,7 +37,7 @@ from ..storage.save import save_model
 from ..storage.tensors import all_tensors, location
 from .inject import insert_adapters, read_genai_config
 from .spec import Adapter, LoraSpec, lora_spec
-from .targets import ALL_LINEAR, FUSED, linear_nodes
+from .targets import ALL_LINEAR, FUSED, Linear, Slice, linear_nodes
 
 FORMATS = ("peft", "onnxruntime")
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -169,25 +169,11 @@ def write_peft(spec: LoraSpec, values: Mapping[str, np.ndarray], folder: str | o
 def read_peft(spec: LoraSpec, folder: str) -> dict[str, np.ndarray]:
     """The model's adapter tensors from a peft folder (B rescaled when its ``lora_alpha / r``
     differs from the model's)."""
-    try:
-        with open(os.path.join(folder, PEFT_CONFIG), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as error:
-        raise TrainingOpError(f"{folder!r}: cannot read {PEFT_CONFIG} ({error})") from None
-    for key, ok in (("peft_type", "LORA"), ("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False)):
-        if config.get(key, ok) != ok:
-            raise TrainingOpError(f"{folder!r}: {key}={config[key]!r} is not plain LoRA ({key} must be {ok!r})")
+    config = _peft_config(folder)
     weights = os.path.join(folder, PEFT_WEIGHTS)
     if not os.path.isfile(weights):
         raise TrainingOpError(f"{folder!r} has no {PEFT_WEIGHTS}")
-    stored, _ = safetensors.read(weights)
-    found: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in stored.items():
-        body = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-        for part in ("lora_A", "lora_B"):
-            for suffix in (f".{part}.weight", f".{part}.default.weight"):
-                if body.endswith(suffix):
-                    found.setdefault(body[: -len(suffix)], {})[part] = value
+    found = _peft_pairs(weights)
     groups = _fused_groups(spec)
     extra = sorted(set(found) - set(groups))
     if extra:
@@ -221,6 +207,32 @@ def read_peft(spec: LoraSpec, folder: str) -> dict[str, np.ndarray]:
             out[a.a] = np.ascontiguousarray(a_part.T)
             out[a.b] = np.ascontiguousarray(b_part.T * rescale)
     return out
+
+
+def _peft_config(folder: str) -> dict:
+    """The folder's adapter_config.json, refused unless it describes plain LoRA."""
+    try:
+        with open(os.path.join(folder, PEFT_CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as error:
+        raise TrainingOpError(f"{folder!r}: cannot read {PEFT_CONFIG} ({error})") from None
+    for key, ok in (("peft_type", "LORA"), ("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False)):
+        if config.get(key, ok) != ok:
+            raise TrainingOpError(f"{folder!r}: {key}={config[key]!r} is not plain LoRA ({key} must be {ok!r})")
+    return config
+
+
+def _peft_pairs(weights: str) -> dict[str, dict[str, np.ndarray]]:
+    """peft's module name -> its ``lora_A`` and ``lora_B`` tensors (either naming, prefix or not)."""
+    stored, _ = safetensors.read(weights)
+    found: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in stored.items():
+        body = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        for part in ("lora_A", "lora_B"):
+            for suffix in (f".{part}.weight", f".{part}.default.weight"):
+                if body.endswith(suffix):
+                    found.setdefault(body[: -len(suffix)], {})[part] = value
+    return found
 
 
 def _pattern(patterns: Mapping[str, object], module: str, default):
@@ -341,18 +353,19 @@ def serving_model(spec: LoraSpec, source: str | os.PathLike | None = None):
         raise TrainingOpError(f"{source!r} already has LoRA adapters: pass the base model add_lora was given")
     decoder = (read_genai_config(source) or {}).get("model", {}).get("decoder")
     linears = {lin.output: lin for lin in linear_nodes(proto, decoder)}
-    chosen, order = {}, []
+    chosen: dict[str, tuple[Linear, list[Slice]]] = {}
+    order: list[Adapter] = []
     for a in spec.adapters:
         lin = linears.get(a.output)
         slices = {(s.start, s.stop): s for s in lin.slices} if lin is not None else {}
-        if (a.start, a.stop) not in slices or lin.in_features != a.in_features:
+        if lin is None or (a.start, a.stop) not in slices or lin.in_features != a.in_features:
             raise TrainingOpError(f"{source!r} is not the base model the adapters were added to: no linear node "
                                   f"computes {a.output!r} [{a.start}:{a.stop}] from {a.in_features} features")
         if a.output not in chosen:
             chosen[a.output] = (lin, [])
         chosen[a.output][1].append(slices[(a.start, a.stop)])
         order.append(a)
-    by_output = {a.output: [] for a in order}
+    by_output: dict[str, list[Adapter]] = {a.output: [] for a in order}
     for a in order:
         by_output[a.output].append(a)
     names = [a for output in chosen for a in by_output[output]]

@@ -63,7 +63,7 @@ def add_lora(model: ModelLike, rank: int = 8, alpha: float | None = None,
         TrainingOpError: a bad setting, a model that already has adapters, or a target that
             matches no linear layer (the error names the modules there are).
     """
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+    if not _is_positive_int(rank):
         raise TrainingOpError(f"rank must be a positive integer, found {rank!r}")
     alpha = float(rank if alpha is None else alpha)
     if not np.isfinite(alpha) or alpha == 0:
@@ -225,3 +225,8 @@ def _serving_input(graph: onnx.GraphProto, name: str, dtype: int, shape: list) -
     graph.input.append(helper.make_tensor_value_info(name, dtype, shape))
     empty = np.zeros([0 if d == LORA_RANK else d for d in shape], helper.tensor_dtype_to_np_dtype(dtype))
     graph.initializer.append(numpy_helper.from_array(empty, name))
+
+
+def _is_positive_int(value: object) -> bool:
+    """An int >= 1, not a bool (a setting as given: the annotation is not enforced)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -218,7 +218,7 @@ def choose(linears: Sequence[Linear], targets: Sequence[str] | str) -> list[tupl
     """
     if not isinstance(targets, str):
         targets = list(targets)
-        if not targets or not all(isinstance(t, str) and t for t in targets):
+        if not targets or not all(_is_name(t) for t in targets):
             raise TrainingOpError(f"targets must be module names or a regular expression, found {targets!r}")
     chosen, used = [], set()
     for linear in linears:
@@ -246,3 +246,7 @@ def choose(linears: Sequence[Linear], targets: Sequence[str] | str) -> list[tupl
 def _entries(targets: Sequence[str] | str) -> list[str]:
     return [targets] if isinstance(targets, str) else list(targets)
 
+
+def _is_name(value: object) -> bool:
+    """A non-empty string (a target as given: the annotation is not enforced)."""
+    return isinstance(value, str) and bool(value)

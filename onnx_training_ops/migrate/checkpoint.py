@@ -119,6 +119,7 @@ def _groups(root: fbs.Checkpoint, path: str) -> list[OptimizerGroup]:
             moments[name] = {}
             for t in tensors:
                 moment, _, _, array = _tensor(t, path, nominal=False)
+                assert array is not None  # read: not nominal
                 moments[name][moment] = array
         step, rate = int(g.step()), float(g.initial_learning_rate())
         if step < 0:

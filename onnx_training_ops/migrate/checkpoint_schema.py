@@ -142,6 +142,9 @@ class _Property(_Table):
     def name(self) -> str | None:
         return self._string(0)
 
+    def value(self) -> int | float | str | None:
+        raise NotImplementedError  # each kind reads its own field type
+
 
 class IntProperty(_Property):
     def value(self) -> int:

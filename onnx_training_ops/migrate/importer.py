@@ -40,6 +40,7 @@ from ..builder import META_PREFIX, build_training_model
 from ..errors import TrainingOpError
 from ..optim.momentum import Momentum
 from ..optim.ort_adamw import OrtAdamW
+from ..storage.large_model import LargeModel
 from ..storage.model_files import as_model
 from ..storage.snapshot import write_state
 from ..training.state.nominal import nominal_model
@@ -98,16 +99,17 @@ def _shapes_from(eval_model: onnx.ModelProto, ckpt: OrtCheckpoint) -> None:
         tensor_type = declared.get(name)
         dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim] \
             if tensor_type is not None and tensor_type.HasField("shape") else None
-        if dims is None or None in dims:
+        static = [d for d in dims or [] if d is not None]
+        if dims is None or len(static) != len(dims):
             raise TrainingOpError(f"{ckpt.path}: nominal checkpoint: the eval model does not declare a full "
                                   f"shape for parameter {name!r} ({dims}); import the complete checkpoint")
-        zeros = np.zeros(dims, dtype)
+        zeros = np.zeros(static, dtype)
         ckpt.shapes[name] = (dtype, zeros.shape)
         (ckpt.trainable if name in ckpt.trainable_names else ckpt.frozen)[name] = zeros
 
 
 def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: str = "checkpoint",
-                                lr: float | None = None) -> onnx.ModelProto:
+                                lr: float | None = None) -> onnx.ModelProto | LargeModel:
     """One training model that continues the onnxruntime-training run saved in ``artifact_dir``.
 
     ``TrainingSession(model)`` trains it; ``save`` writes our checkpoint. Needs the ``migrate``
@@ -121,7 +123,8 @@ def import_onnxruntime_training(artifact_dir: str | os.PathLike, *, checkpoint: 
             initial learning rate (see the module docstring).
 
     Returns:
-        The training model: the eval model's forward and loss, the checkpoint's parameters,
+        The training model (a :class:`LargeModel` past the large-model size, as ``as_model`` opens
+        one): the eval model's forward and loss, the checkpoint's parameters,
         AdamW moments, step and properties, and :class:`OrtAdamW` as standard ops (``Momentum(momentum=0)``
     for their SGD).
 

@@ -7,8 +7,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import TrainingOpError
+from ..schema import OPTIMIZERS
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def float_defaults(op_type: str) -> dict[str, float]:
+    """The schema's defaults of ``op_type``'s float attributes (float32-exact, as a model holds them)."""
+    return {name: value for name, value in OPTIMIZERS[op_type].defaults.items() if isinstance(value, float)}
 
 
 def scalar_rate(r, op_type: str) -> float:

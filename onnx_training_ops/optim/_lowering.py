@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-FLOAT_TYPES = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64}
+FLOAT_TYPES: dict[int, type[np.floating]] = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64}
 
 
 class Emitter:

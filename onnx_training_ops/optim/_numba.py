@@ -19,8 +19,21 @@ from __future__ import annotations
 import hashlib
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Literal, TypedDict
 
-OPTIONS = dict(fastmath=False, error_model="numpy", boundscheck=False)
+
+class JitOptions(TypedDict, total=False):
+    """Keywords of ``numba.njit`` / ``cfunc`` as the kernels pass them (``njit(**OPTIONS)``)."""
+
+    nogil: bool
+    cache: bool
+    parallel: bool
+    fastmath: bool | set[str]
+    error_model: Literal["python", "numpy"]
+    boundscheck: bool
+
+
+OPTIONS: JitOptions = {"fastmath": False, "error_model": "numpy", "boundscheck": False}
 
 try:
     from numba import njit
@@ -78,11 +91,13 @@ class _InlinedSourcesLocator:
         return None
 
 
-def _locator_classes() -> list:
-    from numba.core import caching
-
-    impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # numba >= 0.68 / older
-    return impl._locator_classes
+def _locator_classes() -> list[Any]:
+    """numba's cache locator classes, in the order it tries them (duck-typed: ``from_function``)."""
+    try:
+        from numba.core.caching import CacheImpl
+    except ImportError:  # numba < 0.68 names it _CacheImpl
+        from numba.core.caching import _CacheImpl as CacheImpl  # type: ignore[attr-defined, no-redef]
+    return CacheImpl._locator_classes
 
 
 def cache_covers_inlined_sources() -> None:

@@ -33,14 +33,13 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from ..schema import OPTIMIZERS
 from ._checks import check_betas, check_nonnegative
-from ._common import interleave, scalar_count, scalar_rate, split_groups
+from ._common import float_defaults, interleave, scalar_count, scalar_rate, split_groups
 from ._lowering import LoweredTensor, NodeScalars
 from ._numba import element, scalar
 from .base import Defaults
 
-DEFAULTS = OPTIMIZERS["Adam"].defaults  # float32-exact, as a model holds them
+DEFAULTS = float_defaults("Adam")  # float32-exact, as a model holds them
 NAMES = ("X", "G", "V", "H")
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 
+from ..errors import TrainingOpError
 from . import adagrad, adam, momentum, ort_adamw, rmsprop
 from ._lowering import Lowering
 from .base import Optimizer
@@ -43,6 +44,9 @@ LOWERINGS: dict[str, Lowering] = {
 
 def to_json(optimizer: Optimizer) -> str:
     """``{"type": "Adam", "lr": ..., ...}``: how the builder records the optimizer in the model's metadata."""
+    if not is_dataclass(optimizer) or isinstance(optimizer, type):
+        raise TrainingOpError(f"{type(optimizer).__name__} is not an optimizer description (a dataclass instance); "
+                              f"the registered ones: {', '.join(OPTIMIZER_CLASSES)}")
     return json.dumps({"type": type(optimizer).__name__, **asdict(optimizer)})
 
 

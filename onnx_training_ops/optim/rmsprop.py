@@ -68,8 +68,8 @@ class RMSProp(Defaults):
     def __post_init__(self):
         check_nonnegative("RMSProp", lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
                           momentum=self.momentum)
-        if not (isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
-                and 0.0 <= self.alpha <= 1.0):
+        alpha: object = self.alpha  # as given: the annotation is not enforced
+        if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0.0 <= alpha <= 1.0):
             raise TrainingOpError(f"RMSProp: alpha must be a number in [0, 1], found {self.alpha!r}")
         check_bool("RMSProp", "centered", self.centered)
 

@@ -142,12 +142,12 @@ def _request(gnode: NodeProto, meta: Mapping[str, ValueMeta], visible: frozenset
     label = node_label(gnode)
     xs = _strings(gnode, "xs")
     zs = _strings(gnode, "zs") or []
-    y = _strings(gnode, "y")
-    if not y or not y[0]:
+    ys = _strings(gnode, "y")
+    if not ys or not ys[0]:
         raise TrainingOpError(f"{label}: the required attribute 'y' is missing")
     if not xs:
         raise TrainingOpError(f"{label}: the required attribute 'xs' is missing or empty")
-    y = y[0]
+    y = ys[0]
     if len(gnode.input) != len(xs) + len(zs):
         raise TrainingOpError(
             f"{label}: has {len(gnode.input)} inputs, expected len(xs) + len(zs) = "

@@ -67,9 +67,10 @@ class ValueType:
 
     @property
     def static_shape(self) -> tuple[int, ...] | None:
-        if self.shape is None or any(not isinstance(d, int) for d in self.shape):
+        if self.shape is None:
             return None
-        return self.shape  # type: ignore[return-value]
+        dims = tuple(d for d in self.shape if isinstance(d, int))
+        return dims if len(dims) == len(self.shape) else None
 
 
 def _from_type_proto(tp: onnx.TypeProto) -> ValueType | None:

@@ -71,7 +71,8 @@ def _chain(bn, producer):
     sub = producer.get(sq.input[0]) if sq is not None and sq.op_type == "Mul" else None
     if not (mean is not None and mean.op_type == "ReduceMean" and mean.input[0] == x and sub is not None
             and sub.op_type == "Sub" and list(sub.input) == [x, mean.output[0]]
-            and list(sq.input) == [sub.output[0]] * 2 and _axes_ok(mean, producer) and _axes_ok(var, producer)
+            and sq is not None and list(sq.input) == [sub.output[0]] * 2
+            and _axes_ok(mean, producer) and _axes_ok(var, producer)
             and _flat(mean_r, producer) and _flat(var_r, producer)):
         return None
     return (mean_r, var_r), [var, sq, sub, mean]

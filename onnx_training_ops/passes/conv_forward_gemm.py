@@ -20,7 +20,7 @@ cap 1599 MB, with it 1331 MB for the same step (0.99x; torch eager: 1048 MB).
 from __future__ import annotations
 
 import numpy as np
-from onnx import ModelProto, TensorProto, helper, numpy_helper
+from onnx import ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 from ..autodiff import topological_sort
 from ..autodiff.native_ops import COLS_OF, DOMAIN, IM2COL
@@ -41,12 +41,12 @@ def conv_forward_gemm(model: ModelProto) -> ModelProto:
                           if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
                           and n.attribute[0].t.data_type == 7})
         taken = all_names(graph)
-        nodes = []
+        nodes: list[NodeProto] = []
         for node in graph.node:
             im2col = cols.get(node.name) if node.op_type == "Conv" and node.domain in ("", "ai.onnx") else None
-            geometry = constants.get(im2col.input[1]) if im2col is not None else None
-            geometry = None if geometry is None else [int(v) for v in geometry]
-            if (geometry is None or im2col.input[0] != node.input[0] or _patchify(geometry)
+            value = constants.get(im2col.input[1]) if im2col is not None else None
+            geometry = None if value is None else [int(v) for v in value]
+            if (im2col is None or geometry is None or im2col.input[0] != node.input[0] or _patchify(geometry)
                     or not _small(geometry) or _few_columns(geometry)):
                 nodes.append(node)
                 continue

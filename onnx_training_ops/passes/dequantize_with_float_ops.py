@@ -78,7 +78,8 @@ def dequantize_with_float_ops(model: ModelProto) -> ModelProto:
         return model
     g = _Graph(graph)
     names = Names(graph, "dequantize")
-    nodes, replaced = [], []
+    nodes: list[onnx.NodeProto] = []
+    replaced: list[onnx.NodeProto] = []
     for node in graph.node:
         rewritten = _rewrite(node, g, names) if node.op_type == "GatherBlockQuantized" and node.domain == MS else None
         nodes.extend(rewritten if rewritten is not None else [node])

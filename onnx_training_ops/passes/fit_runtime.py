@@ -34,7 +34,7 @@ def _loads(ir_version: int, opset: int) -> bool:
 @lru_cache(maxsize=1)
 def runtime_limits() -> tuple[int, int]:
     """(highest IR version, highest ai.onnx opset) the installed onnxruntime loads."""
-    ir = onnx.IR_VERSION
+    ir = int(onnx.IR_VERSION)
     while ir > 3 and not _loads(ir, 13):
         ir -= 1
     opset = onnx.defs.onnx_opset_version()

@@ -49,20 +49,23 @@ class _Graph:
                     and n.attribute[0].name == "value" and _small(n.attribute[0].t.dims):
                 self.values[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
 
-    def const(self, name: str, value: float) -> bool:
-        v = self.values.get(name)
-        return v is not None and v.size == 1 and np.isclose(float(v.reshape(-1)[0]), value, rtol=1e-6, atol=0)
+    def const(self, name: str | None, value: float) -> bool:
+        """``name`` (None: no value) is a one-element constant close to ``value``."""
+        v = None if name is None else self.values.get(name)
+        return v is not None and v.size == 1 and bool(np.isclose(float(v.reshape(-1)[0]), value, rtol=1e-6, atol=0))
 
-    def only_use(self, name: str, op_type: str) -> object | None:
+    def only_use(self, name: str | None, op_type: str) -> onnx.NodeProto | None:
         """The one node reading ``name``, if it is a standard ``op_type`` and ``name`` is no graph output."""
+        if name is None:
+            return None
         readers = self.consumers.get(name, [])
         if len(readers) != 1 or name in self.outputs:
             return None
         node = readers[0]
         return node if node.op_type == op_type and node.domain in ("", "ai.onnx") else None
 
-    def made_by(self, name: str, op_type: str):
-        node = self.producer.get(name)
+    def made_by(self, name: str | None, op_type: str) -> onnx.NodeProto | None:
+        node = None if name is None else self.producer.get(name)
         return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
 
 
@@ -70,7 +73,7 @@ def _small(dims) -> bool:
     return int(np.prod(dims, dtype=np.int64)) <= 1
 
 
-def _other(node, name: str) -> str | None:
+def _other(node: onnx.NodeProto, name: str) -> str | None:
     """The input of a binary ``node`` that is not ``name`` (None if both are)."""
     a, b = node.input[0], node.input[1]
     return b if a == name else a if b == name else None
@@ -94,7 +97,7 @@ def _half_times_x(g: _Graph, start: str, x: str) -> tuple[list, str] | None:
     return None
 
 
-def _erf_gelu(g: _Graph, erf) -> tuple[list, str, str, str] | None:
+def _erf_gelu(g: _Graph, erf: onnx.NodeProto) -> tuple[list, str, str, str] | None:
     scaled = erf.input[0]
     div = g.made_by(scaled, "Div")
     mul = g.made_by(scaled, "Mul")
@@ -115,12 +118,12 @@ def _erf_gelu(g: _Graph, erf) -> tuple[list, str, str, str] | None:
     return [first, erf, add, *tail[0]], x, tail[1], "Gelu"
 
 
-def _tanh_gelu(g: _Graph, tanh) -> tuple[list, str, str, str] | None:
+def _tanh_gelu(g: _Graph, tanh: onnx.NodeProto) -> tuple[list, str, str, str] | None:
     scale = g.made_by(tanh.input[0], "Mul")
     if scale is None or g.only_use(tanh.input[0], "Tanh") is not tanh:
         return None
     inner = next((i for i in scale.input if not g.const(i, _TANH_SCALE)), None)
-    if inner is None or not g.const(_other(scale, inner) or "", _TANH_SCALE):
+    if inner is None or not g.const(_other(scale, inner), _TANH_SCALE):
         return None
     add = g.made_by(inner, "Add")
     if add is None or g.only_use(inner, "Mul") is not scale:
@@ -130,9 +133,9 @@ def _tanh_gelu(g: _Graph, tanh) -> tuple[list, str, str, str] | None:
         if times is None or g.only_use(cubic, "Add") is not add:
             continue
         cube = next((i for i in times.input if not g.const(i, 0.044715)), None)
-        power = g.made_by(cube or "", "Pow")
-        if power is None or power.input[0] != x or not g.const(power.input[1], 3.0) or \
-                not g.const(_other(times, cube) or "", 0.044715) or g.only_use(cube, "Mul") is not times:
+        power = g.made_by(cube, "Pow")
+        if cube is None or power is None or power.input[0] != x or not g.const(power.input[1], 3.0) or \
+                not g.const(_other(times, cube), 0.044715) or g.only_use(cube, "Mul") is not times:
             continue
         plus = g.only_use(tanh.output[0], "Add")
         if plus is None or not g.const(_other(plus, tanh.output[0]), 1.0):

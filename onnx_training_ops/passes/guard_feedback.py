@@ -49,14 +49,15 @@ def guard_feedback(model: onnx.ModelProto, feedback: Mapping[str, str], loss: st
     nodes = []
     ok = gate
     if loss is not None:
-        nan, inf, bad, ok = (unique_name(taken, f"{loss}/{what}") for what in ("is_nan", "is_inf", "bad", "finite"))
+        nan, inf, bad, finite = (unique_name(taken, f"{loss}/{what}") for what in ("is_nan", "is_inf", "bad", "finite"))
         nodes += [helper.make_node("IsNaN", [loss], [nan]), helper.make_node("IsInf", [loss], [inf]),
-                  helper.make_node("Or", [nan, inf], [bad]), helper.make_node("Not", [bad], [ok])]
+                  helper.make_node("Or", [nan, inf], [bad]), helper.make_node("Not", [bad], [finite])]
+        ok = finite
     if gate is not None:
         graph.input.append(helper.make_tensor_value_info(gate, onnx.TensorProto.BOOL, []))
         if loss is not None:
             gated = unique_name(taken, f"{loss}/finite_and_applied")
-            nodes.append(helper.make_node("And", [ok, gate], [gated]))
+            nodes.append(helper.make_node("And", [finite, gate], [gated]))
             ok = gated
     if ok is None:
         raise ValueError("guard_feedback: neither a loss nor a gate to guard with")

@@ -18,10 +18,10 @@ operand or a constant outside int32 stays int64.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
-from onnx import ModelProto, TensorProto, helper, numpy_helper
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 from ._rewrite import Names, constants
 
@@ -40,10 +40,16 @@ def _in_int32(value: np.ndarray) -> bool:
     return not value.size or (value.min() >= -2 ** 31 and value.max() < 2 ** 31)
 
 
-def _plan(graph, start: str, known: dict, readers: dict) -> tuple[set[str], list, list] | None:
+Slot = tuple[NodeProto, int]  # a node and one of its input positions
+
+
+def _plan(graph: GraphProto, start: str, known: Mapping[str, np.ndarray],
+          readers: Mapping[str, list[NodeProto]]) -> tuple[set[str], list[Slot], list[Slot]] | None:
     """Values that become int32, constants to copy as int32 (node, input index), readers that
     need a Cast back (node, input index); None when the input must stay int64."""
-    narrow, copies, casts = {start}, [], []
+    narrow = {start}
+    copies: list[Slot] = []
+    casts: list[Slot] = []
     work = [start]
     outputs = {o.name for o in graph.output}
     while work:
@@ -53,34 +59,45 @@ def _plan(graph, start: str, known: dict, readers: dict) -> tuple[set[str], list
         for node in readers.get(value, []):
             slots = [k for k, name in enumerate(node.input) if name == value]
             if node.op_type in _READ_AS_IS:
-                if node.op_type != "Cast":
-                    for k, other in enumerate(node.input):
-                        if other not in narrow and k not in slots:
-                            if other not in known or known[other].dtype != np.int64 or not _in_int32(known[other]):
-                                return None
-                            copies.append((node, k))
+                others = [] if node.op_type == "Cast" else [k for k in range(len(node.input)) if k not in slots]
+                found = _int32_copies(node, others, narrow, known)
+                if found is None:
+                    return None
+                copies.extend(found)
                 continue
             if node.op_type in _INDEX_INPUT and slots == [_INDEX_INPUT[node.op_type]]:
                 continue
             if node.op_type in _VALUE_SLOTS:
-                values = _VALUE_SLOTS[node.op_type]
-                values = range(len(node.input)) if values is None else values
+                flowing = _VALUE_SLOTS[node.op_type]
+                values = range(len(node.input)) if flowing is None else flowing
                 index = _INDEX_INPUT.get(node.op_type)
                 if any(k not in values and k != index for k in slots):
                     return None  # read as a shape, axes or pads
-                for k in values:
-                    other = node.input[k] if k < len(node.input) else ""
-                    if k in slots or not other or other in narrow:
-                        continue
-                    if other not in known or known[other].dtype != np.int64 or not _in_int32(known[other]):
-                        return None
-                    copies.append((node, k))
+                found = _int32_copies(node, [k for k in values if k not in slots], narrow, known)
+                if found is None:
+                    return None
+                copies.extend(found)
                 if node.output[0] not in narrow:
                     narrow.add(node.output[0])
                     work.append(node.output[0])
                 continue
             casts.extend((node, k) for k in slots)
     return narrow, copies, casts
+
+
+def _int32_copies(node: NodeProto, slots: Iterable[int], narrow: set[str],
+                  known: Mapping[str, np.ndarray]) -> list[Slot] | None:
+    """The operands of ``node`` at ``slots`` that need an int32 copy (int64 constants within the
+    int32 range; absent ones and values already int32 need none); None when one is anything else."""
+    copies = []
+    for k in slots:
+        other = node.input[k] if k < len(node.input) else ""
+        if not other or other in narrow:
+            continue
+        if other not in known or known[other].dtype != np.int64 or not _in_int32(known[other]):
+            return None
+        copies.append((node, k))
+    return copies
 
 
 def int32_inputs(model: ModelProto, skip: Iterable[str] = ()) -> list[str]:

@@ -15,6 +15,10 @@ the cell per time step: 13-20 nodes per step and direction).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, helper, numpy_helper
@@ -22,7 +26,7 @@ from onnx import GraphProto, ModelProto, helper, numpy_helper
 from ..errors import TrainingOpError
 from ..schema import DOMAIN
 from ..walk import all_graphs
-from ._graph import value_types
+from ._graph import ValueType, value_types
 
 RECURRENT = {"LSTM": 4, "GRU": 3, "RNN": 1}
 DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"],
@@ -34,13 +38,17 @@ class _Builder:
     """Emits nodes with names under one prefix."""
 
     def __init__(self, prefix: str):
-        self.prefix, self.nodes, self.count = prefix, [], 0
+        self.prefix, self.count = prefix, 0
+        self.nodes: list[onnx.NodeProto] = []
 
-    def op(self, op_type: str, inputs, n_out: int = 1, **attrs):
+    def op(self, op_type: str, inputs: Sequence[str], **attrs: Any) -> str:
+        return self.ops(op_type, inputs, 1, **attrs)[0]
+
+    def ops(self, op_type: str, inputs: Sequence[str], n_out: int, **attrs: Any) -> list[str]:
         self.count += 1
         outs = [f"{self.prefix}/{op_type}_{self.count}_{i}" for i in range(n_out)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=outs[0], **attrs))
-        return outs[0] if n_out == 1 else outs
+        return outs
 
     def const(self, value: np.ndarray) -> str:
         self.count += 1
@@ -59,21 +67,21 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _unroll(node: onnx.NodeProto, types: dict) -> list[onnx.NodeProto]:
-    op, gates = node.op_type, RECURRENT[node.op_type]
+@dataclass(frozen=True)
+class _Cell:
+    """What every time step of one recurrent node shares."""
+
+    op: str  # LSTM, GRU or RNN
+    hidden: int
+    acts: list[str]
+    linear_before_reset: int
+
+
+def _unroll(node: onnx.NodeProto, types: Mapping[str, ValueType]) -> list[onnx.NodeProto]:
     a = _attrs(node)
-    for unsupported in ("clip", "input_forget"):
-        if a.get(unsupported):
-            raise _fail(node, f"attribute {unsupported}")
-    direction = a.get("direction", b"forward")
-    direction = direction.decode() if isinstance(direction, bytes) else direction
-    dirs = 2 if direction == "bidirectional" else 1
-    acts = [x.decode() if isinstance(x, bytes) else x for x in a.get("activations", [])]
-    acts = acts[:len(DEFAULT_ACTIVATIONS[op])] or DEFAULT_ACTIVATIONS[op]
-    if set(acts) - SUPPORTED_ACTIVATIONS or a.get("activation_alpha") or a.get("activation_beta"):
-        raise _fail(node, f"activations {acts}")
+    op, direction = node.op_type, _direction(node, a)
+    cell = _Cell(op, int(a["hidden_size"]), _activations(node, a), int(a.get("linear_before_reset", 0)))
     layout = int(a.get("layout", 0))
-    hidden = int(a["hidden_size"])
     ins = list(node.input) + [""] * (8 - len(node.input))
     x, w, r, bias, seq_lens, init_h = ins[:6]
     init_c = ins[6] if op == "LSTM" else ""
@@ -91,42 +99,22 @@ def _unroll(node: onnx.NodeProto, types: dict) -> list[onnx.NodeProto]:
     zeros_h = None
     if not init_h or (op == "LSTM" and not init_c):
         batch = b.op("Slice", [b.op("Shape", [x]), b.const(np.array([1])), b.const(np.array([2]))])
-        shape = b.op("Concat", [batch, b.const(np.array([hidden]))], axis=0)
+        shape = b.op("Concat", [batch, b.const(np.array([cell.hidden]))], axis=0)
         zeros_h = b.op("CastLike", [b.op("ConstantOfShape", [shape]), w])
-    mask = None
+    lens = None
     if seq_lens:
         lens = b.op("Unsqueeze", [b.op("Cast", [seq_lens], to=onnx.TensorProto.INT64),
                                   b.const(np.array([1]))])  # [batch, 1]
     ys, last_h, last_c = [], [], []
-    for d in range(dirs):
+    for d in range(2 if direction == "bidirectional" else 1):
         at = b.const(np.array(d))
         w_t = b.op("Transpose", [b.op("Gather", [w, at], axis=0)])  # [I, gates*H]
         r_t = b.op("Transpose", [b.op("Gather", [r, at], axis=0)])  # [H, gates*H]
-        xw = b.op("MatMul", [x, w_t])  # [seq, batch, gates*H]
-        rb = None
-        if bias:
-            wb, rb = b.op("Split", [b.op("Gather", [bias, at], axis=0),
-                                    b.const(np.array([gates * hidden] * 2))], 2, axis=0)
-            if op != "GRU" or not a.get("linear_before_reset", 0):
-                xw = b.op("Add", [xw, b.op("Add", [wb, rb])])
-                rb = None
-            else:  # GRU linear_before_reset: Rbh stays inside the reset product
-                xw = b.op("Add", [xw, wb])
-        h = b.op("Gather", [init_h, at], axis=0) if init_h else zeros_h
-        c = (b.op("Gather", [init_c, at], axis=0) if init_c else zeros_h) if op == "LSTM" else None
-        reverse = direction == "reverse" or d == 1
-        outs: list = [None] * steps
-        for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-            xt_ = b.op("Gather", [xw, b.const(np.array(t))], axis=0)  # [batch, gates*H]
-            h_new, c_new = _cell(b, op, xt_, h, c, r_t, rb, hidden, acts,
-                                 int(a.get("linear_before_reset", 0)))
-            if seq_lens:
-                mask = b.op("Less", [b.const(np.array(t)), lens])  # [batch, 1]
-                outs[t] = b.op("Where", [mask, h_new, b.op("Sub", [h_new, h_new])])
-                h = b.op("Where", [mask, h_new, h])
-                c = b.op("Where", [mask, c_new, c]) if c_new else None
-            else:
-                outs[t], h, c = h_new, h_new, c_new
+        xw, rb = _input_terms(b, cell, b.op("MatMul", [x, w_t]), bias, at)  # [seq, batch, gates*H]
+        h = _initial(b, init_h, at, zeros_h)
+        c = _initial(b, init_c, at, zeros_h) if op == "LSTM" else None
+        order = range(steps - 1, -1, -1) if direction == "reverse" or d == 1 else range(steps)
+        outs, h, c = _steps(b, cell, order, xw, h, c, r_t, rb, lens)
         ys.append(b.op("Concat", [b.op("Unsqueeze", [o, b.const(np.array([0, 1]))])
                                   for o in outs], axis=0))  # [seq, 1, batch, H]
         last_h.append(b.op("Unsqueeze", [h, b.const(np.array([0]))]))
@@ -144,19 +132,74 @@ def _unroll(node: onnx.NodeProto, types: dict) -> list[onnx.NodeProto]:
     return b.nodes
 
 
+def _direction(node: onnx.NodeProto, a: dict[str, Any]) -> str:
+    """The node's direction, after refusing the attributes the unrolled form does not cover."""
+    for unsupported in ("clip", "input_forget"):
+        if a.get(unsupported):
+            raise _fail(node, f"attribute {unsupported}")
+    direction = a.get("direction", b"forward")
+    return direction.decode() if isinstance(direction, bytes) else direction
+
+
+def _activations(node: onnx.NodeProto, a: dict[str, Any]) -> list[str]:
+    acts = [x.decode() if isinstance(x, bytes) else x for x in a.get("activations", [])]
+    acts = acts[:len(DEFAULT_ACTIVATIONS[node.op_type])] or DEFAULT_ACTIVATIONS[node.op_type]
+    if set(acts) - SUPPORTED_ACTIVATIONS or a.get("activation_alpha") or a.get("activation_beta"):
+        raise _fail(node, f"activations {acts}")
+    return acts
+
+
+def _input_terms(b: _Builder, cell: _Cell, xw: str, bias: str, at: str) -> tuple[str, str | None]:
+    """``X W^T`` plus the biases, and the recurrent bias Rb where it stays inside the step (GRU
+    ``linear_before_reset``; None elsewhere)."""
+    if not bias:
+        return xw, None
+    wb, rb = b.ops("Split", [b.op("Gather", [bias, at], axis=0),
+                             b.const(np.array([RECURRENT[cell.op] * cell.hidden] * 2))], 2, axis=0)
+    if cell.op != "GRU" or not cell.linear_before_reset:
+        return b.op("Add", [xw, b.op("Add", [wb, rb])]), None
+    return b.op("Add", [xw, wb]), rb  # GRU linear_before_reset: Rbh stays inside the reset product
+
+
+def _initial(b: _Builder, state: str, at: str, zeros: str | None) -> str:
+    """The initial h (or c) of direction ``at``: the node's input, or zeros where it has none."""
+    if state:
+        return b.op("Gather", [state, at], axis=0)
+    assert zeros is not None, "made whenever an initial state is absent"
+    return zeros
+
+
+def _steps(b: _Builder, cell: _Cell, order: range, xw: str, h: str, c: str | None, r_t: str, rb: str | None,
+           lens: str | None) -> tuple[list[str], str, str | None]:
+    """Every time step of one direction, in ``order``: the outputs by time, the last h and c."""
+    outs = [""] * len(order)
+    for t in order:
+        xt_ = b.op("Gather", [xw, b.const(np.array(t))], axis=0)  # [batch, gates*H]
+        h_new, c_new = _cell(b, cell, xt_, h, c, r_t, rb)
+        if lens is not None:
+            mask = b.op("Less", [b.const(np.array(t)), lens])  # [batch, 1]
+            outs[t] = b.op("Where", [mask, h_new, b.op("Sub", [h_new, h_new])])
+            h = b.op("Where", [mask, h_new, h])
+            c = b.op("Where", [mask, c_new, c]) if c_new and c is not None else None
+        else:
+            outs[t], h, c = h_new, h_new, c_new
+    return outs, h, c
+
+
 def _activate(b: _Builder, name: str, v: str) -> str:
     return b.op(name, [v])
 
 
-def _cell(b: _Builder, op: str, xw: str, h: str, c, r_t: str, rb, hidden: int, acts: list,
-          linear_before_reset: int):
+def _cell(b: _Builder, cell: _Cell, xw: str, h: str, c: str | None, r_t: str, rb: str | None) -> tuple[str, str | None]:
     """One time step: (new h, new c or None)."""
+    op, hidden, acts = cell.op, cell.hidden, cell.acts
     hr = b.op("MatMul", [h, r_t])
     if op == "RNN":
         return _activate(b, acts[0], b.op("Add", [xw, hr])), None
     if op == "LSTM":
-        i, o, f, g = b.op("Split", [b.op("Add", [xw, hr]), b.const(np.array([hidden] * 4))], 4,
-                          axis=-1)
+        assert c is not None, "an LSTM step has a cell state"
+        i, o, f, g = b.ops("Split", [b.op("Add", [xw, hr]), b.const(np.array([hidden] * 4))], 4,
+                           axis=-1)
         f_act, g_act, h_act = acts
         c_new = b.op("Add", [b.op("Mul", [_activate(b, f_act, f), c]),
                              b.op("Mul", [_activate(b, f_act, i), _activate(b, g_act, g)])])
@@ -164,13 +207,13 @@ def _cell(b: _Builder, op: str, xw: str, h: str, c, r_t: str, rb, hidden: int, a
         return h_new, c_new
     f_act, g_act = acts
     sizes = b.const(np.array([hidden] * 3))
-    xz, xr, xh = b.op("Split", [xw, sizes], 3, axis=-1)
+    xz, xr, xh = b.ops("Split", [xw, sizes], 3, axis=-1)
     if rb is not None:
         hr = b.op("Add", [hr, rb])
-    hz, hrr, hh = b.op("Split", [hr, sizes], 3, axis=-1)
+    hz, hrr, hh = b.ops("Split", [hr, sizes], 3, axis=-1)
     z = _activate(b, f_act, b.op("Add", [xz, hz]))
     reset = _activate(b, f_act, b.op("Add", [xr, hrr]))
-    if linear_before_reset:
+    if cell.linear_before_reset:
         cand = b.op("Add", [xh, b.op("Mul", [reset, hh])])
     else:  # (r * h) R_h^T: recompute with the reset state (R_h's rows of r_t)
         r_h = b.op("Slice", [r_t, b.const(np.array([2 * hidden])), b.const(np.array([3 * hidden])),

@@ -99,7 +99,8 @@ def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
     for pool in pools:
         x = pool.input[0]
         shape = shapes.get(x)
-        tiles = _tiles(pool, shape if shape and None not in shape else None)
+        static = [d for d in shape or [] if d is not None]
+        tiles = _tiles(pool, static if shape and len(static) == len(shape) else None)
         flats = readers.get(pool.output[1], [])
         scatters = [s for f in flats if f.op_type == "Reshape" for s in readers.get(f.output[0], [])]
         if tiles is None or not flats or any(f.op_type != "Reshape" for f in flats) or \
@@ -108,7 +109,7 @@ def maxpool_gradient_by_mask(model: ModelProto) -> ModelProto:
             raise TrainingOpError(f"maxpool_gradient_by_mask: {node_label(pool)}: its Indices output is read, which "
                                   "WebGPU's MaxPool does not give; only the gradient of a MaxPool whose windows tile "
                                   f"its input (kernel == strides, no pads, static shape {shape}) is rewritten")
-        n, c, h, w = shape
+        n, c, h, w = static
         kh, kw = tiles
         oh, ow = h // kh, w // kw
         for scatter in scatters:

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ._graph import all_names, unique_name, value_types
+from ._graph import ValueType, all_names, unique_name, value_types
 from .guard_feedback import in_place_unsafe, node_reads, state_readers
 
 PASS_THROUGH = {"Reshape", "Identity", "Flatten", "Squeeze", "Unsqueeze", "Slice"}
@@ -90,8 +90,7 @@ def writes_after_reads(model: onnx.ModelProto, written: Mapping[str, str], unsaf
     constants = {t.name for t in graph.initializer}
     sources = sorted({_source(graph, producer, w.input[1], constants) for w in wheres})
     types = value_types(model)
-    usable = [s for s in sources if s in producer and types.get(s) is not None
-              and types[s].static_shape is not None and int(np.prod(types[s].static_shape)) > 0]
+    usable = [s for s in sources if s in producer and _has_elements(types.get(s))]
     covers = {s: stale & _ancestors(reads, producer, s) for s in usable}
     chosen, left = [], set(stale)
     while left:
@@ -132,3 +131,9 @@ def _and_into(graph: onnx.GraphProto, condition: str, values: list[str], wheres:
 
 
 __all__ = ["writes_after_reads"]
+
+
+def _has_elements(value: ValueType | None) -> bool:
+    """A value of a static shape with at least one element."""
+    shape = None if value is None else value.static_shape
+    return shape is not None and int(np.prod(shape)) > 0

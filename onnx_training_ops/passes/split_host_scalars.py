@@ -90,7 +90,7 @@ def split_host_scalars(model: ModelProto, roots: Iterable[str]) -> tuple[ModelPr
                                       "the host program computes scalars (one element) only")
     read_by_rest = {i for n in rest for i in n.input}
     used_constants = {i for n in cone for i in n.input if i in known and i not in host}
-    program = {
+    program: dict[str, Any] = {  # the JSON document the host runs
         "inputs": roots,
         "constants": {name: {"dtype": known[name].dtype.name, "shape": list(known[name].shape),
                              "values": known[name].reshape(-1).tolist()} for name in sorted(used_constants)},

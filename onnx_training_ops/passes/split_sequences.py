@@ -63,13 +63,13 @@ def _rewrite(graph: GraphProto, types: dict) -> None:
         dim = None
         if known is not None and known.shape is not None and -len(known.shape) <= axis < len(known.shape):
             dim = known.shape[axis]
-        split = _sizes(split, dim)
-        if split is None:
+        sizes = _sizes(split, dim)
+        if sizes is None:
             continue
-        pieces = [f"{seq}/piece{i}" for i in range(len(split))]
+        pieces = [f"{seq}/piece{i}" for i in range(len(sizes))]
         split_name = f"{seq}/sizes"
         new = [helper.make_node("Constant", [], [split_name],
-                                value=numpy_helper.from_array(np.asarray(split, np.int64))),
+                                value=numpy_helper.from_array(np.asarray(sizes, np.int64))),
                helper.make_node("Split", [node.input[0], split_name], pieces, axis=axis,
                                 name=node.name or seq)]
         for user in users:

@@ -104,17 +104,18 @@ def _check_group_types(node, label: str, n: int, types: dict[str, ValueType]) ->
             raise TrainingOpError(f"{label}: {', '.join(spec.tensor_inputs)} of tensor {i} "
                                   f"must share one dtype; {found}")
         x_type = known[0][2]
-        shapes = [vt.static_shape for _, _, vt in known if vt is not None]
-        if x_type is None or x_type.static_shape is None or len(shapes) != len(known) or None in shapes:
+        shapes = [shape for _, _, vt in typed if (shape := vt.static_shape) is not None]
+        if x_type is None or x_type.static_shape is None or len(shapes) != len(known):
             continue
         try:
             common = np.broadcast_shapes(*shapes)
         except ValueError:
             common = None
         if common != x_type.static_shape:
-            found = ", ".join(f"{role}{i} {list(vt.shape)}" for role, _, vt in known)
+            found = ", ".join(f"{role}{i} {list(shape)}" for (role, _, _), shape in zip(typed, shapes))
             raise TrainingOpError(
-                f"{label}: shapes of tensor {i} must broadcast to the shape of X{i} {list(x_type.shape)}; found {found}"
+                f"{label}: shapes of tensor {i} must broadcast to the shape of X{i} {list(x_type.static_shape)}; "
+                f"found {found}"
             )
 
 

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import onnxruntime as ort
 
+from ..errors import TrainingOpError
+
 _log = logging.getLogger(__name__)
 
 OP_VERSION = 16  # OrtCustomOp fields read up to KernelComputeV2 (CreateKernelV2/KernelComputeV2 need 16)
@@ -189,7 +191,10 @@ def _libc():
 
 
 def _free_address() -> int:
-    return ctypes.cast(_libc().free, ctypes.c_void_p).value
+    address = ctypes.cast(_libc().free, ctypes.c_void_p).value
+    if address is None:  # a NULL c_void_p reads as None
+        raise TrainingOpError("libc's free has no address")
+    return address
 
 
 def kernel_state(compute: int, words: Sequence[int], strings: Sequence[bytes] = (),

@@ -360,14 +360,13 @@ def table(provider: str = CUDA, domain: str = "") -> dict[str, tuple[Kernel, ...
     for line in _TEXTS.get((provider, "" if domain == "ai.onnx" else domain), "").strip().splitlines():
         op, versions, *constraints = line.split()
         first, _, rest = versions.partition("-")
+        last: int | None
         if versions.endswith("+"):
-            span = (int(versions[:-1]), None)
-        elif rest:
-            span = (int(first), int(rest))
+            since, last = int(versions[:-1]), None
         else:
-            span = (int(first), int(first))
+            since, last = int(first), int(rest or first)
         types = {c.partition("=")[0]: _types(c.partition("=")[2]) for c in constraints}
-        kernels.setdefault(op, []).append(Kernel(span[0], span[1], types))
+        kernels.setdefault(op, []).append(Kernel(since, last, types))
     return {op: tuple(k) for op, k in kernels.items()}
 
 
@@ -455,7 +454,7 @@ class Signature:
 
 
 def _params(params, variadic) -> tuple[tuple[str, str, bool], ...]:
-    return tuple((p.name, getattr(p, "type_str", None) or getattr(p, "typeStr", ""), p.option == variadic)
+    return tuple((p.name, str(getattr(p, "type_str", None) or getattr(p, "typeStr", "")), p.option == variadic)
                  for p in params)
 
 
@@ -588,8 +587,8 @@ def host_tables(model: ModelProto, above: int = 0) -> list[HostTable]:
         if node.op_type not in ("Concat", "Split") or node.domain not in ("", "ai.onnx"):
             continue
         pieces = [n for n in (node.input if node.op_type == "Concat" else node.output) if n]
-        dims = [shapes.get(p) for p in pieces]
-        if len(pieces) <= above or any(d is None for d in dims):
+        dims = [shape for p in pieces if (shape := shapes.get(p)) is not None]
+        if len(pieces) <= above or len(dims) != len(pieces):
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
         rank = len(dims[0])

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +32,7 @@ from .extensions import extensions_pyop_module
 _registered_ids: set[int] = set()
 _register_lock = threading.Lock()
 _opdefs: dict = {}  # id -> onnxruntime_extensions' Opdef of our kernels
-_previous_hook = None
+_previous_hook: Callable[..., Any] | None = None  # onnxruntime-extensions' own, set with ours
 _log = logging.getLogger(__name__)
 
 # A Python exception must never leave the hook: the bridge would terminate the process.
@@ -79,6 +81,7 @@ def _make_kernel(op_type: str):
 
 def _hook(k_id, feed, attributes):
     if k_id not in _registered_ids:
+        assert _previous_hook is not None, "installed after onnxruntime-extensions' own is kept"
         return _previous_hook(k_id, feed, attributes)
     opdef = _opdefs[k_id]
     try:

@@ -23,7 +23,7 @@ import mmap
 import os
 import sys
 from collections.abc import Iterable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 import onnx
@@ -36,6 +36,7 @@ from .tensors import MIN_DETACHED_BYTES, add_array, graphs_with_tensors, is_cons
 
 ALIGNMENT = 4096
 CHUNK = 64 * 2**20  # bytes per write/hash of a tensor that is not one contiguous buffer
+_Container = TypeVar("_Container", bound=ModelContainer)  # a LargeModel stays one
 
 
 def _entries(tensor: onnx.TensorProto) -> dict[str, str]:
@@ -96,7 +97,7 @@ def _memmap(path: str, offset: int, tensor: onnx.TensorProto) -> np.ndarray:
     return array if sys.byteorder == "little" else np.asarray(array).byteswap().view(dtype.newbyteorder("="))
 
 
-def map_external(model: ModelContainer, base_dir: str) -> ModelContainer:
+def map_external(model: _Container, base_dir: str) -> _Container:
     """Every file-external tensor of ``model`` (in place) as a read-only memory map."""
     for graph in graphs_with_tensors(model.model_proto):
         for tensor in graph.initializer:
@@ -108,7 +109,7 @@ def map_external(model: ModelContainer, base_dir: str) -> ModelContainer:
     return model
 
 
-def map_inline(model: ModelContainer, path: str, min_bytes: int = MIN_DETACHED_BYTES) -> ModelContainer:
+def map_inline(model: _Container, path: str, min_bytes: int = MIN_DETACHED_BYTES) -> _Container:
     """The initializers of ``min_bytes`` or more that ``model`` (parsed from ``path``) holds
     inline, detached as read-only memory maps of their bytes in ``path`` (in place)."""
     with open(path, "rb") as f:
@@ -136,13 +137,13 @@ def _chunks(array: np.ndarray) -> Iterable[memoryview]:
     if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
         array = array.astype(array.dtype.newbyteorder("<"))
     if array.ndim == 0 or array.flags.c_contiguous:
-        flat = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
+        flat = np.ascontiguousarray(array).reshape(-1).data.cast("B")
         for start in range(0, len(flat), CHUNK):
             yield flat[start:start + CHUNK]
         return
     rows = max(1, CHUNK // max(1, array[:1].nbytes))  # whole rows of axis 0, made contiguous a block at a time
     for start in range(0, array.shape[0], rows):
-        yield memoryview(np.ascontiguousarray(array[start:start + rows]).reshape(-1)).cast("B")
+        yield np.ascontiguousarray(array[start:start + rows]).reshape(-1).data.cast("B")
 
 
 def digest(array: np.ndarray) -> str:
@@ -182,7 +183,7 @@ def write_tensors(f: BinaryIO, arrays: Iterable[tuple[Any, np.ndarray]]) -> dict
 def read_into(path: str, offset: int, out: np.ndarray, hasher=None) -> np.ndarray:
     """Fill the C-contiguous array ``out`` from ``path`` at ``offset`` (``readinto``, no
     mapping), updating ``hasher`` with the bytes on the way; returns ``out``."""
-    view = memoryview(out.reshape(-1)).cast("B") if out.size else memoryview(b"")
+    view = out.reshape(-1).data.cast("B") if out.size else memoryview(b"")
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         done = 0
@@ -203,7 +204,7 @@ def transposed(array: np.ndarray, perm) -> np.ndarray:
     blocks of rows by ``readinto`` (its pages are never mapped into the process), so the
     result is the only copy the resident set counts."""
     perm = tuple(perm)
-    if not (isinstance(array, np.memmap) and array.ndim == 2 and perm == (1, 0)):
+    if not (isinstance(array, np.memmap) and array.filename is not None and array.ndim == 2 and perm == (1, 0)):
         return np.ascontiguousarray(np.asarray(array).transpose(perm))
     rows, cols = array.shape
     out = np.empty((cols, rows), array.dtype)

@@ -118,8 +118,9 @@ class LargeModel(ModelContainer):
             return self
         proto = self.model_proto
         for tensor in all_tensors(proto):
-            if location(tensor) in self.large_initializers:
-                value = np.asarray(self.large_initializers[location(tensor)], order="C")  # keeps 0-d
+            name = location(tensor)
+            if name is not None and name in self.large_initializers:
+                value = np.asarray(self.large_initializers[name], order="C")  # keeps 0-d
                 tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
         self.large_initializers = {}
         return add_checksums(proto) if checksums else proto

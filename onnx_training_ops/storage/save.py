@@ -28,7 +28,9 @@ import re
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+    _FLOCK = False  # and ``fcntl`` unbound: _directory_lock checks _FLOCK first
+else:
+    _FLOCK = True
 
 import onnx
 from onnx import numpy_helper
@@ -85,7 +87,7 @@ def data_files(path: str) -> list[str]:
 def _directory_lock(directory: str):
     """An exclusive lock on ``directory`` (``flock``; processes and threads alike), where the
     platform has one: two writers of external data there never remove each other's data file."""
-    if fcntl is None:  # pragma: no cover - Windows
+    if not _FLOCK:  # pragma: no cover - Windows
         yield
         return
     fd = os.open(directory, os.O_RDONLY)
