@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .builder.model_metadata import metadata
+from .builder.metadata import TrainingMetadata
 from .errors import TrainingOpError
 from .storage.model_files import as_model, load_model
 from .storage.snapshot import write_state
@@ -169,7 +169,7 @@ class DistributedTrainingSession:
         self._owners = partition(model, self.world_size)
         self._optimizer_state = {s for states in per_param.values() for s in states}
         self._per_param = per_param
-        self._all_gradients = "grad_norm" in metadata(model)  # clipping reads every gradient
+        self._all_gradients = TrainingMetadata.from_model(model).grad_norm is not None  # clipping reads every gradient
         shard = shard_model(model, self._owners, self.rank, self.world_size)
         self._skeleton = skeleton(model) if self.rank == 0 else None
         del model

@@ -20,9 +20,9 @@ same step runs in a :class:`~onnx_training_ops.TrainingSession`, in an exported 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -173,7 +173,7 @@ class LossScaler:
             graph.output.append(tensor_vi(out, elem, []))
             binding.append((state, out))
 
-    def metadata(self) -> str:
-        """The builder's record: the settings and the state's names (JSON)."""
-        return json.dumps({**asdict(self.config), "scale": self.scale, "growth_tracker": self.growth,
-                           "skipped_steps": self.skipped})
+    def metadata(self) -> dict[str, Any]:
+        """The builder's record (``loss_scaling``): the settings and the state's names."""
+        return {**asdict(self.config), "scale": self.scale, "growth_tracker": self.growth,
+                "skipped_steps": self.skipped}

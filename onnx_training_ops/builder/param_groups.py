@@ -128,7 +128,7 @@ def resolve_groups(trainables: Sequence[str], param_groups: Sequence[Mapping] | 
     return groups, frozen
 
 
-def groups_to_json(groups: Sequence[Group]) -> str:
-    """How the builder records the groups in the model's metadata."""
-    return json.dumps([{"name": g.name, "learning_rate": g.learning_rate, "params": g.params,
-                        "optimizer": json.loads(to_json(g.optimizer))} for g in groups])
+def groups_record(groups: Sequence[Group]) -> list[dict[str, Any]]:
+    """How the builder records the groups in the model's metadata (``param_groups``)."""
+    return [{"name": g.name, "learning_rate": g.learning_rate, "params": g.params,
+             "optimizer": json.loads(to_json(g.optimizer))} for g in groups]

@@ -48,21 +48,20 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _import_ortt(args: argparse.Namespace) -> int:
-    import json
     import os
 
     from ..errors import TrainingOpError
     from ..storage.save import save_model
 
     _require("flatbuffers", "migrate")
+    from ..builder.metadata import TrainingMetadata
     from ..migrate import import_onnxruntime_training
 
     if os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
     model = import_onnxruntime_training(args.artifacts, checkpoint=args.checkpoint, lr=args.lr)
     save_model(model, args.output)
-    meta = {m.key: m.value for m in model.metadata_props}
-    step = json.loads(meta["onnx_training_ops.imported_from"])["step"]
+    step = (TrainingMetadata.from_model(model).imported_from or {}).get("step")
     print(f"imported {args.artifacts} ({args.checkpoint}, {step} steps done) -> {args.output}: "
           f"TrainingSession({args.output!r}) continues the run")
     return EXIT_OK

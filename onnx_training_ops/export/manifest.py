@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..builder.metadata import TrainingMetadata
 from ..errors import TrainingOpError
 from ..training.arrays import np_dtype
 
@@ -55,11 +56,11 @@ def tensor_entry(name: str, array: np.ndarray, **extra: Any) -> dict[str, Any]:
     return {"name": name, "dtype": array.dtype.name, "shape": list(array.shape), **extra}
 
 
-def state_roles(state: list[str], meta: Mapping[str, str], counter: str | None) -> dict[str, str]:
+def state_roles(state: list[str], meta: TrainingMetadata, counter: str | None) -> dict[str, str]:
     """parameter (trained), optimizer (V, H...), counter (T) or buffer (other state: BatchNorm
     running statistics)."""
-    trainable = set(filter(None, meta.get("trainable", "").split(",")))
-    optimizer = {v for values in json.loads(meta.get("optimizer_state") or "{}").values() for v in values}
+    trainable = set(meta.trainable)
+    optimizer = {v for values in (meta.optimizer_state or {}).values() for v in values}
     roles = {}
     for name in state:
         roles[name] = ("parameter" if name in trainable else "optimizer" if name in optimizer
@@ -67,10 +68,10 @@ def state_roles(state: list[str], meta: Mapping[str, str], counter: str | None) 
     return roles
 
 
-def learning_rate_entries(rates: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> list[dict[str, Any]]:
+def learning_rate_entries(rates: Mapping[str, np.ndarray], meta: TrainingMetadata) -> list[dict[str, Any]]:
     """One entry per learning-rate input: name, dtype, base rate, and with parameter groups
     the group's name and parameters (without, the one rate drives every parameter)."""
-    groups = {g["learning_rate"]: g for g in json.loads(meta.get("param_groups") or "[]")}
+    groups = {g["learning_rate"]: g for g in meta.param_groups or ()}
     entries = []
     for name, value in rates.items():
         extra = {"group": groups[name]["name"], "params": groups[name]["params"]} if name in groups else {}

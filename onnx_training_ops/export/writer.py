@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..builder.model_metadata import metadata
+from ..builder.metadata import TrainingMetadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
 from ..storage import checkpoint, safetensors
@@ -60,7 +60,7 @@ def _training_model(model_or_checkpoint: Any) -> LargeModel:
     opened = as_model(model_or_checkpoint)
     checkpoint.verify(opened, path)
     model = opened.model_proto
-    empty = nominal_names(metadata(model))
+    empty = nominal_names(TrainingMetadata.from_model(model))
     if empty:
         raise TrainingOpError(f"export: {where} is a nominal checkpoint (save(path, nominal=True)): "
                               f"{len(empty)} state tensor(s) such as {empty[0]!r} have no values. Open it in a "
@@ -72,12 +72,12 @@ def _training_model(model_or_checkpoint: Any) -> LargeModel:
     return opened
 
 
-def _rate_names(model: onnx.ModelProto, meta: dict[str, str]) -> list[str]:
+def _rate_names(model: onnx.ModelProto, meta: TrainingMetadata) -> list[str]:
     """The learning-rate inputs: R of each optimizer node, the builder's named rates."""
     names = [n.input[0] for n in model.training_info[0].algorithm.node
              if n.domain == DOMAIN and n.op_type in OPTIMIZERS and n.input]
-    names += [meta.get("learning_rate", "")]
-    names += [g["learning_rate"] for g in json.loads(meta.get("param_groups") or "[]")]
+    names += [",".join(meta.learning_rate)]
+    names += meta.group_rates
     return list(dict.fromkeys(filter(None, names)))
 
 
@@ -88,8 +88,8 @@ def _counter(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> str | None
     return names[0] if len(names) == 1 else None
 
 
-def _schedule(meta: dict[str, str], counter: str | None, state: dict[str, np.ndarray]) -> dict | None:
-    text = meta.get("lr_schedule")
+def _schedule(meta: TrainingMetadata, counter: str | None, state: dict[str, np.ndarray]) -> dict | None:
+    text = meta.lr_schedule
     if not text:
         return None
     data = json.loads(text)
@@ -135,12 +135,11 @@ def _write_constants(out_dir: str, models: Sequence[graphs.Graph]) -> dict[str, 
     return {"path": FILES["constants"], "sha256": manifest_.file_sha256(path)}
 
 
-def _label_range(meta: dict[str, str]) -> tuple[int | None, int | None]:
+def _label_range(meta: TrainingMetadata) -> tuple[int | None, int | None]:
     """(classes, ignore_index) of a loss taking class labels (the builder's ``label_range``)."""
-    if not meta.get("label_range"):
+    if meta.label_range is None:
         return None, None
-    classes, ignore = meta["label_range"].split(",")
-    return int(classes), (int(ignore) if ignore else None)
+    return meta.label_range.classes, meta.label_range.ignore_index
 
 
 def _add_digests(out_dir: str, files: dict[str, Any]) -> None:
@@ -150,7 +149,7 @@ def _add_digests(out_dir: str, files: dict[str, Any]) -> None:
             entry["sha256"] = manifest_.file_sha256(os.path.join(out_dir, entry["path"]))
 
 
-def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelProto, state: dict[str, np.ndarray],
+def _webgpu_step(model: onnx.ModelProto, meta: TrainingMetadata, step: onnx.ModelProto, state: dict[str, np.ndarray],
                  input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The WebGPU step model and the manifest's ``webgpu`` section: its data inputs (labels
     and ids int32 where they only index), the learning rates it reads itself, its state
@@ -246,8 +245,8 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
                               "export without " + ("target='webgpu'" if target == "webgpu" else "ort=True"))
     model = opened.model_proto if external else opened.to_proto()
     arrays = dict(opened.large_initializers) if external else {}
-    meta = metadata(model)
-    if target == "webgpu" and meta.get("precision") == "bf16":
+    meta = TrainingMetadata.from_model(model)
+    if target == "webgpu" and meta.precision == "bf16":
         raise TrainingOpError("export: precision='bf16' with target='webgpu': WebGPU has no bfloat16 kernels; build "
                               "the model with precision='fp16' (or 'fp32') for WebGPU, or export target='portable' "
                               "for a CUDA DeviceTrainer")
@@ -256,7 +255,7 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     step = graphs.step_graph(model, state_protos, meta, flat=flat_optimizer, arrays=arrays)
     outputs = list(eval_outputs) if eval_outputs is not None else [o.name for o in model.graph.output]
     # a model without a loss (from_graph) has no eval model; one without outputs no inference model
-    evaluation = graphs.eval_graph(model, state_protos, meta, outputs, arrays) if meta.get("loss") else None
+    evaluation = graphs.eval_graph(model, state_protos, meta, outputs, arrays) if meta.loss else None
     state_bytes = safetensors.encode(state, {"format": manifest_.FORMAT})
     inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes),
                                        arrays) if model.graph.output else None
@@ -329,18 +328,18 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         "eval_outputs": [o.name for o in eval_graph.output],
         "state": [manifest_.tensor_entry(n, state[n], role=roles[n])
                   for n in [*state_order, *(n for n in state if n not in state_order)]],
-        "loss": meta.get("loss") or None,
-        "labels": meta.get("labels") or None,
+        "loss": ",".join(meta.loss) or None,
+        "labels": meta.labels or None,
         "classes": classes,
         "ignore_index": ignore_index,
-        "optimizer": json.loads(meta["optimizer"]) if meta.get("optimizer") else None,
-        "param_groups": json.loads(meta["param_groups"]) if meta.get("param_groups") else None,
+        "optimizer": dict(meta.optimizer) if meta.optimizer else None,
+        "param_groups": [dict(g) for g in meta.param_groups] if meta.param_groups else None,
         "schedule": _schedule(meta, counter, state),
         "counter": counter,
         "webgpu": gpu,
     }
-    if meta.get("precision"):  # mixed precision (build_training_model(precision=...)): the loss scale's state
-        manifest["precision"] = meta["precision"]
-        manifest["loss_scaling"] = json.loads(meta["loss_scaling"]) if meta.get("loss_scaling") else None
+    if meta.precision:  # mixed precision (build_training_model(precision=...)): the loss scale's state
+        manifest["precision"] = meta.precision
+        manifest["loss_scaling"] = dict(meta.loss_scaling) if meta.loss_scaling else None
     checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
     return manifest

@@ -9,8 +9,9 @@ else was imported.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
+from typing import Any
 
 from . import adagrad, adam, momentum, ort_adamw, rmsprop
 from ._lowering import Lowering
@@ -48,7 +49,12 @@ def to_json(optimizer: Optimizer) -> str:
 
 def from_json(text: str) -> Optimizer:
     """The optimizer :func:`to_json` wrote (any of :data:`OPTIMIZER_CLASSES`)."""
-    data = json.loads(text)
+    return from_record(json.loads(text))
+
+
+def from_record(record: Mapping[str, Any]) -> Optimizer:
+    """The optimizer of :func:`to_json`'s record, decoded (the builder's metadata ``optimizer``)."""
+    data = dict(record)
     cls = OPTIMIZER_CLASSES[data.pop("type")]
     if "betas" in data:
         data["betas"] = tuple(data["betas"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..builder.metadata import TrainingMetadata
 from ..errors import TrainingOpError
 from . import schedules as lr_schedules
 from .feeds import checked_learning_rate
@@ -23,11 +24,11 @@ class LearningRates:
         meta: the builder's metadata (``lr_schedule``: the schedule and its position).
     """
 
-    def __init__(self, defaults: Mapping[str, Any], meta: Mapping[str, str]) -> None:
+    def __init__(self, defaults: Mapping[str, Any], meta: TrainingMetadata) -> None:
         self.names = list(defaults)
         self.base = {name: float(value.reshape(-1)[0]) for name, value in defaults.items() if value is not None}
         self.schedule, self.step = (
-            lr_schedules.from_json(meta["lr_schedule"]) if meta.get("lr_schedule") else (None, 0))
+            lr_schedules.from_json(meta.lr_schedule) if meta.lr_schedule else (None, 0))
 
     def for_step(self, lr) -> float | dict[str, float] | None:
         """This optimizer step's rates: ``lr`` if given (checked), else the schedule's, else

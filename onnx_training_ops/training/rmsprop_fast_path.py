@@ -25,11 +25,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..builder.metadata import TrainingMetadata
 from ..builder.ops import Ops
-from ..builder.optimizers import from_json
 from ..builder.rmsprop import RMSProp, emit_rmsprop
 from ..errors import TrainingOpError
 from ..kernels.apply import fused_available, rmsprop_step
+from ..optim.registry import from_record
 from .row_updates import _dedup, dedup_nodes
 
 
@@ -99,11 +100,11 @@ def _match(template, graph_producers, consumers, outputs, start: dict[str, str],
 
 
 def rmsprop_groups(graph: onnx.GraphProto, binding: Mapping[str, str], state: Mapping[str, np.ndarray],
-                   meta: Mapping[str, str], taken: set[str]) -> list[RMSPropGroup]:
+                   meta: TrainingMetadata, taken: set[str]) -> list[RMSPropGroup]:
     """The RMSProp updates of the builder's model (its ``optimizer`` metadata) the session can
     apply in place; none touches a state in ``taken``."""
     try:
-        opt = from_json(meta.get("optimizer", ""))
+        opt = from_record(meta.optimizer or {})
     except (ValueError, KeyError, TypeError):
         return []
     if not isinstance(opt, RMSProp) or not fused_available():
@@ -120,7 +121,7 @@ def rmsprop_groups(graph: onnx.GraphProto, binding: Mapping[str, str], state: Ma
     inits = {t.name: t for t in graph.initializer}
     templates: dict[np.dtype, tuple] = {}
     groups = []
-    for x in meta.get("trainable", "").split(","):
+    for x in meta.trainable:
         if x not in state or x in taken or x not in binding:
             continue
         dtype = state[x].dtype

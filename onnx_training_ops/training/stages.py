@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..autodiff.rules_shape import padding_row
+from ..builder.metadata import TrainingMetadata
 from ..builder.ops import Ops
 from ..builder.sparse_updates import Table, find_gradient_rows, lookup_rows
 from ..errors import TrainingOpError
@@ -131,10 +132,10 @@ def evaluation_model(model: onnx.ModelProto, loss: str, outputs: list[str]) -> o
     return derived
 
 
-def session_evaluation(model: onnx.ModelProto, meta, outputs: Sequence[str]) -> onnx.ModelProto:
+def session_evaluation(model: onnx.ModelProto, meta: TrainingMetadata, outputs: Sequence[str]) -> onnx.ModelProto:
     """What a session's ``evaluate(outputs=...)`` runs: :func:`evaluation_model` of the builder's
     eval-mode loss (else its loss), or of ``outputs`` alone for a model that names no loss."""
-    loss = meta.get("eval_loss") or meta.get("loss", "")
+    loss = meta.evaluation_loss
     if not loss and not outputs:
         raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
     if loss:
