@@ -435,9 +435,9 @@ def _restore_twins(ops, params, accounted: set[str], g: GraphEdit, done: Restore
                 continue
             readers = [n for n in consumer.nodes if survivor.name in n.input]
             leaves = {_module_of(p)[1] for _, p in survivor.param_args(params)}
-            modules = {_module_of(u)[0] for u in params.values() if u not in accounted and u not in g.inits
-                       and _module_of(u)[1] in leaves}
-            modules = [m for m in modules if all(f"{m}.{leaf}" in params.values() and f"{m}.{leaf}" not in accounted
+            found = {_module_of(u)[0] for u in params.values() if u not in accounted and u not in g.inits
+                     and _module_of(u)[1] in leaves}
+            modules = [m for m in found if all(f"{m}.{leaf}" in params.values() and f"{m}.{leaf}" not in accounted
                                                  for leaf in leaves)]
             if not modules:
                 continue

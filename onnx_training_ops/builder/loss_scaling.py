@@ -59,8 +59,8 @@ class LossScaling:
             raise TrainingOpError(f"LossScaling.growth_factor must be > 1, found {self.growth_factor!r}")
         if self.backoff_factor >= 1.0:
             raise TrainingOpError(f"LossScaling.backoff_factor must be < 1, found {self.backoff_factor!r}")
-        if not isinstance(self.growth_interval, int) or isinstance(self.growth_interval, bool) \
-                or self.growth_interval < 1:
+        interval: object = self.growth_interval  # from the caller: checked, whatever its annotation says
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise TrainingOpError(f"LossScaling.growth_interval must be an int >= 1, found {self.growth_interval!r}")
 
 

@@ -267,8 +267,8 @@ def build_training_model(
     tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
                                          algo.nodes if mode == "train" else model.graph.node)
     scaler = LossScaler(scaling, algo) if scaling is not None else None
-    padding = mark_lookups(padding, params, *((algo.nodes, model.graph.node) if mode == "train"
-                                              else (model.graph.node, ())), given=set(padding_rows or ()))
+    forward, others = (algo.nodes, list(model.graph.node)) if mode == "train" else (list(model.graph.node), [])
+    padding = mark_lookups(padding, params, forward, others, given=set(padding_rows or ()))
     state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
                                         clip_grad_value, algo, tables, scaler, padding)
     # the optimizer state as constant arrays (no memory): a small model gets its values at the end

@@ -19,9 +19,11 @@ class Optimizer(Protocol):
     * ``decoupled_weight_decay``: ``w`` of the builder's ``X * (1 - R*w)`` before the op (AdamW).
     """
 
-    lr: float
     op_type: ClassVar[str]
     t_offset: ClassVar[int]
+
+    @property
+    def lr(self) -> float: ...  # read-only: the descriptions are frozen dataclasses
 
     @property
     def states(self) -> tuple[str, ...]: ...

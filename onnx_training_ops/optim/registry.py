@@ -9,9 +9,8 @@ else was imported.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
 
 from . import adagrad, adam, momentum, ort_adamw, rmsprop
 from ._lowering import Lowering
@@ -52,7 +51,7 @@ def from_json(text: str) -> Optimizer:
     return from_record(json.loads(text))
 
 
-def from_record(record: Mapping[str, Any]) -> Optimizer:
+def from_record(record: dict) -> Optimizer:
     """The optimizer of :func:`to_json`'s record, decoded (the builder's metadata ``optimizer``)."""
     data = dict(record)
     cls = OPTIMIZER_CLASSES[data.pop("type")]

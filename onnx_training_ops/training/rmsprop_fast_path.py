@@ -104,7 +104,7 @@ def rmsprop_groups(graph: onnx.GraphProto, binding: Mapping[str, str], state: Ma
     """The RMSProp updates of the builder's model (its ``optimizer`` metadata) the session can
     apply in place; none touches a state in ``taken``."""
     try:
-        opt = from_record(meta.optimizer or {})
+        opt = from_record(dict(meta.optimizer or {}))
     except (ValueError, KeyError, TypeError):
         return []
     if not isinstance(opt, RMSProp) or not fused_available():
