@@ -66,10 +66,11 @@ def refusal(path: str, epochs: int, optimizer: str) -> str:
     from .builder.metadata import TrainingMetadata
     from .errors import TrainingOpError
     from .storage.model_files import load_model
+    from .storage.tensors import proto_of
     from .training.checks import stored_properties
 
     try:
-        meta = TrainingMetadata.from_model(load_model(path))
+        meta = TrainingMetadata.from_model(proto_of(load_model(path)))
         properties = stored_properties(meta.properties or "{}")
     except TrainingOpError as error:
         return f"{path}: {error}"

@@ -63,9 +63,9 @@ def _spec(op_type: str, tensor_inputs, tensor_outputs) -> OptimizerSpec:
     defaults: dict[str, float | str] = {}
     required, floats, strings = [], [], []
     for name, attr in sorted(schema.attributes.items()):
-        if attr.type == AttributeProto.FLOAT:
+        if attr.type == onnx.defs.OpSchema.AttrType.FLOAT:
             floats.append(name)
-        elif attr.type == AttributeProto.STRING:
+        elif attr.type == onnx.defs.OpSchema.AttrType.STRING:
             strings.append(name)
         if attr.required:
             required.append(name)

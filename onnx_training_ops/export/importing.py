@@ -167,6 +167,9 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
 
     directory = os.fspath(directory)
     state, manifest = read_state(directory, verify)
+    if manifest is None:
+        raise TrainingOpError(f"{directory!r}: a state file, not an export directory: a session runs an export's "
+                              "step model (the directory export_step wrote, with manifest.json)")
     kind = "step_packed" if packed else "step"
     if packed and not manifest.get("packs"):
         raise TrainingOpError(f"{directory!r}: no packed step (export with packed=True)")
@@ -194,7 +197,7 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
         replace(TrainingMetadata.from_model(model), labels=manifest["labels"],
                 label_range=LabelRange(manifest["classes"], manifest.get("ignore_index"))).write(model)
     if constants is not None:  # a model past 2 GB: its weights memory-mapped from constants.data, never in a message
-        model = map_external(LargeModel(model), directory)
+        return TrainingSession(map_external(LargeModel(model), directory), **kwargs)
     return TrainingSession(model, **kwargs)
 
 
