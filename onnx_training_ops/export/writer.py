@@ -229,22 +229,8 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
             exported graphs cannot express, an unknown target, a WebGPU step without static
             shapes or with an op its passes refuse.
     """
-    if target not in TARGETS:
-        raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
-    if (input_shapes or eval_input_shapes) and target != "webgpu":
-        raise TrainingOpError("export: input_shapes and eval_input_shapes apply to target='webgpu' only")
-    input_shapes = checked_input_shapes(input_shapes, "export (webgpu)") if input_shapes is not None else None
-    if eval_input_shapes is not None:
-        eval_input_shapes = checked_input_shapes(eval_input_shapes, "export (webgpu eval)")
-    opened = _training_model(model_or_checkpoint)
-    external = opened.nbytes > EXTERNAL_BYTES  # past protobuf's 2 GB: big constants in constants.data
-    if external and (target == "webgpu" or ort):
-        raise TrainingOpError(f"export: the model's tensors hold {opened.nbytes / 2**30:.1f} GiB, past protobuf's "
-                              "2 GB: its exported models read their weights from constants.data, which "
-                              f"{'onnxruntime-web' if target == 'webgpu' else 'the ORT format'} does not; "
-                              "export without " + ("target='webgpu'" if target == "webgpu" else "ort=True"))
-    model = opened.model_proto if external else opened.to_proto()
-    arrays = dict(opened.large_initializers) if external else {}
+    input_shapes, eval_input_shapes = _checked_shapes(target, input_shapes, eval_input_shapes)
+    model, arrays = _exported_model(model_or_checkpoint, target, ort)
     meta = TrainingMetadata.from_model(model)
     if target == "webgpu" and meta.precision == "bf16":
         raise TrainingOpError("export: precision='bf16' with target='webgpu': WebGPU has no bfloat16 kernels; build "
@@ -274,6 +260,54 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         packed_step = graphs.Graph(packed_model, {}, step.arrays)
 
     out_dir = os.fspath(out_dir)
+    files = _write_files(out_dir, state_bytes, step, evaluation, inference, packed_step, ort)
+    gpu = None
+    if gpu_step is not None:
+        files["step_webgpu"] = _write(out_dir, "step_webgpu", gpu_step[0])
+        gpu = gpu_step[1]
+        if gpu_eval is not None:
+            files["eval_webgpu"] = _write(out_dir, "eval_webgpu", gpu_eval[0])
+            gpu["eval_inputs"] = gpu_eval[1]
+    manifest = _manifest(model, meta, state, step, evaluation, files, feedback, packs, binding)
+    manifest["webgpu"] = gpu
+    if meta.precision:  # mixed precision (build_training_model(precision=...)): the loss scale's state
+        manifest["precision"] = meta.precision
+        manifest["loss_scaling"] = dict(meta.loss_scaling) if meta.loss_scaling else None
+    checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
+    return manifest
+
+
+def _checked_shapes(target: str, input_shapes: Mapping[str, Sequence[int]] | None,
+                    eval_input_shapes: Mapping[str, Sequence[int]] | None
+                    ) -> tuple[dict[str, list[int]] | None, dict[str, list[int]] | None]:
+    """The target checked, and the WebGPU static shapes (which apply to it alone)."""
+    if target not in TARGETS:
+        raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
+    if (input_shapes or eval_input_shapes) and target != "webgpu":
+        raise TrainingOpError("export: input_shapes and eval_input_shapes apply to target='webgpu' only")
+    return (checked_input_shapes(input_shapes, "export (webgpu)") if input_shapes is not None else None,
+            checked_input_shapes(eval_input_shapes, "export (webgpu eval)") if eval_input_shapes is not None else None)
+
+
+def _exported_model(model_or_checkpoint: ModelLike | Any, target: str,
+                    ort: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The training model's message and, past protobuf's 2 GB, its big tensors as arrays (else ``{}``)."""
+    opened = _training_model(model_or_checkpoint)
+    external = opened.nbytes > EXTERNAL_BYTES  # past protobuf's 2 GB: big constants in constants.data
+    if external and (target == "webgpu" or ort):
+        raise TrainingOpError(f"export: the model's tensors hold {opened.nbytes / 2**30:.1f} GiB, past protobuf's "
+                              "2 GB: its exported models read their weights from constants.data, which "
+                              f"{'onnxruntime-web' if target == 'webgpu' else 'the ORT format'} does not; "
+                              "export without " + ("target='webgpu'" if target == "webgpu" else "ort=True"))
+    if external:
+        return opened.model_proto, dict(opened.large_initializers)
+    return opened.to_proto(), {}
+
+
+def _write_files(out_dir: str, state_bytes: bytes, step: graphs.Graph, evaluation: graphs.Graph | None,
+                 inference: graphs.Graph | None, packed_step: graphs.Graph | None, ort: bool) -> dict[str, Any]:
+    """Write the state and the models into ``out_dir`` (an old manifest removed first: until the
+    new one, the directory is incomplete); their file entries, each with its ``sha256``."""
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, manifest_.MANIFEST)):  # until the new one: incomplete
         os.remove(os.path.join(out_dir, manifest_.MANIFEST))
@@ -296,22 +330,21 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
 
         files.update(convert(out_dir, [files[k]["path"] for k in ("step", "step_packed", "eval") if k in files]))
     _add_digests(out_dir, files)
+    return files
 
+
+def _manifest(model: onnx.ModelProto, meta: TrainingMetadata, state: dict[str, np.ndarray], step: graphs.Graph,
+              evaluation: graphs.Graph | None, files: dict[str, Any], feedback: dict[str, str],
+              packs: list[dict[str, Any]] | None, binding: dict[str, str]) -> dict[str, Any]:
+    """The manifest's fields (:mod:`.manifest`) of an export."""
     rates = {n: v for n, v in step.defaults.items() if n in set(_rate_names(model, meta))}
     step_inputs = list(step.model.graph.input)
     state_order = [vi.name for vi in step_inputs if vi.name in state]
     counter = _counter(model, state)
-    gpu = None
-    if gpu_step is not None:
-        files["step_webgpu"] = _write(out_dir, "step_webgpu", gpu_step[0])
-        gpu = gpu_step[1]
-        if gpu_eval is not None:
-            files["eval_webgpu"] = _write(out_dir, "eval_webgpu", gpu_eval[0])
-            gpu["eval_inputs"] = gpu_eval[1]
     roles = manifest_.state_roles(list(state), meta, counter)
     eval_graph = evaluation.model.graph if evaluation is not None else onnx.GraphProto()
     classes, ignore_index = _label_range(meta)
-    manifest = {
+    return {
         "format": manifest_.FORMAT,
         "version": manifest_.VERSION,
         "files": files,
@@ -336,10 +369,4 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         "param_groups": [dict(g) for g in meta.param_groups] if meta.param_groups else None,
         "schedule": _schedule(meta, counter, state),
         "counter": counter,
-        "webgpu": gpu,
     }
-    if meta.precision:  # mixed precision (build_training_model(precision=...)): the loss scale's state
-        manifest["precision"] = meta.precision
-        manifest["loss_scaling"] = dict(meta.loss_scaling) if meta.loss_scaling else None
-    checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
-    return manifest
