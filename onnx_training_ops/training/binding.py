@@ -67,7 +67,8 @@ def open_program(
     if in_place:
         combined = prepare_model(combined)
         found = in_place_outputs(combined.model_proto.graph, analysis.binding, state)
-        if found and guard and analysis.loss_names and not add_finite_guard(combined.model_proto, analysis.loss_names):
+        if found and guard and analysis.loss_names and \
+                not add_finite_guard(combined.model_proto, list(analysis.loss_names)):
             found = {}
         guarded = bool(found) and guard and bool(analysis.loss_names)
     prune_unused_initializers(combined.model_proto.graph, rate_inputs)

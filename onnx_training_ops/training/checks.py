@@ -51,10 +51,10 @@ def _named_dims(inputs: Sequence[onnx.ValueInfoProto]) -> dict[str, tuple[str, i
 
 def batch_checker(meta: TrainingMetadata, inputs: Sequence[onnx.ValueInfoProto], where: str = "step") -> Check | None:
     """The check of a built loss's feeds (None for models without a built loss)."""
-    name = meta.labels
+    name = meta.labels or ""
     if not name:
         return None
-    first = inputs[0].name if inputs else None
+    first = inputs[0].name if inputs else ""
     layout = meta.label_shape
     named = _named_dims(inputs)
     classes = ignore = None
@@ -88,7 +88,7 @@ def batch_checker(meta: TrainingMetadata, inputs: Sequence[onnx.ValueInfoProto],
     return check
 
 
-def _check_shape(where: str, name: str, labels: np.ndarray, layout: dict, named, feeds) -> None:
+def _check_shape(where: str, name: str, labels: np.ndarray, layout: Mapping[str, Any], named, feeds) -> None:
     """``labels`` against the expected shape ``layout["shape"]`` (ints, dim names, None)."""
     expected = layout["shape"]
     output = layout["output"]

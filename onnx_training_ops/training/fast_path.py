@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -205,7 +205,7 @@ def flatten_cut_state(
     flat_nodes = {}
     for k, node in enumerate(cut_nodes):
         spec = OPTIMIZERS[node.op_type]
-        n = spec.n_tensors(len(node.input))
+        n = spec.tensor_count(node)
         roles = {role: [node.input[2 + j * n + i] for i in range(n)] for j, role in enumerate(spec.tensor_inputs)}
         xs = [state[name] for name in roles["X"]]
         dtype = xs[0].dtype
@@ -224,8 +224,9 @@ def flatten_cut_state(
         if not rehome:
             found = {role: _already_flat([state[name] for name in names], offsets)
                      for role, names in roles.items() if role != "G"}
-            if all(buf is not None for buf in found.values()):
-                flat_nodes[k] = FlatNode(found, [x.shape for x in xs], offsets, roles["G"], dtype)
+            buffers = {role: buf for role, buf in found.items() if buf is not None}
+            if len(buffers) == len(found):
+                flat_nodes[k] = FlatNode(buffers, [x.shape for x in xs], offsets, roles["G"], dtype)
             continue
         for role, names in roles.items():
             if role == "G":
@@ -282,7 +283,7 @@ def cut_plan(
         fill_default_attributes(filled)
         attributes = node_attributes(filled.graph.node[0])
         spec = OPTIMIZERS[node.op_type]
-        n = spec.n_tensors(len(node.input))
+        n = spec.tensor_count(node)
 
         def source(name):
             src = sources[name]
@@ -299,7 +300,7 @@ def cut_plan(
         entry = flat_nodes.get(k)
         if entry is not None:
             flat = entry.buffers
-            tensors = [flat[role] for role in spec.tensor_inputs]
+            tensors: list[np.ndarray | FromFeed] = [flat[role] for role in spec.tensor_inputs]
             targets = [flat[role] for role in spec.updated_inputs]
             plan.append(CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
                                 source(node.input[1]), tensors, targets, factor(node.input[2])))
@@ -336,7 +337,8 @@ def apply_plan(plan: list[CutStep]) -> None:
             s.run()
             continue
         if s.prescale is not None:  # the folded Mul, as onnxruntime computes it (float multiply)
-            np.multiply(s.tensors[0], s.prescale, out=s.tensors[0])
+            x = cast(np.ndarray, s.tensors[0])  # no input of a plan run here is a feed
+            np.multiply(x, cast(np.ndarray, s.prescale), out=x)
         if s.run is not None:
             s.run()
             continue

@@ -120,7 +120,7 @@ def combined_graph(
     g.node.extend(algo.node)
     used = used_names(algo) | used_names(model.graph)
     used |= {e.value for e in info.update_binding}
-    inputs = {}
+    inputs: dict[str, onnx.ValueInfoProto] = {}
     computed = {o for n in model.graph.node for o in n.output if o}
     for vi in (*model.graph.input, *algo.input):
         if vi.name not in computed:  # an algorithm input naming a main-graph value reads it

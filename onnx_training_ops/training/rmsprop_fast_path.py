@@ -66,7 +66,8 @@ def _match(template, graph_producers, consumers, outputs, start: dict[str, str],
     """Map template names to graph names from ``start`` (outputs) backwards; (mapping, nodes) or
     None. ``allowed``: nodes outside the template that may read its values."""
     t_producers = {o: n for n in template for o in n.output}
-    mapping, nodes, pending = dict(start), [], list(start)
+    mapping, pending = dict(start), list(start)
+    nodes: list[onnx.NodeProto] = []
     while pending:
         t_name = pending.pop()
         t_node = t_producers.get(t_name)
@@ -82,7 +83,8 @@ def _match(template, graph_producers, consumers, outputs, start: dict[str, str],
             continue
         if t_node.op_type == "Constant":
             expected, found = _const(t_node), _const(g_node)
-            if found is None or found.dtype != expected.dtype or not np.array_equal(found, expected):
+            if found is None or expected is None or found.dtype != expected.dtype \
+                    or not np.array_equal(found, expected):
                 return None
         nodes.append(g_node)
         for t_in, g_in in zip(t_node.input, g_node.input):

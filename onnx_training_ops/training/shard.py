@@ -73,7 +73,7 @@ def _live_subset(node: onnx.NodeProto, live: set[str]) -> list[int]:
 
 def _keep_tensors(node: onnx.NodeProto, keep: list[int]) -> None:
     spec = OPTIMIZERS[node.op_type]
-    n = spec.n_tensors(len(node.input))
+    n = spec.tensor_count(node)
     inputs = list(node.input[:2]) + [node.input[2 + k * n + i] for k in range(spec.n_groups_in) for i in keep]
     outputs = [node.output[k * n + i] for k in range(spec.n_groups_out) for i in keep]
     del node.input[:], node.output[:]

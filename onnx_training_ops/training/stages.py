@@ -167,7 +167,7 @@ def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
     if not gradient_nodes:
         raise TrainingOpError("backward/optimizer_step need a Gradient node in the algorithm "
                               "(where a step splits into backward and apply); this model has none")
-    grads = {}
+    grads: dict[str, str] = {}  # gradient -> its x
     for node in gradient_nodes:
         xs = [x.decode() for a in node.attribute if a.name == "xs" for x in a.strings]
         grads.update(zip(node.output, xs))
@@ -226,9 +226,9 @@ def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
         b_info.update_binding.add(key=acc, value=new)
     for x, (table, gs) in tables.items():
         zeros = _table_zeros(table, *table_accs[x])
-        new = _accumulate_rows(Ops(unique, b_algo.node, f"{x}.grad.accumulate"), table, gs, *table_accs[x])
+        accumulated = _accumulate_rows(Ops(unique, b_algo.node, f"{x}.grad.accumulate"), table, gs, *table_accs[x])
         b_algo.initializer.extend(zeros)
-        for state, value in zip(zeros, new):
+        for state, value in zip(zeros, accumulated):
             b_algo.output.append(helper.make_tensor_value_info(value, state.data_type, list(state.dims)))
             b_info.update_binding.add(key=state.name, value=value)
 
@@ -244,8 +244,7 @@ def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
         rows = find_gradient_rows(a_nodes, gs)
         if rows is None:  # nothing here updates the table (another rank's, with a sharded optimizer)
             continue
-        new = _touched_rows(Ops(unique, touched_rows, f"{x}.grad.rows"), table, *table_accs[x])
-        rename.update(zip(rows, new))
+        rename.update(zip(rows, _touched_rows(Ops(unique, touched_rows, f"{x}.grad.rows"), table, *table_accs[x])))
     for node in a_nodes:
         for i, name in enumerate(node.input):
             if name in rename:
@@ -285,7 +284,7 @@ def _sparse_tables(nodes: Sequence[onnx.NodeProto], grads: dict[str, str],
             if gather is not None else None
         table = params.get(gather.input[0]) if gather is not None and gather.op_type == "Gather" \
             and gather.domain in ("", "ai.onnx") else None
-        if table is None or axis not in (0, -len(table.dims)):
+        if gather is None or table is None or axis not in (0, -len(table.dims)):
             found = f"{gather.op_type} node {gather.name!r}" if gather is not None else "no node"
             raise TrainingOpError(f"backward: the Gradient node's x {x!r} is neither an initializer nor "
                                   f"an axis-0 Gather of one (a sparse table's lookup); it comes from {found}")

@@ -126,7 +126,7 @@ def _static(vi: onnx.ValueInfoProto) -> list[int] | None:
     return [d.dim_value for d in tt.shape.dim]
 
 
-def static_inputs_plan(model: onnx.ModelProto, memory: StateMemory, returned: Sequence[str]) -> str | None:
+def static_inputs_plan(model: onnx.ModelProto, memory: Container[str], returned: Sequence[str]) -> str | None:
     """Why ``model``'s inputs and returned outputs cannot sit at fixed addresses (None: they can):
     every input that is no state must have a static shape and no stored default (a fixed buffer
     would keep the last value fed instead of going back to the default), every returned output a
@@ -491,7 +491,7 @@ class GraphProgram:
             io.bind_ortvalue_output(name, value)
         return io
 
-    def _copy_feeds(self, feeds: Mapping[str, np.ndarray]) -> None:
+    def _copy_feeds(self, feeds: Mapping[str, Any]) -> None:
         for name, value in self._fixed_inputs.items():
             if name == APPLY:
                 continue
