@@ -154,23 +154,30 @@ def step_model(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProt
     return derived
 
 
+def _gradients(model: onnx.ModelProto) -> dict[str, str]:
+    """Each gradient the algorithm's Gradient nodes output -> its x (a model with one
+    training_info and a Gradient node, else a TrainingOpError)."""
+    if len(model.training_info) != 1:
+        raise TrainingOpError(f"backward/optimizer_step need a model with one training_info, "
+                              f"found {len(model.training_info)}")
+    gradient_nodes = _gradient_nodes(model.training_info[0].algorithm)
+    if not gradient_nodes:
+        raise TrainingOpError("backward/optimizer_step need a Gradient node in the algorithm "
+                              "(where a step splits into backward and apply); this model has none")
+    grads: dict[str, str] = {}
+    for node in gradient_nodes:
+        xs = [x.decode() for a in node.attribute if a.name == "xs" for x in a.strings]
+        grads.update(zip(node.output, xs))
+    return grads
+
+
 def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
     """The backward and apply models of ``model`` (see the module doc). With ``arrays`` (a
     large model's) the dense accumulators' zeros stay out of the messages: constant arrays
     added to ``arrays`` under ``#<name>`` (they take no memory)."""
-    if len(model.training_info) != 1:
-        raise TrainingOpError(f"backward/optimizer_step need a model with one training_info, "
-                              f"found {len(model.training_info)}")
+    grads = _gradients(model)
     info = model.training_info[0]
     algo = info.algorithm
-    gradient_nodes = _gradient_nodes(algo)
-    if not gradient_nodes:
-        raise TrainingOpError("backward/optimizer_step need a Gradient node in the algorithm "
-                              "(where a step splits into backward and apply); this model has none")
-    grads: dict[str, str] = {}  # gradient -> its x
-    for node in gradient_nodes:
-        xs = [x.decode() for a in node.attribute if a.name == "xs" for x in a.strings]
-        grads.update(zip(node.output, xs))
     nodes = [*model.graph.node, *algo.node]
     params = {t.name: t for t in (*model.graph.initializer, *algo.initializer)}
     tables = _sparse_tables(nodes, grads, params)
