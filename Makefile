@@ -90,7 +90,7 @@ conformance: $(VENV)/.demo-installed
 	$(PY) -m onnx_training_ops conformance --portable
 
 bench: $(VENV)/.test-installed
-	$(PY) benchmarks/bench_optimizers.py
+	$(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) out build site *.egg-info .pytest_cache .hypothesis

@@ -3,7 +3,7 @@ gradient all-reduce with the backward pass could win on this machine (docs/distr
 
     torchrun --nproc-per-node 2 benchmarks/bench_ddp_overlap.py [--layers 12] [--steps 5] [--engine host]
 
-Each rank opens the zoo's GPT-2 (``onnx_training_ops.bench.zoo``: 12 layers x 768, vocab
+Each rank opens the zoo's GPT-2 (``benchmarks.zoo``: 12 layers x 768, vocab
 50257, 124M parameters; ``--layers``/``--hidden`` shrink it) as a causal LM with AdamW, on
 its share of a global batch of 4 x 128 tokens, with ``cores / ranks`` onnxruntime threads,
 wrapped in :class:`~onnx_training_ops.distributed.DistributedTrainingSession` (``--engine``:
@@ -32,6 +32,8 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from benchmarks import zoo
     from onnx_training_ops import AdamW, TrainingSession, build_training_model
-    from onnx_training_ops.bench import zoo
     from onnx_training_ops.distributed import DistributedTrainingSession, destroy_process_group, init_process_group
 
     init_process_group()

@@ -38,7 +38,8 @@ PYTHON_CONTENDER = r"""
 import json, resource, sys, time
 import numpy as np
 import onnxruntime as ort
-from onnx_training_ops.export import safetensors, session_from_export
+from onnx_training_ops.storage import safetensors
+from onnx_training_ops.export import session_from_export
 from onnx_training_ops.export.importing import pack
 directory, batch_file, threads, warmup, steps, layout, warmup_seconds = sys.argv[1:]
 options = ort.SessionOptions()

@@ -5,7 +5,7 @@ key/value heads, vocabulary 32000; random init) built by onnxruntime-genai's mod
 int4 (``-p int4 -e cpu``: ``MatMulNBits``, block 32, the builder's default ``accuracy_level``),
 LoRA rank 16 (alpha 32) on every projection (q, k, v, o, gate, up, down), AdamW, one batch of
 1 x 256 tokens, causal-LM loss. Contenders, each in its own process, timed in interleaved
-rounds (:mod:`onnx_training_ops.bench.rounds`):
+rounds (:mod:`benchmarks.rounds`):
 
 * ``ours``: :func:`onnx_training_ops.add_lora` on the builder's folder, ``build_training_model``,
   ``TrainingSession`` (the 4-bit weights stay 4-bit; their input gradient dequantizes one
@@ -47,11 +47,13 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # genai_models: the builder's models, shared with the tests
 
-from onnx_training_ops.bench import genai  # noqa: E402
-from onnx_training_ops.bench.measure import loadavg  # noqa: E402
-from onnx_training_ops.bench.rounds import interleaved, median_ratio  # noqa: E402
-from onnx_training_ops.bench.zoo import cache_dir  # noqa: E402
+import genai_models as genai  # noqa: E402
+
+from benchmarks.measure import loadavg  # noqa: E402
+from benchmarks.rounds import interleaved, median_ratio  # noqa: E402
+from benchmarks.zoo import cache_dir  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SKELETON = "onnx_training_ops.skeleton"  # metadata: the stripped tensors and how to fill them
@@ -73,7 +75,7 @@ def built_folder(layers: int, shape: str = "tinyllama") -> tuple[str, dict]:
     if not os.path.isfile(os.path.join(onnx_dir, "genai_config.json")):
         hf = os.path.join(root, "hf")
         if not os.path.isfile(os.path.join(hf, "config.json")):
-            genai.hf_folder(hf, config, seed=0, perturb_norms=False)
+            genai.hf_folder(hf, "llama", config, seed=0, perturb=False)
         genai.build(hf, onnx_dir, accuracy_level=None)  # the builder's CPU default: accuracy_level 4
         shutil.rmtree(hf)  # 4.4 GB of float32 weights: torch makes its own random init
         with open(os.path.join(onnx_dir, HF_CONFIG), "w") as f:
@@ -171,8 +173,8 @@ class _GpuPeak:
 
 
 def worker_ours(args, folder: str, config: dict) -> None:
+    from benchmarks.timing import serve
     from onnx_training_ops import AdamW, CrossEntropyLoss, TrainingSession, add_lora, build_training_model
-    from onnx_training_ops.bench.timing import serve
 
     model = add_lora(folder, rank=args.rank, alpha=2 * args.rank, targets=TARGETS)
     training = build_training_model(model, CrossEntropyLoss(shift_labels=True), AdamW(lr=1e-4))
@@ -201,7 +203,7 @@ def worker_torch(args, config: dict) -> None:
     import torch
     import transformers
 
-    from onnx_training_ops.bench.timing import serve
+    from benchmarks.timing import serve
 
     device = "cuda" if args.device == "cuda" else "cpu"
     torch.manual_seed(0)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,7 +37,9 @@ import time
 
 import numpy as np
 
-from onnx_training_ops import bench
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
+
+import benchmarks as bench
 from onnx_training_ops.runtime import native
 
 CONTENDERS = {
@@ -146,7 +149,7 @@ def per_call_table(threads_options=(1, 2), batches: int = 30, calls: int = 2000)
 FIRST_SESSION = """
 import time; t0 = time.perf_counter()
 import numpy as np, onnx_training_ops as ot
-from onnx_training_ops import bench
+import benchmarks as bench
 t1 = time.perf_counter()
 s = ot.InferenceSession(bench.step_model("adam", 16), kernels="native")
 s.run(None, {"R": np.array(1e-3, np.float32), "T": np.array(1, np.int64), **bench.make_state("adam", 16)})

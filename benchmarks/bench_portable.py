@@ -9,9 +9,9 @@ median over ``--rounds`` interleaved rounds. Contenders:
   onnxruntime session, nothing registered, IOBinding with X/V/H bound as one OrtValue in and
   out (the state is updated in place, as the caller asks): bench's ``portable`` contender;
 * ``portable_swap``: the same, outputs into a second set of buffers swapped every step (as
-  the ``graph`` contender of ``onnx_training_ops.bench`` does);
+  the ``graph`` contender of ``benchmarks`` does);
 * ``graph``: the one-node model in ``onnx_training_ops.InferenceSession`` (the PyOp plugin)
-  with IOBinding, from ``onnx_training_ops.bench``;
+  with IOBinding, from ``benchmarks``;
 * ``fast_path``: ``TrainingSession`` fast path (the fused kernel in place), from the same module;
 * ``torch_fused``: ``torch.optim`` with ``fused=True`` when torch is installed.
 
@@ -32,8 +32,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from onnx_training_ops import bench
-from onnx_training_ops.bench.contenders import session_options
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
+
+import benchmarks as bench
+from benchmarks.contenders import session_options
 from onnx_training_ops.runtime.pipeline import prepare
 
 

@@ -1,9 +1,9 @@
 """Intra-op threads by measurement: our fast-path step with 1 and with 2 onnxruntime threads.
 
 Each (model, threads) pair runs in its own process (the real-model benchmark's worker,
-``python -m onnx_training_ops.bench.models --worker ours_fast``); rounds are interleaved and
+``python -m benchmarks.models --worker ours_fast``); rounds are interleaved and
 the table gives the median ms/step and the median per-round ratio 1 thread / 2 threads.
-The default of :class:`onnx_training_ops.TrainingSession` (``training.options``) follows this
+The default of :class:`onnx_training_ops.TrainingSession` (``training.options.options``) follows this
 table; see README, "Performance".
 
 Run: ``python benchmarks/bench_threads.py [--models mlp,mlp_large,bert,resnet18] [--rounds 7]``
@@ -17,8 +17,10 @@ import os
 import statistics
 import sys
 
-from onnx_training_ops.bench.measure import loadavg
-from onnx_training_ops.bench.rounds import interleaved, median_ratio
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
+
+from benchmarks.measure import loadavg
+from benchmarks.rounds import interleaved, median_ratio
 
 
 def main(argv=None) -> int:
@@ -33,7 +35,7 @@ def main(argv=None) -> int:
     print("| model | " + " | ".join(f"{t} thread(s), ms/step" for t in threads) + f" | {threads[0]} / {threads[-1]} |")
     print("|---|" + "---|" * (len(threads) + 1))
     for model in args.models.split(","):
-        commands = {t: [sys.executable, "-m", "onnx_training_ops.bench.models", "--worker", "ours_fast", "--model",
+        commands = {t: [sys.executable, "-m", "benchmarks.models", "--worker", "ours_fast", "--model",
                         model, "--threads", str(t), "--warmup-seconds", "1"] for t in threads}
         out = interleaved(commands, lambda name, ready: max(1, round(args.round_seconds / ready["step_s"])),
                           args.rounds)

@@ -44,9 +44,8 @@ def build(root: Path) -> dict[str, Path]:
     would start at this process's after torch's import)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import genai_models
-    genai_models.COMMON.update(SHAPE)
-    return {"int4": genai_models.genai_model("llama", "int4", root),
-            "fp32": genai_models.genai_model("llama", "fp32", root)}
+    return {"int4": genai_models.genai_model("llama", "int4", root, config=SHAPE),
+            "fp32": genai_models.genai_model("llama", "fp32", root, config=SHAPE)}
 
 
 def _rss_mb() -> float:

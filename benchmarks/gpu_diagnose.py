@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import glob
 import json
 import os
@@ -32,6 +33,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
 
 
 @contextlib.contextmanager
@@ -86,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
-    from onnx_training_ops.bench.gpu import _batches, _cuda_providers, _training_model, model_spec
-    from onnx_training_ops.training.session import TrainingSession
+    from benchmarks.gpu import _batches, _cuda_providers, _training_model, model_spec
+    from onnx_training_ops.training.session.session import TrainingSession
 
     os.makedirs(args.out, exist_ok=True)
     report_path = os.path.join(args.out, "diagnose.txt")
@@ -123,10 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             session.step(batches[(i + 1) % len(batches)])
             times.append(time.perf_counter() - start)
-        programs = getattr(getattr(session, "_programs", None), "steps", None) or []
-        inner = getattr(getattr(programs[0], "program", None), "session", None) if programs else None
-        profile = inner.end_profiling() if inner is not None and hasattr(inner, "end_profiling") else None
-        del session, inner, programs
+        del session
+        gc.collect()  # onnxruntime writes each session's profile as the session goes
     say(f"setup: build {built:.1f} s, open {opened:.1f} s; eager step (profiler on): "
         f"{1e3 * statistics.median(times):.1f} ms median of {args.steps}")
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in memcpy[:20]:
         say(f"  {line[-220:]}")
 
-    profiles = [profile] if profile and os.path.exists(profile) else sorted(glob.glob(os.path.join(profile_dir, "*")))
+    profiles = sorted(glob.glob(os.path.join(profile_dir, "step*.json")))  # one per program; the step's is the largest
     step_profile = max(profiles, key=os.path.getsize) if profiles else None
     if step_profile is None:
         say("no profile written")

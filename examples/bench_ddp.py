@@ -41,7 +41,7 @@ def measure() -> dict:
     from onnx_training_ops import Adam, TrainingSession, build_training_model
     from onnx_training_ops.demo import make_mlp
     from onnx_training_ops.distributed import DistributedTrainingSession, destroy_process_group, init_process_group
-    from onnx_training_ops.training.shard import optimizer_state
+    from onnx_training_ops.training.state.shard import optimizer_state
 
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -3,9 +3,9 @@
 A random-init Llama (``--size 1b``: TinyLlama-1.1B's configuration, 4.4 GB of float32
 weights; ``--size tiny``: two small layers, seconds) gets ``peft`` LoRA adapters on its
 attention's q and v projections, is exported by ``torch.onnx.export`` with its weights in
-external data (:mod:`onnx_training_ops.bench.lora`), and trained with only the adapters
-trainable: the 1.1 B base weights stay memory-mapped from the export's data file, with no
-optimizer state and no gradient. Then the session is saved (the model's tensors in one
+external data (``benchmarks/lora.py`` of this checkout, shared with the memory benchmark),
+and trained with only the adapters trainable: the 1.1 B base weights stay memory-mapped from
+the export's data file, with no optimizer state and no gradient. Then the session is saved (the model's tensors in one
 external data file beside ``checkpoint.onnx``, written atomically) and a second session
 resumes from the file, bit-exact.
 
@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import tempfile
 
 import numpy as np
 
 from onnx_training_ops import AdamW, TrainingSession, build_training_model
-from onnx_training_ops.bench import lora
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
+from benchmarks import lora
 
 TINY = dataclasses.replace(lora.SPEC, name="llama-tiny-lora", layers=2, hidden=64, heads=4, vocab=500, batch=2,
                            seq=16, extra={**lora.SPEC.extra, "intermediate_size": 128, "num_key_value_heads": 2})

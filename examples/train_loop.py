@@ -26,7 +26,7 @@ import numpy as np
 
 from onnx_training_ops import AdamW, TrainingSession, build_training_model
 from onnx_training_ops.demo import load_digits_split
-from onnx_training_ops.training.schedules import WarmupCosineLR
+from onnx_training_ops.schedules import WarmupCosineLR
 
 BATCH, MICRO = 64, 2  # one optimizer step = 2 micro-batches of 32
 

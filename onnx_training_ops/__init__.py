@@ -24,7 +24,7 @@ kernels are registered with onnxruntime-extensions when first needed (:func:`ses
 The layers, bottom to top, and what each may import: ``docs/architecture.md``.
 """
 
-from . import _moved, kernels
+from . import kernels, schedules
 from ._version import __version__  # noqa: F401 - onnx_training_ops.__version__
 from .builder import (
                     Adagrad,
@@ -47,9 +47,7 @@ from .migrate import OrtAdamW, import_onnxruntime_training
 from .passes import PASSES
 from .runtime import InferenceSession, prepare, session_options
 from .schema import DOMAIN
-from .training import NonFiniteLossError, TrainingSession, schedules
-
-_moved.install()  # the module paths of 0.1 (onnx_training_ops.plugin, .builder, ...) keep working
+from .training import NonFiniteLossError, TrainingSession
 
 __all__ = [
     "DOMAIN",

@@ -25,7 +25,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .builder import build_training_model
-from .builder.optimizers import Adagrad, Adam, Momentum
+from .optim.adagrad import Adagrad
+from .optim.adam import Adam
+from .optim.momentum import Momentum
 
 DEFAULT_LR = {"adam": 2e-3, "momentum": 0.05, "adagrad": 0.05}
 

@@ -67,7 +67,7 @@ def refusal(path: str, epochs: int, optimizer: str) -> str:
     from .errors import TrainingOpError
     from .storage.model_files import load_model
     from .storage.tensors import proto_of
-    from .training.checks import stored_properties
+    from .training.inputs.checks import stored_properties
 
     try:
         meta = TrainingMetadata.from_model(proto_of(load_model(path)))
@@ -105,8 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from .builder import build_training_model
     from .demo import load_digits_split, make_mlp, make_optimizer, plot_losses, write_summary
+    from .schedules import CosineAnnealingLR
     from .training import TrainingSession
-    from .training.schedules import CosineAnnealingLR
 
     x_train, y_train, x_val, y_val = load_digits_split(args.seed)
     steps_per_epoch = len(x_train) // args.batch_size

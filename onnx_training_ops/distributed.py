@@ -17,7 +17,7 @@ optimizer step, like DDP's ``no_sync``; schedules, clipping and the optimizers c
 wrapped session. Launch with ``torchrun`` (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...).
 
 ``shard_optimizer_state=True`` is ZeRO stage 1 (torch's ``ZeroRedundancyOptimizer``): each
-trainable belongs to one rank (:func:`~onnx_training_ops.training.shard.partition`), which
+trainable belongs to one rank (:func:`~onnx_training_ops.training.state.shard.partition`), which
 alone holds its optimizer state and updates it; gradients are reduced to their owner
 (reduce-scatter; an all-reduce when global-norm clipping needs every gradient on every rank)
 and each owner broadcasts its updated parameters (all-gather). V/H memory per rank is about
@@ -46,9 +46,9 @@ from .errors import TrainingOpError
 from .storage.model_files import as_model, load_model
 from .storage.snapshot import write_state
 from .storage.tensors import proto_of
-from .training.fingerprint import differences, fingerprint
-from .training.session import TrainingSession
-from .training.shard import optimizer_state, partition, shard_model, skeleton
+from .training.session.session import TrainingSession
+from .training.state.fingerprint import differences, fingerprint
+from .training.state.shard import optimizer_state, partition, shard_model, skeleton
 
 if TYPE_CHECKING:
     from .storage.model_files import ModelLike

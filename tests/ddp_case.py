@@ -8,7 +8,7 @@ import numpy as np
 
 from onnx_training_ops import Adam, build_training_model
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.training.schedules import StepLR
+from onnx_training_ops.schedules import StepLR
 
 SIZES, BATCH = (8, 16, 4), 16
 

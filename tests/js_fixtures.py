@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import onnx_training_ops as ot  # noqa: E402
 from onnx_training_ops import schedules  # noqa: E402
 from onnx_training_ops.demo import make_mlp  # noqa: E402
-from onnx_training_ops.export import export_step, safetensors, session_from_export  # noqa: E402
+from onnx_training_ops.export import export_step, session_from_export  # noqa: E402
+from onnx_training_ops.storage import safetensors
 
 STEPS = 200
 CYCLE = 8
@@ -123,7 +124,7 @@ def _lora_int4(rng, directory: Path):
     """LoRA on a tiny int4 Llama built by onnxruntime-genai's builder (MatMulNBits,
     GroupQueryAttention, SkipSimplifiedLayerNormalization: onnxruntime's contrib ops, which
     the exported step keeps and onnxruntime-node and onnxruntime-web's wasm run)."""
-    from onnx_training_ops.bench import genai
+    import genai_models as genai
 
     built = genai.tiny(str(directory / "genai"))
     model = ot.add_lora(built.onnx, rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
@@ -132,31 +133,33 @@ def _lora_int4(rng, directory: Path):
     return training, {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}, None
 
 
-LORA = {"lora_int4": _lora_int4}  # trained by js/test/lora.test.js (wasm only: no WebGPU step)
+LORA = {"lora_int4": _lora_int4}  # trained by js/test/lora.test.js (node, wasm and WebGPU)
 LORA_STEPS = 20
+LORA_WEBGPU_STEPS = 3  # SwiftShader compiles each WebGPU session's shaders for ~10 s: a short run (lora.test.js)
 
 
-def write_model(name: str, out_dir: Path, steps: int = STEPS) -> Path:
-    """Export ``name`` fresh, train it ``steps`` steps in Python, write what JS must match."""
-    webgpu = name in MODELS
+def write_model(name: str, out_dir: Path, steps: int = STEPS, state_after: tuple[int, ...] = ()) -> Path:
+    """Export ``name`` fresh, train it ``steps`` steps in Python, write what JS must match
+    (``expected_state.safetensors`` at the end, ``expected_state_<n>.safetensors`` after each
+    ``n`` of ``state_after``)."""
     directory = out_dir / name
     rng = np.random.default_rng(0)
-    training, batches, schedule = MODELS[name](rng) if webgpu else LORA[name](rng, directory)
+    training, batches, schedule = MODELS[name](rng) if name in MODELS else LORA[name](rng, directory)
     session = ot.TrainingSession(training)
     if schedule is not None:
         session.set_lr_schedule(schedule)
     shapes = {k: list(v.shape[1:]) for k, v in batches.items()}  # the WebGPU step's static shapes
-    export_step(session, directory / "export", packed=True, **({"target": "webgpu", "input_shapes": shapes}
-                                                               if webgpu else {}))
+    export_step(session, directory / "export", packed=True, target="webgpu", input_shapes=shapes)
     (directory / "batches.safetensors").write_bytes(safetensors.encode(batches))
-    if webgpu:
-        _write_host_expected(directory)
+    _write_host_expected(directory)
     losses, rates, returned = [], [], []
     for i in range(steps):
         rates.append(session.learning_rates)
         result = session.step({k: v[i % CYCLE] for k, v in batches.items()})
         losses.append(float(result["loss"]))
         returned.append({k: float(v) for k, v in result.items() if np.size(v) == 1})
+        if i + 1 in state_after:
+            (directory / f"expected_state_{i + 1}.safetensors").write_bytes(safetensors.encode(session.state_dict()))
     evaluation = session.evaluate({k: v[0] for k, v in batches.items()})
     (directory / "expected.json").write_text(json.dumps({
         "steps": steps, "cycle": CYCLE, "losses": losses, "learning_rates": rates, "returned": returned,

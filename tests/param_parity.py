@@ -28,7 +28,7 @@ import torch
 
 import onnx_training_ops as ot
 from onnx_training_ops.builder.model_metadata import metadata
-from onnx_training_ops.training.torch_names import record_torch_names, recorded_names, to_torch_names
+from onnx_training_ops.training.state.torch_names import record_torch_names, recorded_names, to_torch_names
 
 LR = 0.1  # SGD with momentum: the update is linear in the gradient (Adam's g/sqrt(v) amplifies rounding noise)
 

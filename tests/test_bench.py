@@ -1,4 +1,4 @@
-"""The benchmark harness (``python -m onnx_training_ops bench``): a --quick smoke run.
+"""The benchmark harness (``python -m benchmarks``): a --quick smoke run.
 
 Timings are never asserted: only that the run completes and the JSON has its shape.
 """
@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from onnx_training_ops import bench
+import benchmarks as bench
 
 
 def test_quick_bench_writes_json_and_png(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = subprocess.run(
-        [sys.executable, "-m", "onnx_training_ops", "bench", "--quick", "--ops", "adam,momentum",
+        [sys.executable, "-m", "benchmarks", "--quick", "--ops", "adam,momentum",
          "--contenders", "graph,training_session,fused", "--mlp", "training_session_fast",
          "--mlp-steps", "5", "--json", str(out), "--png", str(png)],
         capture_output=True, text=True, timeout=120,
@@ -47,9 +47,23 @@ def test_quick_bench_writes_json_and_png(tmp_path):
     assert report["mlp"]["64,128,10x64"]["training_session_fast"]["threads"] == {"pinned": 1, "numba": 1}
 
 
+def test_a_missing_extra_is_a_one_line_hint(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    from benchmarks.__main__ import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--quick"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: this command needs 'torch': pip install 'onnx-training-ops[test]'"]
+    assert not (tmp_path / "benchmarks").exists()
+
+
 def test_a_torch_worker_runs_on_the_pinned_thread_count():
     """--quick let torch take both cores of a busy machine (0.00x ratios)."""
-    result = subprocess.run([sys.executable, "-m", "onnx_training_ops.bench", "--worker", "torch_fused", "--ops",
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--worker", "torch_fused", "--ops",
                              "adam", "--sizes", "1000", "--min-time", "0.001", "--max-reps", "3", "--quick"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -94,14 +108,14 @@ def test_graph_and_training_session_contenders_compute_the_reference_steps(op):
 
 
 def test_cli_rejects_an_unknown_contender():
-    result = subprocess.run([sys.executable, "-m", "onnx_training_ops", "bench", "--contenders", "nope"],
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--contenders", "nope"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "unknown contender 'nope'" in result.stderr
 
 
 @pytest.mark.parametrize("shape", ["64-128-10", "64,128,10", "64x8", "64,a,10x8", "64,0x8"])
 def test_cli_rejects_a_malformed_mlp_shape_in_one_line(shape):
-    result = subprocess.run([sys.executable, "-m", "onnx_training_ops", "bench", "--mlp-shapes", shape],
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--mlp-shapes", shape],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and f"--mlp-shapes: {shape!r}" in result.stderr
     assert "Traceback" not in result.stderr
@@ -160,7 +174,7 @@ ORTT_PYTHON = "/tmp/ortt-venv/bin/python"
 def test_ortt_contender_times_adamw_optimizer_steps(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "onnx_training_ops", "bench", "--quick", "--sizes", "1e3", "--ops", "adam",
+        [sys.executable, "-m", "benchmarks", "--quick", "--sizes", "1e3", "--ops", "adam",
          "--contenders", "graph_native,portable,onnxruntime_training", "--mlp", "none", "--ortt-python", ORTT_PYTHON,
          "--json", str(out), "--png", ""],
         capture_output=True, text=True, timeout=300,
@@ -175,7 +189,7 @@ def test_ortt_contender_times_adamw_optimizer_steps(tmp_path):
 def test_mlp_batches_are_a_fixed_cycle_of_distinct_learnable_batches():
     import numpy as np
 
-    from onnx_training_ops.bench.dataset import BATCHES, mlp_batches
+    from benchmarks.dataset import BATCHES, mlp_batches
 
     batches, again = mlp_batches((6, 5, 3), 8), mlp_batches((6, 5, 3), 8)
     assert len(batches) == BATCHES

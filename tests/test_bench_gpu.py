@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from onnx_training_ops.bench import gpu
+from benchmarks import gpu
 
 
 def test_bench_gpu_on_the_cpu_compares_ours_with_torch(tmp_path, capsys):
@@ -55,11 +55,11 @@ def test_bench_gpu_rejects_unknown_names_in_one_line(capsys):
 
 
 def test_the_command_line_reaches_bench_gpu(capsys):
-    """``python -m onnx_training_ops bench gpu`` (what benchmarks/gpu_check.sh runs): it once
+    """``python -m benchmarks gpu`` (what benchmarks/gpu_check.sh runs): it once
     failed to import its module, which only a GPU session would have found."""
-    from onnx_training_ops.cli import main
+    from benchmarks.__main__ import main
 
-    assert main(["bench", "gpu", "--models", "nope"]) == 2
+    assert main(["gpu", "--models", "nope"]) == 2
     assert "unknown contender or model nope" in capsys.readouterr().err
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_training_ops.bench import ort_profile, zoo
+from benchmarks import ort_profile, zoo
 
 pytest.importorskip("torch")
 
@@ -63,7 +63,7 @@ def test_profile_summary_reads_traces_written_into_one_file(tmp_path):
 def test_bench_models_smoke_run_writes_its_report(tmp_path):
     out = tmp_path / "models.json"
     result = subprocess.run(
-        [sys.executable, "-m", "onnx_training_ops", "bench", "models", "--models", "mlp",
+        [sys.executable, "-m", "benchmarks", "models", "--models", "mlp",
          "--contenders", "ours_fast,torch_eager", "--rounds", "1", "--round-seconds", "0.05", "--warmup-seconds", "0",
          "--profile-steps", "3", "--cache", str(tmp_path / "zoo"), "--json", str(out)],
         capture_output=True, text=True, timeout=300)
@@ -79,7 +79,7 @@ def test_bench_models_smoke_run_writes_its_report(tmp_path):
 
 def test_an_unusable_ortt_python_is_an_na_cell_with_its_reason(tmp_path):
     """--ortt-python names a Python with onnxruntime-training; this one lacks it."""
-    from onnx_training_ops.bench.models import ORTT, measure_model
+    from benchmarks.models import ORTT, measure_model
 
     result = measure_model(zoo.SPECS["mlp"], ["ours_fast"], ortt_python=sys.executable, rounds=1,
                            round_seconds=0.05, profile_steps=0, cache=str(tmp_path), warmup_seconds=0,
@@ -89,6 +89,6 @@ def test_an_unusable_ortt_python_is_an_na_cell_with_its_reason(tmp_path):
 
 
 def test_bench_models_rejects_an_unknown_model():
-    result = subprocess.run([sys.executable, "-m", "onnx_training_ops", "bench", "models", "--models", "vgg"],
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "models", "--models", "vgg"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "unknown model 'vgg'" in result.stderr

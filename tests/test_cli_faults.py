@@ -15,6 +15,7 @@ import pytest
 from onnx_training_ops import TrainingSession
 from onnx_training_ops.cli import main
 from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.kernels.compile_notice import MESSAGE as COMPILE_NOTICE
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def _train(root, out, *extra, data="data.npz"):
 
 
 def _errors(capsys):
-    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    """stderr's lines, less the first-run notice that the kernels compile (a fresh install's)."""
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip() and line != COMPILE_NOTICE]
 
 
 @pytest.mark.parametrize("kind, message", [
@@ -207,3 +209,14 @@ def test_ctrl_c_elsewhere_is_one_word(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_conformance", interrupted)
     assert main(["conformance"]) == 130
     assert _errors(capsys) == ["interrupted"]
+
+
+def test_export_for_training_without_torch_names_the_extra(monkeypatch):
+    """A missing extra is a one-line hint, never an ImportError's traceback."""
+    from onnx_training_ops.errors import TrainingOpError
+    from onnx_training_ops.export.from_torch import export_for_training
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    with pytest.raises(TrainingOpError, match=r"^export_for_training needs torch: pip install "
+                                              r"'onnx-training-ops\[torch\]'$"):
+        export_for_training(object(), (np.zeros(1),), "model.onnx", input_names=["x"], output_names=["y"])

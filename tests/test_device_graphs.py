@@ -18,9 +18,9 @@ from test_device_session import _conv_model, _frozen_model
 
 import onnx_training_ops as ot
 from onnx_training_ops.runtime.kernel_table import CUDA
-from onnx_training_ops.training.device_graphs import device_step_graphs, device_step_plans
 from onnx_training_ops.training.engine import graph as graph_module
 from onnx_training_ops.training.engine.config import checked_config
+from onnx_training_ops.training.engine.device_graphs import device_step_graphs, device_step_plans
 from onnx_training_ops.training.engine.graph import APPLY
 
 CPU = "CPUExecutionProvider"

@@ -20,7 +20,7 @@ from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.training.engine import checked_config
 from onnx_training_ops.training.engine.memory import DeviceMemory, HostMemory
-from onnx_training_ops.training.providers import placement
+from onnx_training_ops.training.options.providers import placement
 from tests.test_device_trainer import _batches as _trainer_batches
 from tests.test_device_trainer import _model
 from tests.test_sparse_updates import batches as sparse_batches

@@ -15,7 +15,7 @@ from onnx_training_ops import schedules
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.export import DeviceTrainer, export_step, load_state, session_from_export
-from onnx_training_ops.training.static_shapes import static_step
+from onnx_training_ops.training.graphs.static_shapes import static_step
 
 
 def _model(optimizer=None, **kwargs):
@@ -220,8 +220,8 @@ def test_static_input_shapes_fold_the_shape_arithmetic_and_train_the_same(tmp_pa
     host round trip for it); the losses and state are those of the dynamic step."""
     import onnx
 
-    from onnx_training_ops.bench import zoo
-    from onnx_training_ops.bench.model_runners import training_model
+    from benchmarks import zoo
+    from benchmarks.model_runners import training_model
 
     spec = zoo.spec("gpt2", layers=1, hidden=32, heads=2, vocab=64, batch=2, seq=8)
     export_step(training_model(spec, str(tmp_path / "zoo")), tmp_path / "export")

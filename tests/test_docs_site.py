@@ -86,11 +86,11 @@ def test_every_public_name_has_a_reference_entry(name):
 
 
 def test_every_schedule_and_reference_kernel_has_a_reference_entry():
-    from onnx_training_ops.training import schedules
+    from onnx_training_ops import schedules
 
     classes = {n for n, v in vars(schedules).items() if isinstance(v, type) and v.__module__ == schedules.__name__
                and not n.startswith("_")}
-    assert classes and {f"onnx_training_ops.training.schedules.{n}" for n in classes} <= _directives()
+    assert classes and {f"onnx_training_ops.schedules.{n}" for n in classes} <= _directives()
     kernels = {f"onnx_training_ops.kernels.{n}" for n in ("adam", "momentum", "adagrad")}
     assert kernels <= _directives()
 

@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_training_ops as ot
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.export import export_step, safetensors, session_from_export, writer
-from onnx_training_ops.storage import as_model, tensors
+from onnx_training_ops.export import export_step, session_from_export, writer
+from onnx_training_ops.storage import as_model, safetensors, tensors
 
 FROZEN = ("W0", "W1")  # 4 KB and 8 KB: detached (>= 1 KB) once the model counts as large
 

@@ -19,7 +19,8 @@ import onnxruntime as ort
 import pytest
 from node_runner import node_test
 
-from onnx_training_ops.export import load_state, safetensors, session_from_export
+from onnx_training_ops.export import load_state, session_from_export
+from onnx_training_ops.storage import safetensors
 
 browser = pytest.mark.skipif(os.environ.get("OTO_SKIP_BROWSER", "") not in ("", "0"),
                              reason="OTO_SKIP_BROWSER is set (make test SKIP_BROWSER=1): no headless Chromium")

@@ -20,13 +20,8 @@ from onnx_training_ops import schedules
 from onnx_training_ops.cli import main
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.export import (
-    export_step,
-    load_state,
-    read_state,
-    safetensors,
-    session_from_export,
-)
+from onnx_training_ops.export import export_step, load_state, read_state, session_from_export
+from onnx_training_ops.storage import safetensors
 
 CLASSES = 4
 

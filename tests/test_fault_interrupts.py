@@ -20,12 +20,12 @@ from test_interrupts import ctrl_c, default_sigint_handler  # noqa: F401 - the f
 
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.training import in_place_updates
-from onnx_training_ops.training import step as step_module
+from onnx_training_ops.schedules import StepLR
 from onnx_training_ops.training.engine import checked_config
 from onnx_training_ops.training.engine import graph as graph_module
 from onnx_training_ops.training.engine.memory import DeviceMemory, HostMemory
-from onnx_training_ops.training.schedules import StepLR
+from onnx_training_ops.training.fastpath import in_place_updates
+from onnx_training_ops.training.graphs import step as step_module
 
 BATCH = {"input": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32),
          "labels": np.array([0, 1, 2, 1], np.int64)}

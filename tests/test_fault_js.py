@@ -20,7 +20,7 @@ import js_fixtures
 import pytest
 from node_runner import node_test
 
-from onnx_training_ops.export import safetensors
+from onnx_training_ops.storage import safetensors
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_training_ops as ot
+from onnx_training_ops import schedules as S
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.kernels import compile_notice
-from onnx_training_ops.training import schedules as S
 
 VOCAB, HIDDEN = 11, 4
 
@@ -203,7 +203,7 @@ def test_a_compile_on_the_first_step_is_announced(monkeypatch, capsys):
     compiles nothing stays silent."""
     import numba
 
-    from onnx_training_ops.training import checks
+    from onnx_training_ops.training.inputs import checks
 
     def build():
         return ot.TrainingSession(ot.build_training_model(make_mlp(sizes=(6, 8, 4)), "cross_entropy", ot.Adam()))

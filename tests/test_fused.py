@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from onnx_training_ops.kernels import adagrad, adam, fused, momentum
-from onnx_training_ops.kernels.adagrad import adagrad_rate
-from onnx_training_ops.kernels.adam import DEFAULTS as ADAM_DEFAULTS
-from onnx_training_ops.kernels.adam import adam_rate
-from onnx_training_ops.kernels.momentum import momentum_beta
+from onnx_training_ops.kernels import fused
+from onnx_training_ops.optim.adagrad import adagrad, adagrad_rate
+from onnx_training_ops.optim.adam import DEFAULTS as ADAM_DEFAULTS
+from onnx_training_ops.optim.adam import adam, adam_rate
+from onnx_training_ops.optim.momentum import momentum, momentum_beta
 
 RTOL = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-12}
 SETTINGS = settings(max_examples=30, deadline=None)

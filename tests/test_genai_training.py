@@ -135,7 +135,7 @@ def test_gradients_match_torch_on_the_deployed_graph(root, family, precision):
     options = {"accuracy_level": 1} if precision == "int4" else {}
     folder = genai_model(family, precision, root, **options)
     model = onnx.load(folder / "model.onnx")
-    hf = torch_model(hf_folder(family, root))
+    hf = torch_model(hf_folder(root / family / "hf", family))
     if precision == "int4":
         _set_dequantized(hf, model, family)
     ids, mask, labels = _batch(family)

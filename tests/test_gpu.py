@@ -90,8 +90,8 @@ def test_a_causal_lm_step_replays_a_cuda_graph_with_no_cpu_node_and_the_cpu_loss
     Pad, which has no CUDA kernel), so the step replays a CUDA graph, its flat optimizer's Concats
     of at most 32 pieces included (issue 39 items 4, 6); the losses are the host session's."""
     pytest.importorskip("transformers")
-    from onnx_training_ops.bench import zoo
-    from onnx_training_ops.bench.model_runners import training_model
+    from benchmarks import zoo
+    from benchmarks.model_runners import training_model
 
     monkeypatch.setenv("ONNX_TRAINING_OPS_ZOO", str(tmp_path))
     spec = zoo.spec("gpt2", layers=2, vocab=128, hidden=32, heads=2, batch=2, seq=8)

@@ -11,7 +11,7 @@ import pytest
 from gradient_utils import DOMAIN, gradient_model, run_expanded, runnable, session
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_training_ops.bench.overhead import deep_mlp_gradient_model
+from benchmarks.overhead import deep_mlp_gradient_model
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.passes.expand_gradient import expand_gradient, expand_gradients_in_graph
 

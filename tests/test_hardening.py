@@ -389,7 +389,7 @@ def test_bad_labels_are_named_once(capfd):
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int8, np.uint8, ">i8"])
 @pytest.mark.parametrize("ignore", [None, -100, 2])
 def test_the_class_check_loop_agrees_with_numpy(dtype, ignore):
-    from onnx_training_ops.training import checks
+    from onnx_training_ops.training.inputs import checks
 
     rng = np.random.default_rng(0)
     for _ in range(200):

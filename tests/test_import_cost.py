@@ -49,7 +49,7 @@ def test_import_loads_neither_torch_nor_the_extensions_and_leaves_the_environmen
     result = _run(REPORT.format(after="", var=VAR))
     assert result["file"].startswith(str(ROOT))
     assert result["modules"] == []
-    assert result["var"] is None  # the import's time: `python -m onnx_training_ops bench overhead`
+    assert result["var"] is None  # the import's time: `python -m benchmarks overhead`
 
 
 def test_an_environment_value_set_before_is_kept():

@@ -13,7 +13,7 @@ from onnx_training_ops import Adagrad, Adam, Momentum, NonFiniteLossError, Train
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.passes.target_native import NATIVE_DOMAIN
 from onnx_training_ops.runtime.native import availability
-from onnx_training_ops.training.in_place import add_finite_guard, in_place_outputs
+from onnx_training_ops.training.fastpath.in_place import add_finite_guard, in_place_outputs
 
 pytestmark = pytest.mark.skipif(not availability()[0], reason="the native kernels do not work here")
 

@@ -11,7 +11,7 @@ import pytest
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.interrupts import held_interrupts
-from onnx_training_ops.training import in_place_updates
+from onnx_training_ops.training.fastpath import in_place_updates
 
 
 @pytest.fixture(autouse=True)

@@ -315,7 +315,7 @@ def test_a_transposed_frozen_weight_is_one_copy(tmp_path, large):
 
 
 def test_sessions_share_one_arena_unless_the_model_is_large_or_options_are_given():
-    from onnx_training_ops.training.options import SHARED_ARENA_CONFIG, fresh_options, shared_arena
+    from onnx_training_ops.training.options.options import SHARED_ARENA_CONFIG, fresh_options, shared_arena
 
     assert shared_arena() and shared_arena()  # registered once; asking again is harmless
     (key, value), = SHARED_ARENA_CONFIG.items()

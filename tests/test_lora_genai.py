@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 og = pytest.importorskip("onnxruntime_genai")
 
-from onnx_training_ops.bench import genai  # noqa: E402 - after the skips: it builds with torch and transformers
+import genai_models as genai  # noqa: E402 - after the skips: it builds with torch and transformers
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VOCAB = genai.TINY["vocab_size"]

@@ -24,8 +24,8 @@ from onnx_training_ops.passes import GPU_PASSES
 from onnx_training_ops.passes.expand_gradient import expand_gradient
 from onnx_training_ops.passes.lower_group_query_attention import lower_group_query_attention
 from onnx_training_ops.runtime.kernel_table import CUDA, cpu_nodes
-from onnx_training_ops.training.device_graphs import device_step_plans
 from onnx_training_ops.training.engine.config import checked_config
+from onnx_training_ops.training.engine.device_graphs import device_step_plans
 
 B, S, HEADS, KV_HEADS = 2, 6, 4, 2
 

@@ -2,7 +2,7 @@
 
 The fixtures hold, for each of 20 steps, the gradients onnxruntime-training's optimizer
 received and the parameters it produced. Replaying those gradients through the standard ops
-that :func:`onnx_training_ops.migrate.adamw.emit_update` writes (run by onnxruntime) gives its
+that :func:`onnx_training_ops.optim.ort_adamw.emit_update` writes (run by onnxruntime) gives its
 moments bit for bit (they equal the checkpoint's ``momentum0``/``momentum1`` after 10 steps)
 and its parameters to an ulp of X plus 2^-20 of the update: its CPU kernel takes the square
 root of the second moment with Eigen's fast-math ``psqrt`` (the CPU's ``rsqrtps`` approximation
@@ -24,8 +24,8 @@ from onnx_training_ops import Momentum
 from onnx_training_ops.builder.ops import Ops
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.migrate import OrtAdamW, read_checkpoint
-from onnx_training_ops.migrate.adamw import emit_update
 from onnx_training_ops.migrate.artifacts import read_optimizer
+from onnx_training_ops.optim.ort_adamw import emit_update
 
 
 def _update_session(opt: OrtAdamW, shapes: dict[str, tuple[int, ...]]) -> ort.InferenceSession:
@@ -124,7 +124,7 @@ def test_their_sgd_is_momentum_zero_and_replays_bit_for_bit():
     t = trajectory("mlp_sgd")
     opt = read_optimizer(onnx.load(str(ORTT / "mlp_sgd" / "optimizer_model.onnx")), "sgd", float(t["lr"]))
     assert opt == Momentum(lr=float(t["lr"]), momentum=0.0)
-    from onnx_training_ops.kernels import momentum
+    from onnx_training_ops.optim.momentum import momentum
     for n in t["trainable"]:
         for step in range(20):
             x, g = t[f"p/{n}"][step], t[f"g/{n}"][step]

@@ -329,7 +329,7 @@ def _reference_losses(built, batches, directory):
     accumulation order). Returns the losses, the final state and the step model."""
     from onnx.reference import ReferenceEvaluator
 
-    from onnx_training_ops.export.safetensors import read
+    from onnx_training_ops.storage.safetensors import read
 
     manifest = export_step(built, directory)
     step = onnx.load(directory / "step.onnx")
@@ -564,7 +564,7 @@ def test_a_model_forced_large_trains_the_same(monkeypatch, tmp_path):
 
 
 def test_bench_gpu_runs_ours_in_fp16_on_the_cpu_and_names_the_bf16_limit(tmp_path):
-    from onnx_training_ops.bench import gpu
+    from benchmarks import gpu
 
     out = tmp_path / "gpu.json"
     assert gpu.main(["--device", "cpu", "--models", "mlp", "--contenders", "ours_fp16,ours_bf16,torch_fp32",

@@ -1,5 +1,5 @@
-"""The optimizers package: one registry, a contract every description meets, old paths kept,
-and the scalar preparation compiled for the native kernels equal to the Python one."""
+"""The optimizers package: one registry, a contract every description meets, and the scalar
+preparation compiled for the native kernels equal to the Python one."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from onnx_training_ops.optim import adagrad, adam, momentum, ort_adamw, registry, rmsprop
+from onnx_training_ops.optim import adagrad, adam, momentum, registry
 from onnx_training_ops.optim.base import Optimizer
 
 
@@ -38,42 +38,24 @@ def test_each_domain_op_has_a_lowering_and_a_reference():
 
 _FRESH = """
 import json, sys
-from onnx_training_ops.builder.optimizers import OPTIMIZER_CLASSES, from_json
+from onnx_training_ops.optim.registry import OPTIMIZER_CLASSES, from_json
 from onnx_training_ops.builder.emit_update import STANDARD_OP_UPDATES
 before = (sorted(OPTIMIZER_CLASSES), sorted(c.__name__ for c in STANDARD_OP_UPDATES))
 out = [type(from_json(t)).__name__ for t in json.loads(sys.argv[1])]
-import onnx_training_ops.migrate.adamw, onnx_training_ops.builder.rmsprop  # noqa: E401
+import onnx_training_ops.optim.ort_adamw, onnx_training_ops.optim.rmsprop  # noqa: E401
 after = (sorted(OPTIMIZER_CLASSES), sorted(c.__name__ for c in STANDARD_OP_UPDATES))
-print(json.dumps([out, before == after, "onnx_training_ops.migrate.adamw" in sys.modules]))
+print(json.dumps([out, before == after]))
 """
 
 
 def test_from_json_reads_every_optimizer_whatever_was_imported():
     """No optimizer registers itself on import: a process that imported only the builder's
-    optimizers reads OrtAdamW and RMSProp back, and importing their old modules adds nothing."""
+    optimizers reads OrtAdamW and RMSProp back, and importing their modules adds nothing."""
     texts = [registry.to_json(cls()) for cls in registry.OPTIMIZER_CLASSES.values()]
     done = subprocess.run([sys.executable, "-c", _FRESH, json.dumps(texts)], capture_output=True,
                           text=True, check=True)
-    names, unchanged, _ = json.loads(done.stdout.strip().splitlines()[-1])
+    names, unchanged = json.loads(done.stdout.strip().splitlines()[-1])
     assert names == list(registry.OPTIMIZER_CLASSES) and unchanged
-
-
-def test_old_import_paths_give_the_same_objects():
-    from importlib import import_module
-
-    build_optimizers = import_module("onnx_training_ops.builder.optimizers")
-    build_rmsprop = import_module("onnx_training_ops.builder.rmsprop")
-    k_adagrad = import_module("onnx_training_ops.kernels.adagrad")  # the package's name is the function
-    k_adam = import_module("onnx_training_ops.kernels.adam")
-    k_momentum = import_module("onnx_training_ops.kernels.momentum")
-    migrate_adamw = import_module("onnx_training_ops.migrate.adamw")
-
-    assert k_adam.adam is adam.adam and k_adam.adam_rate is adam.adam_rate
-    assert k_momentum.momentum_beta is momentum.momentum_beta and k_adagrad.adagrad is adagrad.adagrad
-    assert build_optimizers.Adam is adam.Adam and build_optimizers.Momentum is momentum.Momentum
-    assert build_optimizers.from_json is registry.from_json
-    assert build_rmsprop.RMSProp is rmsprop.RMSProp and build_rmsprop.emit_rmsprop is rmsprop.emit_rmsprop
-    assert migrate_adamw.OrtAdamW is ort_adamw.OrtAdamW and migrate_adamw.emit_update is ort_adamw.emit_update
 
 
 @njit(cache=False)

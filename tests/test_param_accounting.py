@@ -22,8 +22,8 @@ from param_parity import check, export, perturb  # noqa: E402
 import onnx_training_ops as ot  # noqa: E402
 from onnx_training_ops.builder.folded_params import Ambiguous, find_recipe, invert  # noqa: E402
 from onnx_training_ops.builder.model_metadata import metadata  # noqa: E402
+from onnx_training_ops.training.state.torch_names import record_torch_names  # noqa: E402
 from onnx_training_ops.training.summary import summary  # noqa: E402
-from onnx_training_ops.training.torch_names import record_torch_names  # noqa: E402
 
 nn = torch.nn
 TOL = 1e-4

@@ -14,7 +14,7 @@ import pytest
 
 from onnx_training_ops import Adam, TrainingOpError, TrainingSession, build_training_model
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.training.providers import placement
+from onnx_training_ops.training.options.providers import placement
 
 
 def _model():

@@ -1,22 +1,18 @@
 """The public API stays where the README and docs say it is.
 
-Every name of ``onnx_training_ops.__all__``; every module path of 0.1 (``onnx_training_ops.plugin``,
-``.builder``...) as the same module object as its new home; and every
-``from onnx_training_ops... import ...`` and dotted ``onnx_training_ops.x.y`` the README,
-docs/ and examples/ mention.
+Every name of ``onnx_training_ops.__all__``, and every ``from onnx_training_ops... import ...``
+and dotted ``onnx_training_ops.x.y`` the README, docs/ and examples/ mention.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 import onnx_training_ops
-from onnx_training_ops import _moved
 from onnx_training_ops.autodiff.rules_shape import PADDING_ROW_KEY
 from onnx_training_ops.export.manifest import FEEDBACK_KEY
 from onnx_training_ops.storage.checkpoint import CHECKSUM_KEY
@@ -60,14 +56,6 @@ def _mentions() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("name", onnx_training_ops.__all__)
 def test_every_name_in_all_imports_from_the_package(name):
     assert getattr(onnx_training_ops, name) is not None
-
-
-@pytest.mark.parametrize("old,new", sorted(_moved.MOVED.items()))
-def test_a_module_path_of_0_1_is_the_module_at_its_new_path(old, new):
-    moved = importlib.import_module(f"onnx_training_ops.{old}")
-    assert moved is importlib.import_module(f"onnx_training_ops.{new}")
-    assert moved.__spec__.name == f"onnx_training_ops.{new}"  # its own identity, not the old name's
-    assert sys.modules[f"onnx_training_ops.{old}"] is moved
 
 
 def test_the_documents_mention_many_names():

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 from onnx import numpy_helper  # noqa: E402
 
 from onnx_training_ops import RMSProp, TrainingSession, build_training_model  # noqa: E402
-from onnx_training_ops.builder.optimizers import from_json, to_json  # noqa: E402
 from onnx_training_ops.demo import make_mlp  # noqa: E402
 from onnx_training_ops.errors import TrainingOpError  # noqa: E402
+from onnx_training_ops.optim.registry import from_json, to_json  # noqa: E402
 
 SIZES = (6, 10, 3)
 STEPS = 50

@@ -7,7 +7,7 @@ import onnxruntime as ort
 
 import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.training.shard import partition, shard_model
+from onnx_training_ops.training.state.shard import partition, shard_model
 
 BATCH = {"input": np.zeros((2, 8), np.float32), "labels": np.zeros(2, np.int64)}
 

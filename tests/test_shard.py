@@ -1,4 +1,4 @@
-"""ZeRO-1's model rewrite (training/shard.py) in one process: ranks simulated by sharded
+"""ZeRO-1's model rewrite (training/state/shard.py) in one process: ranks simulated by sharded
 sessions whose gradients are averaged and whose parameters are copied from their owners by
 hand give the bits of unsharded sessions doing the same, for every optimizer, parameter
 groups, AdamW, clipping, the fast path and the full graph; each shard holds only its own
@@ -12,7 +12,7 @@ import pytest
 from onnx_training_ops import Adagrad, Adam, AdamW, Momentum, RMSProp, TrainingSession, build_training_model
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.training.shard import optimizer_state, partition, shard_model
+from onnx_training_ops.training.state.shard import optimizer_state, partition, shard_model
 
 SIZES, BATCH, STEPS = (6, 12, 5, 3), 12, 6
 

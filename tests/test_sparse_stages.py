@@ -160,10 +160,10 @@ def test_gradient_buffers_average_across_processes():
 
 @pytest.mark.parametrize("optimizer", [Adam(lr=0.05), RMSProp(lr=0.01, momentum=0.5)], ids=["Adam", "RMSProp"])
 def test_gradient_views_reduce_to_the_owner_of_a_sharded_table(optimizer):
-    """ZeRO-1 shards (training/shard.py) simulated in one process: each rank accumulates every
+    """ZeRO-1 shards (training/state/shard.py) simulated in one process: each rank accumulates every
     table's gradient and counter (``gradient_views``: E twice); averaged, the owner's update
     equals one session's on both micro-batches, and the other rank leaves the table alone."""
-    from onnx_training_ops.training.shard import partition, shard_model
+    from onnx_training_ops.training.state.shard import partition, shard_model
 
     model = build_training_model(emb_model(), "mse", optimizer, sparse_updates={"E": "lazy"})
     owners = partition(model, 2)

@@ -254,9 +254,9 @@ def test_only_gather_tables_and_known_modes():
 
 
 def test_embedding_benchmark_runs(capsys):
-    from onnx_training_ops.cli import main
+    from benchmarks.__main__ import main
 
-    assert main(["bench", "embeddings", "--rows", "500", "--dim", "8", "--lookups", "64",
+    assert main(["embeddings", "--rows", "500", "--dim", "8", "--lookups", "64",
                  "--steps", "3", "--dense-steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "onnx lazy Adam" in out and "lazy vs dense" in out

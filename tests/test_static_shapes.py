@@ -24,9 +24,9 @@ import onnx_training_ops as ot
 from onnx_training_ops.demo import make_mlp
 from onnx_training_ops.errors import TrainingOpError
 from onnx_training_ops.export import DeviceTrainer, export_step
-from onnx_training_ops.training.device_graphs import device_step_graphs
+from onnx_training_ops.training.engine.device_graphs import device_step_graphs
 from onnx_training_ops.training.engine.graph import APPLY
-from onnx_training_ops.training.state import collect_state_protos
+from onnx_training_ops.training.state.state import collect_state_protos
 
 
 def _model():

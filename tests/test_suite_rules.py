@@ -1,6 +1,6 @@
 """Rules the test suite keeps (issue 20 item 15): no assertion on wall-clock time. A bound on
 seconds fails on a loaded machine (1.36 s for a "< 1 s" expansion on a busy 2-core box) and
-proves nothing on an idle one; timings belong in ``python -m onnx_training_ops bench``."""
+proves nothing on an idle one; timings belong in ``python -m benchmarks``."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_training_ops import Adam, AdamW, Momentum, TrainingSession, build_training_model
 from onnx_training_ops.demo import make_mlp
+from onnx_training_ops.training.state.torch_names import KEY, record_torch_names, torch_name_map
 from onnx_training_ops.training.summary import summary
-from onnx_training_ops.training.torch_names import KEY, record_torch_names, torch_name_map
 
 
 def test_summary_of_a_training_model_lists_tensors_state_loss_and_gradient_ops():

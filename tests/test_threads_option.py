@@ -11,7 +11,7 @@ import pytest
 import onnx_training_ops as ot
 from onnx_training_ops.cli import build_parser, main
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.training.options import fresh_options
+from onnx_training_ops.training.options.options import fresh_options
 
 
 def _model():

@@ -1,6 +1,6 @@
 """Trajectory parity: 100 steps of an MLP trained through TrainingSession follow torch.optim
 (and TensorFlow's ApplyAdam formula) within 1e-5 relative — the optimizer mapping of
-DESIGN.md §2 / onnx_training_ops.builder.optimizers, T counting included.
+DESIGN.md §2 / onnx_training_ops.optim, T counting included.
 
 float64 throughout, so the comparison measures the optimizer mapping, not float32
 round-off amplified over 100 steps. Tanh keeps every gradient entry non-zero (Adam with

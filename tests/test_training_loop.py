@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 from test_torch_parity import _max_relative_error, _params_onnx_layout, _torch_net  # noqa: E402
 
 from onnx_training_ops import Adam, AdamW, Momentum, TrainingOpError, TrainingSession, build_training_model  # noqa: E402
+from onnx_training_ops import schedules as S  # noqa: E402
 from onnx_training_ops.demo import make_mlp  # noqa: E402
-from onnx_training_ops.training import schedules as S  # noqa: E402
 
 SIZES = (8, 16, 4)
 NAMES = ["W0", "b0", "W1", "b1"]

@@ -26,7 +26,7 @@ from onnx_training_ops import (
     build_training_model,
 )
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.kernels import momentum as reference_momentum
+from onnx_training_ops.optim.momentum import momentum as reference_momentum
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from build_models import linear_regression_adam  # noqa: E402
@@ -454,7 +454,7 @@ def _block_coordinate_model():
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_training_infos_run_in_order(fast):
-    from onnx_training_ops.kernels import adagrad as reference_adagrad
+    from onnx_training_ops.optim.adagrad import adagrad as reference_adagrad
 
     model, w, b = _block_coordinate_model()
     session = TrainingSession(model, fast=fast)
@@ -534,7 +534,7 @@ def test_from_graph_whose_only_node_is_the_optimizer():
     """The fast path cuts the only node; onnxruntime must still get a graph it accepts."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from onnx_training_ops.kernels import adam as reference_adam
+    from onnx_training_ops.optim.adam import adam as reference_adam
 
     rng = np.random.default_rng(0)
     state = {k: rng.random(5).astype(np.float32) for k in ("X", "V", "H")}

@@ -12,23 +12,26 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnx_training_ops.errors import TrainingOpError
-from onnx_training_ops.export import export_step, safetensors
+from onnx_training_ops.export import export_step
 from onnx_training_ops.export.host_program import run as run_host
+from onnx_training_ops.passes._graph import value_types
+from onnx_training_ops.passes.dequantize_with_float_ops import dequantize_with_float_ops
 from onnx_training_ops.passes.fold_static_shapes import fold_static_shapes
 from onnx_training_ops.passes.int32_inputs import int32_inputs
 from onnx_training_ops.passes.lower_log_softmax import lower_log_softmax
 from onnx_training_ops.passes.lower_one_hot import lower_one_hot
 from onnx_training_ops.passes.lower_sum import lower_sum
 from onnx_training_ops.passes.split_host_scalars import split_host_scalars
+from onnx_training_ops.storage import safetensors
 
 sys.path.insert(0, str(Path(__file__).parent))
 import js_fixtures  # noqa: E402
 
 # what onnxruntime-web 1.30's WebGPU provider does not run (DESIGN.md)
-LACKING = {"LogSoftmax", "OneHot", "Sum"}
+LACKING = {"LogSoftmax", "OneHot", "Sum", "GatherBlockQuantized"}
 COMPARISONS = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"}
 
 
@@ -226,12 +229,11 @@ def _portable_steps(directory, manifest, batches, steps):
 
 def _left_for_the_cpu(model: onnx.ModelProto) -> list[str]:
     """The nodes onnxruntime-web 1.30's WebGPU provider refuses at their types (measured in
-    Chromium, js/test/webgpu.test.js): the ops it lacks, float64 anywhere, int64 computed by
+    Chromium, js/test/webgpu.test.js, js/test/lora.test.js): the ops it lacks (GatherBlockQuantized
+    of uint8 data), float64 anywhere, int64 computed by
     anything but a Cast (its Cast writes int64: ScatterND's indices must be), Slice of anything
     but floats (its Pad takes int32)."""
-    inferred = onnx.shape_inference.infer_shapes(model).graph
-    elem = {vi.name: vi.type.tensor_type.elem_type for vi in (*inferred.input, *inferred.value_info, *inferred.output)}
-    elem.update({t.name: t.data_type for t in model.graph.initializer})
+    elem = {name: vt.elem_type for name, vt in value_types(model).items()}  # contrib ops' outputs too
     left = [f"{n.op_type} (lacking)" for n in model.graph.node if n.op_type in LACKING]
     left += [f"{n.op_type} {n.output[0]} (float64)" for n in model.graph.node
              if any(elem.get(v) == TensorProto.DOUBLE for v in (*n.input, *n.output))]
@@ -430,3 +432,75 @@ def test_int32_inputs_with_a_constant_outside_int32_computes_what_the_model_does
     narrowed = int32_inputs(model)
     got = _run(model, {"labels": labels.astype(np.int32) if narrowed else labels})["y"]
     np.testing.assert_array_equal(got, expected)
+
+
+def test_int32_inputs_takes_an_attention_masks_row_lengths_in_int32():
+    """onnxruntime-genai's models read the sequence lengths GroupQueryAttention wants (int32) as
+    ReduceSum(attention_mask) - 1: computed in int32 from an int32 mask."""
+    nodes = [_int_const("axes", [1]), _int_const("one", [1]),
+             helper.make_node("ReduceSum", ["mask", "axes"], ["total"], keepdims=0),
+             helper.make_node("Sub", ["total", "one"], ["last"]),
+             helper.make_node("Cast", ["last"], ["seqlens"], to=TensorProto.INT32)]
+    model = _model(nodes, [_vi("mask", TensorProto.INT64, [2, 5])], [_vi("seqlens", TensorProto.INT32, [2])], opset=18)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    expected = _run(model, {"mask": mask})["seqlens"]
+    assert int32_inputs(model) == ["mask"]
+    assert not _left_for_the_cpu(model)
+    np.testing.assert_array_equal(_run(model, {"mask": mask.astype(np.int32)})["seqlens"], expected)
+
+
+@pytest.mark.parametrize("bits,zero_points", [(4, "none"), (4, "uint8"), (8, "uint8"), (2, "none")])
+def test_dequantize_with_float_ops_equals_gather_block_quantized(bits, zero_points):
+    """The MatMulNBits rule's dequantization (GatherBlockQuantized of every row, indices tied to
+    the gradient) rewritten as DequantizeLinear and float arithmetic: the same weight, bit for bit,
+    nothing WebGPU refuses."""
+    from contrib_refs import MS, quantized_weight
+
+    from onnx_training_ops.autodiff.emitter import Emitter, ValueMeta
+    from onnx_training_ops.autodiff.registry import RuleContext
+    from onnx_training_ops.autodiff.rules_quantized import QuantizedWeight
+
+    rng = np.random.default_rng(bits)
+    n, k, block = 24, 64, 16
+    _, inits = quantized_weight(rng, n, k, bits, block, zero_points)
+    names = ["B", "scales"] + (["zero_points"] if "zero_points" in inits else [])
+    node = helper.make_node("MatMulNBits", ["a", *names], ["y"], domain=MS, K=k, N=n, bits=bits, block_size=block)
+    em = Emitter("grad/", 18, {name: ValueMeta(TensorProto.FLOAT if name == "scales" else TensorProto.UINT8,
+                                               value.shape) for name, value in inits.items()})
+    em.set_meta("g", TensorProto.FLOAT, (3, n))
+    em.set_meta("a", TensorProto.FLOAT, (3, k))
+    weight = QuantizedWeight(RuleContext(node, ["g"], [True], em, {}))
+    w = weight.dequantized("g", "a")
+    em.add_node(helper.make_node("Identity", [w], ["w"]))
+    model = _model(em.nodes, [_vi("g", TensorProto.FLOAT, [3, n])], [_vi("w", TensorProto.FLOAT, [n, k])], opset=18,
+                   initializers=[numpy_helper.from_array(v, name) for name, v in inits.items()])
+    model.opset_import.append(helper.make_opsetid(MS, 1))
+    g = rng.standard_normal((3, n)).astype(np.float32)
+    assert "GatherBlockQuantized" in {n.op_type for n in model.graph.node}
+    expected = _run(model, {"g": g})["w"]
+    rewritten = dequantize_with_float_ops(model)
+    assert not _left_for_the_cpu(rewritten)
+    assert "DequantizeLinear" in {n.op_type for n in rewritten.graph.node}
+    np.testing.assert_array_equal(_run(rewritten, {"g": g})["w"], expected)
+
+
+def test_the_int4_lora_webgpu_step_trains_like_the_portable_step(tmp_path):
+    """LoRA on onnxruntime-genai's tiny int4 Llama (MatMulNBits, GroupQueryAttention...): its WebGPU
+    step keeps the contrib ops WebGPU runs, dequantizes with float ops, computes the attention mask's
+    lengths in int32, and trains 10 steps like the portable step (js/test/lora.test.js runs it in
+    Chromium, every node on WebGPU)."""
+    pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("torch")
+    training, batches, _ = js_fixtures._lora_int4(np.random.default_rng(0), tmp_path / "genai")
+    shapes = {k: list(v.shape[1:]) for k, v in batches.items()}
+    manifest = export_step(training, tmp_path / "lora", target="webgpu", input_shapes=shapes)
+    model = onnx.load(tmp_path / "lora" / "step.webgpu.onnx")
+    assert not _left_for_the_cpu(model)
+    contrib = {n.op_type for n in model.graph.node if n.domain == "com.microsoft"}
+    assert {"MatMulNBits", "GroupQueryAttention"} <= contrib
+    assert {e["name"]: e["dtype"] for e in manifest["webgpu"]["inputs"]}["attention_mask"] == "int32"
+    ours, our_state = _webgpu_steps(tmp_path / "lora", manifest, batches, 10)
+    theirs, their_state = _portable_steps(tmp_path / "lora", manifest, batches, 10)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    for key, value in their_state.items():
+        np.testing.assert_allclose(our_state[key], value, rtol=1e-4, atol=1e-6, err_msg=key)

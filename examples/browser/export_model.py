@@ -20,7 +20,8 @@ import numpy as np
 import onnx_training_ops as ot
 from onnx_training_ops import schedules
 from onnx_training_ops.demo import make_mlp
-from onnx_training_ops.export import export_step, safetensors
+from onnx_training_ops.export import export_step
+from onnx_training_ops.storage import safetensors
 
 PRETRAIN_STEPS = 30
 BROWSER_STEPS = 300

@@ -1,7 +1,7 @@
 // The safetensors format: an 8-byte little-endian header length N, N bytes of JSON
 // ({name: {dtype, shape, data_offsets}}, optional "__metadata__"), then the raw little-endian
 // tensor bytes. The layout written here is the Python exporter's
-// (onnx_training_ops/export/safetensors.py): tensors ordered by element size (largest first)
+// (onnx_training_ops/storage/safetensors.py): tensors ordered by element size (largest first)
 // then name, compact JSON, the header padded with spaces to a multiple of 8. The same state
 // gives the same bytes in both languages, so the exported inference model, which reads its
 // weights from state.safetensors by offset, lines up with a state file written here.

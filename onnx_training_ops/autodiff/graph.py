@@ -13,6 +13,8 @@
 3. *Accumulation*: backward over the ancestors, each node whose active outputs received a
    gradient applies its rule; contributions to a value are summed (``Sum``) when its
    producer is reached (or at the end, for the xs).
+4. *Recomputation* (:mod:`.recompute`): forward values the rules read that one cheap
+   element-wise op makes from values the backward pass keeps anyway are made again there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import onnx
 
 from ..errors import TrainingOpError
 from .emitter import FLOAT_TYPES, Emitter
+from .recompute import recompute
 from .registry import RULES, RuleContext, RuleError, describe_missing, has_rule, missing_rules_of, rule_key
 
 # Ops whose outputs never carry a gradient even when their inputs are float (comparisons
@@ -178,6 +181,8 @@ def backprop(nodes: Sequence[onnx.NodeProto], y: str, leaves: Sequence[str], cut
         raise TrainingOpError(f"{label}: {describe_missing(missing, 'from xs to y')}")
 
     acc: dict[str, list[str]] = defaultdict(list)
+    start = len(em.nodes)
+    gates: list[tuple[int, str]] = []  # per rule applied: (end of its nodes, the gradient it was given)
     try:
         acc[y].append(em.filled_like(1.0, y))  # the seed: d sum(y) / dy = ones
     except LookupError as e:
@@ -200,7 +205,9 @@ def backprop(nodes: Sequence[onnx.NodeProto], y: str, leaves: Sequence[str], cut
             raise TrainingOpError(
                 f"{label}: cannot differentiate {node.op_type} node "
                 f"{node.name or node.output[0]!r}: {e}") from None
+        gates.append((len(em.nodes), next(g for g in grads if g)))
         for name, g, need in zip(node.input, result, needs):
             if need and g is not None:
                 acc[name].append(g)
+    recompute(nodes, em, start, gates, constants)
     return {leaf: (_total(em, acc[leaf]) if acc.get(leaf) else None) for leaf in leaves}

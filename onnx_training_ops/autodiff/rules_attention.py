@@ -231,10 +231,12 @@ def _last_dim(ctx: RuleContext | Emitter, x: str) -> int | None:
     return shape[-1] if shape is not None and isinstance(shape[-1], int) else None
 
 
-def _range(em: Emitter, length: str) -> str:
-    """``0..length-1`` (int64) for a ``[1]`` int64 length."""
-    return em.op("Range", [em.const(np.asarray(0, np.int64)), em.op("Squeeze", [length]),
-                           em.const(np.asarray(1, np.int64))], "range")
+def _range(em: Emitter, length: str, dtype=np.int64) -> str:
+    """``0..length-1`` (``dtype``) for a ``[1]`` int64 length."""
+    end = em.op("Squeeze", [length])
+    if dtype != np.int64:
+        end = em.op("Cast", [end], "length", to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+    return em.op("Range", [em.const(np.asarray(0, dtype)), end, em.const(np.asarray(1, dtype))], "range")
 
 
 def _refuse(ctx: RuleContext, inputs: dict[int, str], outputs: dict[int, str], attrs: dict[str, str]) -> None:
@@ -323,23 +325,26 @@ def group_query(em: Emitter, node: NodeProto, what: str) -> GroupQuery:
     elif rotation:
         q4, k4 = rotation(q4, False), rotation(k4, False)
 
-    # keys j a row i attends: j <= i (causal), j > i - window, j < seqlens_k[b] + 1 (right padding)
+    # keys j a row i attends: j <= i (causal), j > i - window, j < seqlens_k[b] + 1 (right padding);
+    # in int32, the type of seqlens_k and total_sequence_length (onnxruntime-web's WebGPU runs no
+    # int64 arithmetic; with static shapes only the seqlens_k part is left to compute)
     length = em.dims_of(query, 1, 2)
-    rows = _range(em, length)
+    rows = _range(em, length, np.int32)
     row_i, key_j = em.unsqueeze(rows, [1]), em.unsqueeze(rows, [0])  # [S, 1], [1, S]
-    total = em.op("Add", [em.op("Cast", [node.input[5]], "seqlens", to=TensorProto.INT64), em.ints([1])])
+    seqlens = em.op("Cast", [node.input[5]], "seqlens", to=TensorProto.INT32)  # int32 already: kept as is
+    total = em.op("Add", [seqlens, em.const(np.asarray([1], np.int32), "one")])
     allowed = em.op("Less", [key_j, em.unsqueeze(total, [1, 2])], "in_sequence")  # [B, 1, S]
     if causal:
         allowed = em.op("And", [allowed, em.op("LessOrEqual", [key_j, row_i])], "causal")  # [B, S, S]
         if window > 0:
-            allowed = em.op("And", [allowed, em.op("Greater", [key_j, em.op("Sub", [row_i, em.ints([window])])])],
-                            "window")
+            shifted = em.op("Sub", [row_i, em.const(np.asarray([window], np.int32), "window")])
+            allowed = em.op("And", [allowed, em.op("Greater", [key_j, shifted])], "window")
     elif window > 0:
         raise RuleError("local_window_size with causal=0")
     allowed = em.unsqueeze(allowed, [1, 2])  # [B, 1, 1, S or 1, S]
 
-    prompt = em.op("Equal", [em.op("Cast", [em.op("Reshape", [node.input[6], em.ints([1])])], "total",
-                                   to=TensorProto.INT64), length], "prompt")
+    total_length = em.op("Cast", [em.op("Reshape", [node.input[6], em.ints([1])])], "total", to=TensorProto.INT32)
+    prompt = em.op("Equal", [total_length, em.op("Cast", [length], "length", to=TensorProto.INT32)], "prompt")
     alpha = em.check(prompt, _alpha(em, node, q4, head_size),
                      f"GroupQueryAttention {node.name or node.output[0]!r} {what}: needs its prompt form "
                      "(sequence_length == total_sequence_length, an empty past)")

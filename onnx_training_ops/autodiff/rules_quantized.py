@@ -93,13 +93,20 @@ class QuantizedWeight:
     def _gather_block_quantized(self, gate: str) -> str:
         em = self.ctx.em
         width = self.blocks * self.block
-        data = em.op("Reshape", [self.packed, em.ints([self.n, width * self.bits // 8])], "packed")
-        scales = em.op("Reshape", [self.scales, em.ints([self.n, self.blocks])], "scales")
-        rows = _gated(em, em.const(np.arange(self.n, dtype=np.int64), "rows"), _runtime_zero(em, gate))
+        zero = _runtime_zero(em, gate)
+
+        def reshaped(x: str, shape: list[int], hint: str) -> str:
+            # read as it is where it has that shape (the genai builder's scales): onnxruntime folds a
+            # Reshape of a constant into a copy, kept for the session's life
+            return x if em.shape(x) == tuple(shape) else em.op("Reshape", [x, em.ints(shape)], hint)
+
+        data = reshaped(self.packed, [self.n, width * self.bits // 8], "packed")
+        scales = reshaped(self.scales, [self.n, self.blocks], "scales")
+        rows = _gated(em, em.const(np.arange(self.n, dtype=np.int64), "rows"), zero)
         inputs = [data, rows, scales]
         if self.zero_points is not None:
             zp_bytes = -(-self.blocks * self.bits // 8)
-            inputs.append(em.op("Reshape", [self.zero_points, em.ints([self.n, zp_bytes])], "zero_points"))
+            inputs.append(reshaped(self.zero_points, [self.n, zp_bytes], "zero_points"))
         w = em.op("GatherBlockQuantized", inputs, "dequant", domain=MS, bits=self.bits,
                   block_size=self.block, gather_axis=0, quantize_axis=1)
         if width != self.k:

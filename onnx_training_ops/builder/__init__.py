@@ -21,13 +21,15 @@ May import: errors, schema, walk, storage, optim, autodiff, passes (never runtim
 model is built without onnxruntime).
 """
 
+from ..optim.adagrad import Adagrad
+from ..optim.adam import Adam, AdamW
+from ..optim.momentum import Momentum
+from ..optim.rmsprop import RMSProp
 from .loss_scaling import LossScaling
 from .losses import BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss, SmoothL1Loss
 from .metadata import TrainingMetadata
 from .model import build_training_model
 from .model_metadata import META_PREFIX, metadata
-from .optimizers import Adagrad, Adam, AdamW, Momentum
-from .rmsprop import RMSProp
 
 __all__ = ["Adagrad", "Adam", "AdamW", "BCEWithLogitsLoss", "CrossEntropyLoss", "HuberLoss", "L1Loss",
            "LossScaling", "META_PREFIX", "MSELoss", "Momentum", "RMSProp", "SmoothL1Loss", "TrainingMetadata",

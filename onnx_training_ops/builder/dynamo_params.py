@@ -158,7 +158,7 @@ class Restored:
             by_why.setdefault(self.lost[n], []).append(n)
         shown = "; ".join(f"{', '.join(ns[:4])}{' ...' if len(ns) > 4 else ''}: {why}"
                           for why, ns in list(by_why.items())[:6]) + ("; ..." if len(by_why) > 6 else "")
-        record = ("; or, on the exported model, call onnx_training_ops.training.torch_names.record_torch_names("
+        record = ("; or, on the exported model, call onnx_training_ops.training.state.torch_names.record_torch_names("
                   "model, module), which gives them back from the module's values"
                   if any(n in self.by_value for n in names) else "")
         return (f"torch parameter(s) {', '.join(names[:6])}{' ...' if len(names) > 6 else ''} of this export would "

@@ -38,6 +38,9 @@ from onnx import helper
 
 from ..errors import TrainingOpError
 from ..lora.spec import LoraSpec, lora_spec
+from ..optim.base import Optimizer
+from ..optim.registry import OPTIMIZER_CLASSES, to_json
+from ..optim.rmsprop import RMSProp
 from ..passes._graph import all_names, value_types
 from ..passes.fit_runtime import fit_runtime, runtime_limits
 from ..passes.mixed_precision import mixed_precision
@@ -55,10 +58,8 @@ from .loss_graph import add_loss, label_range, label_shape
 from .loss_scaling import LossScaler, LossScaling, checked_scaling
 from .losses import Loss
 from .metadata import TrainingMetadata
-from .optimizers import OPTIMIZER_CLASSES, Optimizer, to_json
 from .padding_rows import detect_padding_rows, mark_lookups, recorded_padding_rows, resolve_padding_rows
 from .param_groups import groups_record, resolve_groups
-from .rmsprop import RMSProp
 from .torch_record import LOST_KEY, UNHELD_KEY
 from .torch_record import read as read_record
 from .train_mode import fit_opset, training_forward

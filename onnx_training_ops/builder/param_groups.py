@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import TrainingOpError
-from .optimizers import Optimizer, to_json
+from ..optim.base import Optimizer
+from ..optim.registry import to_json
 
 _GROUP_KEYS = {"params", "frozen", "name"}
 

@@ -11,7 +11,7 @@ or folded beyond recognition): the builder names them in a warning. :data:`LOST_
 torch parameters certainly folded beyond repair (a BatchNorm folded into a convolution, found
 by value): the builder refuses to train them, as it does a dynamo export's.
 
-:func:`~onnx_training_ops.training.torch_names.record_torch_names` writes it at export time;
+:func:`~onnx_training_ops.training.state.torch_names.record_torch_names` writes it at export time;
 the builder adds what it restores (:mod:`.dynamo_params`) and keeps it (outside its own
 metadata prefix); ``TrainingSession.to_torch_state_dict`` reads it.
 """

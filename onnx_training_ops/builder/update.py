@@ -79,7 +79,7 @@ def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_gr
             scaler: LossScaler | None = None,
             padding: Mapping[str, int] | None = None) -> tuple[dict[str, dict[str, str]], str]:
     """T <- T + 1, one Gradient node for all ``params``, clipping, and one optimizer update
-    per group (:func:`.update_graph.emit_update`: one multi-tensor node of the domain, or
+    per group (:func:`.emit_update.emit_update`: one multi-tensor node of the domain, or
     standard ops for RMSProp); every new value bound to its state. ``tables``
     (:mod:`.sparse_updates`) are differentiated at their lookups and updated by rows, the
     ``padding`` row of a table (:mod:`.padding_rows`) with a zero gradient.

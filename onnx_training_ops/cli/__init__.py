@@ -1,5 +1,5 @@
 """Command line: ``python -m onnx_training_ops COMMAND ...`` (also ``onnx-training-ops``), COMMAND
-one of ``{build,train,summary,prepare,export-step,conformance,bench,import-ortt}``; docs/cli.md
+one of ``{build,train,summary,prepare,export-step,conformance,import-ortt}``; docs/cli.md
 walks through it. ``build`` (:mod:`.build`), ``train TRAINING.onnx`` (:mod:`.train`, data
 files: :mod:`.data`) and ``summary`` (:mod:`.summary`) have modules of their own; ``train``
 without a model trains the demo.
@@ -176,38 +176,6 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.bench_args[:1] == ["embeddings"]:  # embedding tables: dense vs lazy Adam (vs torch if installed)
-        from ..bench.embeddings import main as embeddings_main
-
-        return embeddings_main(args.bench_args[1:])
-    if args.bench_args[:1] == ["overhead"]:  # import and Gradient-expansion times, with the load
-        from ..bench.overhead import main as overhead_main
-
-        return overhead_main(args.bench_args[1:])
-    if args.bench_args[:1] == ["memory"]:  # peak RSS of real models: ours, torch eager, onnxruntime-training
-        from ..bench.memory import main as memory_main
-
-        return memory_main(args.bench_args[1:])
-
-    if args.bench_args[:1] == ["gpu"]:  # ours (state on the device) vs torch fp32 and AMP bf16, on a GPU
-        from ..bench.gpu import main as gpu_main
-
-        return gpu_main(args.bench_args[1:])
-
-    if args.bench_args[:1] == ["models"]:  # real models: ours vs onnxruntime-training, torch eager, torch.compile
-        from ..bench.models import main as models_main
-
-        return models_main(args.bench_args[1:])
-
-    if not any(a in ("-h", "--help") for a in args.bench_args):
-        for module in ("torch", "matplotlib"):
-            _require(module, "test")
-    from ..bench import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .._version import __version__
 
@@ -288,15 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "writes the models, a loss plot and summary.json to --out; with --nproc, "
                         "a checkpoint per epoch as well.")
         _train_arguments(t)
-    b = commands.add_parser(
-        "bench", add_help=False,  # every argument, --help included, goes to onnx_training_ops.bench.main
-        help="benchmark the optimizers (one step at 1e4..1e7 parameters, MLP steps/s); see `bench --help`; "
-             "`bench embeddings`: a 1M-row table, dense vs lazy Adam vs torch; `bench overhead`: import and "
-             "Gradient-expansion times; `bench memory`: peak RSS of fine-tuning GPT-2/BERT, ours vs torch vs "
-             "onnxruntime-training; `bench models`: BERT, GPT-2, ResNet-18, MLP training steps vs "
-             "onnxruntime-training and torch",
-    )
-    b.set_defaults(func=_bench)
     return parser
 
 
@@ -364,11 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..errors import TrainingOpError
 
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        args.bench_args = rest
-    elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args(argv)
     try:
         status = args.func(args)
         sys.stdout.flush()  # here, not at exit: a reader that went away is told apart below

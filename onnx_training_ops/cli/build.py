@@ -68,13 +68,15 @@ def make_optimizer(args: argparse.Namespace):
         args: the parsed ``build`` arguments.
 
     Returns:
-        An optimizer of :mod:`onnx_training_ops.builder.optimizers` (or RMSProp).
+        An optimizer of :mod:`onnx_training_ops.optim` (Adam, AdamW, Momentum, Adagrad, RMSProp).
 
     Raises:
         TrainingOpError: an option the optimizer does not take, or a value it refuses.
     """
-    from ..builder.optimizers import Adagrad, Adam, AdamW, Momentum
-    from ..builder.rmsprop import RMSProp
+    from ..optim.adagrad import Adagrad
+    from ..optim.adam import Adam, AdamW
+    from ..optim.momentum import Momentum
+    from ..optim.rmsprop import RMSProp
 
     kind = args.optimizer
     takes = {"adam": {"betas", "eps"}, "adamw": {"betas", "eps"}, "momentum": {"momentum"}, "sgd": {"momentum"},

@@ -49,7 +49,7 @@ def read_columns(path: str, label: str | None = None) -> dict[str, np.ndarray]:
             with np.load(path, allow_pickle=False) as data:
                 return {k: data[k] for k in data.files}
         if ext == ".safetensors":
-            from ..export.safetensors import read
+            from ..storage.safetensors import read
 
             return dict(read(path)[0])
     except TrainingOpError:
@@ -125,7 +125,7 @@ def _read_csv(path: str, label: str | None) -> dict[str, np.ndarray]:
 
 
 def match_feeds(columns: Mapping[str, np.ndarray], feeds: Sequence, where: str) -> dict[str, np.ndarray]:
-    """``columns`` as the feeds of ``feeds`` (:class:`~onnx_training_ops.training.feeds.Feed`): cast, reshaped.
+    """``columns`` as the feeds of ``feeds`` (:class:`~onnx_training_ops.training.inputs.feeds.Feed`): cast, reshaped.
 
     Args:
         columns: arrays by name (:func:`read_columns`).

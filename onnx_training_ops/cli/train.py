@@ -51,7 +51,7 @@ def parse_schedule(text: str, total_steps: int):
     Raises:
         TrainingOpError: an unknown name, a malformed or unknown argument.
     """
-    from ..training import schedules
+    from .. import schedules
 
     kinds = {"cosine": (schedules.CosineAnnealingLR, "T_max"), "linear": (schedules.LinearLR, "total_iters"),
              "step": (schedules.StepLR, None), "exponential": (schedules.ExponentialLR, None),

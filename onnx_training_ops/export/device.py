@@ -32,16 +32,16 @@ from onnx import helper, numpy_helper
 from ..builder.metadata import LabelRange, TrainingMetadata
 from ..errors import TrainingOpError
 from ..passes._graph import unique_name
+from ..schedules import to_json
 from ..storage import safetensors
 from ..storage.checkpoint import atomic_write
 from ..training.engine import checked_config
-from ..training.feeds import checked_learning_rate
-from ..training.precision import check_precision
-from ..training.providers import device_for, device_inputs, placement, provider_name, require_available
-from ..training.schedules import to_json
-from ..training.session import TrainingSession
-from ..training.static_shapes import checked_input_shapes
-from ..training.step import NONFINITE_POLICIES
+from ..training.graphs.static_shapes import checked_input_shapes
+from ..training.graphs.step import NONFINITE_POLICIES
+from ..training.inputs.feeds import checked_learning_rate
+from ..training.options.precision import check_precision
+from ..training.options.providers import device_for, device_inputs, placement, provider_name, require_available
+from ..training.session.session import TrainingSession
 from ..walk import all_graphs
 from . import manifest as manifest_
 from .importing import manifest_schedule, read_state
@@ -223,7 +223,7 @@ class DeviceTrainer:
             after its new value is written makes it unsafe. ``None`` (default): in place when safe;
             ``True``: an error when unsafe; ``False``: two sets.
         input_shapes: static shapes of the data inputs (``{"input_ids": [8, 256]}``): the step's
-            shape arithmetic is folded at load (:func:`~onnx_training_ops.training.static_shapes.static_step`),
+            shape arithmetic is folded at load (:func:`~onnx_training_ops.training.graphs.static_shapes.static_step`),
             so no shape computation runs per step (on a GPU, no host round trip for it); every
             batch must then have these shapes.
 

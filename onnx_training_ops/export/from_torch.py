@@ -11,7 +11,7 @@ such as ``onnx::MatMul_398``. :func:`export_for_training` exports with
   equal value become ``Identity`` aliases of one initializer (the builder unties them);
 
 then records where each ``state_dict`` entry went
-(:func:`~onnx_training_ops.training.torch_names.record_torch_names`), so that
+(:func:`~onnx_training_ops.training.state.torch_names.record_torch_names`), so that
 ``TrainingSession.to_torch_state_dict()`` gives the trained weights back under torch's
 names, and warns about parameters the export lost (unused by ``forward``, or folded).
 """
@@ -29,7 +29,7 @@ import onnx
 from ..builder.padding_rows import TORCH_PADDING_KEY
 from ..errors import TrainingOpError
 from ..storage.save import save_model
-from ..training.torch_names import record_torch_names, recorded_names
+from ..training.state.torch_names import record_torch_names, recorded_names
 
 
 def export_for_training(
@@ -69,7 +69,7 @@ def export_for_training(
     try:
         import torch
     except ImportError as error:
-        raise TrainingOpError("export_for_training needs torch: pip install 'onnx-training-ops[test]'") from error
+        raise TrainingOpError("export_for_training needs torch: pip install 'onnx-training-ops[torch]'") from error
     if len(input_names) != len(args):
         raise TrainingOpError(f"export_for_training: {len(args)} example inputs but {len(input_names)} input_names")
     axes = dict(dynamic_axes) if dynamic_axes is not None else {n: {0: "batch"} for n in input_names}
@@ -121,7 +121,7 @@ def _record_padding_rows(model: onnx.ModelProto, module: Any) -> None:
 
 def _warn_lost(model: onnx.ModelProto, module: Any) -> None:
     """Warn about parameters of ``module`` that no initializer holds (unused, or folded away)."""
-    from ..training.torch_names import recorded_names
+    from ..training.state.torch_names import recorded_names
 
     kept = {name for entry in (recorded_names(model) or {}).values() for name in entry["torch"]}
     lost = [n for n, _ in module.named_parameters(remove_duplicate=False) if n not in kept]

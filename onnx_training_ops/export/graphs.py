@@ -1,7 +1,7 @@
 """The three exported graphs: the training step, evaluation and inference, in standard ONNX ops.
 
 The step is what :class:`~onnx_training_ops.TrainingSession` runs, made portable: the main
-graph and the algorithm concatenated (:func:`~onnx_training_ops.training.program.combined_graph`,
+graph and the algorithm concatenated (:func:`~onnx_training_ops.training.graphs.program.combined_graph`,
 state initializers as inputs), then :func:`~onnx_training_ops.prepare` with ``portable=True``
 (Gradient expanded, optimizers lowered to standard ops). What the JavaScript, Java and
 Objective-C bindings need on top: **no input with a stored default** (they do not list such an
@@ -23,10 +23,10 @@ from ..builder.metadata import TrainingMetadata
 from ..errors import TrainingOpError, node_label
 from ..runtime.pipeline import prepare_model
 from ..storage.large_model import LargeModel
-from ..training.inference import inference_model
-from ..training.program import combined_graph
-from ..training.pruning import used_names
-from ..training.stages import evaluation_model
+from ..training.graphs.inference import inference_model
+from ..training.graphs.program import combined_graph
+from ..training.graphs.pruning import used_names
+from ..training.graphs.stages import evaluation_model
 from ..walk import all_graphs
 
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")

@@ -18,10 +18,10 @@ import onnx
 
 from ..builder.metadata import LabelRange, TrainingMetadata
 from ..errors import TrainingOpError
+from ..schedules import SCHEDULES
 from ..storage import safetensors
 from ..storage.external_data import map_external
 from ..storage.large_model import LargeModel
-from ..training.schedules import SCHEDULES
 from . import manifest as manifest_
 from .writer import FILES
 
@@ -162,8 +162,8 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
     Raises:
         TrainingOpError: a bad manifest, a damaged file, a feedback map that does not fit the step.
     """
-    from ..training.from_graph import graph_to_training_model
-    from ..training.session import TrainingSession
+    from ..training.session.from_graph import graph_to_training_model
+    from ..training.session.session import TrainingSession
 
     directory = os.fspath(directory)
     state, manifest = read_state(directory, verify)

@@ -321,7 +321,7 @@ def _validate_packs(where: str, packs: Any, state: Mapping[str, Mapping[str, Any
 
 
 def _validate_schedule(where: str, schedule: Any, state: list[str]) -> None:
-    from ..training.schedules import SCHEDULES
+    from ..schedules import SCHEDULES
 
     if not isinstance(schedule, dict):
         raise _fail(where, "schedule", "an object or null", schedule)

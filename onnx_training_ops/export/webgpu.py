@@ -2,7 +2,9 @@
 every node runs on onnxruntime-web's WebGPU execution provider.
 
 What that provider lacks (onnxruntime-web 1.30, measured in Chromium): LogSoftmax, OneHot and
-Sum kernels, any float64 op, and int64 arithmetic (CPU fallback, or 32-bit with int64 on).
+Sum kernels, ``GatherBlockQuantized`` of uint8 data, any float64 op, and int64 arithmetic (CPU
+fallback, or 32-bit with int64 on). onnxruntime's contrib ops of a model that has them
+(onnxruntime-genai's ``MatMulNBits``, ``GroupQueryAttention``...) stay: WebGPU runs those.
 The rewrite, in named passes (``onnx_training_ops/passes/``):
 
 1. the data inputs get static shapes (``input_shapes``, or the model's own);
@@ -10,7 +12,9 @@ The rewrite, in named passes (``onnx_training_ops/passes/``):
    corrections in float64, ``T + 1``) leave the graph for a host program the trainer
    evaluates on the CPU; the graph reads the resulting float32 scalars as inputs;
 3. :func:`lower_log_softmax`, :func:`lower_one_hot`, :func:`lower_sum`, :func:`lower_is_nan`,
-   :func:`maxpool_gradient_by_mask` (WebGPU's MaxPool has no Indices output);
+   :func:`maxpool_gradient_by_mask` (WebGPU's MaxPool has no Indices output),
+   :func:`dequantize_with_float_ops` (the ``MatMulNBits`` gradient's dequantization:
+   ``GatherBlockQuantized`` of uint8 data has no WebGPU kernel);
 4. :func:`int32_inputs`: labels and ids are int32 inputs, their index arithmetic int32;
    :func:`slice_as_pad`: an int32 Slice (a causal LM's label shift) becomes a cropping Pad
    (WebGPU's Slice is float-only);
@@ -31,6 +35,7 @@ import onnx
 from onnx import TensorProto
 
 from ..errors import TrainingOpError
+from ..passes.dequantize_with_float_ops import dequantize_with_float_ops
 from ..passes.fold_static_shapes import fold_static_shapes
 from ..passes.int32_inputs import int32_inputs
 from ..passes.lower_is_nan import lower_is_nan
@@ -40,7 +45,7 @@ from ..passes.lower_sum import lower_sum
 from ..passes.maxpool_gradient_by_mask import maxpool_gradient_by_mask
 from ..passes.slice_as_pad import slice_as_pad
 from ..passes.split_host_scalars import split_host_scalars
-from ..training.static_shapes import fix_input_shapes, fold_with_onnxruntime
+from ..training.graphs.static_shapes import fix_input_shapes, fold_with_onnxruntime
 
 FILE = "step.webgpu.onnx"
 EVAL_FILE = "eval.webgpu.onnx"
@@ -70,7 +75,7 @@ def webgpu_step(step: onnx.ModelProto, state: Sequence[str], counter: str | None
     fix_input_shapes(model, data, dict(input_shapes or {}), "export (webgpu)")
     model, host = split_host_scalars(model, [n for n in (counter, *rates) if n])
     for run in (fold_static_shapes, lower_log_softmax, lower_one_hot, lower_sum, lower_is_nan,
-                maxpool_gradient_by_mask):
+                maxpool_gradient_by_mask, dequantize_with_float_ops):
         model = run(model)
     model = fold_static_shapes(fold_with_onnxruntime(model))  # what the folding made constant (a NonZero input)
     narrowed = int32_inputs(model, skip=state)

@@ -30,9 +30,9 @@ from ..storage.external_data import write_tensors
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
 from ..storage.tensors import location, set_location, tensor_value
-from ..training.nominal import nominal_names
-from ..training.state import collect_state_protos
-from ..training.static_shapes import checked_input_shapes
+from ..training.graphs.static_shapes import checked_input_shapes
+from ..training.state.nominal import nominal_names
+from ..training.state.state import collect_state_protos
 from . import graphs, packing, webgpu
 from . import manifest as manifest_
 
@@ -159,7 +159,7 @@ def _webgpu_step(model: onnx.ModelProto, meta: TrainingMetadata, step: onnx.Mode
     counter = _counter(model, state)
     gpu_model, info = webgpu.webgpu_step(step, list(state), counter, [vi.name for vi in step.graph.input
                                                                        if vi.name in rates], input_shapes)
-    gpu_model = graphs._standard(gpu_model, "webgpu step")
+    gpu_model = graphs._standard(gpu_model, "webgpu step", allowed=graphs.domains(step))
     inputs = list(gpu_model.graph.input)
     outputs = {o.name for o in gpu_model.graph.output}
     host_fed = {f["name"] for f in info["host"]["feeds"]}
@@ -182,7 +182,7 @@ def _webgpu_eval(evaluation: onnx.ModelProto, state: dict[str, np.ndarray],
     names = {vi.name for vi in evaluation.graph.input}
     shapes = {k: v for k, v in (input_shapes or {}).items() if k in names}
     gpu_model, _ = webgpu.webgpu_step(evaluation, list(state), None, [], shapes)
-    gpu_model = graphs._standard(gpu_model, "webgpu eval")
+    gpu_model = graphs._standard(gpu_model, "webgpu eval", allowed=graphs.domains(evaluation))
     return gpu_model, [manifest_.value_entry(vi) for vi in gpu_model.graph.input if vi.name not in state]
 
 

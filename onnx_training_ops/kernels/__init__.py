@@ -8,11 +8,9 @@ compile their elements (``fused``: numba in place; ``_native_kernels``: onnxrunt
 May import: errors, schema, optim.
 """
 
-# through the re-exporting modules, first: each submodule is loaded here, so the names below
-# (the functions) are what ``kernels.adam`` stays, whatever imports ``kernels.adam`` later
-from .adagrad import adagrad
-from .adam import adam
-from .momentum import momentum
+from ..optim.adagrad import adagrad
+from ..optim.adam import adam
+from ..optim.momentum import momentum
 
 REFERENCE_KERNELS = {"Adam": adam, "Momentum": momentum, "Adagrad": adagrad}
 

@@ -1,4 +1,4 @@
-"""The class-label range check a step runs before the run (:mod:`onnx_training_ops.training.checks`).
+"""The class-label range check a step runs before the run (:mod:`onnx_training_ops.training.inputs.checks`).
 
 One loop over the labels: numpy's reduction machinery costs about 5 µs when the cache was
 just flushed by onnxruntime's run (a small model's step is about 70 µs), this about 1.

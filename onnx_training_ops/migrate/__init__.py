@@ -9,7 +9,7 @@
 docs/migrating.md maps every class and method of its on-device API to ours.
 """
 
-from .adamw import OrtAdamW
+from ..optim.ort_adamw import OrtAdamW
 from .checkpoint import OrtCheckpoint, read_checkpoint
 from .importer import import_onnxruntime_training
 

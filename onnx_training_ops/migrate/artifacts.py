@@ -7,7 +7,7 @@
   the parameters as graph inputs (their values live in the checkpoint). When the loss is
   onnxblock's ``CrossEntropyLoss`` (one ``SoftmaxCrossEntropyLoss`` node reading a forward
   value and a label input), the forward graph becomes the inference model and the loss our
-  :class:`~onnx_training_ops.losses.CrossEntropyLoss` with the same attributes. Any other loss
+  :class:`~onnx_training_ops.builder.losses.CrossEntropyLoss` with the same attributes. Any other loss
   stays in the model as it is: the whole eval graph is the main graph and its scalar loss output
   is the loss (its label inputs are then inputs of the main graph too).
 """
@@ -21,9 +21,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..builder.losses import CrossEntropyLoss
-from ..builder.optimizers import Momentum
 from ..errors import TrainingOpError
-from .adamw import OrtAdamW
+from ..optim.momentum import Momentum
+from ..optim.ort_adamw import OrtAdamW
 
 MS_DOMAIN = "com.microsoft"
 # AdamWOptimizerBase's defaults when the node lacks an attribute

@@ -37,13 +37,13 @@ import numpy as np
 import onnx
 
 from ..builder import META_PREFIX, build_training_model
-from ..builder.optimizers import Momentum
 from ..errors import TrainingOpError
+from ..optim.momentum import Momentum
+from ..optim.ort_adamw import OrtAdamW
 from ..storage.model_files import as_model
 from ..storage.snapshot import write_state
-from ..training.nominal import nominal_model
-from ..training.state import collect_state_protos
-from .adamw import OrtAdamW
+from ..training.state.nominal import nominal_model
+from ..training.state.state import collect_state_protos
 from .artifacts import fill_parameters, read_optimizer, split_eval_model
 from .checkpoint import OrtCheckpoint, read_checkpoint
 

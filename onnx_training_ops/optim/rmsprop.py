@@ -18,7 +18,7 @@ graph, bound by ``update_binding``, saved in checkpoints. Per tensor, as torch c
 TensorFlow's ``RMSPropOptimizer`` (its API docs) is the same recurrence with eps *inside* the
 square root and ``decay`` for alpha; torch's form is the one implemented. TrainingSession's
 fast path recognises these ops and runs them as one fused loop
-(:mod:`onnx_training_ops.training.rmsprop_fast_path`, :func:`rmsprop_element`).
+(:mod:`onnx_training_ops.training.fastpath.rmsprop_fast_path`, :func:`rmsprop_element`).
 """
 
 from __future__ import annotations

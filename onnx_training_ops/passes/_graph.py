@@ -84,10 +84,46 @@ def _from_type_proto(tp: onnx.TypeProto) -> ValueType | None:
     return ValueType(tt.elem_type, dims)
 
 
+def stub(tensor: onnx.TensorProto, limit: int = 4096) -> onnx.TensorProto:
+    """``tensor``, or past ``limit`` elements a copy with its type and dims only (marked external):
+    shape inference reads no more, and a model whose weights live in its message (a small one)
+    is not copied whole for it, several times over (serialized, parsed, inferred, serialized
+    and parsed back)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL or int(np.prod(tensor.dims, dtype=np.int64)) <= limit:
+        return tensor
+    out = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+    out.data_location = onnx.TensorProto.EXTERNAL
+    out.external_data.add(key="location", value=f"#{tensor.name}")
+    return out
+
+
+def skeleton(graph: GraphProto) -> GraphProto:
+    """A copy of ``graph`` whose big initializers are :func:`stub` s (for shape inference)."""
+    g = GraphProto(name=graph.name, doc_string=graph.doc_string)
+    g.node.extend(graph.node)
+    g.input.extend(graph.input)
+    g.output.extend(graph.output)
+    g.value_info.extend(graph.value_info)
+    g.sparse_initializer.extend(graph.sparse_initializer)
+    g.initializer.extend(stub(t) for t in graph.initializer)
+    return g
+
+
+def skeleton_model(model: ModelProto) -> ModelProto:
+    """``model`` without ``training_info`` and with its main graph's big initializers
+    :func:`stub` s: what onnx's shape inference reads."""
+    out = ModelProto(ir_version=model.ir_version, producer_name=model.producer_name, domain=model.domain,
+                     model_version=model.model_version)
+    out.opset_import.extend(model.opset_import)
+    out.functions.extend(model.functions)
+    out.graph.CopyFrom(skeleton(model.graph))
+    return out
+
+
 def value_types(model: ModelProto) -> dict[str, ValueType]:
     """Every value name (all graphs, after shape inference) -> its known type."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
+        inferred = onnx.shape_inference.infer_shapes(skeleton_model(model), check_type=False, strict_mode=False,
                                                       data_prop=True)
     except Exception:  # inference is a help for validation, never a requirement
         inferred = model

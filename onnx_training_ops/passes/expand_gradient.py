@@ -34,6 +34,8 @@ from ..storage.tensors import location
 from ..walk import all_graphs
 from ._gradient_node import Scope, expand_node
 from ._graph import all_names, concatenated
+from ._graph import skeleton as _skeleton
+from ._graph import stub as _stub
 
 DOMAIN = "ai.onnx.preview.training"
 
@@ -74,10 +76,9 @@ def _infer(graph: GraphProto, opset_imports, ir_version: int,
     """Shape-inferred value facts of every graph under ``graph`` (best effort). With data
     propagation: shapes computed by Shape/Gather/Concat... subgraphs (the exporters' reshape
     targets) become static, so the rules emit static shapes instead of runtime ones."""
-    g = GraphProto()
-    g.CopyFrom(graph)
+    g = _skeleton(graph)
     have = {t.name for t in g.initializer} | {v.name for v in g.input}
-    g.initializer.extend(t for t in extra_initializers if t.name not in have)
+    g.initializer.extend(_stub(t) for t in extra_initializers if t.name not in have)
     model = helper.make_model(g, opset_imports=list(opset_imports))
     model.ir_version = max(ir_version, 7)
     for data_prop in (True, False):  # data_prop: shapes computed by Shape/Gather/Concat (the
@@ -106,6 +107,9 @@ def _reinfer(template: GraphProto, opset_imports, ir_version: int,
              extra_initializers=()) -> Callable[[list[NodeProto]], dict[str, ValueMeta]]:
     """``run(nodes)``: :func:`_infer` of ``template`` with its nodes replaced by ``nodes`` (the
     value facts again after a Gradient node was expanded)."""
+    template = _skeleton(template)
+    extra_initializers = [_stub(t) for t in extra_initializers]
+
     def run(nodes: list[NodeProto]) -> dict[str, ValueMeta]:
         g = GraphProto()
         g.CopyFrom(template)

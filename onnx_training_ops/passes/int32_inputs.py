@@ -7,10 +7,11 @@ way to the loss's GatherElements) and token ids (Gather indices; the embedding g
 negative ids with Less/Add/Where before a ScatterND) need no int64: the input is declared int32
 and the trainer converts the batch (refusing a value outside the int32 range). From each such
 input the pass follows the values computed from it: Cast, comparisons and the indices of
-Gather/GatherElements/ScatterElements read int32 as they are; arithmetic (Add/Sub/Mul), Where
-and data movement (Unsqueeze/Reshape/Squeeze/Flatten/Expand/Identity/Slice/Pad/Gather/Concat)
-compute in int32 (their int64 constant operands, if within the int32 range, get int32 copies;
-shapes, axes, pads and indices stay as they are); any other reader (ScatterND's indices must be
+Gather/GatherElements/ScatterElements read int32 as they are; arithmetic (Add/Sub/Mul, and
+ReduceSum: an attention mask's row lengths), Where and data movement
+(Unsqueeze/Reshape/Squeeze/Flatten/Expand/Identity/Slice/Pad/Gather/Concat) compute in int32
+(their int64 constant operands, if within the int32 range, get int32 copies; shapes, axes,
+pads and indices stay as they are); any other reader (ScatterND's indices must be
 int64) gets a Cast back to int64 in front of it. An input whose values meet a non-constant int64
 operand or a constant outside int32 stays int64.
 """
@@ -32,7 +33,7 @@ _ALL = None
 _VALUE_SLOTS: dict[str, tuple[int, ...] | None] = {
     "Add": _ALL, "Sub": _ALL, "Mul": _ALL, "Concat": _ALL, "Where": (1, 2), "Pad": (0, 2),
     "Unsqueeze": (0,), "Reshape": (0,), "Squeeze": (0,), "Flatten": (0,), "Expand": (0,), "Identity": (0,),
-    "Slice": (0,), "Gather": (0,)}
+    "Slice": (0,), "Gather": (0,), "ReduceSum": (0,)}
 
 
 def _in_int32(value: np.ndarray) -> bool:

@@ -142,6 +142,7 @@ def detach(model: onnx.ModelProto | LargeModel, min_bytes: int = MIN_DETACHED_BY
     training_info graphs) are arrays. A ModelProto is consumed (its tensors' values move
     out of it); a malformed tensor stays in the message, for its reader to name."""
     out = model if isinstance(model, LargeModel) else LargeModel(model)
+    moved = 0
     for graph in graphs_with_tensors(out.model_proto):
         for tensor in graph.initializer:
             if location(tensor) is None and tensor_nbytes(tensor) >= min_bytes \
@@ -151,6 +152,11 @@ def detach(model: onnx.ModelProto | LargeModel, min_bytes: int = MIN_DETACHED_BY
                 except (ValueError, TypeError):
                     continue
                 add_array(out, tensor, _zeros_as_view(value))
+                moved += value.nbytes
+    if moved:  # protobuf frees a cleared field's bytes only with the whole message: a fresh one holds none
+        fresh = onnx.ModelProto()
+        fresh.CopyFrom(out.model_proto)
+        out.model_proto = fresh
     return out
 
 

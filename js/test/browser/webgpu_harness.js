@@ -1,7 +1,8 @@
 // Browser side of js/test/webgpu.test.js: for each fixture, the WebGPU step's node placement
 // (onnxruntime's verbose session log, read by the test from the console), then the same steps on WebGPU and on wasm (the same
 // onnxruntime-web bundle), compared with each other and with Python's losses. Reports in
-// window.webgpu; `?steps=N` (default 50). Two bundles: ort.webgpu.min.mjs has the native
+// window.webgpu; `?steps=N` (default 50); `?state=0` leaves out the state checks (run on the first model
+// otherwise: several more WebGPU sessions, each compiling its shaders). Two bundles: ort.webgpu.min.mjs has the native
 // WebGpuExecutionProvider (ort.min.mjs's WebGPU is the older JSEP provider, whose MatMul fails on
 // the transformer's step), but its wasm backend runs no float64 op, which the portable step has:
 // wasm runs from ort.wasm.min.mjs.
@@ -20,6 +21,7 @@ const fixtures = new URL(params.get('fixtures') ?? '/fixtures/', location.href).
 const steps = Number(params.get('steps') ?? 50);
 const warmup = Math.min(5, steps - 1); // shader compilation: the first steps are left out of steps/s
 const models = (params.get('models') ?? MODELS.join(',')).split(',');
+const checkState = params.get('state') !== '0';
 const read = async (path) => {
   const response = await fetch(new URL(path, fixtures));
   if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
@@ -114,7 +116,7 @@ try {
   document.getElementById('adapter').textContent = adapter ? `adapter: ${JSON.stringify(window.webgpu.adapter)}` : 'no WebGPU adapter';
   if (adapter) {
     window.webgpu.isNan = await isNanOnWebGpu();
-    window.webgpu.state = await stateChecks(models[0]);
+    if (checkState) window.webgpu.state = await stateChecks(models[0]);
     for (const name of models) {
       status.textContent = `${name}: placement…`;
       const manifest = JSON.parse(new TextDecoder().decode(await read(`${name}/export/manifest.json`)));

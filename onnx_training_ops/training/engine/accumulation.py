@@ -1,6 +1,6 @@
 """Gradient accumulation: ``backward`` adds a batch's gradients, ``optimizer_step`` applies them.
 
-The training model is split at its Gradient node (:mod:`..stages`) into a backward program,
+The training model is split at its Gradient node (:mod:`..graphs.stages`) into a backward program,
 which adds the gradients times a scale into accumulators, and an apply program (clipping,
 weight decay, the optimizers, T + 1) that reads them. The accumulators live in the session's
 memory beside the state, as slices of one flat buffer per dtype (:meth:`~.memory.StateMemory.add_flat`),
@@ -19,7 +19,7 @@ from ...errors import TrainingOpError
 from ...interrupts import held_interrupts
 from ...storage.large_model import LargeModel
 from ...storage.tensors import tensor_value
-from ..stages import GRAD_SCALE, Stages, split_stages
+from ..graphs.stages import GRAD_SCALE, Stages, split_stages
 from .programs import SessionPrograms
 from .protocols import EngineProgram
 

@@ -15,10 +15,10 @@ from ...storage.large_model import LargeModel
 from ...storage.model_files import load_model
 from ...storage.save import save_model
 from ...storage.snapshot import write_state
-from ..checks import checked_properties, stored_properties
-from ..inference import inference_model, with_outputs
-from ..nominal import nominal_model
-from ..rates import LearningRates
+from ..graphs.inference import inference_model, with_outputs
+from ..inputs.checks import checked_properties, stored_properties
+from ..options.rates import LearningRates
+from ..state.nominal import nominal_model
 from .store import StateStore
 
 

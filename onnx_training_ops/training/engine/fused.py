@@ -1,15 +1,15 @@
 """The fused update strategy: host arrays, the optimizer nodes applied around onnxruntime's run.
 
-Each program is :func:`~..program.build_program`'s analysis opened on the state arrays by
-:func:`~..binding.open_program` and run by :func:`~..step.run_program`:
+Each program is :func:`~..graphs.program.build_program`'s analysis opened on the state arrays by
+:func:`~..graphs.binding.open_program` and run by :func:`~..graphs.step.run_program`:
 
 * ``fast=True`` (the CPU's default): the optimizer nodes whose outputs feed only
-  ``update_binding`` are cut out of the graph (:mod:`..fast_path`); onnxruntime writes the
+  ``update_binding`` are cut out of the graph (:mod:`..fastpath.fast_path`); onnxruntime writes the
   gradients into flat buffers and the fused numba kernels (and the other in-place updates:
-  lazy table rows, RMSProp, :mod:`..in_place_updates`) update the state in place after the run,
+  lazy table rows, RMSProp, :mod:`..fastpath.in_place_updates`) update the state in place after the run,
   one pass over memory;
 * ``fast=False``: the optimizer nodes stay in the graph as the native kernels, which write the
-  new state into the state arrays during the run (:mod:`..in_place`), behind a guard that stops
+  new state into the state arrays during the run (:mod:`..fastpath.in_place`), behind a guard that stops
   a non-finite loss before them (the step is then redone by a copying twin of the program).
 
 Both need the state in host memory (:class:`~.memory.HostMemory`).
@@ -27,17 +27,17 @@ import onnxruntime as ort
 
 from ...builder.metadata import TrainingMetadata
 from ...storage.large_model import LargeModel
-from ..binding import open_program
-from ..feeds import FeedSpec
-from ..flat_parameters import lay_out_flat
-from ..program import Program, build_program, program_feeds
-from ..stages import Stages
-from ..step import run_program
+from ..graphs.binding import open_program
+from ..graphs.program import Program, build_program, program_feeds
+from ..graphs.stages import Stages
+from ..graphs.step import run_program
+from ..inputs.feeds import FeedSpec
+from ..state.flat_parameters import lay_out_flat
 from .memory import HostMemory
 
 
 class FusedProgram:
-    """A :class:`~..program.Program` as the engine runs it (attributes not named here are the
+    """A :class:`~..graphs.program.Program` as the engine runs it (attributes not named here are the
     program's own: ``analysis``, ``session``, ``in_place``...)."""
 
     graph_capture = False

@@ -1,7 +1,7 @@
 """The in-graph update strategy: every program one graph of standard ops over the state's memory.
 
 The graphs are the ones :func:`~onnx_training_ops.export.export_step` writes, made in memory:
-each program's main graph + algorithm (:func:`~..program.combined_graph`, the state as inputs)
+each program's main graph + algorithm (:func:`~..graphs.program.combined_graph`, the state as inputs)
 :func:`~onnx_training_ops.prepare`-d with ``portable=True, flat=True`` (Gradient expanded, each
 optimizer lowered to a few standard elementwise ops over its tensors laid end to end), so every
 node has a kernel on the device's execution provider and nothing runs in Python between the
@@ -57,14 +57,14 @@ from ...runtime.session import InferenceSession
 from ...storage.large_model import LargeModel
 from ...storage.tensors import tensor_value
 from ...walk import drop_named
-from ..binding import detached_as_inputs
-from ..feeds import FeedSpec, checked_learning_rate, feed_array, feed_spec
-from ..flat_parameters import lay_out_flat
-from ..program import combined_graph, learning_rate_inputs
-from ..providers import CPU, device_providers, provider_name
-from ..stages import Stages
-from ..static_shapes import static_graph
-from ..step import NonFiniteLossError
+from ..graphs.binding import detached_as_inputs
+from ..graphs.program import combined_graph, learning_rate_inputs
+from ..graphs.stages import Stages
+from ..graphs.static_shapes import static_graph
+from ..graphs.step import NonFiniteLossError
+from ..inputs.feeds import FeedSpec, checked_learning_rate, feed_array, feed_spec
+from ..options.providers import CPU, device_providers, provider_name
+from ..state.flat_parameters import lay_out_flat
 from .memory import HostMemory, StateMemory
 
 APPLY = "onnx_training_ops.apply"  # the bool input that lets a fixed-address step write its state
@@ -215,7 +215,7 @@ class Feeds:
 class StateNames:
     """What planning a graph program reads of a :class:`~.memory.StateMemory`: which names are
     state, and the device it lives on. Stands in for a memory where none is open
-    (:func:`~..device_graphs.device_step_graphs`)."""
+    (:func:`~.device_graphs.device_step_graphs`)."""
 
     names: frozenset[str]
     device: str = "cpu"
@@ -525,7 +525,7 @@ class GraphUpdate:
     ops (:func:`~onnx_training_ops.prepare` with ``portable=True, flat=True``, the pass pipeline
     of the provider the graphs are for) and opened as a :class:`GraphProgram` over the
     session's memory. :meth:`plan_steps` is the same building without opening anything (what
-    :func:`~..device_graphs.device_step_graphs` returns).
+    :func:`~.device_graphs.device_step_graphs` returns).
 
     Args:
         memory: the session's memory (state and accumulators), or a :class:`StateNames` to plan only.

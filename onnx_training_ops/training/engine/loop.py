@@ -3,7 +3,7 @@
 :class:`TrainingLoop` runs the programs of :class:`~.programs.SessionPrograms` on the state,
 whatever strategies opened them (:mod:`.protocols`): ``step``; ``evaluate`` (eval-mode loss,
 nothing changes); ``backward``/``optimizer_step``/``zero_grad`` (:mod:`.accumulation`); the
-learning rates and schedule (:mod:`..rates`) and the count of skipped steps. Each program
+learning rates and schedule (:mod:`..options.rates`) and the count of skipped steps. Each program
 writes the state and calls the loop's bookkeeping (counters, schedule position, accumulated
 count) inside one Ctrl-C hold: both land, or neither does.
 """
@@ -17,10 +17,10 @@ import numpy as np
 
 from ...errors import TrainingOpError
 from ...kernels.compile_notice import announced_on_first_call
-from ..checks import label_mismatch
-from ..feeds import checked_learning_rate
-from ..rates import LearningRates
-from ..stages import GRAD_SCALE
+from ..graphs.stages import GRAD_SCALE
+from ..inputs.checks import label_mismatch
+from ..inputs.feeds import checked_learning_rate
+from ..options.rates import LearningRates
 from .accumulation import GradientAccumulation
 from .programs import SessionPrograms
 

@@ -33,7 +33,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ...errors import TrainingOpError
-from ..providers import device_providers
+from ..options.providers import device_providers
 
 # OrtValue.data_type() text -> numpy dtype
 _NUMPY_OF = {"float": "float32", "double": "float64", "float16": "float16"}

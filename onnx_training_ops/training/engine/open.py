@@ -21,9 +21,9 @@ from ...runtime.session import InferenceSession
 from ...storage import checkpoint
 from ...storage.large_model import detach
 from ...storage.model_files import ModelLike, as_model
-from ..nominal import materialize, nominal_names
-from ..precision import check_precision
-from ..state import collect_state_protos, state_tensors
+from ..options.precision import check_precision
+from ..state.nominal import materialize, nominal_names
+from ..state.state import collect_state_protos, state_tensors
 from .config import RuntimeConfig
 from .files import Checkpointer
 from .loop import TrainingLoop

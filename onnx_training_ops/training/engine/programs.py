@@ -21,12 +21,12 @@ from ...errors import TrainingOpError
 from ...runtime.kernel_table import CUDA
 from ...storage.large_model import LargeModel
 from ...storage.tensors import proto_of
-from ..checks import batch_checker, label_mismatch
-from ..feeds import Feed, FeedSpec, check_feed_names, feed_array, feed_list, feed_spec
-from ..inference import inference_model, inference_session
-from ..input_checks import input_checker
-from ..options import fresh_options
-from ..stages import session_evaluation, step_model
+from ..graphs.inference import inference_model, inference_session
+from ..graphs.stages import session_evaluation, step_model
+from ..inputs.checks import batch_checker, label_mismatch
+from ..inputs.feeds import Feed, FeedSpec, check_feed_names, feed_array, feed_list, feed_spec
+from ..inputs.input_checks import input_checker
+from ..options.options import fresh_options
 from .config import RuntimeConfig
 from .fused import FusedUpdate
 from .graph import GraphProgram, GraphUpdate
@@ -107,7 +107,7 @@ class SessionPrograms:
         self._run_specs: dict[str, FeedSpec] | None = None
 
     def options(self) -> ort.SessionOptions:
-        """A fresh SessionOptions per onnxruntime session (:mod:`..options`)."""
+        """A fresh SessionOptions per onnxruntime session (:mod:`..options.options`)."""
         return fresh_options(self.config.sess_options, self.config.session_config, self.large, self.threads,
                              force_threads=self.config.threads is not None)
 

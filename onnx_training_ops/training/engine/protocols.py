@@ -19,8 +19,8 @@ import numpy as np
 import onnx
 
 from ...storage.large_model import LargeModel
-from ..feeds import FeedSpec
-from ..stages import Stages
+from ..graphs.stages import Stages
+from ..inputs.feeds import FeedSpec
 
 
 class EngineProgram(Protocol):
@@ -75,7 +75,7 @@ class UpdateStrategy(Protocol):
         ...
 
     def open_evaluation(self, model: LargeModel) -> EngineProgram:
-        """The program of an evaluation model (:func:`~..stages.session_evaluation`): reads only."""
+        """The program of an evaluation model (:func:`~..graphs.stages.session_evaluation`): reads only."""
         ...
 
     def open_stages(self, stages: Stages, protos: Mapping[str, onnx.TensorProto],

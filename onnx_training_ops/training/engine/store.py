@@ -2,7 +2,7 @@
 
 :class:`StateStore` owns the memory every program binds, the state's initial values (the
 model's initializers), which parameters a nominal checkpoint has not filled yet, and the
-parameters as one flat vector (:mod:`..flat_parameters`). Its interface is the same whichever
+parameters as one flat vector (:mod:`..state.flat_parameters`). Its interface is the same whichever
 memory holds the tensors; what differs is whether a live host array exists:
 
 * host memory: ``arrays`` is the live dict (programs bind these arrays zero-copy, the fused
@@ -29,8 +29,8 @@ from ...errors import TrainingOpError
 from ...storage.large_model import LargeModel
 from ...storage.tensors import MIN_DETACHED_BYTES, Deferred
 from ..arrays import dtype_name
-from ..flat_parameters import contiguous, flat_copy, parameter_names, split_into
-from ..state import reset_state, run_initialization, zero_fill
+from ..state.flat_parameters import contiguous, flat_copy, parameter_names, split_into
+from ..state.state import reset_state, run_initialization, zero_fill
 from .memory import DeviceMemory, HostMemory, StateMemory
 
 
