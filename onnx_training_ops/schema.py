@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import onnx
 from onnx import AttributeProto
 
-from .errors import TrainingOpError
-
 DOMAIN = "ai.onnx.preview.training"
 """The ONNX training domain: Adam, Momentum, Adagrad and Gradient, opset version 1."""
 OPSET_VERSION = 1
@@ -53,10 +51,10 @@ class OptimizerSpec:
         return rest // self.n_groups_in
 
     def tensor_count(self, node: onnx.NodeProto) -> int:
-        """:meth:`n_tensors` of a node already checked; a TrainingOpError naming it when malformed."""
+        """:meth:`n_tensors` of a node already checked (prepare's validation); a ValueError naming a malformed one."""
         n = self.n_tensors(len(node.input))
         if n is None:
-            raise TrainingOpError(f"{self.op_type} node {node.name!r}: {len(node.input)} inputs are not R, T and "
+            raise ValueError(f"{self.op_type} node {node.name!r}: {len(node.input)} inputs are not R, T and "
                                   f"whole groups of {', '.join(self.tensor_inputs)}")
         return n
 

@@ -91,7 +91,8 @@ def test_a_session_refuses_a_model_with_malformed_metadata_at_open():
 
 def test_session_from_export_refuses_a_state_file_clearly(tmp_path):
     """Found by mypy (read_state's manifest is None for a bare .safetensors file): a TypeError before."""
-    from onnx_training_ops.export import safetensors, session_from_export
+    from onnx_training_ops.export import session_from_export
+    from onnx_training_ops.storage import safetensors
 
     path = tmp_path / "state.safetensors"
     path.write_bytes(safetensors.encode({"a": np.zeros(2, np.float32)}, {}))
