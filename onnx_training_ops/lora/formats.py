@@ -166,9 +166,8 @@ def write_peft(spec: LoraSpec, values: Mapping[str, np.ndarray], folder: str | o
     return folder
 
 
-def read_peft(spec: LoraSpec, folder: str) -> dict[str, np.ndarray]:
-    """The model's adapter tensors from a peft folder (B rescaled when its ``lora_alpha / r``
-    differs from the model's)."""
+def _peft_folder(folder: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
+    """A peft folder's config (checked: plain LoRA) and its tensors: module -> {lora_A, lora_B}."""
     try:
         with open(os.path.join(folder, PEFT_CONFIG), encoding="utf-8") as f:
             config = json.load(f)
@@ -188,6 +187,13 @@ def read_peft(spec: LoraSpec, folder: str) -> dict[str, np.ndarray]:
             for suffix in (f".{part}.weight", f".{part}.default.weight"):
                 if body.endswith(suffix):
                     found.setdefault(body[: -len(suffix)], {})[part] = value
+    return config, found
+
+
+def read_peft(spec: LoraSpec, folder: str) -> dict[str, np.ndarray]:
+    """The model's adapter tensors from a peft folder (B rescaled when its ``lora_alpha / r``
+    differs from the model's)."""
+    config, found = _peft_folder(folder)
     groups = _fused_groups(spec)
     extra = sorted(set(found) - set(groups))
     if extra:

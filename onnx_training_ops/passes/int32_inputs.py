@@ -40,6 +40,11 @@ def _in_int32(value: np.ndarray) -> bool:
     return not value.size or (value.min() >= -2 ** 31 and value.max() < 2 ** 31)
 
 
+def _int32_constant(name: str, known: dict) -> bool:
+    """Whether ``name`` is an int64 constant whose values fit int32 (it can be copied as int32)."""
+    return name in known and known[name].dtype == np.int64 and _in_int32(known[name])
+
+
 def _plan(graph, start: str, known: dict, readers: dict) -> tuple[set[str], list, list] | None:
     """Values that become int32, constants to copy as int32 (node, input index), readers that
     need a Cast back (node, input index); None when the input must stay int64."""
@@ -54,11 +59,10 @@ def _plan(graph, start: str, known: dict, readers: dict) -> tuple[set[str], list
             slots = [k for k, name in enumerate(node.input) if name == value]
             if node.op_type in _READ_AS_IS:
                 if node.op_type != "Cast":
-                    for k, other in enumerate(node.input):
-                        if other not in narrow and k not in slots:
-                            if other not in known or known[other].dtype != np.int64 or not _in_int32(known[other]):
-                                return None
-                            copies.append((node, k))
+                    other_inputs = [k for k, other in enumerate(node.input) if other not in narrow and k not in slots]
+                    if not all(_int32_constant(node.input[k], known) for k in other_inputs):
+                        return None
+                    copies += [(node, k) for k in other_inputs]
                 continue
             if node.op_type in _INDEX_INPUT and slots == [_INDEX_INPUT[node.op_type]]:
                 continue
@@ -72,7 +76,7 @@ def _plan(graph, start: str, known: dict, readers: dict) -> tuple[set[str], list
                     other = node.input[k] if k < len(node.input) else ""
                     if k in slots or not other or other in narrow:
                         continue
-                    if other not in known or known[other].dtype != np.int64 or not _in_int32(known[other]):
+                    if not _int32_constant(other, known):
                         return None
                     copies.append((node, k))
                 if node.output[0] not in narrow:

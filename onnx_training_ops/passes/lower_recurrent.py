@@ -59,19 +59,40 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _unroll(node: onnx.NodeProto, types: dict) -> list[onnx.NodeProto]:
-    op, gates = node.op_type, RECURRENT[node.op_type]
-    a = _attrs(node)
+def _checked_attributes(node: onnx.NodeProto, a: dict) -> tuple[str, list[str]]:
+    """The node's direction and activations; a clear error for what the unrolling does not cover."""
     for unsupported in ("clip", "input_forget"):
         if a.get(unsupported):
             raise _fail(node, f"attribute {unsupported}")
     direction = a.get("direction", b"forward")
     direction = direction.decode() if isinstance(direction, bytes) else direction
-    dirs = 2 if direction == "bidirectional" else 1
     acts = [x.decode() if isinstance(x, bytes) else x for x in a.get("activations", [])]
-    acts = acts[:len(DEFAULT_ACTIVATIONS[op])] or DEFAULT_ACTIVATIONS[op]
+    acts = acts[:len(DEFAULT_ACTIVATIONS[node.op_type])] or DEFAULT_ACTIVATIONS[node.op_type]
     if set(acts) - SUPPORTED_ACTIVATIONS or a.get("activation_alpha") or a.get("activation_beta"):
         raise _fail(node, f"activations {acts}")
+    return direction, acts
+
+
+def _input_projection(b: _Builder, node: onnx.NodeProto, a: dict, x: str, w: str, bias: str, at: str,
+                      width: int) -> tuple[str, str | None]:
+    """One direction's ``X W^T`` (+ the biases) for every step, [seq, batch, gates*H], and the
+    recurrence bias left for the cell (GRU with linear_before_reset: Rbh stays inside the reset
+    product), else None."""
+    w_t = b.op("Transpose", [b.op("Gather", [w, at], axis=0)])  # [I, gates*H]
+    xw = b.op("MatMul", [x, w_t])  # [seq, batch, gates*H]
+    if not bias:
+        return xw, None
+    wb, rb = b.op("Split", [b.op("Gather", [bias, at], axis=0), b.const(np.array([width] * 2))], 2, axis=0)
+    if node.op_type != "GRU" or not a.get("linear_before_reset", 0):
+        return b.op("Add", [xw, b.op("Add", [wb, rb])]), None
+    return b.op("Add", [xw, wb]), rb
+
+
+def _unroll(node: onnx.NodeProto, types: dict) -> list[onnx.NodeProto]:
+    op, gates = node.op_type, RECURRENT[node.op_type]
+    a = _attrs(node)
+    direction, acts = _checked_attributes(node, a)
+    dirs = 2 if direction == "bidirectional" else 1
     layout = int(a.get("layout", 0))
     hidden = int(a["hidden_size"])
     ins = list(node.input) + [""] * (8 - len(node.input))
@@ -100,18 +121,8 @@ def _unroll(node: onnx.NodeProto, types: dict) -> list[onnx.NodeProto]:
     ys, last_h, last_c = [], [], []
     for d in range(dirs):
         at = b.const(np.array(d))
-        w_t = b.op("Transpose", [b.op("Gather", [w, at], axis=0)])  # [I, gates*H]
         r_t = b.op("Transpose", [b.op("Gather", [r, at], axis=0)])  # [H, gates*H]
-        xw = b.op("MatMul", [x, w_t])  # [seq, batch, gates*H]
-        rb = None
-        if bias:
-            wb, rb = b.op("Split", [b.op("Gather", [bias, at], axis=0),
-                                    b.const(np.array([gates * hidden] * 2))], 2, axis=0)
-            if op != "GRU" or not a.get("linear_before_reset", 0):
-                xw = b.op("Add", [xw, b.op("Add", [wb, rb])])
-                rb = None
-            else:  # GRU linear_before_reset: Rbh stays inside the reset product
-                xw = b.op("Add", [xw, wb])
+        xw, rb = _input_projection(b, node, a, x, w, bias, at, gates * hidden)
         h = b.op("Gather", [init_h, at], axis=0) if init_h else zeros_h
         c = (b.op("Gather", [init_c, at], axis=0) if init_c else zeros_h) if op == "LSTM" else None
         reverse = direction == "reverse" or d == 1
