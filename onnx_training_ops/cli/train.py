@@ -180,25 +180,7 @@ def train_model(args: argparse.Namespace) -> int:
     Raises:
         TrainingOpError: bad data, model or options (exit status 2).
     """
-    demo_only = {"--nproc": args.nproc > 1, "--shard-optimizer-state": args.shard_optimizer_state,
-                 "--max-restarts": args.max_restarts != 0, "--min-accuracy": args.min_accuracy != 0.0,
-                 "--optimizer": args.optimizer is not None}
-    if any(demo_only.values()):
-        raise TrainingOpError(f"{', '.join(k for k, v in demo_only.items() if v)}: "
-                              "options of the demo (train without "
-                              "a model); a training model holds its optimizer "
-                              "(choose it with `onnx-training-ops build`)")
-    if not args.data:
-        raise TrainingOpError("train TRAINING.onnx needs --data FILE (.npz, .safetensors or .csv)")
-    if args.lr is not None and args.schedule:
-        raise TrainingOpError("give --lr or --schedule, not both (a schedule starts from the model's learning rate)")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise TrainingOpError(f"--out {args.out!r} is a file; give a directory")
-    plot = not args.no_plot
-    if plot and importlib.util.find_spec("matplotlib") is None:
-        plot = False
-        print(f"note: no {CURVE}: matplotlib is not installed (pip install 'onnx-training-ops[cli]'; --no-plot "
-              "silences this)", file=sys.stderr)
+    plot = _checked_train_args(args)
 
     session, resumed = _open(args)
     labels = session.metadata.get("labels")
@@ -232,19 +214,7 @@ def train_model(args: argparse.Namespace) -> int:
     bar = None if args.no_progress else progress_bar((args.epochs - done) * steps_per_epoch, "training")
     try:
         for epoch in range(done + 1, args.epochs + 1):
-            start, losses = time.perf_counter(), []
-            lr = next(iter(session.learning_rates.values()), None) if args.lr is None else args.lr
-            for idx in _batches(n, args.batch_size, args.seed, epoch):
-                losses.append(float(session.step({k: v[idx] for k, v in data.items()}, lr=args.lr)["loss"]))
-                if bar is not None:
-                    bar.update(1)
-            row = {"epoch": epoch, "steps": epoch * steps_per_epoch, "train_loss": float(np.mean(losses)),
-                   "eval_loss": _evaluate(session, eval_data) if eval_data else None,
-                   "lr": lr, "seconds": round(time.perf_counter() - start, 3)}
-            if bar is not None:
-                bar.set_postfix(epoch=epoch, loss=f"{row['train_loss']:.4f}")
-            else:
-                print(json.dumps(row), file=sys.stderr)
+            row = _train_epoch(session, args, data, eval_data, n, epoch, steps_per_epoch, bar)
             rows.append(row)  # the log first: a resumed run drops rows past its checkpoint's epoch
             atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
             if plot:
@@ -267,6 +237,49 @@ def train_model(args: argparse.Namespace) -> int:
           + f"; wrote {os.path.join(args.out, '')}{{{CHECKPOINT}, {METRICS}, {INFERENCE}"
           + ("" if not plot else f", {CURVE}") + "}")
     return 0
+
+
+def _checked_train_args(args: argparse.Namespace) -> bool:
+    """Refuse the demo's options and contradictory ones (a TrainingOpError); whether to plot the curve."""
+    demo_only = {"--nproc": args.nproc > 1, "--shard-optimizer-state": args.shard_optimizer_state,
+                 "--max-restarts": args.max_restarts != 0, "--min-accuracy": args.min_accuracy != 0.0,
+                 "--optimizer": args.optimizer is not None}
+    if any(demo_only.values()):
+        raise TrainingOpError(f"{', '.join(k for k, v in demo_only.items() if v)}: "
+                              "options of the demo (train without "
+                              "a model); a training model holds its optimizer "
+                              "(choose it with `onnx-training-ops build`)")
+    if not args.data:
+        raise TrainingOpError("train TRAINING.onnx needs --data FILE (.npz, .safetensors or .csv)")
+    if args.lr is not None and args.schedule:
+        raise TrainingOpError("give --lr or --schedule, not both (a schedule starts from the model's learning rate)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise TrainingOpError(f"--out {args.out!r} is a file; give a directory")
+    plot = not args.no_plot
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        plot = False
+        print(f"note: no {CURVE}: matplotlib is not installed (pip install 'onnx-training-ops[cli]'; --no-plot "
+              "silences this)", file=sys.stderr)
+    return plot
+
+
+def _train_epoch(session, args: argparse.Namespace, data: dict, eval_data: dict | None, n: int, epoch: int,
+                 steps_per_epoch: int, bar) -> dict:
+    """One epoch of shuffled batches; its metrics row (shown on the bar, or printed as JSON)."""
+    start, losses = time.perf_counter(), []
+    lr = next(iter(session.learning_rates.values()), None) if args.lr is None else args.lr
+    for idx in _batches(n, args.batch_size, args.seed, epoch):
+        losses.append(float(session.step({k: v[idx] for k, v in data.items()}, lr=args.lr)["loss"]))
+        if bar is not None:
+            bar.update(1)
+    row = {"epoch": epoch, "steps": epoch * steps_per_epoch, "train_loss": float(np.mean(losses)),
+           "eval_loss": _evaluate(session, eval_data) if eval_data else None,
+           "lr": lr, "seconds": round(time.perf_counter() - start, 3)}
+    if bar is not None:
+        bar.set_postfix(epoch=epoch, loss=f"{row['train_loss']:.4f}")
+    else:
+        print(json.dumps(row), file=sys.stderr)
+    return row
 
 
 def _is_current(path: str, session) -> bool:
