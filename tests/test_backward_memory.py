@@ -167,7 +167,7 @@ def test_return_big_blocks_sets_glibcs_threshold_once_unless_told_not_to():
 
 @_LINUX
 def test_a_large_models_session_options_return_big_blocks(monkeypatch):
-    from onnx_training_ops.training import options
+    from onnx_training_ops.training.options import options
 
     calls = []
     monkeypatch.setattr(options, "return_big_blocks", lambda: calls.append(1) or True)
