@@ -23,6 +23,7 @@ from onnx import ModelProto, NodeProto
 from onnx.backend.base import Backend, BackendRep
 
 from .runtime.session import InferenceSession
+from .storage.large_model import LargeModel
 
 
 class TrainingBackendRep(BackendRep):
@@ -33,7 +34,7 @@ class TrainingBackendRep(BackendRep):
         self._input_names = [i.name for i in session.get_inputs()]
         self._output_names = [o.name for o in session.get_outputs()]
 
-    def run(self, inputs: Any, **kwargs: Any) -> list[np.ndarray]:
+    def run(self, inputs: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         if isinstance(inputs, dict):
             feeds = dict(inputs)
         elif isinstance(inputs, (list, tuple)):
@@ -42,7 +43,7 @@ class TrainingBackendRep(BackendRep):
             feeds = dict(zip(self._input_names, inputs))
         else:
             feeds = {self._input_names[0]: inputs}
-        return self.session.run(self._output_names, feeds)
+        return tuple(self.session.run(self._output_names, feeds))  # onnx's Backend API: a tuple
 
 
 class TrainingBackend(Backend):
@@ -64,7 +65,7 @@ class TrainingBackend(Backend):
         return TrainingBackendRep(InferenceSession(model, sess_options=options, **kwargs))
 
     @classmethod
-    def run_model(cls, model: ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> list[np.ndarray]:
+    def run_model(cls, model: ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple[np.ndarray, ...]:
         return cls.prepare(model, device, **kwargs).run(inputs)
 
     @classmethod
@@ -75,7 +76,7 @@ class TrainingBackend(Backend):
         device: str = "CPU",
         outputs_info: Sequence[tuple[np.dtype, tuple[int, ...]]] | None = None,
         **kwargs: Any,
-    ) -> list[np.ndarray]:
+    ) -> tuple[np.ndarray, ...]:
         """Run one node on ``inputs`` (in the node's input order)."""
         arrays = [np.asarray(a) for a in inputs]
         graph_inputs = [
@@ -109,6 +110,8 @@ class PortableBackend(TrainingBackend):
             raise RuntimeError(f"onnx_training_ops runs on CPU only, not on {device!r}")
         options = kwargs.pop("sess_options", None)
         portable = prepare_model(model, portable=True)
+        if isinstance(portable, LargeModel):  # its detached tensors back in the message onnxruntime reads
+            portable = portable.to_proto()
         return TrainingBackendRep(ort.InferenceSession(portable.SerializeToString(), sess_options=options,
                                                        providers=["CPUExecutionProvider"], **kwargs))
 

@@ -49,7 +49,8 @@ def backend_test_cases(module_name: str = __name__, portable: bool = False) -> d
 
     with warnings.catch_warnings():  # building onnx's in-memory cases warns about other ops' data
         warnings.simplefilter("ignore", RuntimeWarning)
-        suite = onnx.backend.test.BackendTest(backend.PortableBackend if portable else backend, module_name)
+        suite = onnx.backend.test.BackendTest(backend.PortableBackend if portable else backend.TrainingBackend,
+                                              module_name)
     suite.include(PATTERN)
     cases = {}
     for name, case_class in suite.test_cases.items():

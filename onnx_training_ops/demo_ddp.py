@@ -63,14 +63,15 @@ def _session_options(world: int):
 def refusal(path: str, epochs: int, optimizer: str) -> str:
     """Why the checkpoint at ``path`` cannot go on to ``epochs`` epochs with ``optimizer``, or ''
     (``train --nproc`` asks before it starts the ranks)."""
-    from .builder.model_metadata import metadata
+    from .builder.metadata import TrainingMetadata
     from .errors import TrainingOpError
     from .storage.model_files import load_model
+    from .storage.tensors import proto_of
     from .training.inputs.checks import stored_properties
 
-    meta = metadata(load_model(path))
     try:
-        properties = stored_properties(meta.get("properties") or "{}")
+        meta = TrainingMetadata.from_model(proto_of(load_model(path)))
+        properties = stored_properties(meta.properties or "{}")
     except TrainingOpError as error:
         return f"{path}: {error}"
     done = properties.get("epoch", 0)
@@ -88,7 +89,7 @@ def refusal(path: str, epochs: int, optimizer: str) -> str:
     if done >= epochs:
         return (f"{path} already holds {done} epoch(s) and --epochs is {epochs}: nothing to train "
                 "(raise --epochs to go on, or give another --out)")
-    trained = json.loads(meta.get("optimizer") or "{}").get("type", "")
+    trained = (meta.optimizer or {}).get("type", "")
     if trained and trained.lower() != optimizer:
         return f"{path} was trained with {trained}; --optimizer {optimizer} cannot resume it (give another --out)"
     return ""

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .builder.model_metadata import metadata
+from .builder.metadata import TrainingMetadata
 from .errors import TrainingOpError
 from .storage.model_files import as_model, load_model
 from .storage.snapshot import write_state
@@ -163,13 +163,13 @@ class DistributedTrainingSession:
         """This rank's session on its shard of the model (rank 0 keeps the model's skeleton,
         without state values, to write whole checkpoints)."""
         # every tensor in the message, whatever the size (the shards are built from it)
-        model = load_model(source.training_model() if isinstance(source, TrainingSession) else source)
+        model = proto_of(load_model(source.training_model() if isinstance(source, TrainingSession) else source))
         self._fingerprint = fingerprint(model)  # of the whole model: every rank's shard differs
         per_param = optimizer_state(model)
         self._owners = partition(model, self.world_size)
         self._optimizer_state = {s for states in per_param.values() for s in states}
         self._per_param = per_param
-        self._all_gradients = "grad_norm" in metadata(model)  # clipping reads every gradient
+        self._all_gradients = TrainingMetadata.from_model(model).grad_norm is not None  # clipping reads every gradient
         shard = shard_model(model, self._owners, self.rank, self.world_size)
         self._skeleton = skeleton(model) if self.rank == 0 else None
         del model
@@ -430,6 +430,7 @@ class DistributedTrainingSession:
                     self._collective("send", self._dist.send, torch.from_numpy(state[name]).to(self._wire),
                                      self._global(0), group=self.group)
                 elif self.rank == 0:
+                    assert self._skeleton is not None  # rank 0 keeps it (_open_shard)
                     spec = self._skeleton[1][name]
                     tensor = torch.from_numpy(np.empty(spec[0], spec[1])).to(self._wire)
                     self._collective("recv", self._dist.recv, tensor, self._global(owner), group=self.group)
@@ -446,6 +447,7 @@ class DistributedTrainingSession:
         else:
             state = self.full_state_dict()
             if self.rank == 0:
+                assert self._skeleton is not None and state is not None  # rank 0 keeps and gathers them
                 model = write_state(as_model(self._skeleton[0], copy=False), state,
                                     self.session.checkpoint_metadata())
                 path = model.write(path, checksums=True)

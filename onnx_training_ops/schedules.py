@@ -29,6 +29,11 @@ def _positive_int(cls: str, name: str, value) -> int:
     return value
 
 
+def _warmup_steps(cls: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TrainingOpError(f"{cls}: warmup_steps must be an int >= 0, found {value!r}")
+
+
 def _nonnegative(cls: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise TrainingOpError(f"{cls}: {name} must be a finite number >= 0, found {value!r}")
@@ -241,8 +246,8 @@ class OneCycleLR:
         if self.anneal_strategy not in ("cos", "linear"):
             raise TrainingOpError(f"OneCycleLR: anneal_strategy must be 'cos' or 'linear', found "
                                   f"{self.anneal_strategy!r}")
-        if isinstance(self.pct_start, bool) or not isinstance(self.pct_start, (int, float)) \
-                or not 0 <= self.pct_start <= 1:
+        pct_start: object = self.pct_start  # from the caller: checked, whatever its annotation says
+        if isinstance(pct_start, bool) or not isinstance(pct_start, (int, float)) or not 0 <= pct_start <= 1:
             raise TrainingOpError(f"OneCycleLR: pct_start must be in [0, 1], found {self.pct_start!r}")
         if self.three_phase and self.pct_start > 0.5:
             raise TrainingOpError(f"OneCycleLR: three_phase with pct_start={self.pct_start!r}: the warm-up and the "
@@ -257,7 +262,7 @@ class OneCycleLR:
             _nonnegative("OneCycleLR", "max_lr", self.max_lr)
 
     def max_lr_of(self, name: str) -> float:
-        if isinstance(self.max_lr, dict):
+        if isinstance(self.max_lr, Mapping):
             if name not in self.max_lr:
                 raise TrainingOpError(f"OneCycleLR: max_lr has no entry for learning rate {name!r}")
             return float(self.max_lr[name])
@@ -321,8 +326,7 @@ class WarmupCosineLR:
     def __post_init__(self):
         _positive_int("WarmupCosineLR", "total_steps", self.total_steps)
         _nonnegative("WarmupCosineLR", "num_cycles", self.num_cycles)
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise TrainingOpError(f"WarmupCosineLR: warmup_steps must be an int >= 0, found {self.warmup_steps!r}")
+        _warmup_steps("WarmupCosineLR", self.warmup_steps)
         if self.warmup_steps > self.total_steps:
             raise TrainingOpError(f"WarmupCosineLR: warmup_steps={self.warmup_steps} is more than total_steps="
                                   f"{self.total_steps}: the warm-up would never end (the rate would rise past "
@@ -367,8 +371,7 @@ class WarmupLinearLR:
 
     def __post_init__(self):
         _positive_int("WarmupLinearLR", "total_steps", self.total_steps)
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise TrainingOpError(f"WarmupLinearLR: warmup_steps must be an int >= 0, found {self.warmup_steps!r}")
+        _warmup_steps("WarmupLinearLR", self.warmup_steps)
         if self.warmup_steps > self.total_steps and not self.allow_warmup_past_total:
             raise TrainingOpError(f"WarmupLinearLR: warmup_steps={self.warmup_steps} is more than total_steps="
                                   f"{self.total_steps}: the rate would drop to 0 before the warm-up ends; pass "

@@ -50,6 +50,14 @@ class OptimizerSpec:
             return None
         return rest // self.n_groups_in
 
+    def tensor_count(self, node: onnx.NodeProto) -> int:
+        """:meth:`n_tensors` of a node already checked (prepare's validation); a ValueError naming a malformed one."""
+        n = self.n_tensors(len(node.input))
+        if n is None:
+            raise ValueError(f"{self.op_type} node {node.name!r}: {len(node.input)} inputs are not R, T and "
+                                  f"whole groups of {', '.join(self.tensor_inputs)}")
+        return n
+
     def all_attribute_names(self) -> tuple[str, ...]:
         return self.float_attributes + self.string_attributes
 
@@ -63,9 +71,9 @@ def _spec(op_type: str, tensor_inputs, tensor_outputs) -> OptimizerSpec:
     defaults: dict[str, float | str] = {}
     required, floats, strings = [], [], []
     for name, attr in sorted(schema.attributes.items()):
-        if attr.type == AttributeProto.FLOAT:
+        if attr.type == onnx.defs.OpSchema.AttrType.FLOAT:
             floats.append(name)
-        elif attr.type == AttributeProto.STRING:
+        elif attr.type == onnx.defs.OpSchema.AttrType.STRING:
             strings.append(name)
         if attr.required:
             required.append(name)

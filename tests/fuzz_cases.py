@@ -177,13 +177,25 @@ def _set_attr(node: onnx.NodeProto, attribute: onnx.AttributeProto) -> None:
     node.attribute.append(attribute)
 
 
-def _mutate_gradient(model: onnx.ModelProto, rng: np.random.Generator) -> str:  # noqa: C901 - a case table: one branch per kind
+def _mutate_gradient(model: onnx.ModelProto, rng: np.random.Generator) -> str:
     g = model.graph
     grad = g.node[-1]
     kind = str(rng.choice(["xs_unknown", "xs_drop", "xs_duplicate", "xs_ints", "y_unknown", "y_int",
                            "y_missing", "zs", "drop_input", "extra_input", "drop_output",
                            "extra_output", "dtype", "shape", "act", "op_unknown", "cast_int",
                            "order"]))
+    if kind in _ATTRIBUTE_MUTATIONS:
+        _mutate_gradient_attributes(kind, grad, g)
+    else:
+        _mutate_gradient_graph(kind, model, rng)
+    return kind
+
+
+_ATTRIBUTE_MUTATIONS = ("xs_unknown", "xs_drop", "xs_duplicate", "xs_ints", "y_unknown", "y_int", "y_missing", "zs")
+
+
+def _mutate_gradient_attributes(kind: str, grad: onnx.NodeProto, g: onnx.GraphProto) -> None:
+    """The Gradient node's xs / y / zs attributes broken (``kind``)."""
     if kind == "xs_unknown":
         _set_attr(grad, helper.make_attribute("xs", ["x", "nowhere", "b"]))
     elif kind == "xs_drop":
@@ -210,7 +222,13 @@ def _mutate_gradient(model: onnx.ModelProto, rng: np.random.Generator) -> str:  
         _set_attr(grad, helper.make_attribute("zs", ["b"]))
         del grad.output[2:]
         del g.output[3:]
-    elif kind == "drop_input":
+
+
+def _mutate_gradient_graph(kind: str, model: onnx.ModelProto, rng: np.random.Generator) -> None:
+    """The Gradient node's inputs or outputs, or the graph around it, broken (``kind``)."""
+    g = model.graph
+    grad = g.node[-1]
+    if kind == "drop_input":
         del grad.input[int(rng.integers(len(grad.input)))]
     elif kind == "extra_input":
         grad.input.append("x")
@@ -241,7 +259,6 @@ def _mutate_gradient(model: onnx.ModelProto, rng: np.random.Generator) -> str:  
         g.node.insert(3, helper.make_node("Cast", ["a_int"], ["a_int_float"], to=TensorProto.FLOAT))
     elif kind == "order":
         g.node.insert(0, g.node.pop())
-    return kind
 
 
 def _float64_forward(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -380,30 +397,50 @@ FEED_KINDS = [("big_endian", True), ("fortran", True), ("strided", True), ("labe
               ("lr_feed", True), ("bad_lr_feed", False)]
 
 
-def _training_feed(kind: str, batch: dict, rng: np.random.Generator):  # noqa: C901 - a case table: one branch per kind
+def _training_feed(kind: str, batch: dict, rng: np.random.Generator):
     """(feeds, lr) for one kind of feed."""
-    x, y = batch["input"], batch["labels"]
-    lr = None
+    if kind in _INPUT_KINDS:
+        return _input_feed(kind, batch, rng), None
+    return _other_feed(kind, batch, rng)
+
+
+_INPUT_KINDS = ("big_endian", "fortran", "strided", "dtype", "shape", "nan", "inf", "scalar", "none", "string")
+
+
+def _input_feed(kind: str, batch: dict, rng: np.random.Generator) -> dict:
+    """The feeds with the ``input`` array changed (``kind``)."""
+    x = batch["input"]
     if kind == "big_endian":
-        return dict(batch, input=x.astype(">f4")), lr
+        return dict(batch, input=x.astype(">f4"))
     if kind == "fortran":
-        return dict(batch, input=np.asfortranarray(x)), lr
+        return dict(batch, input=np.asfortranarray(x))
     if kind == "strided":
         wide = np.zeros((x.shape[0], x.shape[1] * 2), np.float32)
         wide[:, ::2] = x
-        return dict(batch, input=wide[:, ::2]), lr
+        return dict(batch, input=wide[:, ::2])
+    if kind == "dtype":
+        return dict(batch, input=x.astype(rng.choice([np.float64, np.float16, np.int32])))
+    if kind == "shape":
+        return dict(batch, input=x[:, :int(rng.integers(1, 16))])
+    if kind in ("nan", "inf"):
+        bad = x.copy()
+        bad[int(rng.integers(x.shape[0])), int(rng.integers(x.shape[1]))] = np.nan if kind == "nan" else np.inf
+        return dict(batch, input=bad)
+    if kind == "scalar":
+        return dict(batch, input=np.float32(1.0))
+    if kind == "none":
+        return dict(batch, input=None)
+    return dict(batch, input="0.5")  # "string"
+
+
+def _other_feed(kind: str, batch: dict, rng: np.random.Generator):
+    """(feeds, lr) for the labels, the feed names and container, and the learning rate."""
+    x, y = batch["input"], batch["labels"]
+    lr = None
     if kind == "labels_big_endian":
         return dict(batch, labels=y.astype(">i8")), lr
     if kind == "lr":
         return batch, float(rng.choice([0.0, 1e-4, 0.5]))
-    if kind == "dtype":
-        return dict(batch, input=x.astype(rng.choice([np.float64, np.float16, np.int32]))), lr
-    if kind == "shape":
-        return dict(batch, input=x[:, :int(rng.integers(1, 16))]), lr
-    if kind in ("nan", "inf"):
-        bad = x.copy()
-        bad[int(rng.integers(x.shape[0])), int(rng.integers(x.shape[1]))] = np.nan if kind == "nan" else np.inf
-        return dict(batch, input=bad), lr
     if kind == "missing":
         dropped = str(rng.choice(sorted(batch)))
         return {k: v for k, v in batch.items() if k != dropped}, lr
@@ -421,12 +458,6 @@ def _training_feed(kind: str, batch: dict, rng: np.random.Generator):  # noqa: C
         return dict(batch, labels=bad), lr
     if kind == "labels_rows":
         return dict(batch, labels=y[:-1]), lr
-    if kind == "scalar":
-        return dict(batch, input=np.float32(1.0)), lr
-    if kind == "none":
-        return dict(batch, input=None), lr
-    if kind == "string":
-        return dict(batch, input="0.5"), lr
     if kind == "lr_feed":  # the twin gets the same rate as step(lr=...)
         rate = float(rng.choice([0.0, 1e-3, 0.5]))
         return dict(batch, learning_rate=np.array(rate, np.float32)), rate
@@ -472,17 +503,8 @@ INFERENCE_KINDS = [("big_endian", True), ("fortran", True), ("strided", True), (
                    ("none", False)]
 
 
-def inference_feed_case(ctx, rng: np.random.Generator, i: int) -> Outcome:  # noqa: C901 - a case table: one branch per kind
-    op = OPS[i % 3]
-    key = f"session_{op}"
-    if key not in ctx:
-        model = optimizer_model(op, n=2, shapes=[[3], [2, 2]], r_shape=None)
-        ctx[key] = (model, ot.InferenceSession(model), ReferenceEvaluator(model))
-    model, session, reference = ctx[key]
-    good = _feeds_for(model.graph, rng)
-    good["R"], good["T"] = np.array(0.1, np.float32), np.array(int(rng.integers(0, 4)), np.int64)
-    kind, valid = INFERENCE_KINDS[int(rng.integers(len(INFERENCE_KINDS)))]
-    name = str(rng.choice([n for n in good if n not in ("R", "T")]))
+def _inference_feeds(kind: str, good: dict, name: str) -> tuple:
+    """(feeds, the feeds onnx.reference gets) for one kind of feed, ``name`` the input it changes."""
     feeds = dict(good)
     if kind == "big_endian":
         feeds = {k: v.astype(v.dtype.newbyteorder(">")) for k, v in good.items()}
@@ -513,6 +535,21 @@ def inference_feed_case(ctx, rng: np.random.Generator, i: int) -> Outcome:  # no
         feeds["T"] = np.array(1.0, np.float32)
     elif kind == "none":
         feeds[name] = None
+    return feeds, good
+
+
+def inference_feed_case(ctx, rng: np.random.Generator, i: int) -> Outcome:
+    op = OPS[i % 3]
+    key = f"session_{op}"
+    if key not in ctx:
+        model = optimizer_model(op, n=2, shapes=[[3], [2, 2]], r_shape=None)
+        ctx[key] = (model, ot.InferenceSession(model), ReferenceEvaluator(model))
+    model, session, reference = ctx[key]
+    good = _feeds_for(model.graph, rng)
+    good["R"], good["T"] = np.array(0.1, np.float32), np.array(int(rng.integers(0, 4)), np.int64)
+    kind, valid = INFERENCE_KINDS[int(rng.integers(len(INFERENCE_KINDS)))]
+    name = str(rng.choice([n for n in good if n not in ("R", "T")]))
+    feeds, good = _inference_feeds(kind, good, name)
     try:
         got = session.run(None, feeds)
     except CLEAN + ORT_INPUT_ERRORS as error:

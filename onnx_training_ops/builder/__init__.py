@@ -14,7 +14,8 @@
   (or given), the tables' lookups marked for the ``Gather`` derivative rule;
 * :mod:`.initialization` — the initialization graph;
 * :mod:`.algorithm`, :mod:`.ops` — the algorithm graph under construction, node emission;
-* :mod:`.model_metadata` — what the builder records in the model for the session to read.
+* :mod:`.model_metadata`, :mod:`.metadata` — what the builder records in the model for the session to read
+  (:class:`.metadata.TrainingMetadata`: parsed once, typed).
 
 May import: errors, schema, walk, storage, optim, autodiff, passes (never runtime or training: a
 model is built without onnxruntime).
@@ -26,9 +27,10 @@ from ..optim.momentum import Momentum
 from ..optim.rmsprop import RMSProp
 from .loss_scaling import LossScaling
 from .losses import BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, L1Loss, MSELoss, SmoothL1Loss
+from .metadata import TrainingMetadata
 from .model import build_training_model
 from .model_metadata import META_PREFIX, metadata
 
 __all__ = ["Adagrad", "Adam", "AdamW", "BCEWithLogitsLoss", "CrossEntropyLoss", "HuberLoss", "L1Loss",
-           "LossScaling", "META_PREFIX", "MSELoss", "Momentum", "RMSProp", "SmoothL1Loss", "build_training_model",
-           "metadata"]
+           "LossScaling", "META_PREFIX", "MSELoss", "Momentum", "RMSProp", "SmoothL1Loss", "TrainingMetadata",
+           "build_training_model", "metadata"]

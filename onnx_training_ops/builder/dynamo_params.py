@@ -433,48 +433,63 @@ def _restore_twins(ops, params, accounted: set[str], g: GraphEdit, done: Restore
                              and any(s.name in n.input for n in consumer.nodes)), None)
             if survivor is None or survivor.name in consumer.refs():
                 continue
+            module = _twin_module(survivor, consumer, params, accounted, g)
+            if module is None:
+                continue
             readers = [n for n in consumer.nodes if survivor.name in n.input]
-            leaves = {_module_of(p)[1] for _, p in survivor.param_args(params)}
-            modules = {_module_of(u)[0] for u in params.values() if u not in accounted and u not in g.inits
-                       and _module_of(u)[1] in leaves}
-            modules = [m for m in modules if all(f"{m}.{leaf}" in params.values() and f"{m}.{leaf}" not in accounted
-                                                 for leaf in leaves)]
-            if not modules:
-                continue
-            best = max(_common(m, consumer.module) for m in modules)
-            chosen = [m for m in modules if _common(m, consumer.module) == best]
-            if len(chosen) != 1:
-                continue
-            renamed = {}
-            for node in survivor.nodes:
-                for out in node.output:
-                    renamed[out] = g.fresh(f"{ref}__restored" if out == survivor.name else f"{out}__{ref}")
-            twins = []
-            for node in survivor.nodes:
-                twin = onnx.NodeProto()
-                twin.CopyFrom(node)
-                del twin.metadata_props[:]  # its fx_node names the survivor's parameters, not these
-                twin.name = g.fresh(f"{node.name or node.output[0]}__{ref}")
-                for i, name in enumerate(twin.input):
-                    if name in renamed:
-                        twin.input[i] = renamed[name]
-                    elif name in g.params:
-                        leaf = _module_of(name)[1]
-                        twin.input[i] = f"{chosen[0]}.{leaf}"
-                        if twin.input[i] not in g.inits:
-                            g.add_init(twin.input[i], g.value(name))
-                            done.twins.append((twin.input[i], name))
-                            accounted.add(twin.input[i])
-                for i, name in enumerate(twin.output):
-                    twin.output[i] = renamed.get(name, name)
-                twins.append(twin)
-            g.after.setdefault(survivor.nodes[-1].output[0], []).extend(twins)
+            renamed = _add_twins(survivor, ref, module, accounted, g, done)
             for node in readers:
                 for i, name in enumerate(node.input):
                     if name == survivor.name:
                         node.input[i] = renamed[survivor.name]
             explained.add(ref)
     return explained
+
+
+def _twin_module(survivor, consumer, params, accounted: set[str], g: GraphEdit) -> str | None:
+    """The module whose parameters a twin of ``survivor`` read where ``consumer`` reads it: the one
+    nearest ``consumer``'s module among those holding every parameter leaf unaccounted for (None: no
+    single one)."""
+    leaves = {_module_of(p)[1] for _, p in survivor.param_args(params)}
+    found = {_module_of(u)[0] for u in params.values() if u not in accounted and u not in g.inits
+             and _module_of(u)[1] in leaves}
+    modules = [m for m in found if all(f"{m}.{leaf}" in params.values() and f"{m}.{leaf}" not in accounted
+                                       for leaf in leaves)]
+    if not modules:
+        return None
+    best = max(_common(m, consumer.module) for m in modules)
+    chosen = [m for m in modules if _common(m, consumer.module) == best]
+    return chosen[0] if len(chosen) == 1 else None
+
+
+def _add_twins(survivor, ref: str, module: str, accounted: set[str], g: GraphEdit, done: Restored) -> dict[str, str]:
+    """Copies of ``survivor``'s nodes reading ``module``'s parameters (added as initializers),
+    scheduled after it; the survivor's outputs -> the copies'."""
+    renamed = {}
+    for node in survivor.nodes:
+        for out in node.output:
+            renamed[out] = g.fresh(f"{ref}__restored" if out == survivor.name else f"{out}__{ref}")
+    twins = []
+    for node in survivor.nodes:
+        twin = onnx.NodeProto()
+        twin.CopyFrom(node)
+        del twin.metadata_props[:]  # its fx_node names the survivor's parameters, not these
+        twin.name = g.fresh(f"{node.name or node.output[0]}__{ref}")
+        for i, name in enumerate(twin.input):
+            if name in renamed:
+                twin.input[i] = renamed[name]
+            elif name in g.params:
+                leaf = _module_of(name)[1]
+                twin.input[i] = f"{module}.{leaf}"
+                if twin.input[i] not in g.inits:
+                    g.add_init(twin.input[i], g.value(name))
+                    done.twins.append((twin.input[i], name))
+                    accounted.add(twin.input[i])
+        for i, name in enumerate(twin.output):
+            twin.output[i] = renamed.get(name, name)
+        twins.append(twin)
+    g.after.setdefault(survivor.nodes[-1].output[0], []).extend(twins)
+    return renamed
 
 
 def _restore_folded(params: dict[str, str], buffers, g: GraphEdit, done: Restored) -> None:

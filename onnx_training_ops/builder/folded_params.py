@@ -33,7 +33,9 @@ recipe: the caller names the parameter in an error.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from onnx import helper, numpy_helper
@@ -47,7 +49,7 @@ class Step:
 
     op: str
     inputs: tuple[np.ndarray, ...] = ()
-    attrs: tuple[tuple[str, object], ...] = ()
+    attrs: tuple[tuple[str, Any], ...] = ()  # ONNX attributes (ints, lists)
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,8 @@ def _softplus(x):
     return np.logaddexp(0, x)
 
 
-# ONNX op -> (numpy function, its inverse or None)
-UNARY = {
+# ONNX op -> (numpy function, its inverse)
+UNARY: dict[str, tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]] = {
     "Exp": (np.exp, np.log),
     "Log": (np.log, np.exp),
     "Neg": (np.negative, np.negative),
@@ -133,13 +135,14 @@ def _reshape_steps(shape, target) -> tuple[Step, ...]:
 
 def _permuted(c: np.ndarray, p: np.ndarray) -> list[Recipe]:
     """``c`` is ``p`` transposed by some permutation and reshaped."""
-    out = []
+    out: list[Recipe] = []
     if c.size != p.size:
         return out
     for perm in _permutations(p.ndim):
         moved = np.transpose(p, perm)
         if np.array_equal(moved.flat[:16], c.flat[:16]) and np.array_equal(moved.reshape(c.shape), c):
-            steps = (() if perm == tuple(range(p.ndim)) else (Step("Transpose", attrs=(("perm", list(perm)),)),))
+            steps: tuple[Step, ...] = (() if perm == tuple(range(p.ndim))
+                                       else (Step("Transpose", attrs=(("perm", list(perm)),)),))
             steps += _reshape_steps(moved.shape, c.shape)
             out.append(Recipe("select", steps, "the same values" if not steps else
                               f"transposed {list(perm)}" if perm != tuple(range(p.ndim)) else "reshaped"))
@@ -191,7 +194,7 @@ def _rows(c: np.ndarray, p: np.ndarray) -> list[Recipe]:
     for axis in axes:
         moved = np.moveaxis(c, axis, -1) if p.ndim == 2 else c
         rows = np.ascontiguousarray(moved).reshape(-1, row)
-        ids = []
+        ids: list[int] = []
         for r in rows:
             found = [i for i in index.get(r[:head].tobytes(), ()) if np.array_equal(table[i], r)]
             if len(found) > 1:
@@ -202,13 +205,12 @@ def _rows(c: np.ndarray, p: np.ndarray) -> list[Recipe]:
             ids.append(found[0])
         if len(ids) != len(rows):
             continue
-        ids = _i64(ids)
-        steps = (Step("Gather", (ids,)),) + _reshape_steps((len(ids), *p.shape[1:]), moved.shape)
+        steps = (Step("Gather", (_i64(ids),)),) + _reshape_steps((len(ids), *p.shape[1:]), moved.shape)
         if moved.shape != c.shape:
             perm = list(range(c.ndim - 1))
             perm.insert(axis, c.ndim - 1)
             steps += (Step("Transpose", attrs=(("perm", perm),)),)
-        unique = sorted(set(ids.tolist()))
+        unique = sorted(set(ids))
         text = (f"rows {unique[0]}..{unique[-1]}" if unique == list(range(unique[0], unique[-1] + 1))
                 else f"{len(unique)} of its rows") + " looked up with constant ids"
         return [Recipe("select", steps, text, tuple(unique))]

@@ -26,9 +26,9 @@ class GraphEdit:
         self.graph = graph
         self.params = params  # the torch parameters' names
         self.folded = folded or {}  # folded constant -> what it was computed from
+        self.inits = {t.name: t for t in graph.initializer}
         self.value = lambda name: value(self.inits[name])
         self.replaced: set[str] = set()
-        self.inits = {t.name: t for t in graph.initializer}
         self.transposed: dict[str, str] = {}
         self.prologue: list = []  # new nodes that read initializers only: they go first
         self.before: dict[str, list] = {}  # a node's first output -> new nodes that go right before it

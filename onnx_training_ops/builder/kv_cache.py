@@ -37,7 +37,9 @@ def drop_kv_cache(model: onnx.ModelProto) -> list[str]:
     """
     graph = model.graph
     inputs = {i.name for i in graph.input}
-    past, present, other_uses = set(), set(), set()
+    past: set[str] = set()
+    present: set[str] = set()
+    other_uses: set[str] = set()
     for node in graph.node:
         slots = CACHE_SLOTS.get(node.op_type) if node.domain == MS_DOMAIN else None
         past_slots, present_slots = slots or ((), ())

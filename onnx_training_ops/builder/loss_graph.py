@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
@@ -11,42 +11,43 @@ from ..errors import TrainingOpError
 from ..passes._graph import unique_name
 from .algorithm import Algorithm, tensor_vi, value_info_from
 from .losses import NAMED, CrossEntropyLoss, Emit, Loss, resolve
+from .metadata import LabelRange
 from .trainables import FLOAT_TYPES
 
 
-def label_range(spec, types, outputs, output) -> str:
-    """'C,ignore_index' when the loss takes class labels and C is static, else ''."""
+def label_range(spec, types, outputs, output) -> LabelRange | None:
+    """The classes and ignore_index when the loss takes class labels and C is static, else None."""
     if not isinstance(spec, CrossEntropyLoss):
-        return ""
+        return None
     name = output or next(iter(outputs), None)
     vt = types.get(name) if name else None
     if vt is None or vt.shape is None:
-        return ""
+        return None
     try:
         classes = vt.shape[spec.axis(vt.shape)]
     except TrainingOpError:
-        return ""
+        return None
     if not isinstance(classes, int):
-        return ""
-    return f"{classes},{'' if spec.ignore_index is None else spec.ignore_index}"
+        return None
+    return LabelRange(classes, spec.ignore_index)
 
 
-def label_shape(spec, types, outputs, output) -> str:
-    """JSON of the labels' expected shape (the declared shape of the output the loss reads,
-    without cross-entropy's class axis) for the session's feed check, or '' when unknown."""
+def label_shape(spec, types, outputs, output) -> dict[str, Any] | None:
+    """The labels' expected shape (the declared shape of the output the loss reads, without
+    cross-entropy's class axis) for the session's feed check, or None when unknown."""
     name = output or next(iter(outputs), None)
     vt = types.get(name) if name else None
     if spec is None or vt is None or vt.shape is None:
-        return ""
+        return None
     dims = list(vt.shape)
     try:
         axis = spec.axis(vt.shape) if isinstance(spec, CrossEntropyLoss) else None
     except TrainingOpError:
-        return ""
+        return None
     expected = dims if axis is None else dims[:axis] + dims[axis + 1:]
     shown = "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
-    return json.dumps({"output": name, "output_shape": shown, "shape": expected, "class_axis": axis,
-                       "shift": bool(getattr(spec, "shift_labels", False))})
+    return {"output": name, "output_shape": shown, "shape": expected, "class_axis": axis,
+            "shift": bool(getattr(spec, "shift_labels", False))}
 
 
 def _loss_nodes(spec: Loss, graph: onnx.GraphProto, types, outputs, output, labels, taken,

@@ -20,9 +20,9 @@ same step runs in a :class:`~onnx_training_ops.TrainingSession`, in an exported 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -59,8 +59,8 @@ class LossScaling:
             raise TrainingOpError(f"LossScaling.growth_factor must be > 1, found {self.growth_factor!r}")
         if self.backoff_factor >= 1.0:
             raise TrainingOpError(f"LossScaling.backoff_factor must be < 1, found {self.backoff_factor!r}")
-        if not isinstance(self.growth_interval, int) or isinstance(self.growth_interval, bool) \
-                or self.growth_interval < 1:
+        interval: object = self.growth_interval  # from the caller: checked, whatever its annotation says
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise TrainingOpError(f"LossScaling.growth_interval must be an int >= 1, found {self.growth_interval!r}")
 
 
@@ -173,7 +173,7 @@ class LossScaler:
             graph.output.append(tensor_vi(out, elem, []))
             binding.append((state, out))
 
-    def metadata(self) -> str:
-        """The builder's record: the settings and the state's names (JSON)."""
-        return json.dumps({**asdict(self.config), "scale": self.scale, "growth_tracker": self.growth,
-                           "skipped_steps": self.skipped})
+    def metadata(self) -> dict[str, Any]:
+        """The builder's record (``loss_scaling``): the settings and the state's names."""
+        return {**asdict(self.config), "scale": self.scale, "growth_tracker": self.growth,
+                "skipped_steps": self.skipped}

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrainingOpError
@@ -44,7 +45,8 @@ class Emit:
     """Node emission for one loss: fresh names from the builder's ``unique`` function."""
 
     def __init__(self, unique: Callable[[str], str], np_dtype):
-        self.unique, self.np_dtype, self.nodes = unique, np_dtype, []
+        self.unique, self.np_dtype = unique, np_dtype
+        self.nodes: list[onnx.NodeProto] = []
 
     def op(self, op_type: str, inputs: Sequence[str], **attrs) -> str:
         out = self.unique(f"loss/{op_type}")
@@ -79,6 +81,10 @@ class Loss:
     def label_shape(self, shape):
         return shape
 
+    def emit(self, em: Emit, pred: str, label: str, shape) -> str:
+        """The loss's nodes (into ``em``) reading ``pred`` and ``label``; the loss value's name."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class _Pointwise(Loss):
@@ -86,6 +92,8 @@ class _Pointwise(Loss):
     and target; a subclass declares its ``reduction`` field."""
 
     _square: ClassVar[bool]
+    if TYPE_CHECKING:
+        reduction: str  # a field of each subclass (declared there, after its own fields)
 
     def __post_init__(self):
         _check_reduction(type(self).__name__, self.reduction)
@@ -136,6 +144,8 @@ class _QuadraticThenLinear(Loss):
 
     _width: ClassVar[str]
     _scale_linear: ClassVar[bool]
+    if TYPE_CHECKING:
+        reduction: str  # a field of each subclass (declared there, after its own fields)
 
     def __post_init__(self):
         loss, width = type(self).__name__, getattr(self, self._width)
@@ -323,7 +333,7 @@ class CrossEntropyLoss(Loss):
         # (softmax - onehot) * coefficient and reuses the log-probabilities it outputs
         log_probs = em.unique("loss/log_prob")
         nll = em.unique("loss/SoftmaxCrossEntropyLoss")
-        ignore = {} if ignore_index is None else {"ignore_index": ignore_index}
+        ignore: dict[str, Any] = {} if ignore_index is None else {"ignore_index": ignore_index}
         em.nodes.append(helper.make_node(
             "SoftmaxCrossEntropyLoss", [logits, labels, *weights], [nll, log_probs], name=nll,
             reduction=self.reduction, **ignore))
@@ -340,9 +350,9 @@ class CrossEntropyLoss(Loss):
         positions come from its Shape (constant once the shapes are fixed)."""
         trailing = [1] * (label_rank - 2)  # the mask along axis 1 of labels [N, T, d...]
         if isinstance(steps, int):
-            positions = np.arange(1, steps + 1, dtype=np.int64)
-            columns = em.const(np.minimum(positions, steps - 1), np.int64)
-            last = em.const((positions == steps).reshape([steps, *trailing]), np.bool_)
+            numbers = np.arange(1, steps + 1, dtype=np.int64)
+            columns = em.const(np.minimum(numbers, steps - 1), np.int64)
+            last = em.const((numbers == steps).reshape([steps, *trailing]), np.bool_)
         else:
             count = em.op("Shape", [labels], start=1, end=2)
             positions = em.op("Range", [em.const(1, np.int64), em.op("Add", [em.op("Squeeze", [count]),

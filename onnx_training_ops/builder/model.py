@@ -37,8 +37,7 @@ import onnx
 from onnx import helper
 
 from ..errors import TrainingOpError
-from ..lora.spec import META_NAME as LORA_META
-from ..lora.spec import lora_spec
+from ..lora.spec import LoraSpec, lora_spec
 from ..optim.base import Optimizer
 from ..optim.registry import OPTIMIZER_CLASSES, to_json
 from ..optim.rmsprop import RMSProp
@@ -50,7 +49,7 @@ from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
 from . import sparse_updates as sparse_updates_
 from .algorithm import Algorithm, training_info
-from .dynamo_params import exported_parameters, restore_parameters
+from .dynamo_params import Restored, exported_parameters, restore_parameters
 from .eval_mode import to_inference
 from .grad_clip import checked_limit
 from .initialization import initialization_graph
@@ -58,10 +57,9 @@ from .kv_cache import drop_kv_cache
 from .loss_graph import add_loss, label_range, label_shape
 from .loss_scaling import LossScaler, LossScaling, checked_scaling
 from .losses import Loss
-from .model_metadata import set_metadata
+from .metadata import TrainingMetadata
 from .padding_rows import detect_padding_rows, mark_lookups, recorded_padding_rows, resolve_padding_rows
-from .padding_rows import to_json as padding_json
-from .param_groups import groups_to_json, resolve_groups
+from .param_groups import groups_record, resolve_groups
 from .torch_record import LOST_KEY, UNHELD_KEY
 from .torch_record import read as read_record
 from .train_mode import fit_opset, training_forward
@@ -126,7 +124,7 @@ def _forward(model: onnx.ModelProto, mode: str, seed: int, t_name: str, types,
     return renamed, stat_updates
 
 
-def _finish(model: onnx.ModelProto, meta: dict[str, str]) -> onnx.ModelProto:
+def _finish(model: onnx.ModelProto, meta: TrainingMetadata) -> onnx.ModelProto:
     """Versions the installed onnxruntime loads (IR >= 7 for training_info), the training
     domain's opset, and the builder's metadata (replacing an earlier build's)."""
     max_ir, _ = runtime_limits()
@@ -134,7 +132,7 @@ def _finish(model: onnx.ModelProto, meta: dict[str, str]) -> onnx.ModelProto:
     model.ir_version = max(min(model.ir_version or max_ir, max_ir), 7)
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
-    set_metadata(model, meta)
+    meta.write(model)
     return model
 
 
@@ -242,35 +240,11 @@ def build_training_model(
             trainable tensor, or ops on the path to the loss without a derivative rule (all
             of them listed at once, with a hint).
     """
-    _check_choices(mode, optimizer)
-    if precision not in ("fp32", "fp16", "bf16"):
-        raise TrainingOpError(f"precision must be 'fp32', 'fp16' or 'bf16', found {precision!r}")
-    if precision == "fp32" and precision_provider is not None:
-        raise TrainingOpError("precision_provider is for precision='fp16' or 'bf16'; found precision='fp32'")
-    scaling = checked_scaling(loss_scaling, precision)
-    clip_grad_norm = checked_limit("clip_grad_norm", clip_grad_norm)
-    clip_grad_value = checked_limit("clip_grad_value", clip_grad_value)
+    scaling, clip_grad_norm, clip_grad_value = _checked_arguments(
+        mode, optimizer, precision, precision_provider, loss_scaling, clip_grad_norm, clip_grad_value)
     opened = as_model(model)
-    model = _fit_opset(opened.model_proto)
-    if mode == "train":
-        model = fit_opset(model)  # Dropout masks need opset 18
-    if model.training_info:
-        raise TrainingOpError("the model already has training_info; pass the inference model")
-    lora = lora_spec(model)
-    drop_kv_cache(model)  # a training step sees whole sequences: no past keys and values
-    restored = restore_parameters(model, opened.array)
-    if exported_parameters(model.graph) is None:  # TorchScript: folded copies of parameters it holds
-        restored.computed += restore_copies(model, opened.array)
-        restored.lost.update(folded_conv_weights(model, read_record(model)))
-    restored.lost.update(read_record(model, LOST_KEY) or {})
-    unheld = read_record(model, UNHELD_KEY)
-    if unheld:
-        warnings.warn(f"{len(unheld)} torch parameter(s) that no initializer of the export holds (recorded by "
-                      f"record_torch_names) will not train: {', '.join(list(unheld)[:6])}"
-                      f"{' ...' if len(unheld) > 6 else ''}: {next(iter(unheld.values()))}", stacklevel=2)
-    untied = untie_merged_initializers(model)
-    if untied:
-        warnings.warn(describe_untied(untied), stacklevel=2)
+    model, lora = _prepared(opened.model_proto, mode)
+    restored = _restored_parameters(model, opened)
     padding = resolve_padding_rows(padding_rows, detect_padding_rows(model.graph, recorded_padding_rows(model)),
                                    model)
     mixed = mixed_precision(model, precision, precision_provider)[1] if precision != "fp32" else None
@@ -294,8 +268,8 @@ def build_training_model(
     tables = sparse_updates_.find_tables(modes, params, list(model.graph.node) + algo.nodes,
                                          algo.nodes if mode == "train" else model.graph.node)
     scaler = LossScaler(scaling, algo) if scaling is not None else None
-    padding = mark_lookups(padding, params, *((algo.nodes, model.graph.node) if mode == "train"
-                                              else (model.graph.node, ())), given=set(padding_rows or ()))
+    forward, others = (algo.nodes, list(model.graph.node)) if mode == "train" else (list(model.graph.node), [])
+    padding = mark_lookups(padding, params, forward, others, given=set(padding_rows or ()))
     state_names, norm_name = add_update(params, groups, loss_name, t_name, clip_grad_norm,
                                         clip_grad_value, algo, tables, scaler, padding)
     # the optimizer state as constant arrays (no memory): a small model gets its values at the end
@@ -309,36 +283,71 @@ def build_training_model(
     model.training_info.append(training_info(algo, initialization, init_binding))
 
     outputs = {o.name: o for o in model.graph.output}
-    meta = {
-        "optimizer": to_json(optimizer),
-        "loss": loss_name,
-        "labels": target,
-        "label_range": label_range(spec, types, outputs, output),
-        "label_shape": label_shape(spec, types, outputs, output),
-        "learning_rate": learning_rate,
-        "trainable": ",".join(p.name for p in params),
+    meta = TrainingMetadata(
+        optimizer=json.loads(to_json(optimizer)),
+        loss=(loss_name,),
+        labels=target,
+        label_range=label_range(spec, types, outputs, output),
+        label_shape=label_shape(spec, types, outputs, output),
+        learning_rate=(learning_rate,),
+        trainable=tuple(p.name for p in params),
         # each trainable's optimizer state variables (what sharding the state must keep together)
-        "optimizer_state": json.dumps({p.name: list(state_names[p.name].values()) for p in params}),
-        "mode": mode,
-        "seed": str(seed),
-    }
-    if eval_loss != loss_name:
-        meta["eval_loss"] = eval_loss
-    if param_groups is not None:
-        meta["param_groups"] = groups_to_json(groups)
-    if norm_name:
-        meta["grad_norm"] = norm_name
-    if modes:
-        meta["sparse_updates"] = json.dumps(modes)
-    if mixed is not None:
-        meta["precision"] = precision
-        meta["precision_provider"] = mixed.provider
-        meta["precision_nodes"] = json.dumps({"16-bit": list(mixed.converted), "fp32": list(mixed.kept_fp32)})
-    if scaler is not None:
-        meta["loss_scaling"] = scaler.metadata()
-    if padding:
-        meta["padding_rows"] = padding_json(padding)
-    if lora is not None:  # add_lora's record, for save_adapter
-        meta[LORA_META] = lora.to_json()
+        optimizer_state={p.name: tuple(state_names[p.name].values()) for p in params},
+        mode=mode,
+        seed=seed,
+        eval_loss=eval_loss if eval_loss != loss_name else None,
+        param_groups=tuple(groups_record(groups)) if param_groups is not None else None,
+        grad_norm=norm_name or None,
+        sparse_updates=modes or None,
+        precision=precision if mixed is not None else None,
+        precision_provider=mixed.provider if mixed is not None else None,
+        precision_nodes={"16-bit": list(mixed.converted), "fp32": list(mixed.kept_fp32)} if mixed is not None else None,
+        loss_scaling=scaler.metadata() if scaler is not None else None,
+        padding_rows=dict(sorted(padding.items())) if padding else None,
+        lora=lora.to_json() if lora is not None else None,  # add_lora's record, for save_adapter
+    )
     model = _finish(model, meta)
     return opened.with_proto(model).remeasured().public()
+
+
+def _checked_arguments(mode: str, optimizer: Optimizer | RMSProp, precision: str, precision_provider: str | None,
+                       loss_scaling: LossScaling | bool | None, clip_grad_norm: float | None,
+                       clip_grad_value: float | None) -> tuple[LossScaling | None, float | None, float | None]:
+    """The choices checked: the loss scaling to use and the clipping limits."""
+    _check_choices(mode, optimizer)
+    if precision not in ("fp32", "fp16", "bf16"):
+        raise TrainingOpError(f"precision must be 'fp32', 'fp16' or 'bf16', found {precision!r}")
+    if precision == "fp32" and precision_provider is not None:
+        raise TrainingOpError("precision_provider is for precision='fp16' or 'bf16'; found precision='fp32'")
+    return (checked_scaling(loss_scaling, precision), checked_limit("clip_grad_norm", clip_grad_norm),
+            checked_limit("clip_grad_value", clip_grad_value))
+
+
+def _prepared(model: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto, LoraSpec | None]:
+    """The inference model at a usable opset, without key/value caches, and its LoRA record."""
+    model = _fit_opset(model)
+    if mode == "train":
+        model = fit_opset(model)  # Dropout masks need opset 18
+    if model.training_info:
+        raise TrainingOpError("the model already has training_info; pass the inference model")
+    lora = lora_spec(model)
+    drop_kv_cache(model)  # a training step sees whole sequences: no past keys and values
+    return model, lora
+
+
+def _restored_parameters(model: onnx.ModelProto, opened: LargeModel) -> Restored:
+    """torch's parameters the export folded or copied, restored as initializers (with what is lost)."""
+    restored = restore_parameters(model, opened.array)
+    if exported_parameters(model.graph) is None:  # TorchScript: folded copies of parameters it holds
+        restored.computed += restore_copies(model, opened.array)
+        restored.lost.update(folded_conv_weights(model, read_record(model)))
+    restored.lost.update(read_record(model, LOST_KEY) or {})
+    unheld = read_record(model, UNHELD_KEY)
+    if unheld:
+        warnings.warn(f"{len(unheld)} torch parameter(s) that no initializer of the export holds (recorded by "
+                      f"record_torch_names) will not train: {', '.join(list(unheld)[:6])}"
+                      f"{' ...' if len(unheld) > 6 else ''}: {next(iter(unheld.values()))}", stacklevel=3)
+    untied = untie_merged_initializers(model)
+    if untied:
+        warnings.warn(describe_untied(untied), stacklevel=3)
+    return restored

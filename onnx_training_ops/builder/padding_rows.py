@@ -124,7 +124,8 @@ def resolve_padding_rows(option: Mapping[str, int | None] | None, detected: Mapp
         if row is None:
             continue
         n = int(table.dims[0])
-        if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not -n <= row < n:
+        given: object = row  # from the caller: checked, whatever its annotation says
+        if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or not -n <= given < n:
             raise TrainingOpError(f"padding_rows[{name!r}] must be an integer row of its {n} rows "
                                   f"(-{n} <= row < {n}, as torch's padding_idx), found {row!r}")
         out[name] = int(row) % n

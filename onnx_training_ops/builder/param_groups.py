@@ -56,11 +56,19 @@ def frozen_by(param_groups: Sequence[Mapping] | None, name: str) -> bool:
     """Whether ``name`` would join a ``frozen`` group (the first group matching it; the groups
     are checked by :func:`resolve_groups`)."""
     for group in param_groups or ():
-        patterns = group.get("params") if isinstance(group, Mapping) else None
+        given: object = group  # from the caller, not checked yet
+        patterns = given.get("params") if isinstance(given, Mapping) else None
         patterns = [patterns] if isinstance(patterns, (str, re.Pattern)) else list(patterns or ())
         if any(isinstance(p, (str, re.Pattern)) and matches(p, name) for p in patterns):
             return bool(group.get("frozen", False))
     return False
+
+
+def _described(optimizer: Optimizer) -> Any:
+    """``optimizer`` as the dataclass every optimizer description is (the Protocol cannot say so)."""
+    if not dataclasses.is_dataclass(optimizer) or isinstance(optimizer, type):
+        raise TrainingOpError(f"{type(optimizer).__name__} is not an optimizer description (a dataclass instance)")
+    return optimizer
 
 
 def _checked(i: int, group: Any, optimizer: Optimizer) -> dict:
@@ -73,7 +81,7 @@ def _checked(i: int, group: Any, optimizer: Optimizer) -> dict:
     if not patterns or not all(isinstance(p, (str, re.Pattern)) for p in patterns):
         raise TrainingOpError(f"param_groups[{i}]['params'] must be glob patterns or re.compile(...) "
                               f"patterns, found {group.get('params')!r}")
-    fields = {f.name for f in dataclasses.fields(optimizer)}
+    fields = {f.name for f in dataclasses.fields(_described(optimizer))}
     unknown = sorted(set(group) - fields - _GROUP_KEYS)
     if unknown:
         raise TrainingOpError(f"param_groups[{i}]: unknown key(s) {unknown}; a group takes "
@@ -120,7 +128,7 @@ def resolve_groups(trainables: Sequence[str], param_groups: Sequence[Mapping] | 
         overrides = {k: v for k, v in spec.items() if k not in _GROUP_KEYS}
         if "betas" in overrides:
             overrides["betas"] = tuple(overrides["betas"])
-        groups.append(Group(spec["name"], dataclasses.replace(optimizer, **overrides), params,
+        groups.append(Group(spec["name"], dataclasses.replace(_described(optimizer), **overrides), params,
                             f"{learning_rate}.{spec['name']}"))
     if rest:
         groups.append(Group("default", optimizer, rest, learning_rate))
@@ -129,7 +137,7 @@ def resolve_groups(trainables: Sequence[str], param_groups: Sequence[Mapping] | 
     return groups, frozen
 
 
-def groups_to_json(groups: Sequence[Group]) -> str:
-    """How the builder records the groups in the model's metadata."""
-    return json.dumps([{"name": g.name, "learning_rate": g.learning_rate, "params": g.params,
-                        "optimizer": json.loads(to_json(g.optimizer))} for g in groups])
+def groups_record(groups: Sequence[Group]) -> list[dict[str, Any]]:
+    """How the builder records the groups in the model's metadata (``param_groups``)."""
+    return [{"name": g.name, "learning_rate": g.learning_rate, "params": g.params,
+             "optimizer": json.loads(to_json(g.optimizer))} for g in groups]

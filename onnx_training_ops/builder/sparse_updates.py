@@ -167,8 +167,8 @@ def find_gradient_rows(nodes: Sequence[onnx.NodeProto], grads: Sequence[str]) ->
         at = producers.get(node.input[1]) if node.op_type == "ScatterND" and len(node.input) == 3 else None
         unique = producers.get(at.input[0]) if at is not None and at.op_type == "Unsqueeze" else None
         if reduction in (b"add", "add") and node.input[2] in reached and node.input[0] not in reached \
-                and unique is not None and unique.op_type == "Unique" and len(unique.output) > 2 \
-                and unique.output[2] == at.input[0]:
+                and at is not None and unique is not None and unique.op_type == "Unique" \
+                and len(unique.output) > 2 and unique.output[2] == at.input[0]:
             return unique.output[0], node.output[0]
         reached.update(o for o in node.output if o)
     raise TrainingOpError(f"the gradients {', '.join(grads)} of a sparse table's lookups do not reach "

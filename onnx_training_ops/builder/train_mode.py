@@ -52,7 +52,8 @@ class _Emit:
     """Appends nodes named under ``train/<hint>/`` to ``nodes``."""
 
     def __init__(self, unique: Callable[[str], str], opset: int, hint: str):
-        self.unique, self.opset, self.hint, self.nodes = unique, opset, hint, []
+        self.unique, self.opset, self.hint = unique, opset, hint
+        self.nodes: list[onnx.NodeProto] = []
 
     def op(self, op_type: str, inputs, **attrs) -> str:
         out = self.unique(f"{PREFIX}{self.hint}/{op_type}")

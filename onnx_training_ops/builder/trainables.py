@@ -84,8 +84,8 @@ def choose_trainables(model: onnx.ModelProto, trainable, loss_nodes, loss_name: 
     names = [trainable] if isinstance(trainable, str) else list(trainable)
     if not names:
         raise TrainingOpError("trainable is empty: nothing to train")
-    lost = [n for n in names if restored is not None and n in restored.lost]
-    if lost:
+    lost = [n for n in names if n in restored.lost] if restored is not None else []
+    if restored is not None and lost:
         raise TrainingOpError(restored.lost_message(lost))
     if len(set(names)) != len(names):
         raise TrainingOpError(f"trainable names repeat: {names}")

@@ -147,8 +147,9 @@ def add_update(params, groups: list[Group], loss_name: str, t_name: str, clip_gr
             if getattr(optimizer, "decoupled_weight_decay", 0.0):
                 raise TrainingOpError(f"sparse_updates of {tb.name!r}: AdamW's decoupled weight decay "
                                       "is not supported on row updates; use Adam(weight_decay=...)")
-            grads = [raw[o] if tb.name not in (padding or {}) else
-                     mask_lookup(ops, ids, raw[o], padding[tb.name], tb.dims, tb.dtype) for ids, o in tb.lookups]
+            row = (padding or {}).get(tb.name)
+            grads = [raw[o] if row is None else mask_lookup(ops, ids, raw[o], row, tb.dims, tb.dtype)
+                     for ids, o in tb.lookups]
             unique, grad_rows = sparse_updates_.gradient_rows(ops, tb, grads)
             sparse_updates_.emit_table_update(ops, optimizer, tb, group.learning_rate, t, unique, grad_rows,
                                               {s: v[i] for s, v in states.items()}, new_params[names[i]],

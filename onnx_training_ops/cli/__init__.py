@@ -48,7 +48,6 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _import_ortt(args: argparse.Namespace) -> int:
-    import json
     import os
 
     from ..errors import TrainingOpError
@@ -56,14 +55,14 @@ def _import_ortt(args: argparse.Namespace) -> int:
     from ..storage.tensors import proto_of
 
     _require("flatbuffers", "migrate")
+    from ..builder.metadata import TrainingMetadata
     from ..migrate import import_onnxruntime_training
 
     if os.path.isdir(args.output):
         raise TrainingOpError(f"output {args.output!r} is a directory; give a file name")
     model = import_onnxruntime_training(args.artifacts, checkpoint=args.checkpoint, lr=args.lr)
     save_model(model, args.output)
-    meta = {m.key: m.value for m in proto_of(model).metadata_props}  # a LargeModel past the large-model size
-    step = json.loads(meta["onnx_training_ops.imported_from"])["step"]
+    step = (TrainingMetadata.from_model(proto_of(model)).imported_from or {}).get("step")  # a LargeModel too
     print(f"imported {args.artifacts} ({args.checkpoint}, {step} steps done) -> {args.output}: "
           f"TrainingSession({args.output!r}) continues the run")
     return EXIT_OK

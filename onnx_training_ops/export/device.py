@@ -20,7 +20,6 @@ on a GPU, ``providers=["CUDAExecutionProvider", "CPUExecutionProvider"]`` (onnxr
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,7 +29,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from ..builder.model_metadata import META_PREFIX
+from ..builder.metadata import LabelRange, TrainingMetadata
 from ..errors import TrainingOpError
 from ..passes._graph import unique_name
 from ..schedules import to_json
@@ -83,10 +82,8 @@ def export_training_model(directory: str | os.PathLike, verify: bool = True
     algorithm.name = "algorithm"
     constants = {t.name: t for t in algorithm.initializer}
     main = helper.make_graph([], "main", [], [], [numpy_helper.from_array(state[n], n) for n in feedback])
-    meta = {"loss": manifest.get("loss") or "", "trainable": ",".join(
-        e["name"] for e in manifest["state"] if e.get("role") == "parameter")}
-    if evaluation is not None:
-        meta["eval_loss"] = _eval_as_main(evaluation.graph, main, algorithm, constants, meta["loss"])
+    loss = manifest.get("loss") or ""
+    eval_loss = _eval_as_main(evaluation.graph, main, algorithm, constants, loss) if evaluation is not None else None
     for name in feedback:  # the state: initializers of the main graph, not inputs of the step
         _drop(algorithm.input, name)
     defaults = {e["name"]: np.full(e["shape"], e["base"], e["dtype"]) for e in manifest["learning_rates"]}
@@ -101,20 +98,21 @@ def export_training_model(directory: str | os.PathLike, verify: bool = True
     info.algorithm.CopyFrom(algorithm)
     for name, output in feedback.items():
         info.update_binding.add(key=name, value=output)
-    meta["learning_rate"] = ",".join(e["name"] for e in manifest["learning_rates"])
+    schedule = None
     if manifest.get("schedule"):
-        schedule, position = manifest_schedule(manifest, state, repr(os.path.join(directory, manifest_.MANIFEST)))
-        meta["lr_schedule"] = to_json(schedule, position)
-    if manifest.get("labels") and manifest.get("classes") is not None:
-        ignore = manifest.get("ignore_index")
-        meta.update(labels=manifest["labels"], label_range=f"{manifest['classes']},{'' if ignore is None else ignore}")
-    if manifest.get("precision"):
-        meta["precision"] = manifest["precision"]
-        if manifest.get("loss_scaling"):
-            meta["loss_scaling"] = json.dumps(manifest["loss_scaling"])
-    for key, value in meta.items():
-        if value:
-            model.metadata_props.add(key=META_PREFIX + key, value=value)
+        schedule = to_json(*manifest_schedule(manifest, state, repr(os.path.join(directory, manifest_.MANIFEST))))
+    labelled = bool(manifest.get("labels")) and manifest.get("classes") is not None
+    TrainingMetadata(
+        loss=(loss,) if loss else (),
+        trainable=tuple(e["name"] for e in manifest["state"] if e.get("role") == "parameter"),
+        eval_loss=eval_loss or None,
+        learning_rate=tuple(e["name"] for e in manifest["learning_rates"]),
+        lr_schedule=schedule,
+        labels=manifest["labels"] if labelled else None,
+        label_range=LabelRange(manifest["classes"], manifest.get("ignore_index")) if labelled else None,
+        precision=manifest.get("precision") or None,
+        loss_scaling=(manifest.get("loss_scaling") or None) if manifest.get("precision") else None,
+    ).write(model)
     return model, manifest
 
 
@@ -245,7 +243,7 @@ class DeviceTrainer:
         if not os.path.isdir(self.directory):
             raise TrainingOpError(f"{self.directory!r}: DeviceTrainer takes an export directory (manifest.json)")
         self.manifest = manifest_.read(self.directory)
-        check_precision({"precision": self.manifest.get("precision") or "fp32"},
+        check_precision(TrainingMetadata(precision=self.manifest.get("precision") or "fp32"),
                         [provider_name(p) for p in providers], "DeviceTrainer")
         self.device, found_id = device_for(providers)
         self.device_id = int(device_id) if device_id else found_id

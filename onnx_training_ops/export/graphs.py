@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..builder.metadata import TrainingMetadata
 from ..errors import TrainingOpError, node_label
 from ..runtime.pipeline import prepare_model
 from ..storage.large_model import LargeModel
@@ -152,7 +153,7 @@ def _graph(portable: LargeModel, what: str, allowed: Sequence[str] = STANDARD_DO
 
 
 def step_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
-               meta: Mapping[str, str], flat: bool = False,
+               meta: TrainingMetadata, flat: bool = False,
                arrays: Mapping[str, np.ndarray] | None = None) -> Graph:
     """The training step: data, learning rates and state in; returned values and new state out.
     ``flat``: each optimizer node over its tensors laid end to end (for a GPU, :func:`~onnx_training_ops.prepare`).
@@ -163,13 +164,13 @@ def step_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorPro
 
 
 def eval_graph(model: onnx.ModelProto, state_protos: Mapping[str, onnx.TensorProto],
-               meta: Mapping[str, str], outputs: Sequence[str],
+               meta: TrainingMetadata, outputs: Sequence[str],
                arrays: Mapping[str, np.ndarray] | None = None) -> Graph:
     """The loss (eval mode: dropout off, BatchNorm running statistics) and ``outputs``, with
     the state it reads as inputs; the loss output keeps the training loss's name.
     ``arrays``: as :func:`step_graph`'s."""
-    loss = meta.get("loss", "")
-    eval_loss = meta.get("eval_loss") or loss
+    loss = ",".join(meta.loss)
+    eval_loss = meta.eval_loss or loss
     if not eval_loss:
         raise TrainingOpError("export: the model names no loss (metadata 'loss'): the eval model "
                               "needs one; build it with build_training_model")

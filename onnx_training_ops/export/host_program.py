@@ -5,7 +5,7 @@ doubles, float32 rounding where the graph casts to float, int64 exact).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -13,12 +13,13 @@ from onnx import helper
 
 from ..errors import TrainingOpError
 
-_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": np.power, "Max": np.maximum,
-           "Min": np.minimum, "Greater": np.greater, "Less": np.less, "GreaterOrEqual": np.greater_equal,
-           "LessOrEqual": np.less_equal, "Equal": np.equal, "And": np.logical_and, "Or": np.logical_or}
-_UNARY = {"Sqrt": np.sqrt, "Neg": np.negative, "Abs": np.abs, "Exp": np.exp, "Log": np.log,
-          "Floor": np.floor, "Ceil": np.ceil, "Not": np.logical_not, "Identity": lambda x: x,
-          "Reciprocal": lambda x: (np.ones_like(x) / x)}
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": np.power, "Max": np.maximum, "Min": np.minimum,
+    "Greater": np.greater, "Less": np.less, "GreaterOrEqual": np.greater_equal, "LessOrEqual": np.less_equal,
+    "Equal": np.equal, "And": np.logical_and, "Or": np.logical_or}
+_UNARY: dict[str, Callable[[Any], Any]] = {
+    "Sqrt": np.sqrt, "Neg": np.negative, "Abs": np.abs, "Exp": np.exp, "Log": np.log, "Floor": np.floor,
+    "Ceil": np.ceil, "Not": np.logical_not, "Identity": lambda x: x, "Reciprocal": lambda x: (np.ones_like(x) / x)}
 
 
 def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -10,12 +10,13 @@ so ``position - T`` is the same before and after steps taken elsewhere.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import onnx
 
-from ..builder.model_metadata import META_PREFIX
+from ..builder.metadata import LabelRange, TrainingMetadata
 from ..errors import TrainingOpError
 from ..schedules import SCHEDULES
 from ..storage import safetensors
@@ -166,6 +167,9 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
 
     directory = os.fspath(directory)
     state, manifest = read_state(directory, verify)
+    if manifest is None:
+        raise TrainingOpError(f"{directory!r}: a state file, not an export directory: a session runs an export's "
+                              "step model (the directory export_step wrote, with manifest.json)")
     kind = "step_packed" if packed else "step"
     if packed and not manifest.get("packs"):
         raise TrainingOpError(f"{directory!r}: no packed step (export with packed=True)")
@@ -190,12 +194,10 @@ def session_from_export(directory: str | os.PathLike, packed: bool = False, veri
     manifest_.check_feedback(onnx.load_model_from_string(step), manifest,
                              os.path.join(directory, manifest["files"][kind]["path"]), packed)
     if manifest.get("labels") and manifest.get("classes") is not None:
-        ignore = manifest.get("ignore_index")
-        for key, value in (("labels", manifest["labels"]),
-                           ("label_range", f"{manifest['classes']},{'' if ignore is None else ignore}")):
-            model.metadata_props.add(key=META_PREFIX + key, value=value)
+        replace(TrainingMetadata.from_model(model), labels=manifest["labels"],
+                label_range=LabelRange(manifest["classes"], manifest.get("ignore_index"))).write(model)
     if constants is not None:  # a model past 2 GB: its weights memory-mapped from constants.data, never in a message
-        model = map_external(LargeModel(model), directory)
+        return TrainingSession(map_external(LargeModel(model), directory), **kwargs)
     return TrainingSession(model, **kwargs)
 
 

@@ -27,12 +27,13 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import onnx
 
+from ..builder.metadata import TrainingMetadata
 from ..errors import TrainingOpError
 from ..training.arrays import np_dtype
 
@@ -55,11 +56,11 @@ def tensor_entry(name: str, array: np.ndarray, **extra: Any) -> dict[str, Any]:
     return {"name": name, "dtype": array.dtype.name, "shape": list(array.shape), **extra}
 
 
-def state_roles(state: list[str], meta: Mapping[str, str], counter: str | None) -> dict[str, str]:
+def state_roles(state: list[str], meta: TrainingMetadata, counter: str | None) -> dict[str, str]:
     """parameter (trained), optimizer (V, H...), counter (T) or buffer (other state: BatchNorm
     running statistics)."""
-    trainable = set(filter(None, meta.get("trainable", "").split(",")))
-    optimizer = {v for values in json.loads(meta.get("optimizer_state") or "{}").values() for v in values}
+    trainable = set(meta.trainable)
+    optimizer = {v for values in (meta.optimizer_state or {}).values() for v in values}
     roles = {}
     for name in state:
         roles[name] = ("parameter" if name in trainable else "optimizer" if name in optimizer
@@ -67,10 +68,10 @@ def state_roles(state: list[str], meta: Mapping[str, str], counter: str | None) 
     return roles
 
 
-def learning_rate_entries(rates: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> list[dict[str, Any]]:
+def learning_rate_entries(rates: Mapping[str, np.ndarray], meta: TrainingMetadata) -> list[dict[str, Any]]:
     """One entry per learning-rate input: name, dtype, base rate, and with parameter groups
     the group's name and parameters (without, the one rate drives every parameter)."""
-    groups = {g["learning_rate"]: g for g in json.loads(meta.get("param_groups") or "[]")}
+    groups = {g["learning_rate"]: g for g in meta.param_groups or ()}
     entries = []
     for name, value in rates.items():
         extra = {"group": groups[name]["name"], "params": groups[name]["params"]} if name in groups else {}
@@ -175,13 +176,13 @@ def _check(where: str, field: str, value: Any, test: _Test) -> None:
 
 
 def _entries(where: str, field: str, value: Any, fields: Mapping[str, _Test], optional: Mapping[str, _Test] = {},
-             kind: type = list) -> None:
-    """``value``: a list (or a dict by name) of objects holding ``fields`` (and maybe ``optional``)."""
-    if not isinstance(value, kind):
-        raise _fail(where, field, f"a{'n object' if kind is dict else ' list'} of entries", value)
-    items = value.items() if kind is dict else enumerate(value)
+             by_name: bool = False) -> None:
+    """``value``: a list (or with ``by_name`` a dict by name) of objects holding ``fields`` (and maybe ``optional``)."""
+    if not isinstance(value, dict if by_name else list):
+        raise _fail(where, field, f"a{'n object' if by_name else ' list'} of entries", value)
+    items: Iterable[tuple[Any, Any]] = value.items() if isinstance(value, dict) else enumerate(value)
     for key, entry in items:
-        at = f"{field}[{key!r}]" if kind is dict else f"{field}[{key}]"
+        at = f"{field}[{key!r}]" if by_name else f"{field}[{key}]"
         if not isinstance(entry, dict):
             raise _fail(where, at, "an object", entry)
         for name, test in fields.items():
@@ -206,7 +207,24 @@ def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
     for field in ("files", "state", "feedback"):
         if field not in manifest:
             raise TrainingOpError(f"{where}: the manifest lacks the required field {field!r}")
-    files = manifest["files"]
+    _validate_files(where, manifest["files"])
+    _entries(where, "state", manifest["state"], {"name": _STR, "dtype": _DTYPE, "shape": _SHAPE},
+             {"role": (lambda v: v in ROLES, f"one of {list(ROLES)}")})
+    state = [e["name"] for e in manifest["state"]]
+    if len(set(state)) != len(state):
+        raise _fail(where, "state", "a list of distinct names", state)
+    feedback = manifest["feedback"]
+    _validate_feedback(where, feedback, state)
+    _validate_values(where, manifest)
+    _validate_scalars(where, manifest, state)
+    if manifest.get("packs") is not None:
+        _validate_packs(where, manifest["packs"], {e["name"]: e for e in manifest["state"]}, feedback)
+    if manifest.get("schedule") is not None:
+        _validate_schedule(where, manifest["schedule"], state)
+
+
+def _validate_files(where: str, files: Any) -> None:
+    """``files``: an object of file entries (``step`` and ``state`` among them), paths inside the directory."""
     if not isinstance(files, dict):
         raise _fail(where, "files", "an object of file entries", files)
     for kind in ("step", "state"):
@@ -215,17 +233,15 @@ def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
     _entries(where, "files", files, {"path": _STR},
              {"operators": _STRS, "external_data": _STR, "constants": _STR,
               "sha256": (lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v)),
-                         "64 lowercase hex digits (a SHA-256)")}, kind=dict)
+                         "64 lowercase hex digits (a SHA-256)")}, by_name=True)
     for kind, entry in files.items():
         for key in ("path", "external_data", "constants"):
             if key in entry:
                 checked_relative(entry[key], where, f"files[{kind!r}].{key}")
-    _entries(where, "state", manifest["state"], {"name": _STR, "dtype": _DTYPE, "shape": _SHAPE},
-             {"role": (lambda v: v in ROLES, f"one of {list(ROLES)}")})
-    state = [e["name"] for e in manifest["state"]]
-    if len(set(state)) != len(state):
-        raise _fail(where, "state", "a list of distinct names", state)
-    feedback = manifest["feedback"]
+
+
+def _validate_feedback(where: str, feedback: Any, state: list[str]) -> None:
+    """``feedback``: each state input to its own step output."""
     if not isinstance(feedback, dict):
         raise _fail(where, "feedback", "an object mapping state inputs to step outputs", feedback)
     for name, output in feedback.items():
@@ -235,6 +251,10 @@ def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
         _check(where, f"feedback[{name!r}]", output, _STR)
     if len(set(feedback.values())) != len(feedback):
         raise _fail(where, "feedback", "distinct step outputs (one per state input)", feedback)
+
+
+def _validate_values(where: str, manifest: Mapping[str, Any]) -> None:
+    """The value entries: inputs, eval_inputs, defaults, learning_rates."""
     value = {"name": _STR, "dtype": _DTYPE, "shape": _DIMS}
     for field in ("inputs", "eval_inputs"):
         if field in manifest:
@@ -242,13 +262,17 @@ def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
     if "defaults" in manifest:
         _entries(where, "defaults", manifest["defaults"], {**value, "values": (
             lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) for x in v),
-            "a list of numbers (or booleans)")}, kind=dict)
+            "a list of numbers (or booleans)")}, by_name=True)
     if "learning_rates" in manifest:
         _entries(where, "learning_rates", manifest["learning_rates"],
                  {"name": _STR, "dtype": _DTYPE, "base": (lambda v: _is_int(v) or (isinstance(v, float) and
                                                                                     math.isfinite(v)),
                                                           "a finite number")},
                  {"group": _STR, "params": _STRS, "shape": _SHAPE})
+
+
+def _validate_scalars(where: str, manifest: Mapping[str, Any], state: list[str]) -> None:
+    """The single-valued fields: names, counts, the optimizer's record."""
     for field in ("returned", "eval_outputs"):
         if field in manifest:
             _check(where, field, manifest[field], _STRS)
@@ -261,13 +285,12 @@ def validate(manifest: Mapping[str, Any], where: str = MANIFEST) -> None:
                         ("ignore_index", _OPT_INT), ("ir_version", _OPT_INT)):
         if field in manifest:
             _check(where, field, manifest[field], test)
-    for field, kind in (("optimizer", dict), ("param_groups", list), ("opset", dict)):
+    kinds: tuple[tuple[str, type, str], ...] = (("optimizer", dict, "an object or null"),
+                                                ("param_groups", list, "a list or null"),
+                                                ("opset", dict, "an object or null"))
+    for field, kind, expected in kinds:
         if manifest.get(field) is not None and not isinstance(manifest[field], kind):
-            raise _fail(where, field, f"a{'n object' if kind is dict else ' list'} or null", manifest[field])
-    if manifest.get("packs") is not None:
-        _validate_packs(where, manifest["packs"], {e["name"]: e for e in manifest["state"]}, feedback)
-    if manifest.get("schedule") is not None:
-        _validate_schedule(where, manifest["schedule"], state)
+            raise _fail(where, field, expected, manifest[field])
 
 
 def _validate_packs(where: str, packs: Any, state: Mapping[str, Mapping[str, Any]],

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..builder.model_metadata import metadata
+from ..builder.metadata import TrainingMetadata
 from ..errors import TrainingOpError
 from ..schema import DOMAIN, OPTIMIZERS
 from ..storage import checkpoint, safetensors
@@ -60,7 +60,7 @@ def _training_model(model_or_checkpoint: Any) -> LargeModel:
     opened = as_model(model_or_checkpoint)
     checkpoint.verify(opened, path)
     model = opened.model_proto
-    empty = nominal_names(metadata(model))
+    empty = nominal_names(TrainingMetadata.from_model(model))
     if empty:
         raise TrainingOpError(f"export: {where} is a nominal checkpoint (save(path, nominal=True)): "
                               f"{len(empty)} state tensor(s) such as {empty[0]!r} have no values. Open it in a "
@@ -72,12 +72,12 @@ def _training_model(model_or_checkpoint: Any) -> LargeModel:
     return opened
 
 
-def _rate_names(model: onnx.ModelProto, meta: dict[str, str]) -> list[str]:
+def _rate_names(model: onnx.ModelProto, meta: TrainingMetadata) -> list[str]:
     """The learning-rate inputs: R of each optimizer node, the builder's named rates."""
     names = [n.input[0] for n in model.training_info[0].algorithm.node
              if n.domain == DOMAIN and n.op_type in OPTIMIZERS and n.input]
-    names += [meta.get("learning_rate", "")]
-    names += [g["learning_rate"] for g in json.loads(meta.get("param_groups") or "[]")]
+    names += [",".join(meta.learning_rate)]
+    names += meta.group_rates
     return list(dict.fromkeys(filter(None, names)))
 
 
@@ -88,8 +88,8 @@ def _counter(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> str | None
     return names[0] if len(names) == 1 else None
 
 
-def _schedule(meta: dict[str, str], counter: str | None, state: dict[str, np.ndarray]) -> dict | None:
-    text = meta.get("lr_schedule")
+def _schedule(meta: TrainingMetadata, counter: str | None, state: dict[str, np.ndarray]) -> dict | None:
+    text = meta.lr_schedule
     if not text:
         return None
     data = json.loads(text)
@@ -135,12 +135,11 @@ def _write_constants(out_dir: str, models: Sequence[graphs.Graph]) -> dict[str, 
     return {"path": FILES["constants"], "sha256": manifest_.file_sha256(path)}
 
 
-def _label_range(meta: dict[str, str]) -> tuple[int | None, int | None]:
+def _label_range(meta: TrainingMetadata) -> tuple[int | None, int | None]:
     """(classes, ignore_index) of a loss taking class labels (the builder's ``label_range``)."""
-    if not meta.get("label_range"):
+    if meta.label_range is None:
         return None, None
-    classes, ignore = meta["label_range"].split(",")
-    return int(classes), (int(ignore) if ignore else None)
+    return meta.label_range.classes, meta.label_range.ignore_index
 
 
 def _add_digests(out_dir: str, files: dict[str, Any]) -> None:
@@ -150,7 +149,7 @@ def _add_digests(out_dir: str, files: dict[str, Any]) -> None:
             entry["sha256"] = manifest_.file_sha256(os.path.join(out_dir, entry["path"]))
 
 
-def _webgpu_step(model: onnx.ModelProto, meta: dict[str, str], step: onnx.ModelProto, state: dict[str, np.ndarray],
+def _webgpu_step(model: onnx.ModelProto, meta: TrainingMetadata, step: onnx.ModelProto, state: dict[str, np.ndarray],
                  input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """The WebGPU step model and the manifest's ``webgpu`` section: its data inputs (labels
     and ids int32 where they only index), the learning rates it reads itself, its state
@@ -230,24 +229,10 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
             exported graphs cannot express, an unknown target, a WebGPU step without static
             shapes or with an op its passes refuse.
     """
-    if target not in TARGETS:
-        raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
-    if (input_shapes or eval_input_shapes) and target != "webgpu":
-        raise TrainingOpError("export: input_shapes and eval_input_shapes apply to target='webgpu' only")
-    input_shapes = checked_input_shapes(input_shapes, "export (webgpu)") if input_shapes is not None else None
-    if eval_input_shapes is not None:
-        eval_input_shapes = checked_input_shapes(eval_input_shapes, "export (webgpu eval)")
-    opened = _training_model(model_or_checkpoint)
-    external = opened.nbytes > EXTERNAL_BYTES  # past protobuf's 2 GB: big constants in constants.data
-    if external and (target == "webgpu" or ort):
-        raise TrainingOpError(f"export: the model's tensors hold {opened.nbytes / 2**30:.1f} GiB, past protobuf's "
-                              "2 GB: its exported models read their weights from constants.data, which "
-                              f"{'onnxruntime-web' if target == 'webgpu' else 'the ORT format'} does not; "
-                              "export without " + ("target='webgpu'" if target == "webgpu" else "ort=True"))
-    model = opened.model_proto if external else opened.to_proto()
-    arrays = dict(opened.large_initializers) if external else {}
-    meta = metadata(model)
-    if target == "webgpu" and meta.get("precision") == "bf16":
+    input_shapes, eval_input_shapes = _checked_shapes(target, input_shapes, eval_input_shapes)
+    model, arrays = _exported_model(model_or_checkpoint, target, ort)
+    meta = TrainingMetadata.from_model(model)
+    if target == "webgpu" and meta.precision == "bf16":
         raise TrainingOpError("export: precision='bf16' with target='webgpu': WebGPU has no bfloat16 kernels; build "
                               "the model with precision='fp16' (or 'fp32') for WebGPU, or export target='portable' "
                               "for a CUDA DeviceTrainer")
@@ -256,7 +241,7 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
     step = graphs.step_graph(model, state_protos, meta, flat=flat_optimizer, arrays=arrays)
     outputs = list(eval_outputs) if eval_outputs is not None else [o.name for o in model.graph.output]
     # a model without a loss (from_graph) has no eval model; one without outputs no inference model
-    evaluation = graphs.eval_graph(model, state_protos, meta, outputs, arrays) if meta.get("loss") else None
+    evaluation = graphs.eval_graph(model, state_protos, meta, outputs, arrays) if meta.loss else None
     state_bytes = safetensors.encode(state, {"format": manifest_.FORMAT})
     inference = graphs.inference_graph(model, state_protos, FILES["state"], safetensors.offsets(state_bytes),
                                        arrays) if model.graph.output else None
@@ -275,6 +260,54 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         packed_step = graphs.Graph(packed_model, {}, step.arrays)
 
     out_dir = os.fspath(out_dir)
+    files = _write_files(out_dir, state_bytes, step, evaluation, inference, packed_step, ort)
+    gpu = None
+    if gpu_step is not None:
+        files["step_webgpu"] = _write(out_dir, "step_webgpu", gpu_step[0])
+        gpu = gpu_step[1]
+        if gpu_eval is not None:
+            files["eval_webgpu"] = _write(out_dir, "eval_webgpu", gpu_eval[0])
+            gpu["eval_inputs"] = gpu_eval[1]
+    manifest = _manifest(model, meta, state, step, evaluation, files, feedback, packs, binding)
+    manifest["webgpu"] = gpu
+    if meta.precision:  # mixed precision (build_training_model(precision=...)): the loss scale's state
+        manifest["precision"] = meta.precision
+        manifest["loss_scaling"] = dict(meta.loss_scaling) if meta.loss_scaling else None
+    checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
+    return manifest
+
+
+def _checked_shapes(target: str, input_shapes: Mapping[str, Sequence[int]] | None,
+                    eval_input_shapes: Mapping[str, Sequence[int]] | None
+                    ) -> tuple[dict[str, list[int]] | None, dict[str, list[int]] | None]:
+    """The target checked, and the WebGPU static shapes (which apply to it alone)."""
+    if target not in TARGETS:
+        raise TrainingOpError(f"export: target {target!r}; expected one of {', '.join(TARGETS)}")
+    if (input_shapes or eval_input_shapes) and target != "webgpu":
+        raise TrainingOpError("export: input_shapes and eval_input_shapes apply to target='webgpu' only")
+    return (checked_input_shapes(input_shapes, "export (webgpu)") if input_shapes is not None else None,
+            checked_input_shapes(eval_input_shapes, "export (webgpu eval)") if eval_input_shapes is not None else None)
+
+
+def _exported_model(model_or_checkpoint: ModelLike | Any, target: str,
+                    ort: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The training model's message and, past protobuf's 2 GB, its big tensors as arrays (else ``{}``)."""
+    opened = _training_model(model_or_checkpoint)
+    external = opened.nbytes > EXTERNAL_BYTES  # past protobuf's 2 GB: big constants in constants.data
+    if external and (target == "webgpu" or ort):
+        raise TrainingOpError(f"export: the model's tensors hold {opened.nbytes / 2**30:.1f} GiB, past protobuf's "
+                              "2 GB: its exported models read their weights from constants.data, which "
+                              f"{'onnxruntime-web' if target == 'webgpu' else 'the ORT format'} does not; "
+                              "export without " + ("target='webgpu'" if target == "webgpu" else "ort=True"))
+    if external:
+        return opened.model_proto, dict(opened.large_initializers)
+    return opened.to_proto(), {}
+
+
+def _write_files(out_dir: str, state_bytes: bytes, step: graphs.Graph, evaluation: graphs.Graph | None,
+                 inference: graphs.Graph | None, packed_step: graphs.Graph | None, ort: bool) -> dict[str, Any]:
+    """Write the state and the models into ``out_dir`` (an old manifest removed first: until the
+    new one, the directory is incomplete); their file entries, each with its ``sha256``."""
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, manifest_.MANIFEST)):  # until the new one: incomplete
         os.remove(os.path.join(out_dir, manifest_.MANIFEST))
@@ -297,22 +330,21 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
 
         files.update(convert(out_dir, [files[k]["path"] for k in ("step", "step_packed", "eval") if k in files]))
     _add_digests(out_dir, files)
+    return files
 
+
+def _manifest(model: onnx.ModelProto, meta: TrainingMetadata, state: dict[str, np.ndarray], step: graphs.Graph,
+              evaluation: graphs.Graph | None, files: dict[str, Any], feedback: dict[str, str],
+              packs: list[dict[str, Any]] | None, binding: dict[str, str]) -> dict[str, Any]:
+    """The manifest's fields (:mod:`.manifest`) of an export."""
     rates = {n: v for n, v in step.defaults.items() if n in set(_rate_names(model, meta))}
     step_inputs = list(step.model.graph.input)
     state_order = [vi.name for vi in step_inputs if vi.name in state]
     counter = _counter(model, state)
-    gpu = None
-    if gpu_step is not None:
-        files["step_webgpu"] = _write(out_dir, "step_webgpu", gpu_step[0])
-        gpu = gpu_step[1]
-        if gpu_eval is not None:
-            files["eval_webgpu"] = _write(out_dir, "eval_webgpu", gpu_eval[0])
-            gpu["eval_inputs"] = gpu_eval[1]
     roles = manifest_.state_roles(list(state), meta, counter)
     eval_graph = evaluation.model.graph if evaluation is not None else onnx.GraphProto()
     classes, ignore_index = _label_range(meta)
-    manifest = {
+    return {
         "format": manifest_.FORMAT,
         "version": manifest_.VERSION,
         "files": files,
@@ -329,18 +361,12 @@ def export_step(model_or_checkpoint: ModelLike | Any, out_dir: str | os.PathLike
         "eval_outputs": [o.name for o in eval_graph.output],
         "state": [manifest_.tensor_entry(n, state[n], role=roles[n])
                   for n in [*state_order, *(n for n in state if n not in state_order)]],
-        "loss": meta.get("loss") or None,
-        "labels": meta.get("labels") or None,
+        "loss": ",".join(meta.loss) or None,
+        "labels": meta.labels or None,
         "classes": classes,
         "ignore_index": ignore_index,
-        "optimizer": json.loads(meta["optimizer"]) if meta.get("optimizer") else None,
-        "param_groups": json.loads(meta["param_groups"]) if meta.get("param_groups") else None,
+        "optimizer": dict(meta.optimizer) if meta.optimizer else None,
+        "param_groups": [dict(g) for g in meta.param_groups] if meta.param_groups else None,
         "schedule": _schedule(meta, counter, state),
         "counter": counter,
-        "webgpu": gpu,
     }
-    if meta.get("precision"):  # mixed precision (build_training_model(precision=...)): the loss scale's state
-        manifest["precision"] = meta["precision"]
-        manifest["loss_scaling"] = json.loads(meta["loss_scaling"]) if meta.get("loss_scaling") else None
-    checkpoint.atomic_write(os.path.join(out_dir, manifest_.MANIFEST), manifest_.write(manifest))
-    return manifest

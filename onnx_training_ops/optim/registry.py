@@ -52,7 +52,12 @@ def to_json(optimizer: Optimizer) -> str:
 
 def from_json(text: str) -> Optimizer:
     """The optimizer :func:`to_json` wrote (any of :data:`OPTIMIZER_CLASSES`)."""
-    data = json.loads(text)
+    return from_record(json.loads(text))
+
+
+def from_record(record: dict) -> Optimizer:
+    """The optimizer of :func:`to_json`'s record, decoded (the builder's metadata ``optimizer``)."""
+    data = dict(record)
     cls = OPTIMIZER_CLASSES[data.pop("type")]
     if "betas" in data:
         data["betas"] = tuple(data["betas"])

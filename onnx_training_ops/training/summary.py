@@ -9,7 +9,6 @@ through (each with a derivative rule). ``print(summary(model))`` gives a table; 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,8 +19,7 @@ from onnx import helper
 
 from ..autodiff.graph import active_values, gradient_path
 from ..autodiff.registry import has_rule
-from ..builder.model_metadata import metadata
-from ..errors import TrainingOpError
+from ..builder.metadata import TrainingMetadata
 from ..passes._graph import value_types
 from ..storage.model_files import ModelLike, as_model
 
@@ -134,11 +132,12 @@ def _shape(shape) -> str:
 
 
 def _bytes(n: int) -> str:
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size} B"  # pragma: no cover
 
 
 def _info(t: onnx.TensorProto) -> TensorInfo:
@@ -206,8 +205,8 @@ def summary(model: ModelLike, state: Mapping[str, np.ndarray] | None = None) -> 
         trainable = [t for t in inits if t.shape and np.dtype(t.dtype).kind == "f"]
         frozen = [t for t in inits if t not in trainable]
         return ModelSummary(False, trainable, frozen, ops_without_rules=_ops_without_rules(proto.graph.node))
-    meta = metadata(proto)
-    names = [n for n in meta.get("trainable", "").split(",") if n]
+    meta = TrainingMetadata.from_model(proto)
+    names = list(meta.trainable)
     if not names:  # a training model written by hand: what its update binding writes that is a parameter
         bound = {b.key for info in proto.training_info for b in info.update_binding}
         names = [t.name for t in proto.graph.initializer
@@ -215,36 +214,32 @@ def summary(model: ModelLike, state: Mapping[str, np.ndarray] | None = None) -> 
     chosen = set(names)
     trainable = [tensors[n] for n in names if n in tensors]
     frozen = [t for t in inits if t.name not in chosen]
-    try:
-        state_map = json.loads(meta.get("optimizer_state") or "{}")
-    except json.JSONDecodeError as error:
-        raise TrainingOpError(f"metadata optimizer_state is not JSON: {error}") from error
+    state_map = meta.optimizer_state or {}
     t_names = sorted({b.key for info in proto.training_info for b in info.update_binding
                       if b.key.startswith("optimizer.T")})
     optimizer_state = [tensors[s] if s in tensors else TensorInfo(s, tensors[p].shape, tensors[p].dtype)
-                       for p in names for s in state_map.get(p, [])] + [tensors[t] for t in t_names if t in tensors]
-    optimizer = json.loads(meta["optimizer"]) if meta.get("optimizer") else None
-    rates = _learning_rates(proto)
+                       for p in names for s in state_map.get(p, ())] + [tensors[t] for t in t_names if t in tensors]
+    optimizer = dict(meta.optimizer) if meta.optimizer else None
+    rates = _learning_rates(proto, meta)
     gradient_ops, nodes = _gradient_ops(proto)
-    return ModelSummary(True, trainable, frozen, optimizer, optimizer_state, meta.get("loss"), meta.get("labels"),
-                        meta.get("mode"), rates, gradient_ops,
+    return ModelSummary(True, trainable, frozen, optimizer, optimizer_state, ",".join(meta.loss) or None, meta.labels,
+                        meta.mode, rates, gradient_ops,
                         _ops_without_rules(n for n in nodes if n.op_type not in gradient_ops), _precision(meta))
 
 
-def _precision(meta: Mapping[str, str]) -> dict | None:
+def _precision(meta: TrainingMetadata) -> dict | None:
     """The builder's mixed precision record, or None for a float32 build."""
-    if not meta.get("precision"):
+    if not meta.precision:
         return None
-    nodes = json.loads(meta.get("precision_nodes") or "{}")
-    return {"precision": meta["precision"], "provider": meta.get("precision_provider"),
+    nodes = meta.precision_nodes or {}
+    return {"precision": meta.precision, "provider": meta.precision_provider,
             "16-bit": nodes.get("16-bit", []), "fp32": nodes.get("fp32", []),
-            "loss_scaling": json.loads(meta["loss_scaling"]) if meta.get("loss_scaling") else None}
+            "loss_scaling": dict(meta.loss_scaling) if meta.loss_scaling else None}
 
 
-def _learning_rates(proto: onnx.ModelProto) -> dict[str, float]:
+def _learning_rates(proto: onnx.ModelProto, meta: TrainingMetadata) -> dict[str, float]:
     """The learning-rate inputs of the algorithm with their defaults (scalar float initializers fed as inputs)."""
-    meta = metadata(proto)
-    base = meta.get("learning_rate")
+    base = ",".join(meta.learning_rate)
     out = {}
     for info in proto.training_info:
         inputs = {i.name for i in info.algorithm.input}

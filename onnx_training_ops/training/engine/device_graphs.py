@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ...builder.model_metadata import metadata
+from ...builder.metadata import TrainingMetadata
 from ...runtime.kernel_table import CUDA
 from ...storage.large_model import LargeModel, detach
 from ...storage.model_files import ModelLike, as_model
@@ -38,8 +38,8 @@ def device_step_plans(model: ModelLike, input_shapes: Mapping[str, Sequence[int]
     proto = opened.model_proto
     protos = collect_state_protos(proto)
     state = StateNames(frozenset(protos), DEVICE_OF.get(provider, "cpu"))
-    update = GraphUpdate(state, protos, metadata(proto), on_nonfinite, None, [provider, CPU], shapes, cuda_graph,
-                         in_place, provider=provider)
+    update = GraphUpdate(state, protos, TrainingMetadata.from_model(proto), on_nonfinite, None, [provider, CPU],
+                         shapes, cuda_graph, in_place, provider=provider)
     return update.plan_steps(opened)
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import onnx
 
+from ...builder.metadata import TrainingMetadata
 from ...builder.model_metadata import META_PREFIX
 from ...errors import TrainingOpError
 from ...storage.large_model import LargeModel
@@ -25,7 +26,7 @@ class Checkpointer:
     """Writes one state store's model to disk: checkpoints (with the properties and the
     schedule's position) and inference models."""
 
-    def __init__(self, store: StateStore, rates: LearningRates, meta: Mapping[str, str]) -> None:
+    def __init__(self, store: StateStore, rates: LearningRates, meta: TrainingMetadata) -> None:
         """The checkpointer of ``store``, with the properties the model recorded.
 
         Args:
@@ -34,7 +35,7 @@ class Checkpointer:
             meta: the builder's metadata (``properties``: the values a checkpoint restores).
         """
         self.store, self.rates, self.meta = store, rates, meta
-        self.properties: dict[str, Any] = stored_properties(meta.get("properties") or "{}")
+        self.properties: dict[str, Any] = stored_properties(meta.properties or "{}")
 
     def snapshot(self, copy: bool = True) -> LargeModel:
         """The training model with the current state: copies of the state's arrays, or with
@@ -53,7 +54,7 @@ class Checkpointer:
 
     def save(self, path: str | os.PathLike, nominal: bool = False) -> str:
         """Write the training model with the current state, atomically (``TrainingSession.save``)."""
-        if "shard" in self.meta:
+        if self.meta.shard is not None:
             raise TrainingOpError(
                 "save: this session holds one rank's shard of the optimizer state (ZeRO-1); save through "
                 "DistributedTrainingSession.save, which gathers the whole state into one checkpoint")

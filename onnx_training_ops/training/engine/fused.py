@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ...builder.metadata import TrainingMetadata
 from ...storage.large_model import LargeModel
 from ..graphs.binding import open_program
 from ..graphs.program import Program, build_program, program_feeds
@@ -90,7 +91,7 @@ class FusedUpdate:
         large: the model is large (its detached constants bound as inputs, read in place).
     """
 
-    def __init__(self, memory: HostMemory, protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str],
+    def __init__(self, memory: HostMemory, protos: Mapping[str, onnx.TensorProto], meta: TrainingMetadata,
                  trainable: Sequence[str], zero_filled: frozenset, fast: bool, on_nonfinite: str,
                  options: Callable[[], ort.SessionOptions], providers: Sequence[Any], large: bool) -> None:
         self.memory, self.protos, self.meta = memory, protos, meta
@@ -139,7 +140,7 @@ class FusedUpdate:
         state = {**self.memory.arrays, **self.memory.extra}
         # the apply stage computes no loss: a loss the main graph outputs (a model built on its
         # own "loss" output) would pull the forward pass, and its feeds, into optimizer_step
-        apply_meta = {k: v for k, v in self.meta.items() if k not in ("loss", "eval_loss")}
+        apply_meta = self.meta.without_loss()
         programs = []
         for stage in (stages.backward, stages.apply):
             backward = stage is stages.backward

@@ -45,6 +45,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 from ...interrupts import held_interrupts
 from ...passes.guard_feedback import guard_feedback, in_place_unsafe
@@ -125,7 +126,7 @@ def _static(vi: onnx.ValueInfoProto) -> list[int] | None:
     return [d.dim_value for d in tt.shape.dim]
 
 
-def static_inputs_plan(model: onnx.ModelProto, memory: StateMemory, returned: Sequence[str]) -> str | None:
+def static_inputs_plan(model: onnx.ModelProto, memory: Container[str], returned: Sequence[str]) -> str | None:
     """Why ``model``'s inputs and returned outputs cannot sit at fixed addresses (None: they can):
     every input that is no state must have a static shape and no stored default (a fixed buffer
     would keep the last value fed instead of going back to the default), every returned output a
@@ -490,7 +491,7 @@ class GraphProgram:
             io.bind_ortvalue_output(name, value)
         return io
 
-    def _copy_feeds(self, feeds: Mapping[str, np.ndarray]) -> None:
+    def _copy_feeds(self, feeds: Mapping[str, Any]) -> None:
         for name, value in self._fixed_inputs.items():
             if name == APPLY:
                 continue
@@ -548,7 +549,7 @@ class GraphUpdate:
     name = "graph"
 
     def __init__(self, memory: StateMemory | StateNames, protos: Mapping[str, onnx.TensorProto],
-                 meta: Mapping[str, str], on_nonfinite: str, options: Callable[[], ort.SessionOptions] | None,
+                 meta: TrainingMetadata, on_nonfinite: str, options: Callable[[], ort.SessionOptions] | None,
                  providers: Sequence[Any], input_shapes: Mapping[str, Sequence[int]] | None = None,
                  cuda_graph: bool | None = None, in_place: bool | None = None, trainable: Sequence[str] = (),
                  provider: str | None = None) -> None:
@@ -559,7 +560,7 @@ class GraphUpdate:
         self.provider = provider or device_provider(memory.device)
 
     def _loss(self, returned: Sequence[str]) -> str | None:
-        return next((n for n in self.meta.get("loss", "").split(",") if n and n in returned), None)
+        return next((n for n in self.meta.loss if n in returned), None)
 
     def plan_steps(self, model: LargeModel, first: bool = True) -> list[ProgramPlan]:
         """One step plan per TrainingInfoProto of ``model`` (``first``: the session's own steps,
@@ -585,7 +586,7 @@ class GraphUpdate:
 
     def open_stages(self, stages: Stages, protos: Mapping[str, onnx.TensorProto],
                     arrays: Mapping[str, np.ndarray]) -> list[GraphProgram]:
-        apply_meta = {k: v for k, v in self.meta.items() if k not in ("loss", "eval_loss")}
+        apply_meta = self.meta.without_loss()
         programs = []
         for stage, meta, where in ((stages.backward, self.meta, "backward"),
                                    (stages.apply, apply_meta, "optimizer_step")):
@@ -607,7 +608,7 @@ class GraphUpdate:
         memory = self.memory
         initial = {t.name: t for t in graph.initializer}
         types = {vi.name: vi for vi in graph.input}
-        named = tuple(n for n in self.meta.get("learning_rate", "").split(",") if n)
+        named = self.meta.learning_rate
         _, rate_defaults = learning_rate_inputs(graph, memory, types, initial, named)
         input_defaults = {vi.name: np.ascontiguousarray(tensor_value(initial[vi.name], model.large_initializers))
                           for vi in graph.input

@@ -10,7 +10,6 @@ count) inside one Ctrl-C hold: both land, or neither does.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -99,7 +98,7 @@ class TrainingLoop:
     def evaluate(self, feeds: Mapping[str, Any], outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """The loss and ``outputs`` with the current weights (``TrainingSession.evaluate``)."""
         self.store.check_filled("evaluate")
-        layout = json.loads(self.meta.get("label_shape") or "{}")
+        layout = self.meta.label_shape or {}
         # the loss's output, watched when the labels' shape is not all known before the run
         # (onnxruntime's SoftmaxCrossEntropyLoss returned a number for labels [2, 8] against logits [2, 16, V])
         watch = layout.get("output") if any(not isinstance(d, int) for d in layout.get("shape", ())) else None
@@ -116,7 +115,7 @@ class TrainingLoop:
                                      "evaluate")
             if message:
                 raise TrainingOpError(message)
-        eval_loss, loss = self.meta.get("eval_loss"), self.meta.get("loss")
+        eval_loss, loss = self.meta.eval_loss, ",".join(self.meta.loss)
         if eval_loss and loss and eval_loss in result and loss not in outputs:  # the eval-mode loss, under its name
             result[loss] = result.pop(eval_loss)
         return result

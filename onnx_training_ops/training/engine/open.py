@@ -8,11 +8,12 @@ configuration selects), programs (through its update strategy), loop, checkpoint
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import onnx
 
-from ...builder.model_metadata import metadata
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 from ...kernels.compile_notice import announce_compiles
 from ...runtime.options import default_intra_op_threads
@@ -69,14 +70,15 @@ def open_parts(model_or_path: ModelLike, config: RuntimeConfig
             "the model has no training_info: build one with onnx_training_ops.build_training_model, or use "
             "TrainingSession.from_graph for a plain graph with explicit state inputs and outputs"
         )
-    empty = nominal_names(metadata(opened.proto))
+    meta = TrainingMetadata.from_model(opened.proto)  # parsed (and checked) once
+    empty = nominal_names(meta)
     if empty:  # a nominal checkpoint: zeros until the parameters are loaded
         opened = opened.with_proto(materialize(opened.to_proto()))
     large = opened.remeasured().large
     # the session's own message stays small: every big tensor is an array beside it
     model = detach(opened)
     del opened
-    meta = metadata(model.model_proto)
+    meta = replace(meta, nominal=())  # materialized
     check_precision(meta, [p[0] if isinstance(p, tuple) else p for p in config.providers])
     protos = collect_state_protos(model.model_proto)
     arrays = state_tensors(model, protos, expected, f"checkpoint {os.fspath(path)!r}" if path else "the model")
@@ -84,7 +86,7 @@ def open_parts(model_or_path: ModelLike, config: RuntimeConfig
     store = StateStore.open(model, arrays, protos, meta, config.host_memory, config.device or "cpu", config.device_id)
     del arrays
     sizes = {n: int(np.prod(p.dims, dtype=np.int64)) for n, p in protos.items()}
-    trainable = [n for n in meta.get("trainable", "").split(",") if n in sizes] or \
+    trainable = [n for n in meta.trainable if n in sizes] or \
         [n for n, p in protos.items() if p.data_type in _FLOATS]
     threads = config.threads if config.threads is not None else \
         default_intra_op_threads(sum(sizes[n] for n in trainable))

@@ -8,7 +8,6 @@ what each takes (feed names, specs, the checks before onnxruntime runs).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
@@ -17,6 +16,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 from ...runtime.kernel_table import CUDA
 from ...storage.large_model import LargeModel
@@ -39,7 +39,7 @@ class FeedChecks:
     """The checks a session's feeds pass before onnxruntime runs: names, the batch (labels
     against the loss's output) and the inputs (lengths, token ids against the vocabulary)."""
 
-    def __init__(self, proto: onnx.ModelProto, meta: Mapping[str, str]) -> None:
+    def __init__(self, proto: onnx.ModelProto, meta: TrainingMetadata) -> None:
         initializers = {t.name for t in proto.graph.initializer}
         data_inputs = [vi for vi in proto.graph.input if vi.name not in initializers]
         self._batch = {where: batch_checker(meta, data_inputs, where) for where in ("step", "backward", "evaluate")}
@@ -64,7 +64,7 @@ class FeedChecks:
             check(feeds)
 
 
-def update_strategy(store: StateStore, meta: Mapping[str, str], config: RuntimeConfig, options: Any,
+def update_strategy(store: StateStore, meta: TrainingMetadata, config: RuntimeConfig, options: Any,
                     large: bool) -> UpdateStrategy:
     """The strategy ``config`` selects (:mod:`.config`), over ``store``'s memory."""
     if config.update == "graph":
@@ -88,7 +88,7 @@ class SessionPrograms:
         threads: the intra-op thread count every onnxruntime session gets.
     """
 
-    def __init__(self, store: StateStore, meta: Mapping[str, str], config: RuntimeConfig, large: bool,
+    def __init__(self, store: StateStore, meta: TrainingMetadata, config: RuntimeConfig, large: bool,
                  threads: int) -> None:
         self.store, self.meta, self.config, self.large, self.threads = store, meta, config, large, threads
         self.model: LargeModel = store.model
@@ -218,7 +218,7 @@ class SessionPrograms:
     def explain_failure(self, feeds: Mapping[str, Any], where: str, error: TrainingOpError) -> None:
         """Re-raise ``error``, or, when the labels do not fit what the loss's output is for this
         batch (run the main graph to know), a one-line feed error instead of onnxruntime's."""
-        output = json.loads(self.meta.get("label_shape") or "{}").get("output")
+        output = (self.meta.label_shape or {}).get("output")
         if output and "onnxruntime failed" in str(error):
             try:
                 data = {k: v for k, v in feeds.items() if k in {vi.name for vi in proto_of(self.model).graph.input}}

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 from ...storage.large_model import LargeModel
 from ...storage.tensors import MIN_DETACHED_BYTES, Deferred
@@ -78,7 +79,7 @@ class StateStore:
     """
 
     def __init__(self, model: LargeModel, memory: StateMemory, protos: Mapping[str, onnx.TensorProto],
-                 meta: Mapping[str, str]) -> None:
+                 meta: TrainingMetadata) -> None:
         self.model = model
         self.memory = memory
         self.protos = dict(protos)
@@ -91,7 +92,7 @@ class StateStore:
 
     @classmethod
     def open(cls, model: LargeModel, arrays: dict[str, np.ndarray], protos: Mapping[str, onnx.TensorProto],
-             meta: Mapping[str, str], host: bool, device: str = "cpu", device_id: int = 0) -> StateStore:
+             meta: TrainingMetadata, host: bool, device: str = "cpu", device_id: int = 0) -> StateStore:
         """The store over ``arrays``: kept as they are (``host``), or copied to ``device`` (the
         caller drops them)."""
         memory: StateMemory = HostMemory(arrays) if host else DeviceMemory(arrays, device, device_id)
@@ -194,7 +195,7 @@ class StateStore:
     def trainable_names(self) -> list[str]:
         """The trainables in the builder's order; for a hand-written model, the state
         variables that are initializers of the main graph."""
-        listed = [n for n in self._meta.get("trainable", "").split(",") if n]
+        listed = list(self._meta.trainable)
         if listed:
             return listed
         main = {t.name for t in self.model.model_proto.graph.initializer}

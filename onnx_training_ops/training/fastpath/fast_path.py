@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -75,15 +75,7 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str],
     decay factors folded into them (state X -> factor name): a cut node whose X input is a
     ``Mul(X, factor)`` of its own state reads X, and the fast path scales X first. The folded
     Mul nodes leave ``graph``."""
-    consumed: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumed[name] = consumed.get(name, 0) + 1
-        for sub in subgraphs(node):
-            for g in all_graphs(sub):
-                for n in g.node:
-                    for name in n.input:
-                        consumed[name] = consumed.get(name, 0) + 1
+    consumed = _consumers(graph)
     reverse: dict[str, list[str]] = {}
     for key, value in binding.items():
         reverse.setdefault(value, []).append(key)
@@ -100,28 +92,8 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str],
         n = spec.n_tensors(len(node.input))
         if n is None or len(node.output) != n * spec.n_groups_out:
             continue  # invalid: prepare() reports it
-        ok = True
-        node_written, node_read = set(), set()
-        node_folds = {}
-        for i in range(n):
-            for j, role in enumerate(spec.tensor_inputs):
-                name = node.input[2 + j * n + i]
-                if role == "G":
-                    node_read.add(name)
-                    continue
-                if role == "X" and name in decayed:
-                    node_folds[name] = decayed[name]
-                    name = decayed[name][1]
-                out = node.output[spec.updated_inputs.index(role) * n + i]
-                if (
-                    name not in state
-                    or binding.get(name) != out
-                    or reverse.get(out) != [name]
-                    or consumed.get(out, 0)
-                    or name in node_written
-                ):
-                    ok = False
-                node_written.add(name)
+        ok, node_written, node_read, node_folds = _node_state(node, spec, n, state, binding, reverse, consumed,
+                                                              decayed)
         node_read.update(node.input[:2])
         node_read |= {factor for _, _, factor in node_folds.values()}
         if not ok or node_written & (written | read) or node_read & (written | node_written):
@@ -139,6 +111,51 @@ def cuttable_nodes(graph: onnx.GraphProto, binding: dict[str, str],
                 prescale[x] = factor
     remove_nodes(graph, [m for m, _, _ in folded.values()])  # in place: ``cut`` stays the graph's nodes
     return cut, prescale
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, int]:
+    """How many node inputs read each value (in subgraphs too)."""
+    consumed: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumed[name] = consumed.get(name, 0) + 1
+        for sub in subgraphs(node):
+            for g in all_graphs(sub):
+                for n in g.node:
+                    for name in n.input:
+                        consumed[name] = consumed.get(name, 0) + 1
+    return consumed
+
+
+def _node_state(node: onnx.NodeProto, spec, n: int, state: set[str], binding: dict[str, str],
+                reverse: dict[str, list[str]], consumed: dict[str, int], decayed: dict[str, tuple]
+                ) -> tuple[bool, set[str], set[str], dict[str, tuple]]:
+    """Whether every state a node updates is its own (bound back from the node's output, read by
+    nothing else, each once), the states it writes, the gradients it reads, its folded decays."""
+    ok = True
+    node_written: set[str] = set()
+    node_read: set[str] = set()
+    node_folds = {}
+    for i in range(n):
+        for j, role in enumerate(spec.tensor_inputs):
+            name = node.input[2 + j * n + i]
+            if role == "G":
+                node_read.add(name)
+                continue
+            if role == "X" and name in decayed:
+                node_folds[name] = decayed[name]
+                name = decayed[name][1]
+            out = node.output[spec.updated_inputs.index(role) * n + i]
+            if (
+                name not in state
+                or binding.get(name) != out
+                or reverse.get(out) != [name]
+                or consumed.get(out, 0)
+                or name in node_written
+            ):
+                ok = False
+            node_written.add(name)
+    return ok, node_written, node_read, node_folds
+
 
 
 def cut_sources(
@@ -205,7 +222,7 @@ def flatten_cut_state(
     flat_nodes = {}
     for k, node in enumerate(cut_nodes):
         spec = OPTIMIZERS[node.op_type]
-        n = spec.n_tensors(len(node.input))
+        n = spec.tensor_count(node)
         roles = {role: [node.input[2 + j * n + i] for i in range(n)] for j, role in enumerate(spec.tensor_inputs)}
         xs = [state[name] for name in roles["X"]]
         dtype = xs[0].dtype
@@ -224,8 +241,9 @@ def flatten_cut_state(
         if not rehome:
             found = {role: _already_flat([state[name] for name in names], offsets)
                      for role, names in roles.items() if role != "G"}
-            if all(buf is not None for buf in found.values()):
-                flat_nodes[k] = FlatNode(found, [x.shape for x in xs], offsets, roles["G"], dtype)
+            buffers = {role: buf for role, buf in found.items() if buf is not None}
+            if len(buffers) == len(found):
+                flat_nodes[k] = FlatNode(buffers, [x.shape for x in xs], offsets, roles["G"], dtype)
             continue
         for role, names in roles.items():
             if role == "G":
@@ -282,7 +300,7 @@ def cut_plan(
         fill_default_attributes(filled)
         attributes = node_attributes(filled.graph.node[0])
         spec = OPTIMIZERS[node.op_type]
-        n = spec.n_tensors(len(node.input))
+        n = spec.tensor_count(node)
 
         def source(name):
             src = sources[name]
@@ -299,7 +317,7 @@ def cut_plan(
         entry = flat_nodes.get(k)
         if entry is not None:
             flat = entry.buffers
-            tensors = [flat[role] for role in spec.tensor_inputs]
+            tensors: list[np.ndarray | FromFeed] = [flat[role] for role in spec.tensor_inputs]
             targets = [flat[role] for role in spec.updated_inputs]
             plan.append(CutStep(node.op_type, node_label(node), attributes, source(node.input[0]),
                                 source(node.input[1]), tensors, targets, factor(node.input[2])))
@@ -336,7 +354,8 @@ def apply_plan(plan: list[CutStep]) -> None:
             s.run()
             continue
         if s.prescale is not None:  # the folded Mul, as onnxruntime computes it (float multiply)
-            np.multiply(s.tensors[0], s.prescale, out=s.tensors[0])
+            x = cast(np.ndarray, s.tensors[0])  # no input of a plan run here is a feed
+            np.multiply(x, cast(np.ndarray, s.prescale), out=x)
         if s.run is not None:
             s.run()
             continue

@@ -124,7 +124,7 @@ class _GroupUpdates(InPlaceUpdate):
     buffers exist, then ``run(plans, inputs)`` each step."""
 
     make_plans: Callable[[list, Mapping[str, np.ndarray]], list]
-    run: Callable[[list, dict[str, Any]], None]
+    run: Callable[[list, Mapping[str, Any]], None]
 
     def __init__(self, groups: list, sources: dict[str, Source]) -> None:
         self.groups, self.sources = groups, sources

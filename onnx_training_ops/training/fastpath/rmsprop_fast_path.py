@@ -25,10 +25,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ...builder.metadata import TrainingMetadata
 from ...builder.ops import Ops
 from ...errors import TrainingOpError
 from ...kernels.apply import fused_available, rmsprop_step
-from ...optim.registry import from_json
+from ...optim.registry import from_record
 from ...optim.rmsprop import RMSProp, emit_rmsprop
 from .row_updates import _dedup, dedup_nodes
 
@@ -65,7 +66,8 @@ def _match(template, graph_producers, consumers, outputs, start: dict[str, str],
     """Map template names to graph names from ``start`` (outputs) backwards; (mapping, nodes) or
     None. ``allowed``: nodes outside the template that may read its values."""
     t_producers = {o: n for n in template for o in n.output}
-    mapping, nodes, pending = dict(start), [], list(start)
+    mapping, pending = dict(start), list(start)
+    nodes: list[onnx.NodeProto] = []
     while pending:
         t_name = pending.pop()
         t_node = t_producers.get(t_name)
@@ -81,7 +83,8 @@ def _match(template, graph_producers, consumers, outputs, start: dict[str, str],
             continue
         if t_node.op_type == "Constant":
             expected, found = _const(t_node), _const(g_node)
-            if found is None or found.dtype != expected.dtype or not np.array_equal(found, expected):
+            if found is None or expected is None or found.dtype != expected.dtype \
+                    or not np.array_equal(found, expected):
                 return None
         nodes.append(g_node)
         for t_in, g_in in zip(t_node.input, g_node.input):
@@ -99,11 +102,11 @@ def _match(template, graph_producers, consumers, outputs, start: dict[str, str],
 
 
 def rmsprop_groups(graph: onnx.GraphProto, binding: Mapping[str, str], state: Mapping[str, np.ndarray],
-                   meta: Mapping[str, str], taken: set[str]) -> list[RMSPropGroup]:
+                   meta: TrainingMetadata, taken: set[str]) -> list[RMSPropGroup]:
     """The RMSProp updates of the builder's model (its ``optimizer`` metadata) the session can
     apply in place; none touches a state in ``taken``."""
     try:
-        opt = from_json(meta.get("optimizer", ""))
+        opt = from_record(dict(meta.optimizer or {}))
     except (ValueError, KeyError, TypeError):
         return []
     if not isinstance(opt, RMSProp) or not fused_available():
@@ -120,7 +123,7 @@ def rmsprop_groups(graph: onnx.GraphProto, binding: Mapping[str, str], state: Ma
     inits = {t.name: t for t in graph.initializer}
     templates: dict[np.dtype, tuple] = {}
     groups = []
-    for x in meta.get("trainable", "").split(","):
+    for x in meta.trainable:
         if x not in state or x in taken or x not in binding:
             continue
         dtype = state[x].dtype

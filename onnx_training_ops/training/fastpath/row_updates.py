@@ -85,7 +85,7 @@ def row_groups(graph: onnx.GraphProto, binding: Mapping[str, str], state_inputs:
         group = _match(node, spec, producers, consumers, inits, outputs, reverse, binding, state)
         found = group and dedup_nodes(group.unique, group.rows, group.nodes, producers, consumers,
                                       inits, outputs)
-        if found:
+        if found and group is not None:
             extra, g, index = found
             group.nodes += extra
             group.reads = [group.node.input[0], group.node.input[1], g, index]

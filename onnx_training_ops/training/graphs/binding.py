@@ -65,11 +65,7 @@ def open_program(
     found: dict[str, str] = {}
     guarded = False
     if in_place:
-        combined = prepare_model(combined)
-        found = in_place_outputs(combined.model_proto.graph, analysis.binding, state)
-        if found and guard and analysis.loss_names and not add_finite_guard(combined.model_proto, analysis.loss_names):
-            found = {}
-        guarded = bool(found) and guard and bool(analysis.loss_names)
+        combined, found, guarded = _in_place(combined, analysis, state, guard)
     prune_unused_initializers(combined.model_proto.graph, rate_inputs)
     session = InferenceSession(combined, sess_options=sess_options, providers=providers)
     del model, combined  # the session holds what it needs
@@ -79,25 +75,8 @@ def open_program(
     program.uses_plugin = any(n.domain == DOMAIN for n in session.prepared_model.graph.node)
     program.run = session.run_with_iobinding if program.uses_plugin else None
     session_inputs = {i.name for i in session.get_inputs()}
-    state_values = {}
-    for name in analysis.state_inputs:
-        if name not in session_inputs:
-            continue
-        value = ort.OrtValue.ortvalue_from_numpy(state[name])
-        io.bind_ortvalue_input(name, value)
-        program.keep_alive.append(value)
-        state_values[name] = value
+    state_values = _bind_inputs(program, state, constants, session_inputs)
     program.in_place = {out: name for out, name in found.items() if name in state_values}
-    for name, array in constants.items():  # bound once, read in place (no copy in onnxruntime)
-        if name in session_inputs:
-            value = ort.OrtValue.ortvalue_from_numpy(array)
-            io.bind_ortvalue_input(name, value)
-            program.keep_alive += [array, value]
-    for name, buf in rate_inputs.items():
-        if name in session_inputs:
-            value = ort.OrtValue.ortvalue_from_numpy(buf)
-            io.bind_ortvalue_input(name, value)
-            program.keep_alive.append(value)
     for vi in graph.input:
         if vi.name in state or vi.name in rate_inputs or vi.name in constants or vi.name not in session_inputs:
             continue
@@ -107,6 +86,57 @@ def open_program(
             program.optional_feeds.append((spec, default))
         else:
             program.feeds.append(spec)
+    _bind_outputs(program, state_values, in_place)
+    program.binding_copies = [
+        (state[k], v) for k, v in analysis.binding.items()
+        if v not in analysis.cut_outputs and v not in program.in_place
+    ]
+    program.needs_feeds = any(update.reads_feeds for update in analysis.updates)
+    return program
+
+
+def _in_place(combined: LargeModel, analysis: Analysis, state: dict[str, np.ndarray],
+              guard: bool) -> tuple[LargeModel, dict[str, str], bool]:
+    """The prepared graph, its optimizer outputs that may be written onto their state
+    (:mod:`.in_place`), and whether a finite-loss guard protects them."""
+    combined = prepare_model(combined)
+    found = in_place_outputs(combined.model_proto.graph, analysis.binding, state)
+    if found and guard and analysis.loss_names and \
+            not add_finite_guard(combined.model_proto, list(analysis.loss_names)):
+        found = {}
+    return combined, found, bool(found) and guard and bool(analysis.loss_names)
+
+
+def _bind_inputs(program: Program, state: dict[str, np.ndarray], constants: dict[str, np.ndarray],
+                 session_inputs: set[str]) -> dict[str, ort.OrtValue]:
+    """Bind the state, the detached constants and the learning rates (zero-copy, kept alive);
+    the state's OrtValues by name."""
+    analysis, io = program.analysis, program.io
+    state_values = {}
+    for name in analysis.state_inputs:
+        if name not in session_inputs:
+            continue
+        value = ort.OrtValue.ortvalue_from_numpy(state[name])
+        io.bind_ortvalue_input(name, value)
+        program.keep_alive.append(value)
+        state_values[name] = value
+    for name, array in constants.items():  # bound once, read in place (no copy in onnxruntime)
+        if name in session_inputs:
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            io.bind_ortvalue_input(name, value)
+            program.keep_alive += [array, value]
+    for name, buf in analysis.rate_inputs.items():
+        if name in session_inputs:
+            value = ort.OrtValue.ortvalue_from_numpy(buf)
+            io.bind_ortvalue_input(name, value)
+            program.keep_alive.append(value)
+    return state_values
+
+
+def _bind_outputs(program: Program, state_values: dict[str, ort.OrtValue], in_place: bool) -> None:
+    """Bind the outputs: returned ones to the CPU, fixed ones onto their state (written in place)
+    or, for flat cut nodes, onto the kernels' gradient buffers; the dynamic ones last."""
+    analysis, io = program.analysis, program.io
     for name in analysis.returned:
         io.bind_output(name, "cpu")
     for name in analysis.fixed_outputs:
@@ -123,12 +153,6 @@ def open_program(
                 io.bind_ortvalue_output(name, value)
                 program.keep_alive.append(value)
                 program.prebound[name] = view
-    program.binding_copies = [
-        (state[k], v) for k, v in analysis.binding.items()
-        if v not in analysis.cut_outputs and v not in program.in_place
-    ]
-    program.needs_feeds = any(update.reads_feeds for update in analysis.updates)
-    return program
 
 
 def detached_as_inputs(model: LargeModel) -> tuple[LargeModel, dict[str, np.ndarray]]:

@@ -18,6 +18,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 from ...passes._graph import value_types
 from ...passes.validate import validate
@@ -107,7 +108,7 @@ class Program:
 
 
 def combined_graph(
-    model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: Mapping[str, str],
+    model: onnx.ModelProto, index: int, state_protos: Mapping[str, onnx.TensorProto], meta: TrainingMetadata,
     prune_inputs: bool = False,
 ) -> onnx.ModelProto:
     """Main graph + algorithm graph of training_info[index], state initializers as inputs."""
@@ -119,7 +120,7 @@ def combined_graph(
     g.node.extend(algo.node)
     used = used_names(algo) | used_names(model.graph)
     used |= {e.value for e in info.update_binding}
-    inputs = {}
+    inputs: dict[str, onnx.ValueInfoProto] = {}
     computed = {o for n in model.graph.node for o in n.output if o}
     for vi in (*model.graph.input, *algo.input):
         if vi.name not in computed:  # an algorithm input naming a main-graph value reads it
@@ -141,7 +142,7 @@ def combined_graph(
     for entry in info.update_binding:
         if entry.value not in outputs:
             outputs[entry.value] = main_outputs[entry.value]
-    for name in meta.get("loss", "").split(","):  # a loss the main graph outputs
+    for name in meta.loss:  # a loss the main graph outputs
         if name in main_outputs and name not in outputs:
             outputs[name] = main_outputs[name]
     g.output.extend(outputs.values())
@@ -256,10 +257,10 @@ def learning_rate_inputs(
     return rate_inputs, rate_defaults
 
 
-def loss_names(graph: onnx.GraphProto, returned: list[str], meta: Mapping[str, str]) -> list[str]:
+def loss_names(graph: onnx.GraphProto, returned: list[str], meta: TrainingMetadata) -> list[str]:
     """The outputs the non-finite check watches: the builder's loss, else the returned
     float outputs of one element."""
-    named = [n for n in meta.get("loss", "").split(",") if n in returned]
+    named = [n for n in meta.loss if n in returned]
     if named:
         return named
     types = value_types(onnx.helper.make_model(graph))
@@ -292,7 +293,7 @@ def build_program(
     index: int,
     state: Mapping[str, np.ndarray],
     state_protos: Mapping[str, onnx.TensorProto],
-    meta: Mapping[str, str],
+    meta: TrainingMetadata,
     fast: bool,
     prune_inputs: bool = False,
     where: str = "step",
@@ -331,7 +332,7 @@ def build_program(
     init_values = {t.name: t for t in graph.initializer}
     input_types = {vi.name: vi for vi in graph.input}
     rate_inputs, rate_defaults = learning_rate_inputs(graph, state, input_types, init_values,
-                                                      tuple(filter(None, [meta.get("learning_rate")])))
+                                                      meta.learning_rate)
 
     # inputs with a default (an initializer of the same name): the session binds them every step,
     # to the fed value or to the default it keeps, so the graph gets them as plain inputs

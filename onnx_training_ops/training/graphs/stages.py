@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ...autodiff.rules_shape import padding_row
+from ...builder.metadata import TrainingMetadata
 from ...builder.ops import Ops
 from ...builder.sparse_updates import Table, find_gradient_rows, lookup_rows
 from ...errors import TrainingOpError
@@ -131,10 +132,10 @@ def evaluation_model(model: onnx.ModelProto, loss: str, outputs: list[str]) -> o
     return derived
 
 
-def session_evaluation(model: onnx.ModelProto, meta, outputs: Sequence[str]) -> onnx.ModelProto:
+def session_evaluation(model: onnx.ModelProto, meta: TrainingMetadata, outputs: Sequence[str]) -> onnx.ModelProto:
     """What a session's ``evaluate(outputs=...)`` runs: :func:`evaluation_model` of the builder's
     eval-mode loss (else its loss), or of ``outputs`` alone for a model that names no loss."""
-    loss = meta.get("eval_loss") or meta.get("loss", "")
+    loss = meta.evaluation_loss
     if not loss and not outputs:
         raise TrainingOpError("evaluate: the model names no loss (metadata 'loss'); pass outputs=[...]")
     if loss:
@@ -153,23 +154,30 @@ def step_model(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProt
     return derived
 
 
+def _gradients(model: onnx.ModelProto) -> dict[str, str]:
+    """Each gradient the algorithm's Gradient nodes output -> its x (a model with one
+    training_info and a Gradient node, else a TrainingOpError)."""
+    if len(model.training_info) != 1:
+        raise TrainingOpError(f"backward/optimizer_step need a model with one training_info, "
+                              f"found {len(model.training_info)}")
+    gradient_nodes = _gradient_nodes(model.training_info[0].algorithm)
+    if not gradient_nodes:
+        raise TrainingOpError("backward/optimizer_step need a Gradient node in the algorithm "
+                              "(where a step splits into backward and apply); this model has none")
+    grads: dict[str, str] = {}
+    for node in gradient_nodes:
+        xs = [x.decode() for a in node.attribute if a.name == "xs" for x in a.strings]
+        grads.update(zip(node.output, xs))
+    return grads
+
+
 def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
     """The backward and apply models of ``model`` (see the module doc). With ``arrays`` (a
     large model's) the dense accumulators' zeros stay out of the messages: constant arrays
     added to ``arrays`` under ``#<name>`` (they take no memory)."""
-    if len(model.training_info) != 1:
-        raise TrainingOpError(f"backward/optimizer_step need a model with one training_info, "
-                              f"found {len(model.training_info)}")
+    grads = _gradients(model)
     info = model.training_info[0]
     algo = info.algorithm
-    gradient_nodes = _gradient_nodes(algo)
-    if not gradient_nodes:
-        raise TrainingOpError("backward/optimizer_step need a Gradient node in the algorithm "
-                              "(where a step splits into backward and apply); this model has none")
-    grads = {}
-    for node in gradient_nodes:
-        xs = [x.decode() for a in node.attribute if a.name == "xs" for x in a.strings]
-        grads.update(zip(node.output, xs))
     nodes = [*model.graph.node, *algo.node]
     params = {t.name: t for t in (*model.graph.initializer, *algo.initializer)}
     tables = _sparse_tables(nodes, grads, params)
@@ -225,9 +233,9 @@ def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
         b_info.update_binding.add(key=acc, value=new)
     for x, (table, gs) in tables.items():
         zeros = _table_zeros(table, *table_accs[x])
-        new = _accumulate_rows(Ops(unique, b_algo.node, f"{x}.grad.accumulate"), table, gs, *table_accs[x])
+        accumulated = _accumulate_rows(Ops(unique, b_algo.node, f"{x}.grad.accumulate"), table, gs, *table_accs[x])
         b_algo.initializer.extend(zeros)
-        for state, value in zip(zeros, new):
+        for state, value in zip(zeros, accumulated):
             b_algo.output.append(helper.make_tensor_value_info(value, state.data_type, list(state.dims)))
             b_info.update_binding.add(key=state.name, value=value)
 
@@ -243,8 +251,7 @@ def split_stages(model: onnx.ModelProto, arrays: dict | None = None) -> Stages:
         rows = find_gradient_rows(a_nodes, gs)
         if rows is None:  # nothing here updates the table (another rank's, with a sharded optimizer)
             continue
-        new = _touched_rows(Ops(unique, touched_rows, f"{x}.grad.rows"), table, *table_accs[x])
-        rename.update(zip(rows, new))
+        rename.update(zip(rows, _touched_rows(Ops(unique, touched_rows, f"{x}.grad.rows"), table, *table_accs[x])))
     for node in a_nodes:
         for i, name in enumerate(node.input):
             if name in rename:
@@ -284,7 +291,7 @@ def _sparse_tables(nodes: Sequence[onnx.NodeProto], grads: dict[str, str],
             if gather is not None else None
         table = params.get(gather.input[0]) if gather is not None and gather.op_type == "Gather" \
             and gather.domain in ("", "ai.onnx") else None
-        if table is None or axis not in (0, -len(table.dims)):
+        if gather is None or table is None or axis not in (0, -len(table.dims)):
             found = f"{gather.op_type} node {gather.name!r}" if gather is not None else "no node"
             raise TrainingOpError(f"backward: the Gradient node's x {x!r} is neither an initializer nor "
                                   f"an axis-0 Gather of one (a sparse table's lookup); it comes from {found}")

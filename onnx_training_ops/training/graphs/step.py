@@ -113,6 +113,7 @@ def _commit(program: Program, raw, feeds: Mapping[str, Any], state: dict[str, np
             on_nonfinite: str) -> tuple[dict[str, np.ndarray], bool]:
     if program.copy_plan is None:
         finish_binding(program, state)
+    assert program.copy_plan is not None  # finish_binding planned it
     result = {}
     if program.returned_from_ort:
         outputs = raw.get_outputs()

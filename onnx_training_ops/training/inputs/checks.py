@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 
 try:  # numba's loop; numpy's reduction without it
@@ -48,18 +49,17 @@ def _named_dims(inputs: Sequence[onnx.ValueInfoProto]) -> dict[str, tuple[str, i
     return out
 
 
-def batch_checker(meta: Mapping[str, str], inputs: Sequence[onnx.ValueInfoProto], where: str = "step") -> Check | None:
+def batch_checker(meta: TrainingMetadata, inputs: Sequence[onnx.ValueInfoProto], where: str = "step") -> Check | None:
     """The check of a built loss's feeds (None for models without a built loss)."""
-    name = meta.get("labels", "")
+    name = meta.labels or ""
     if not name:
         return None
-    first = inputs[0].name if inputs else None
-    layout = json.loads(meta["label_shape"]) if meta.get("label_shape") else None
+    first = inputs[0].name if inputs else ""
+    layout = meta.label_shape
     named = _named_dims(inputs)
     classes = ignore = None
-    if meta.get("label_range"):
-        classes_text, ignore_text = meta["label_range"].split(",")
-        classes, ignore = int(classes_text), (int(ignore_text) if ignore_text else None)
+    if meta.label_range is not None:
+        classes, ignore = meta.label_range.classes, meta.label_range.ignore_index
 
     # feeds whose shapes decide the shape check: the labels, the first input, and the inputs
     # naming a dimension of the labels' expected shape
@@ -88,7 +88,7 @@ def batch_checker(meta: Mapping[str, str], inputs: Sequence[onnx.ValueInfoProto]
     return check
 
 
-def _check_shape(where: str, name: str, labels: np.ndarray, layout: dict, named, feeds) -> None:
+def _check_shape(where: str, name: str, labels: np.ndarray, layout: Mapping[str, Any], named, feeds) -> None:
     """``labels`` against the expected shape ``layout["shape"]`` (ints, dim names, None)."""
     expected = layout["shape"]
     output = layout["output"]
@@ -119,21 +119,21 @@ def _check_shape(where: str, name: str, labels: np.ndarray, layout: dict, named,
                               "predicts token t+1 from tokens up to t, so it needs at least 2")
 
 
-def label_mismatch(meta: Mapping[str, str], feeds: Mapping[str, Any], output_shape, where: str) -> str:
+def label_mismatch(meta: TrainingMetadata, feeds: Mapping[str, Any], output_shape, where: str) -> str:
     """After onnxruntime failed: the one-line feed error if the labels do not fit the shape
     the loss's output has for this batch (``output_shape``, computed by the caller; dimensions
     the model does not name, such as the exporter's ``MatMullogits_dim_1``, are known only
     then), else ''."""
-    layout = json.loads(meta["label_shape"]) if meta.get("label_shape") else None
-    labels = feeds.get(meta.get("labels", ""))
+    layout = meta.label_shape
+    labels = feeds.get(meta.labels or "")
     if layout is None or labels is None:
         return ""
     dims, axis = list(output_shape), layout.get("class_axis")
     expected = dims if axis is None else dims[:axis] + dims[axis + 1:]
     if list(np.shape(labels)) == expected:
         return ""
-    return (f"{where}: feed {meta['labels']!r} has shape {list(np.shape(labels))}; the loss reads "
-            f"{layout['output']!r}, of shape {dims} for this batch, so {meta['labels']!r} must have shape "
+    return (f"{where}: feed {meta.labels!r} has shape {list(np.shape(labels))}; the loss reads "
+            f"{layout['output']!r}, of shape {dims} for this batch, so {meta.labels!r} must have shape "
             f"{expected}")
 
 

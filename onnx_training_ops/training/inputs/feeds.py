@@ -19,7 +19,7 @@ from ..arrays import dtype_name, np_dtype
 class FeedSpec:
     name: str
     dtype: np.dtype
-    shape: tuple  # ints, or None for a dynamic/symbolic dim; () for scalars
+    shape: tuple | None  # ints, or None for a dynamic/symbolic dim; () for scalars; None: any rank
     # shapes fed and accepted before (a few per run): a step checks such a feed in one lookup
     accepted: set = field(default_factory=set, compare=False, repr=False)
 

@@ -79,8 +79,8 @@ def apply_memory_options(so: ort.SessionOptions, large: bool = False) -> None:
     for attr, value in {**DEFAULT_OPTIONS, **(LARGE_MODEL_OPTIONS if large else {})}.items():
         setattr(so, attr, value)
     config = LARGE_MODEL_CONFIG if large else (SHARED_ARENA_CONFIG if shared_arena() else {})
-    for key, value in config.items():
-        so.add_session_config_entry(key, value)
+    for key, entry in config.items():
+        so.add_session_config_entry(key, entry)
 
 
 def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
@@ -123,8 +123,8 @@ def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
         if force_threads or base.intra_op_num_threads == 0:
             so.intra_op_num_threads = threads
         _memory_defaults(so, base, held, large)
-    for key, value in config.items():
-        so.add_session_config_entry(key, value)
+    for key, entry in config.items():
+        so.add_session_config_entry(key, entry)
     if large and not so.enable_cpu_mem_arena:  # tensors from malloc: freed big blocks go back (runtime/heap.py)
         return_big_blocks()
     return so
@@ -142,6 +142,6 @@ def _memory_defaults(so: ort.SessionOptions, base: ort.SessionOptions, held: set
         config = LARGE_MODEL_CONFIG
     else:  # the shared arena only where the caller kept an arena
         config = SHARED_ARENA_CONFIG if so.enable_cpu_mem_arena and shared_arena() else {}
-    for key, value in config.items():
+    for key, entry in config.items():
         if key not in held:
-            so.add_session_config_entry(key, value)
+            so.add_session_config_entry(key, entry)

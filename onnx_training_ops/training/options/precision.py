@@ -4,11 +4,11 @@ scale's state (``build_training_model(..., precision=...)``, :mod:`...passes.mix
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 from ...passes.mixed_precision import CPU
 
@@ -20,7 +20,7 @@ BF16_HINT = (
 )
 
 
-def check_precision(meta: Mapping[str, str], providers: Sequence[str], where: str = "TrainingSession") -> None:
+def check_precision(meta: TrainingMetadata, providers: Sequence[str], where: str = "TrainingSession") -> None:
     """Raise a clear :class:`TrainingOpError` for a bf16 model on the CPU EP alone (onnxruntime's
     would be NOT_IMPLEMENTED at session creation). An fp16 model runs there: onnxruntime
     computes its float16 nodes in float32 (:data:`~...passes.mixed_precision.KERNELS_16BIT`).
@@ -33,29 +33,28 @@ def check_precision(meta: Mapping[str, str], providers: Sequence[str], where: st
     Raises:
         TrainingOpError: a bf16 model on the CPU EP alone.
     """
-    precision = meta.get("precision")
+    precision = meta.precision
     if precision == "bf16" and all(p == CPU for p in providers):
         raise TrainingOpError(f"{where}: the model is built with precision='bf16' and would run on "
                               f"{CPU}: {BF16_HINT}")
 
 
-def loss_scaling_names(meta: Mapping[str, str]) -> dict[str, str] | None:
+def loss_scaling_names(meta: TrainingMetadata) -> dict[str, str] | None:
     """The loss scale's state variables (``scale``, ``growth_tracker``, ``skipped_steps``), or
     None for a model without loss scaling."""
-    text = meta.get("loss_scaling")
-    if not text:
+    record = meta.loss_scaling
+    if not record:
         return None
-    record = json.loads(text)
     return {k: record[k] for k in ("scale", "growth_tracker", "skipped_steps")}
 
 
-def loss_scale(meta: Mapping[str, str], state: Mapping[str, np.ndarray]) -> float | None:
+def loss_scale(meta: TrainingMetadata, state: Mapping[str, np.ndarray]) -> float | None:
     """The current loss scale (float32), or None without loss scaling."""
     names = loss_scaling_names(meta)
     return None if names is None else float(state[names["scale"]])
 
 
-def overflow_steps(meta: Mapping[str, str], state: Mapping[str, np.ndarray]) -> int:
+def overflow_steps(meta: TrainingMetadata, state: Mapping[str, np.ndarray]) -> int:
     """Steps the loss scaling skipped for a non-finite gradient (0 without loss scaling)."""
     names = loss_scaling_names(meta)
     return 0 if names is None else int(state[names["skipped_steps"]])

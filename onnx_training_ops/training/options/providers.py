@@ -24,7 +24,8 @@ CPU = "CPUExecutionProvider"
 def provider_name(provider: str | tuple[str, dict]) -> str:
     """The name of a provider given as ``"Name"`` or ``("Name", {options})``."""
     if isinstance(provider, tuple):
-        if not provider or not isinstance(provider[0], str):
+        entry: tuple = provider  # from the caller: checked, whatever its annotation says
+        if not entry or not isinstance(entry[0], str):
             raise TrainingOpError(f"providers: expected a name or (name, options), found {provider!r}")
         return provider[0]
     if not isinstance(provider, str):
@@ -69,7 +70,7 @@ def device_for(providers: Sequence[str | tuple[str, dict]]) -> tuple[str, int]:
     for provider in providers:
         device = DEVICE_OF.get(provider_name(provider))
         if device is not None:
-            options = provider[1] if isinstance(provider, tuple) and len(provider) > 1 else {}
+            options: object = provider[1] if isinstance(provider, tuple) and len(provider) > 1 else {}
             return device, int(options.get("device_id", 0)) if isinstance(options, dict) else 0
     return "cpu", 0
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ... import schedules as lr_schedules
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 from ..inputs.feeds import checked_learning_rate
 
@@ -23,11 +24,13 @@ class LearningRates:
         meta: the builder's metadata (``lr_schedule``: the schedule and its position).
     """
 
-    def __init__(self, defaults: Mapping[str, Any], meta: Mapping[str, str]) -> None:
+    def __init__(self, defaults: Mapping[str, Any], meta: TrainingMetadata) -> None:
         self.names = list(defaults)
         self.base = {name: float(value.reshape(-1)[0]) for name, value in defaults.items() if value is not None}
-        self.schedule, self.step = (
-            lr_schedules.from_json(meta["lr_schedule"]) if meta.get("lr_schedule") else (None, 0))
+        self.schedule: lr_schedules.Schedule | None = None
+        self.step = 0
+        if meta.lr_schedule:
+            self.schedule, self.step = lr_schedules.from_json(meta.lr_schedule)
 
     def for_step(self, lr) -> float | dict[str, float] | None:
         """This optimizer step's rates: ``lr`` if given (checked), else the schedule's, else
@@ -68,7 +71,8 @@ class LearningRates:
             if not self.names or missing:
                 raise TrainingOpError("set_lr_schedule: the model has no learning-rate input with a "
                                       f"default value to schedule ({missing or 'no inputs'})")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        given: object = step  # from the caller: checked, whatever its annotation says
+        if isinstance(given, bool) or not isinstance(given, int) or step < 0:
             raise TrainingOpError(f"set_lr_schedule: step must be an int >= 0, found {step!r}")
         self.schedule, self.step = schedule, step
 

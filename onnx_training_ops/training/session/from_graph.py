@@ -10,6 +10,7 @@ from onnx import helper, numpy_helper
 
 from ...errors import TrainingOpError
 from ...storage.model_files import ModelLike, load_model
+from ...storage.tensors import proto_of
 from ...walk import drop_named
 from ..arrays import dtype_name, np_dtype
 
@@ -18,15 +19,15 @@ def graph_to_training_model(
     model: ModelLike, feedback: Mapping[str, str], initial_state: Mapping[str, np.ndarray] | None = None
 ) -> onnx.ModelProto:
     """A training model for a plain graph with explicit state (see :meth:`TrainingSession.from_graph`)."""
-    model = load_model(model)
-    graph = model.graph
+    proto = proto_of(load_model(model))  # large=False: every tensor in the message
+    graph = proto.graph
     initial_state = dict(initial_state or {})
     inputs = {vi.name: vi for vi in graph.input}
     outputs = {vo.name for vo in graph.output}
     inits = {t.name: t for t in graph.initializer}
     if not feedback:
         raise TrainingOpError("from_graph: feedback is empty; map each new-state output to its state input")
-    targets = {}
+    targets: dict[str, str] = {}  # state input -> the output fed back into it
     for out, inp in feedback.items():
         if out not in outputs:
             raise TrainingOpError(
@@ -68,11 +69,11 @@ def graph_to_training_model(
     drop_named(algo.input, targets)
     drop_named(algo.initializer, targets)
     main = helper.make_graph([], "state", [], [], initializer=state_tensors)
-    out = helper.make_model(main, opset_imports=list(model.opset_import))
-    out.ir_version = max(model.ir_version, 7)
-    out.functions.extend(model.functions)
+    out = helper.make_model(main, opset_imports=list(proto.opset_import))
+    out.ir_version = max(proto.ir_version, 7)
+    out.functions.extend(proto.functions)
     info = out.training_info.add()
     info.algorithm.CopyFrom(algo)
-    for name, value in targets.items():
-        info.update_binding.add(key=name, value=value)
+    for name, fed_back in targets.items():
+        info.update_binding.add(key=name, value=fed_back)
     return out

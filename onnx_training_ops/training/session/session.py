@@ -39,7 +39,6 @@ import onnxruntime as ort
 
 from ...errors import TrainingOpError, node_label
 from ...lora import formats as lora_formats
-from ...lora.spec import META_NAME as LORA_META
 from ...lora.spec import LoraSpec
 from ...runtime.session import InferenceSession
 from ...storage.large_model import LargeModel
@@ -661,7 +660,7 @@ class TrainingSession:
         self.load_state_dict(lora_formats.read_adapter(self._lora_spec(), path), strict=False)
 
     def _lora_spec(self) -> LoraSpec:
-        text = self._programs.meta.get(LORA_META)
+        text = self._programs.meta.lora
         if text is None:
             raise TrainingOpError("the model has no LoRA adapters: make it with onnx_training_ops.add_lora "
                                   "before build_training_model")
@@ -723,7 +722,7 @@ class TrainingSession:
     @property
     def metadata(self) -> dict[str, str]:
         """The builder's metadata (optimizer, loss, labels, learning_rate, trainable), if any."""
-        return dict(self._programs.meta)
+        return self._programs.meta.to_props()
 
     def summary(self) -> ModelSummary:
         """Trainable and frozen tensors, optimizer and its state size, loss, gradient ops.

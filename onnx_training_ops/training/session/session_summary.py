@@ -7,22 +7,22 @@ from typing import Any
 
 import numpy as np
 
+from ...builder.metadata import TrainingMetadata
 from ...errors import TrainingOpError
 from ...storage.large_model import LargeModel
 from ..state.torch_names import recorded_names, to_torch_names
 
 
-def describe(state: Mapping[str, Any], meta: Mapping[str, str], rates: Mapping[str, float],
+def describe(state: Mapping[str, Any], meta: TrainingMetadata, rates: Mapping[str, float],
              step: int, providers: list[str], engine: str = "") -> str:
     """A session's one-line ``repr`` (cheap: no shape inference, unlike ``summary()``; ``state``
     gives sizes, no values; ``engine`` its strategies in words)."""
-    names = [n for n in meta.get("trainable", "").split(",") if n in state]
+    names = [n for n in meta.trainable if n in state]
     count = sum(state[n].size for n in names)
-    opt = meta.get("optimizer", "")
-    opt = opt.split('"type": "', 1)[1].split('"', 1)[0] if '"type": "' in opt else "?"
+    opt = (meta.optimizer or {}).get("type", "?")
     lr = ", ".join(f"{k}={v:g}" for k, v in rates.items())
     return (f"<TrainingSession {len(names)} trainable tensors ({count:,} parameters), optimizer {opt} ({lr}), "
-            f"loss {meta.get('loss')!r}, step {step}, providers {providers}"
+            f"loss {','.join(meta.loss) or None!r}, step {step}, providers {providers}"
             f"{f', {engine}' if engine else ''}>")
 
 

@@ -13,13 +13,14 @@ the parameters are loaded (``load_flat_parameters`` / ``load_state_dict``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from ...builder import META_PREFIX
+from ...builder.metadata import TrainingMetadata
 from ...storage.checkpoint import add_checksums
 
 KEY = "nominal"  # metadata key (under META_PREFIX): JSON list of the emptied tensors
@@ -48,15 +49,14 @@ def nominal_model(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelPro
     return add_checksums(out)
 
 
-def nominal_names(meta: Mapping[str, str]) -> list[str]:
+def nominal_names(meta: TrainingMetadata) -> list[str]:
     """The tensors a nominal model left empty (``[]`` for a complete model)."""
-    return json.loads(meta.get(KEY) or "[]")
+    return list(meta.nominal)
 
 
 def materialize(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of the nominal ``model`` with zeros in its empty tensors and no nominal mark."""
-    meta = {m.key[len(META_PREFIX):]: m.value for m in model.metadata_props if m.key.startswith(META_PREFIX)}
-    empty = set(nominal_names(meta))
+    empty = set(nominal_names(TrainingMetadata.from_model(model)))
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for tensor in _initializers(out):

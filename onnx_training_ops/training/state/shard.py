@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 import onnx
 from onnx import helper
 
-from ...builder.model_metadata import META_PREFIX, metadata
+from ...builder.metadata import TrainingMetadata
+from ...builder.model_metadata import META_PREFIX
 from ...errors import TrainingOpError
 from ...schema import DOMAIN, OPTIMIZERS
 from ...storage import checkpoint
@@ -35,12 +36,12 @@ SHARD_KEY = "shard"  # metadata: {"rank": r, "world": w, "owned": [...]}
 
 def optimizer_state(model: onnx.ModelProto) -> dict[str, list[str]]:
     """Trainable -> its optimizer state variables, from the builder's metadata."""
-    text = metadata(model).get("optimizer_state")
-    if not text:
+    state = TrainingMetadata.from_model(model).optimizer_state
+    if not state:
         raise TrainingOpError(
             "sharding the optimizer state needs a model from build_training_model (metadata "
             f"'{META_PREFIX}optimizer_state' says which state belongs to which trainable); this model has none")
-    return json.loads(text)
+    return {name: list(names) for name, names in state.items()}
 
 
 def _sizes(model: onnx.ModelProto, names: Sequence[str]) -> list[int]:
@@ -72,7 +73,7 @@ def _live_subset(node: onnx.NodeProto, live: set[str]) -> list[int]:
 
 def _keep_tensors(node: onnx.NodeProto, keep: list[int]) -> None:
     spec = OPTIMIZERS[node.op_type]
-    n = spec.n_tensors(len(node.input))
+    n = spec.tensor_count(node)
     inputs = list(node.input[:2]) + [node.input[2 + k * n + i] for k in range(spec.n_groups_in) for i in keep]
     outputs = [node.output[k * n + i] for k in range(spec.n_groups_out) for i in keep]
     del node.input[:], node.output[:]

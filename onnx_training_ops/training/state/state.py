@@ -89,10 +89,10 @@ def state_array(name: str, proto: onnx.TensorProto, model: LargeModel | None = N
             value, got = owned(numpy_helper.to_array(proto)), expected  # checked with the message
         else:
             source = model.array(proto)
-            if isinstance(source, np.memmap):
+            if isinstance(source, np.memmap) and source.filename is not None:
                 hasher = hashlib.sha256() if expected else None
                 value = read_into(source.filename, source.offset, np.empty(source.shape, source.dtype), hasher)
-                got = hasher.hexdigest() if expected else None
+                got = hasher.hexdigest() if hasher is not None else None
             elif is_constant_fill(source):
                 fill = source.reshape(-1)[0]
                 value = np.zeros(source.shape, source.dtype) if not fill else np.full(source.shape, fill, source.dtype)
@@ -148,7 +148,7 @@ def reset_state(state: dict[str, np.ndarray], name: str, proto: onnx.TensorProto
     array, in place (a memory-mapped source is read straight into it)."""
     source = model.array(proto)
     target = state[name]
-    if isinstance(source, np.memmap) and target.flags.c_contiguous:
+    if isinstance(source, np.memmap) and source.filename is not None and target.flags.c_contiguous:
         read_into(source.filename, source.offset, target)
     else:
         np.copyto(target, source)

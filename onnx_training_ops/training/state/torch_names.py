@@ -137,7 +137,7 @@ def record_torch_names(model: onnx.ModelProto, module: Any) -> onnx.ModelProto:
     missing = [n for n in params if n not in held and not any(storage[n] == storage[h] for h in held)]
     torch_names = set(entries)
     constants = [t.name for t in model.graph.initializer if t.name not in mapping and t.name not in torch_names]
-    unique = {}
+    unique: dict[str, np.ndarray] = {}
     for n in params:  # one name per tensor (a tie is one parameter)
         if all(storage[n] != storage[u] for u in unique):
             unique[n] = entries[n]
@@ -177,6 +177,7 @@ def _folded_batch_norms(model: onnx.ModelProto, module: Any, entries: dict[str, 
             continue
         fused = numpy_helper.to_array(inits[weight]).astype(np.float64)
         for bn_name, bn in norms.items():
+            assert bn.running_var is not None  # with running statistics: chosen above
             scale = (bn.weight.detach().double() / torch.sqrt(bn.running_var.double() + bn.eps)).numpy()
             if scale.shape[0] != fused.shape[0]:
                 continue
@@ -218,7 +219,7 @@ def to_torch_names(values: Mapping[str, np.ndarray], mapping: Mapping[str, dict]
     out = {}
     for name, entry in mapping.items():
         source = name if name in values else entry.get("alias_of")  # untied by the builder, or not
-        if source not in values:
+        if not isinstance(source, str) or source not in values:
             raise TrainingOpError(f"the torch-name mapping names initializer {name!r}, which the model lacks")
         value = values[source].T if entry.get("transpose") else values[source]
         for torch_name in entry["torch"]:
