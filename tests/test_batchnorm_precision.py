@@ -157,7 +157,17 @@ def test_train_mode_forward_is_as_accurate_as_torchs(make):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
     y = rng.integers(0, 10, 4).astype(np.int64)
-    exact, theirs = _torch_relu_inputs(module, x, torch.float64), _torch_relu_inputs(module, x, torch.float32)
+    exact = _torch_relu_inputs(module, x, torch.float64)
+    # torch float32's own error depends on its thread count (how its sums split: at RegNet's ReLU 22,
+    # 3.6e-5 on one thread, more on two): the yardstick is the worse of the two, whatever ran before
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            runs.append(_torch_relu_inputs(module, x, torch.float32))
+    finally:
+        torch.set_num_threads(threads)
     f = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -169,11 +179,11 @@ def test_train_mode_forward_is_as_accurate_as_torchs(make):
     training.training_info[0].algorithm.value_info.extend(
         onnx.helper.make_tensor_value_info(r, onnx.TensorProto.FLOAT, None) for r in relu_inputs)
     out = ot.TrainingSession(training).step({"x": x, "labels": y}, outputs=relu_inputs)
-    assert len(relu_inputs) == len(exact) == len(theirs)
+    assert len(relu_inputs) == len(exact) == len(runs[0]) == len(runs[1])
     worse = []
-    for i, (name, ref, t) in enumerate(zip(relu_inputs, exact, theirs)):
+    for i, (name, ref, *theirs) in enumerate(zip(relu_inputs, exact, *runs)):
         scale = np.abs(ref).max()
-        err_ours, err_theirs = np.abs(out[name] - ref).max() / scale, np.abs(t - ref).max() / scale
+        err_ours, err_theirs = np.abs(out[name] - ref).max() / scale, max(np.abs(t - ref).max() for t in theirs) / scale
         if err_ours > 4 * err_theirs + 1e-7:
             worse.append(f"ReLU {i} ({name}): {err_ours:.2g} vs torch float32 {err_theirs:.2g}")
     assert not worse, worse
