@@ -6,6 +6,8 @@
 #               (the Node and headless-Chromium tests run inside it: tests/test_export_js.py;
 #               the documentation site is built with `mkdocs build --strict`: tests/test_docs_site.py)
 #   make test SKIP_BROWSER=1   the same without chromium: the browser tests are skipped, with the reason
+#   make test TEST_WORKERS=N   the suite in N pytest-xdist processes, a test file each (default 2: a
+#               2-core machine runs the suite in under 10 minutes; TEST_WORKERS=0 runs it in this process)
 #   make lint   ruff over the whole tree and mypy over the package (pyproject.toml [tool.ruff], [tool.mypy];
 #               the test extra installs both)
 #   make docs   build the documentation site into site/ (mkdocs, Material, mkdocstrings)
@@ -16,6 +18,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 DEMO_OUT ?= out/demo
 # SKIP_BROWSER=1: no chromium install, the browser tests skip (OTO_SKIP_BROWSER=1 for pytest alone)
 SKIP_BROWSER ?=
+TEST_WORKERS ?= 2
 
 .PHONY: demo lint test test-js js-deps browser-deps docs test-min conformance bench clean
 
@@ -64,7 +67,7 @@ lint: $(VENV)/.test-installed
 	$(PY) -m mypy
 
 test: $(VENV)/.test-installed js-deps lint
-	$(if $(SKIP_BROWSER),OTO_SKIP_BROWSER=1 )$(PY) -m pytest
+	$(if $(SKIP_BROWSER),OTO_SKIP_BROWSER=1 )$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # the documentation site (also built, strictly, by the test suite: tests/test_docs_site.py)
 docs: $(VENV)/.docs-installed
