@@ -23,7 +23,7 @@ from onnx import ModelProto, NodeProto
 from onnx.backend.base import Backend, BackendRep
 
 from .runtime.session import InferenceSession
-from .storage.large_model import LargeModel
+from .storage.tensors import whole_proto
 
 
 class TrainingBackendRep(BackendRep):
@@ -110,9 +110,7 @@ class PortableBackend(TrainingBackend):
             raise RuntimeError(f"onnx_training_ops runs on CPU only, not on {device!r}")
         options = kwargs.pop("sess_options", None)
         portable = prepare_model(model, portable=True)
-        if isinstance(portable, LargeModel):  # its detached tensors back in the message onnxruntime reads
-            portable = portable.to_proto()
-        return TrainingBackendRep(ort.InferenceSession(portable.SerializeToString(), sess_options=options,
+        return TrainingBackendRep(ort.InferenceSession(whole_proto(portable).SerializeToString(), sess_options=options,
                                                        providers=["CPUExecutionProvider"], **kwargs))
 
 

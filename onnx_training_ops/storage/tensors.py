@@ -143,6 +143,12 @@ def proto_of(model: onnx.ModelProto | ModelContainer) -> onnx.ModelProto:
     return model.model_proto if isinstance(model, ModelContainer) else model
 
 
+def whole_proto(model: onnx.ModelProto | ModelContainer) -> onnx.ModelProto:
+    """A message holding every tensor of ``model`` (a LargeModel's detached arrays put back in a
+    copy): what one serialized string for onnxruntime needs; only for models under 2 GB."""
+    return attach(model) if isinstance(model, ModelContainer) and model.large_initializers else proto_of(model)
+
+
 def array_of(model: onnx.ModelProto | ModelContainer, tensor: onnx.TensorProto) -> np.ndarray:
     """The values of ``tensor`` of ``model``: its array if detached, else from the message."""
     return tensor_value(tensor, model.large_initializers if isinstance(model, ModelContainer) else None)
