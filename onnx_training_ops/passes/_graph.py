@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,3 +194,12 @@ def all_names(graph: GraphProto) -> set[str]:
             names.add(node.name)
     names.discard("")
     return names
+
+
+def rename_values(nodes: Iterable[onnx.NodeProto], names: Mapping[str, str]) -> None:
+    """Every input and output of ``nodes`` that ``names`` maps, renamed in place to what it maps to."""
+    for node in nodes:
+        for values in (node.input, node.output):
+            for i, name in enumerate(values):
+                if name in names:
+                    values[i] = names[name]

@@ -27,7 +27,7 @@ from onnx import ModelProto, NodeProto, TensorProto, helper
 from ..autodiff.emitter import Emitter, ValueMeta
 from ..autodiff.registry import RuleError
 from ..autodiff.rules_attention import GQA_UNCOVERED, group_query
-from ._graph import value_types
+from ._graph import rename_values, value_types
 
 MS = "com.microsoft"
 
@@ -89,14 +89,7 @@ def _lowered(node: NodeProto, meta: dict[str, ValueMeta], read: set[str], opset:
 def _renamed(nodes: list[NodeProto], outputs: dict[str, str]) -> list[NodeProto]:
     """``nodes`` with each emitted value of ``outputs`` (wanted name -> emitted name) written under
     its wanted name."""
-    by_emitted = {emitted: wanted for wanted, emitted in outputs.items()}
-    for n in nodes:
-        for i, name in enumerate(n.output):
-            if name in by_emitted:
-                n.output[i] = by_emitted[name]
-        for i, name in enumerate(n.input):
-            if name in by_emitted:
-                n.input[i] = by_emitted[name]
+    rename_values(nodes, {emitted: wanted for wanted, emitted in outputs.items()})
     return nodes
 
 

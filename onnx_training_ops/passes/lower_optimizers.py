@@ -41,7 +41,7 @@ from ..optim._lowering import FLOAT_TYPES, Emitter, LoweredTensor, NodeScalars
 from ..optim.registry import LOWERINGS
 from ..schema import DOMAIN, OPTIMIZERS
 from ..walk import all_graphs, model_graphs
-from ._graph import ValueType, all_names, concatenated, unique_name, value_types
+from ._graph import ValueType, all_names, concatenated, rename_values, unique_name, value_types
 from .encode_exact_attributes import node_attributes
 
 MIN_OPSET = 9  # Where (and Greater on double)
@@ -73,7 +73,7 @@ def _lower_node(e: Emitter, node: onnx.NodeProto, types: dict[str, ValueType], l
         for value, out in zip(values, outputs):
             if out:
                 finals[value] = out
-    _rename(e.nodes, finals)
+    rename_values(e.nodes, finals)
 
 
 def _attributes(node: onnx.NodeProto, spec, label: str) -> dict:
@@ -85,16 +85,6 @@ def _attributes(node: onnx.NodeProto, spec, label: str) -> dict:
     for k in spec.float_attributes:
         a[k] = float(np.float32(a[k]))  # what a model holds, as the kernels read it
     return a
-
-
-def _rename(nodes: list[onnx.NodeProto], names: dict[str, str]) -> None:
-    for nd in nodes:
-        for i, name in enumerate(nd.input):
-            if name in names:
-                nd.input[i] = names[name]
-        for i, name in enumerate(nd.output):
-            if name in names:
-                nd.output[i] = names[name]
 
 
 def _dtype(x: str, group: list[str], roles, types: dict[str, ValueType], opset: int, where: str):
