@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx
 import onnxruntime as ort
+from gradient_utils import finite_difference
 from onnx import helper, numpy_helper
 
 from onnx_training_ops.passes.expand_gradient import expand_gradient
@@ -125,21 +126,8 @@ def gradients(nodes, feeds, out: str, xs: Sequence[str], weights: np.ndarray, in
 
 def finite_differences(f, x: np.ndarray, eps: float = 1e-6, samples: int = 48, seed: int = 0) -> tuple:
     """Central differences of the float64 scalar ``f`` at a sample of ``x``'s elements: (indices, values)."""
-    x = np.array(x, dtype=np.float64)
-    flat = x.reshape(-1)
-    idx = np.arange(flat.size)
-    if flat.size > samples:
-        idx = np.sort(np.random.default_rng(seed).choice(flat.size, samples, replace=False))
-    out = np.empty(len(idx))
-    for j, i in enumerate(idx):
-        keep = flat[i]
-        flat[i] = keep + eps
-        plus = f(x)
-        flat[i] = keep - eps
-        minus = f(x)
-        flat[i] = keep
-        out[j] = (plus - minus) / (2 * eps)
-    return idx, out
+    return finite_difference(lambda feeds: f(feeds["x"]), {"x": np.array(x, dtype=np.float64)}, "x", eps,
+                             max_elements=samples, rng=np.random.default_rng(seed))
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:

@@ -184,12 +184,7 @@ def test_phi3_fused_modules_go_to_peft_as_one_adapter_each_and_back(tmp_path_fac
     spec = lora_spec(model)
     assert spec.model_type == "phi3"
     assert {a.module.rpartition(".")[2] for a in spec.adapters} == set(ALL)
-    rng = np.random.default_rng(0)
-    values = {}
-    for init in model.graph.initializer:
-        if init.name in spec.trainable:
-            values[init.name] = (0.2 * rng.standard_normal(tuple(init.dims))).astype(np.float32)
-            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+    values = _random_adapters(model, spec, seed=0)
     folder = save_adapter(spec, values, tmp_path / "peft")
     config = json.loads((tmp_path / "peft" / PEFT_CONFIG).read_text())
     assert sorted(config["target_modules"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
@@ -206,6 +201,17 @@ def test_phi3_fused_modules_go_to_peft_as_one_adapter_each_and_back(tmp_path_fac
         np.testing.assert_allclose(back[name], values[name], rtol=1e-6, atol=1e-7)
 
 
+def _random_adapters(model, spec, seed: int) -> dict[str, np.ndarray]:
+    """Random (non-zero) values for every adapter tensor of ``model``, written into it and returned."""
+    rng = np.random.default_rng(seed)
+    values = {}
+    for init in model.graph.initializer:
+        if init.name in spec.trainable:
+            values[init.name] = (0.2 * rng.standard_normal(tuple(init.dims))).astype(np.float32)
+            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+    return values
+
+
 def test_a_fused_gate_up_proj_gets_an_adapter_per_half_as_peft_has_on_gate_proj_and_up_proj(tmp_path_factory,
                                                                                           tmp_path):
     fused = genai.tiny(str(tmp_path_factory.mktemp("gate_up")), fuse_mlp_gate_up="true")
@@ -214,12 +220,7 @@ def test_a_fused_gate_up_proj_gets_an_adapter_per_half_as_peft_has_on_gate_proj_
     width = genai.TINY["intermediate_size"]
     assert [(a.module, a.start, a.stop) for a in spec.adapters[:2]] == [
         ("model.layers.0.mlp.gate_proj", 0, width), ("model.layers.0.mlp.up_proj", width, 2 * width)]
-    rng = np.random.default_rng(1)
-    values = {}
-    for init in model.graph.initializer:
-        if init.name in spec.trainable:
-            values[init.name] = (0.2 * rng.standard_normal(tuple(init.dims))).astype(np.float32)
-            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+    values = _random_adapters(model, spec, seed=1)
     folder = save_adapter(spec, values, tmp_path / "peft")
     ids = _batch(4)["input_ids"]
     tuned = peft.PeftModel.from_pretrained(genai.dequantized_hf_model(fused), folder).eval()
