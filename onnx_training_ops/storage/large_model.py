@@ -36,13 +36,13 @@ from .tensors import (
     MIN_DETACHED_BYTES,
     add_array,
     all_tensors,
-    attach,
     constant_array,
     graphs_with_tensors,
     large_model_bytes,
     location,
     tensor_nbytes,
     tensor_value,
+    whole_proto,
 )
 
 
@@ -107,7 +107,7 @@ class LargeModel(ModelContainer):
     def to_proto(self) -> onnx.ModelProto:
         """A ModelProto holding every tensor (for small models): the message itself when no
         tensor is detached, else a copy of it with the arrays' values."""
-        return attach(self) if self.large_initializers else self.model_proto
+        return whole_proto(self)
 
     def public(self, checksums: bool = False) -> onnx.ModelProto | LargeModel:
         """What a public function returns for this model, which it hands over: itself when
