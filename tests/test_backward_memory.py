@@ -1,5 +1,5 @@
 """What a training step holds at once (issue 38, the int4 LoRA benchmark's memory): a wide
-``MatMulNBits`` split into row chunks (passes/split_wide_matmul_nbits.py), cheap element-wise
+``MatMulNBits``'s weight dequantized by row ranges (autodiff/rules_quantized.py), cheap element-wise
 values made again in the backward pass instead of kept (autodiff/recompute.py), glibc told to
 return big blocks (runtime/heap.py), and a detached model's message without its tensors' bytes
 (storage.detach)."""
@@ -15,14 +15,13 @@ import numpy as np
 import onnx
 import pytest
 from contrib_refs import _model, gradient_model, matmul_nbits, quantized_weight, session
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 import onnx_training_ops.autodiff.recompute as recompute
-from onnx_training_ops.passes.split_wide_matmul_nbits import split_wide_matmul_nbits
-from onnx_training_ops.storage.large_model import detach
-from onnx_training_ops.storage.model_files import as_model
+import onnx_training_ops.autodiff.rules_quantized as rules_quantized
+from onnx_training_ops.autodiff.rules_quantized import row_ranges
 
-# ---------------------------------------------------------------- split_wide_matmul_nbits
+# ---------------------------------------------------------------- MatMulNBits by row ranges
 
 
 def _nbits_model(rng, n=300, k=64, bits=4, block=32, accuracy_level=1, zero_points="uint8", bias=True, out="y"):
@@ -35,51 +34,29 @@ def _nbits_model(rng, n=300, k=64, bits=4, block=32, accuracy_level=1, zero_poin
     return _model([node], {"x": x}, [out], inits), x
 
 
-@pytest.mark.parametrize("bits,accuracy_level,zero_points,bias", [
-    (4, 1, "uint8", True), (4, 4, "none", False), (8, 1, "uint8", False), (2, 1, "none", True)])
-def test_a_split_matmul_nbits_computes_every_output_as_before(rng, bits, accuracy_level, zero_points, bias):
-    model, x = _nbits_model(rng, bits=bits, accuracy_level=accuracy_level, zero_points=zero_points, bias=bias)
-    want = session(model).run(["y"], {"x": x})[0]
-    opened = as_model(model)
-    limit = 300 * 64 * 4 // 3  # three chunks of the float32 weight
-    assert split_wide_matmul_nbits(opened, limit) == 1
-    nodes = opened.model_proto.graph.node
-    assert [n.op_type for n in nodes] == ["MatMulNBits"] * 3 + ["Concat"]
-    rows = [next(a.i for a in n.attribute if a.name == "N") for n in nodes[:3]]
-    assert rows == [100, 100, 100] and all(r * 64 * 4 <= limit for r in rows)
-    assert {t.name for t in opened.model_proto.graph.initializer}.isdisjoint({"B", "scales", "zero_points", "bias"})
-    got = session(opened.to_proto()).run(["y"], {"x": x})[0]
-    np.testing.assert_array_equal(got, want)  # each output element computed as before
+def test_row_ranges_cover_the_rows_in_equal_ranges_of_at_most_the_limit():
+    assert row_ranges(300, 64, 300 * 64 * 4 // 3) == [(0, 100), (100, 200), (200, 300)]
+    assert row_ranges(10, 64, 1 << 30) == [(0, 10)]
+    assert row_ranges(3, 1 << 20, 16) == [(0, 1), (1, 2), (2, 3)]  # one row at least
+    for n, k, limit in ((32000, 2048, 4 << 20), (5632, 2048, 4 << 20), (7, 5, 33)):
+        ranges = row_ranges(n, k, limit)
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all((stop - start) * k * 4 <= max(limit, k * 4) for start, stop in ranges)
 
 
-def test_chunks_of_a_detached_weight_are_views_and_narrow_or_shared_weights_stay(rng):
-    model, _ = _nbits_model(rng, n=64, bias=False)
-    opened = detach(model, min_bytes=16)
-    b = opened.array(next(t for t in opened.model_proto.graph.initializer if t.name == "B"))
-    assert split_wide_matmul_nbits(opened, 64 * 64 * 4 // 2) == 1
-    chunks = [opened.array(t) for t in opened.model_proto.graph.initializer if t.name.startswith("B/rows")]
-    assert len(chunks) == 2 and all(np.shares_memory(c, b) for c in chunks)
-    # below the limit, or a weight another node reads too: left as they are
-    model, _ = _nbits_model(rng, n=64, bias=False)
-    assert split_wide_matmul_nbits(as_model(model), 64 * 64 * 4) == 0
-    graph = model.graph
-    graph.node.append(helper.make_node("Identity", ["B"], ["b_copy"]))
-    graph.output.append(helper.make_tensor_value_info("b_copy", TensorProto.UINT8, None))
-    assert split_wide_matmul_nbits(as_model(model), 64) == 0
-
-
-def test_the_gradient_through_a_split_matmul_nbits_is_the_unsplit_ones(rng):
-    """dA = sum over chunks of dY_c · dequant(B_c): the same values, summed in another order."""
+def test_the_gradient_by_row_ranges_is_the_one_range_gradient(rng, monkeypatch):
+    """dA = sum over ranges of dY_r · dequant(B)_r, each a Gemm onto the sum so far: the same
+    values summed in another order, one range in float at a time."""
     model, x = _nbits_model(rng, n=96, bias=True, out="z")
     nodes, inits = list(model.graph.node), {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     weights = rng.standard_normal((2, 5, 96)).astype(np.float32)
     want = session(gradient_model(nodes, {"x": x}, "z", ["x"], weights, inits)).run(["d_x"], {"x": x})[0]
-    opened = as_model(_model(nodes, {"x": x}, ["z"], inits))
-    split_wide_matmul_nbits(opened, 96 * 64 * 4 // 4)
-    split = opened.to_proto()
-    split_inits = {t.name: numpy_helper.to_array(t) for t in split.graph.initializer}
-    got = session(gradient_model(list(split.graph.node), {"x": x}, "z", ["x"], weights, split_inits)).run(
-        ["d_x"], {"x": x})[0]
+    monkeypatch.setattr(rules_quantized, "DEQUANTIZED_BYTES", 96 * 64 * 4 // 4)
+    by_rows = gradient_model(nodes, {"x": x}, "z", ["x"], weights, inits)
+    ops = [n.op_type for n in by_rows.graph.node]
+    assert ops.count("GatherBlockQuantized") == 4 and ops.count("Gemm") == 4 and "MatMul" not in ops
+    got = session(by_rows).run(["d_x"], {"x": x})[0]
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()  # float32 sums in another order
 
 
@@ -166,14 +143,21 @@ def test_return_big_blocks_sets_glibcs_threshold_once_unless_told_not_to():
 
 
 @_LINUX
-def test_a_large_models_session_options_return_big_blocks(monkeypatch):
+def test_a_large_models_sessions_without_an_arena_return_big_blocks(monkeypatch):
+    """A large model's sessions use the shared arena (no fresh pages each step); where the caller
+    turns the arena off, malloc's big blocks go back to the system."""
+    import onnxruntime as ort
+
     from onnx_training_ops.training.options import options
 
     calls = []
     monkeypatch.setattr(options, "return_big_blocks", lambda: calls.append(1) or True)
     options.fresh_options(None, {}, large=False)
-    assert calls == []
     options.fresh_options(None, {}, large=True)
+    assert calls == []
+    no_arena = ort.SessionOptions()
+    no_arena.enable_cpu_mem_arena = False
+    options.fresh_options(no_arena, {}, large=True)
     assert calls == [1]
 
 

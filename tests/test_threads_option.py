@@ -69,8 +69,11 @@ def test_what_the_caller_sets_rules():
 
 def test_large_model_defaults_apply_to_defaults_left():
     so = fresh_options(ort.SessionOptions(), {}, large=True)
-    assert so.enable_cpu_mem_arena is False and so.enable_mem_pattern is False
-    assert _entry(so, "session.disable_prepacking") == "1"
+    assert so.enable_cpu_mem_arena is True and so.enable_mem_pattern is False
+    assert _entry(so, "session.disable_prepacking") == "1" and _entry(so, "session.use_env_allocators") == "1"
+    no_arena = ort.SessionOptions()
+    no_arena.enable_cpu_mem_arena = False
+    assert _entry(fresh_options(no_arena, {}, large=True), "session.use_env_allocators") is None
     kept = ort.SessionOptions()
     kept.add_session_config_entry("session.disable_prepacking", "0")
     assert _entry(fresh_options(kept, {}, large=True), "session.disable_prepacking") == "0"

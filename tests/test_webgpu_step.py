@@ -449,11 +449,12 @@ def test_int32_inputs_takes_an_attention_masks_row_lengths_in_int32():
     np.testing.assert_array_equal(_run(model, {"mask": mask.astype(np.int32)})["seqlens"], expected)
 
 
-@pytest.mark.parametrize("bits,zero_points", [(4, "none"), (4, "uint8"), (8, "uint8"), (2, "none")])
-def test_dequantize_with_float_ops_equals_gather_block_quantized(bits, zero_points):
-    """The MatMulNBits rule's dequantization (GatherBlockQuantized of every row, indices tied to
-    the gradient) rewritten as DequantizeLinear and float arithmetic: the same weight, bit for bit,
-    nothing WebGPU refuses."""
+@pytest.mark.parametrize("bits,zero_points,rows", [(4, "none", None), (4, "uint8", None), (8, "uint8", None),
+                                                   (2, "none", None), (4, "uint8", (5, 17)), (2, "uint8", (0, 8))])
+def test_dequantize_with_float_ops_equals_gather_block_quantized(bits, zero_points, rows):
+    """The MatMulNBits rule's dequantization (GatherBlockQuantized of every row or of a row range,
+    indices tied to the gradient) rewritten as DequantizeLinear and float arithmetic: the same
+    weight, bit for bit, nothing WebGPU refuses."""
     from contrib_refs import MS, quantized_weight
 
     from onnx_training_ops.autodiff.emitter import Emitter, ValueMeta
@@ -470,9 +471,11 @@ def test_dequantize_with_float_ops_equals_gather_block_quantized(bits, zero_poin
     em.set_meta("g", TensorProto.FLOAT, (3, n))
     em.set_meta("a", TensorProto.FLOAT, (3, k))
     weight = QuantizedWeight(RuleContext(node, ["g"], [True], em, {}))
-    w = weight.dequantized("g", "a")
+    w = weight.dequantized("g", "a", rows)
     em.add_node(helper.make_node("Identity", [w], ["w"]))
-    model = _model(em.nodes, [_vi("g", TensorProto.FLOAT, [3, n])], [_vi("w", TensorProto.FLOAT, [n, k])], opset=18,
+    count = n if rows is None else rows[1] - rows[0]
+    model = _model(em.nodes, [_vi("g", TensorProto.FLOAT, [3, n])], [_vi("w", TensorProto.FLOAT, [count, k])],
+                   opset=18,
                    initializers=[numpy_helper.from_array(v, name) for name, v in inits.items()])
     model.opset_import.append(helper.make_opsetid(MS, 1))
     g = rng.standard_normal((3, n)).astype(np.float32)

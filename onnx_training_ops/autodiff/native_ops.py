@@ -15,7 +15,9 @@ CROSS_ENTROPY_LOSS = "TrainingCrossEntropyLoss"  # emitted by passes.lower_cross
 CROSS_ENTROPY_GRAD = "TrainingCrossEntropyGrad"
 BATCH_NORM_GRAD = "TrainingBatchNormGrad"  # kernels._native_norm_kernels
 BATCH_STATS = "TrainingBatchStats"  # written by passes.batch_statistics_native, not by a rule
-ALL = frozenset({IM2COL, COL2IM, RELU_GRAD, CROSS_ENTROPY_LOSS, CROSS_ENTROPY_GRAD, BATCH_NORM_GRAD})
+DEQUANTIZE_ROWS = "TrainingDequantizeRows"  # kernels._native_dequant_kernels
+INT8_BLOCKS = "TrainingInt8Blocks"  # the same; written by passes.dequantize_matmul_nbits, not by a rule
+ALL = frozenset({IM2COL, COL2IM, RELU_GRAD, CROSS_ENTROPY_LOSS, CROSS_ENTROPY_GRAD, BATCH_NORM_GRAD, DEQUANTIZE_ROWS})
 # not an op: asks the Conv rule for onnxruntime's Conv/ConvTranspose forms of the input and weight
 # gradients (cuDNN on a GPU) instead of the im2col Gemms tuned for the CPU
 CONV_BY_CONV = "conv_by_conv"

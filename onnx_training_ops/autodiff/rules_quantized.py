@@ -7,15 +7,24 @@ with ``dequant(B)`` the ``[N, K]`` matrix ``(q - zero_point) * scale``, blocks o
 
     dA = dY · dequant(B)
 
-a plain ``MatMul`` on the dequantized ``[N, K]`` weight, made in the backward pass just before
-that ``MatMul`` needs it and freed after it: one layer's weight in float at a time, never the
-whole model (a 7B base at int4 holds 3.5 GB of packed weights; in float32 it would be 28 GB).
-The dequantization is one ``GatherBlockQuantized`` over all N rows (onnxruntime has it on the
-CPU and CUDA EPs; 2, 4 and 8 bits, uint8 zero points); ``g_idx`` and float zero points take a
-standard-op form. Both read an index computed from ``dY``'s first element: no optimizer can
-take the dequantization for a constant of the session (folded, every layer's float weight would
-stay for the session's life), and it runs after ``dY`` exists, next to its ``MatMul`` (measured
-on one Llama-2-7B-shaped layer: not tied to ``dY``, the step's peak RSS was 410 MB higher).
+a ``MatMul`` on the dequantized ``[N, K]`` weight, made in the backward pass just before that
+``MatMul`` needs it and freed after it, never the whole model in float (a 7B base at int4 holds
+3.5 GB of packed weights; in float32 it would be 28 GB). A weight past
+:data:`DEQUANTIZED_BYTES` in float32 goes by row ranges of at most that size, each dequantized
+just before its product and summed into the last one's ``Gemm`` (``C``, ``beta=1``)::
+
+    dA = dY[:, r0:r1] · dequant(B)[r0:r1] + ( ... + dY[:, 0:r] · dequant(B)[0:r])
+
+so one range is held in float at a time (4 MB: an LLM's ``lm_head`` is 262 MB), written and read
+back while still in the CPU's cache. The dequantization is one ``GatherBlockQuantized`` of the
+range's rows (onnxruntime has it on the CPU and CUDA EPs; 2, 4 and 8 bits, uint8 zero points),
+on the native path the native ``TrainingDequantizeRows`` (the same values, in a quarter of the
+time: :mod:`onnx_training_ops.kernels._native_dequant_kernels`); ``g_idx`` and float zero points
+take a standard-op form of all rows. Each reads an index
+computed from ``dY`` (or from the previous range's sum): no optimizer can take the
+dequantization for a constant of the session (folded, every layer's float weight would stay for
+the session's life), and it runs after ``dY`` exists, next to its product (measured on one
+Llama-2-7B-shaped layer: not tied to ``dY``, the step's peak RSS was 410 MB higher).
 
 With ``accuracy_level=4`` (the genai builder's CPU default) the forward quantizes ``A`` to
 int8 inside the kernel; the gradient above is then straight-through: that rounding is treated
@@ -28,9 +37,20 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from .emitter import Emitter
+from .native_ops import DEQUANTIZE_ROWS
 from .registry import RuleContext, RuleError, register
 
 MS = "com.microsoft"
+DEQUANTIZED_BYTES = 4 << 20  # float32 bytes of one dequantized row range (measured best of 1-32 MB)
+
+
+def row_ranges(n: int, k: int, limit: int | None = None) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into equal row ranges whose ``[rows, k]`` float32 weight is at most
+    ``limit`` bytes (default :data:`DEQUANTIZED_BYTES`; one range at least one row)."""
+    limit = DEQUANTIZED_BYTES if limit is None else limit
+    count = -(-n // max(1, limit // (k * 4)))  # ranges of at most that many rows, then evened out
+    rows = -(-n // count)
+    return [(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
 def _runtime_zero(em: Emitter, like: str) -> str:
@@ -74,44 +94,66 @@ class QuantizedWeight:
         self.packed, self.scales = node.input[1], node.input[2]
         self.zero_points, self.g_idx = ctx.input(3), ctx.input(4)
         self.zp_float = self.zero_points is not None and ctx.em.dtype(self.zero_points) not in (None, TensorProto.UINT8)
+        self._tables: list[str] | None = None
         if self.g_idx is not None and (self.bits != 4 or (self.zero_points is not None and not self.zp_float)):
             # measured with onnxruntime 1.32: its CPU kernel then dequantizes with zero point 8 (uint8 zero
             # points) or mis-indexes (2 bits), so no gradient matches both the kernel and the op's definition
             raise RuleError("g_idx is differentiated with 4 bits and float or no zero points only (where "
                             "onnxruntime's kernel computes the op as specified)")
 
-    def dequantized(self, gate: str, like: str) -> str:
-        """``dequant(B)`` as ``[N, K]``, of the element type of ``like``, computed once ``gate`` is."""
+    @property
+    def by_rows(self) -> bool:
+        """Whether :meth:`dequantized` takes a row range (the ``GatherBlockQuantized`` form)."""
+        return self.g_idx is None and not self.zp_float
+
+    def dequantized(self, gate: str, like: str, rows: tuple[int, int] | None = None) -> str:
+        """``dequant(B)`` as ``[N, K]`` (its ``rows`` range where given: :attr:`by_rows` only),
+        of the element type of ``like``, computed once ``gate`` is."""
         em = self.ctx.em
-        if self.g_idx is None and not self.zp_float:
-            w = self._gather_block_quantized(gate)
-        else:
+        start, stop = rows or (0, self.n)
+        if self.by_rows:
+            w = self._gather_block_quantized(gate, start, stop)
+        elif rows is None:
             w = self._standard_ops(gate)
-        em.set_meta(w, em.dtype(self.scales), (self.n, self.k))
+        else:
+            raise RuleError("a row range of a weight with g_idx or float zero points")
+        em.set_meta(w, em.dtype(self.scales), (stop - start, self.k))
         return em.cast_like(w, like)
 
-    def _gather_block_quantized(self, gate: str) -> str:
+    def _gather_block_quantized(self, gate: str, start: int, stop: int) -> str:
         em = self.ctx.em
         width = self.blocks * self.block
+        if DEQUANTIZE_ROWS in em.native and em.dtype(self.scales) == TensorProto.FLOAT:
+            # ``gate`` as an input it does not read: run after it, never folded
+            config = em.const(np.asarray([self.bits, self.block, self.k, start, stop], np.int64), "config")
+            zero_points = self.zero_points or em.const(np.zeros(0, np.uint8), "no_zero_points")
+            return em.native_op(DEQUANTIZE_ROWS, [self.packed, self.scales, zero_points, config, gate], "dequant")
         zero = _runtime_zero(em, gate)
-
-        def reshaped(x: str, shape: list[int], hint: str) -> str:
-            # read as it is where it has that shape (the genai builder's scales): onnxruntime folds a
-            # Reshape of a constant into a copy, kept for the session's life
-            return x if em.shape(x) == tuple(shape) else em.op("Reshape", [x, em.ints(shape)], hint)
-
-        data = reshaped(self.packed, [self.n, width * self.bits // 8], "packed")
-        scales = reshaped(self.scales, [self.n, self.blocks], "scales")
-        rows = _gated(em, em.const(np.arange(self.n, dtype=np.int64), "rows"), zero)
-        inputs = [data, rows, scales]
-        if self.zero_points is not None:
-            zp_bytes = -(-self.blocks * self.bits // 8)
-            inputs.append(reshaped(self.zero_points, [self.n, zp_bytes], "zero_points"))
-        w = em.op("GatherBlockQuantized", inputs, "dequant", domain=MS, bits=self.bits,
+        rows = _gated(em, em.const(np.arange(start, stop, dtype=np.int64), "rows"), zero)
+        w = em.op("GatherBlockQuantized", self._table(rows), "dequant", domain=MS, bits=self.bits,
                   block_size=self.block, gather_axis=0, quantize_axis=1)
         if width != self.k:
             w = em.op("Slice", [w, em.ints([0]), em.ints([self.k]), em.ints([1])], "dequant")
         return w
+
+    def _table(self, rows: str) -> list[str]:
+        """``GatherBlockQuantized``'s inputs for ``rows``: B, scales and zero points as ``[N, ...]``
+        tables, reshaped once per weight (onnxruntime folds a Reshape of a constant into a copy
+        kept for the session's life: one, not one per row range)."""
+        if self._tables is None:
+            em = self.ctx.em
+
+            def reshaped(x: str, shape: list[int], hint: str) -> str:  # as it is where it has that shape
+                return x if em.shape(x) == tuple(shape) else em.op("Reshape", [x, em.ints(shape)], hint)
+
+            width = self.blocks * self.block
+            self._tables = [reshaped(self.packed, [self.n, width * self.bits // 8], "packed"),
+                            reshaped(self.scales, [self.n, self.blocks], "scales")]
+            if self.zero_points is not None:
+                zp_bytes = -(-self.blocks * self.bits // 8)
+                self._tables.append(reshaped(self.zero_points, [self.n, zp_bytes], "zero_points"))
+        data, scales, *zero_points = self._tables
+        return [data, rows, scales, *zero_points]
 
     def _standard_ops(self, gate: str) -> str:
         """``(q - zp[:, block(k)]) * scale[:, block(k)]`` with ``block(k) = g_idx[k]`` (else
@@ -150,11 +192,29 @@ def _matmul_nbits(ctx: RuleContext) -> list:
     weight = QuantizedWeight(ctx)
     if ctx.need(0):
         a = ctx.node.input[0]
-        out[0] = em.op("MatMul", [g, weight.dequantized(g, a)], "input_grad")
+        ranges = row_ranges(weight.n, weight.k) if weight.by_rows else [(0, weight.n)]
+        if len(ranges) == 1:
+            out[0] = em.op("MatMul", [g, weight.dequantized(g, a)], "input_grad")
+        else:
+            out[0] = _input_grad_by_rows(em, g, weight, a, ranges)
     if ctx.need(5):
         rows = em.op("Reshape", [g, em.ints([-1, weight.n])], "rows")
         out[5] = em.reduce_sum(rows, [0], keepdims=False)
     return out
+
+
+def _input_grad_by_rows(em: Emitter, g: str, weight: QuantizedWeight, a: str, ranges: list[tuple[int, int]]) -> str:
+    """``dY · dequant(B)`` summed over row ranges, each range's product a ``Gemm`` onto the
+    sum so far: one range in float at a time, made once the previous sum exists."""
+    rows = em.op("Reshape", [g, em.ints([-1, weight.n])], "rows")
+    total = None
+    for start, stop in ranges:
+        part = em.op("Slice", [rows, em.ints([start]), em.ints([stop]), em.ints([1])], "part")
+        w = weight.dequantized(total or rows, a, (start, stop))
+        total = em.op("Gemm", [part, w], "partial") if total is None else \
+            em.op("Gemm", [part, w, total], "partial", beta=1.0)
+    assert total is not None
+    return em.op("Reshape", [total, em.shape_of(a)], "input_grad")
 
 
 @register(f"{MS}::GatherBlockQuantized", frozen=(0, 2, 3))

@@ -15,7 +15,9 @@ float weight with what WebGPU runs, straight from the packed weight ``B``:
 once the gradient is, as the rule's int64 zero was). Every step is exact in float32 but the last
 product, which ``GatherBlockQuantized`` rounds alike. Only the rule's form (indices
 ``arange(N) + zero``) is rewritten; another ``GatherBlockQuantized`` (a quantized embedding's
-lookup) is left to the provider.
+lookup) is left to the provider. A weight the rule dequantizes by row ranges (``arange(start,
+stop) + zero``) is written once whole, at its first range, and each range is a ``Slice`` of it (WebGPU
+slices no uint8): the float weight of every row held through the ranges, as before ranges.
 """
 
 from __future__ import annotations
@@ -55,19 +57,23 @@ class _Graph:
             return node.input[0]
         return name
 
-    def gate(self, indices: str, rows: int) -> str | None:
-        """The float the rule tied ``indices`` to (``arange(rows) + Cast(Less(g, g))``): ``g``."""
+    def gate(self, indices: str, rows: int) -> tuple[str, int, int] | None:
+        """The float the rule tied ``indices`` to (``arange(start, stop) + Cast(Less(g, g))``, a
+        range of the ``rows``): ``g``, ``start`` and ``stop``."""
         add = self.producer.get(indices)
         if add is None or add.op_type != "Add":
             return None
         for const, other in ((add.input[0], add.input[1]), (add.input[1], add.input[0])):
             value = self.value(const)
-            if value is None or value.shape != (rows,) or not np.array_equal(value, np.arange(rows)):
+            if value is None or value.ndim != 1 or not value.size:
+                continue
+            start, stop = int(value[0]), int(value[0]) + value.size
+            if stop > rows or not np.array_equal(value, np.arange(start, stop)):
                 continue
             cast = self.producer.get(other)
             less = self.producer.get(cast.input[0]) if cast is not None and cast.op_type == "Cast" else None
             if less is not None and less.op_type == "Less" and less.input[0] == less.input[1]:
-                return less.input[0]
+                return less.input[0], start, stop
         return None
 
 
@@ -80,8 +86,10 @@ def dequantize_with_float_ops(model: ModelProto) -> ModelProto:
     names = Names(graph, "dequantize")
     nodes: list[onnx.NodeProto] = []
     replaced: list[onnx.NodeProto] = []
+    whole: dict[tuple, str] = {}  # a weight dequantized by row ranges: its float rows, made once
     for node in graph.node:
-        rewritten = _rewrite(node, g, names) if node.op_type == "GatherBlockQuantized" and node.domain == MS else None
+        rewritten = _rewrite(node, g, names, whole) if node.op_type == "GatherBlockQuantized" and node.domain == MS \
+            else None
         nodes.extend(rewritten if rewritten is not None else [node])
         if rewritten is not None:
             replaced.append(node)
@@ -112,7 +120,7 @@ def _without_dead_cone(nodes: list[onnx.NodeProto], roots: list[str], graph: onn
         kept = [n for n in kept if id(n) not in gone]
 
 
-def _rewrite(node: onnx.NodeProto, g: _Graph, names: Names) -> list[onnx.NodeProto] | None:
+def _rewrite(node: onnx.NodeProto, g: _Graph, names: Names, whole: dict[tuple, str]) -> list[onnx.NodeProto] | None:
     attrs = _attrs(node)
     bits, block = int(attrs.get("bits", 4)), int(attrs.get("block_size", 128))
     data, scales = g.source(node.input[0]), node.input[2]
@@ -128,10 +136,40 @@ def _rewrite(node: onnx.NodeProto, g: _Graph, names: Names) -> list[onnx.NodePro
     scale_tensor = g.inits.get(g.source(scales))
     if scale_tensor is None or scale_tensor.data_type != TensorProto.FLOAT:  # float32 arithmetic below
         return None
-    gradient = g.gate(node.input[1], rows)
-    if gradient is None:
+    tied = g.gate(node.input[1], rows)
+    if tied is None:
         return None
+    gradient, start, stop = tied
     blocks = per_row * 8 // bits // block
+    out: list[onnx.NodeProto] = []
+    if (start, stop) != (0, rows):  # a row range (WebGPU slices no uint8): of every row's float weight
+        key = (data, scales, zero_points, bits, block)
+        if key not in whole:
+            made = _float_weight(g, names, node, gradient, data, scales, zero_points, bits, block, rows, blocks,
+                                 names("whole"))
+            if made is None:
+                return None
+            out.extend(made)
+            whole[key] = made[-1].output[0]
+
+        def node_(op_type: str, inputs: list[str], hint: str, output: str | None = None, **kw) -> str:
+            name = output or names(hint)
+            out.append(helper.make_node(op_type, inputs, [name], name=node.name if output else name, **kw))
+            return name
+
+        bounds = [node_("Constant", [], hint, value=numpy_helper.from_array(np.array([v], np.int64)))
+                  for v, hint in ((start, "start"), (stop, "stop"), (0, "axis"))]
+        zero = node_("Cast", [node_("Less", [gradient, gradient], "never")], "zero", to=TensorProto.FLOAT)
+        node_("Add", [node_("Slice", [whole[key], *bounds], "rows"), zero], "", output=node.output[0])
+        return out
+    return _float_weight(g, names, node, gradient, data, scales, zero_points, bits, block, rows, blocks,
+                         node.output[0])
+
+
+def _float_weight(g: _Graph, names: Names, node: onnx.NodeProto, gradient: str, data: str, scales: str,
+                  zero_points: str | None, bits: int, block: int, rows: int, blocks: int,
+                  output: str) -> list[onnx.NodeProto] | None:
+    """The nodes writing every row of the float weight into ``output``, once ``gradient`` exists."""
     out: list[onnx.NodeProto] = []
 
     def op(op_type: str, inputs: list[str], hint: str, **kw) -> str:
@@ -177,5 +215,6 @@ def _rewrite(node: onnx.NodeProto, g: _Graph, names: Names) -> list[onnx.NodePro
     scale = op("Reshape", [scales, const(np.array([rows, blocks, 1], np.int64), "shape")], "scale")
     weight = op("Mul", [op("Sub", [q, zp], "centered"), scale], "weight")
     out.append(helper.make_node("Reshape", [weight, const(np.array([rows, blocks * block], np.int64), "shape")],
-                                list(node.output), name=node.name or names("dequantized")))
+                                [output], name=names("dequantized") if output != node.output[0] else
+                                node.name or names("dequantized")))
     return out

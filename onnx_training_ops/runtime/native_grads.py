@@ -18,7 +18,9 @@ from ..autodiff.native_ops import (
     COL2IM,
     CROSS_ENTROPY_GRAD,
     CROSS_ENTROPY_LOSS,
+    DEQUANTIZE_ROWS,
     IM2COL,
+    INT8_BLOCKS,
     RELU_GRAD,
 )
 from .custom_op import (
@@ -30,7 +32,7 @@ from .custom_op import (
     shape_reference,
 )
 
-_FLOAT, _INT64 = 1, 7
+_ANY, _FLOAT, _UINT8, _INT64 = 0, 1, 2, 7
 # TrainingReluGrad: one thread below RELU_PARALLEL_MIN elements, else RELU_CHUNK per ParallelFor task
 # (2 threads, IOBinding: 32768 elements 10.0 -> 8.3 us, 1M 171 -> 80 us; 16384 no gain)
 RELU_PARALLEL_MIN = 1 << 15
@@ -39,6 +41,7 @@ RELU_CHUNK = 1 << 14
 
 def _ops() -> dict[str, tuple]:
     """op name -> (compute cfunc, worker cfunc, input types, output types, what it expects)."""
+    from ..kernels import _native_dequant_kernels as dk
     from ..kernels import _native_grad_kernels as k
     from ..kernels import _native_norm_kernels as nk
 
@@ -57,6 +60,13 @@ def _ops() -> dict[str, tuple]:
                              "float32 log-probabilities [N, C], " + labels),
         CROSS_ENTROPY_GRAD: (k.cross_entropy_grad_compute, None, (_FLOAT, _FLOAT, _INT64, _INT64), (_FLOAT,),
                              "a float32 gradient of one element, probabilities [N, C], " + labels),
+        DEQUANTIZE_ROWS: (dk.dequantize_rows_compute, dk.dequantize_rows_worker, (_UINT8, _FLOAT, _UINT8, _INT64, _ANY),
+                          (_FLOAT,), f"uint8 packed rows [N, blocks * block * bits / 8], float32 scales [N, blocks], "
+                          f"uint8 zero points [N, ceil(blocks * bits / 8)] or none, an int64 config of "
+                          f"{dk.CFG_WORDS} values (bits 2, 4 or 8, block, K, start < stop <= N) and a tensor to "
+                          f"run after"),
+        INT8_BLOCKS: (dk.int8_blocks_compute, dk.int8_blocks_worker, (_FLOAT, _INT64), (_FLOAT,),
+                      "float32 x [..., K] and an int64 config of 1 value (block > 0)"),
     }
 
 

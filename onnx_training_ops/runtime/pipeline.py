@@ -7,7 +7,6 @@ import onnx
 from onnx import ModelProto
 
 from ..passes import FLAT_PORTABLE_PASSES, GPU_PASSES, NATIVE_PASSES, PASSES, PORTABLE_PASSES
-from ..passes.split_wide_matmul_nbits import split_wide_matmul_nbits
 from ..storage.external_data import transposed
 from ..storage.large_model import LargeModel
 from ..storage.model_files import ModelLike, as_model
@@ -66,7 +65,6 @@ def prepare_model(model: LargeModel, kernels: str | None = None, portable: bool 
         passes = NATIVE_PASSES if select_kernels(kernels) == "native" else PASSES
     opened = model.copy()
     fold_constant_transposes(opened)
-    split_wide_matmul_nbits(opened)
     result = opened.model_proto
     for _, run_pass in passes:
         result = run_pass(result)

@@ -15,6 +15,9 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ...errors import TrainingOpError
+from ...passes.dequantize_matmul_nbits import dequantize_matmul_nbits
+from ...runtime.contrib_numerics import int8_blocks
+from ...runtime.options import select_kernels
 from ...runtime.pipeline import prepare_model
 from ...runtime.session import InferenceSession
 from ...schema import DOMAIN
@@ -59,7 +62,8 @@ def open_program(
     combined = model
     constants: dict[str, np.ndarray] = {}
     if constants_as_inputs:  # after prepare's transpose fold
-        combined, constants = detached_as_inputs(prepare_model(combined))
+        combined, constants = detached_as_inputs(prepare_model(combined), on_cpu=_on_cpu(providers),
+                                                 native=select_kernels(None) == "native")
     graph = combined.model_proto.graph
     rate_inputs = analysis.rate_inputs
     found: dict[str, str] = {}
@@ -93,6 +97,11 @@ def open_program(
     ]
     program.needs_feeds = any(update.reads_feeds for update in analysis.updates)
     return program
+
+
+def _on_cpu(providers: Sequence[str | tuple[str, dict]]) -> bool:
+    first = providers[0] if providers else "CPUExecutionProvider"
+    return (first[0] if isinstance(first, tuple) else first) == "CPUExecutionProvider"
 
 
 def _in_place(combined: LargeModel, analysis: Analysis, state: dict[str, np.ndarray],
@@ -155,11 +164,15 @@ def _bind_outputs(program: Program, state_values: dict[str, ort.OrtValue], in_pl
                 program.prebound[name] = view
 
 
-def detached_as_inputs(model: LargeModel) -> tuple[LargeModel, dict[str, np.ndarray]]:
+def detached_as_inputs(model: LargeModel, on_cpu: bool = False, native: bool = False
+                       ) -> tuple[LargeModel, dict[str, np.ndarray]]:
     """``model`` whose detached constants are graph inputs, and their arrays. onnxruntime
     copies the initializers it is given (``add_external_initializers`` too: measured), but
     reads a bound input in place: a frozen base model stays one copy (the message is changed
-    in place)."""
+    in place). ``on_cpu``: for the CPU EP, whose ``MatMulNBits`` runs its deployed kernels on
+    constant weights only, the nodes reading a weight made an input become its dequantized
+    weight and a float GEMM with the deployed numerics (:mod:`...passes.dequantize_matmul_nbits`),
+    dequantized by the native kernel where ``native``."""
     graph = model.model_proto.graph
     constants, kept = {}, []
     for tensor in graph.initializer:
@@ -171,6 +184,8 @@ def detached_as_inputs(model: LargeModel) -> tuple[LargeModel, dict[str, np.ndar
         graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
     del graph.initializer[:]
     graph.initializer.extend(kept)
+    if on_cpu:
+        dequantize_matmul_nbits(model.model_proto, int8_blocks, native)
     return model.with_proto(model.model_proto), constants
 
 

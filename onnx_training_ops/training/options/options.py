@@ -36,13 +36,19 @@ CONFIG_KEYS = (
 # ResNet-18 955 / 802 MB (README, "Performance").
 DEFAULT_OPTIONS = {"enable_mem_pattern": False}
 
-# A large model's sessions (without sess_options of the caller's), besides: no arena (onnxruntime's
-# BFC arena keeps the peak of a step, rounded up to powers of two, for the session's life),
-# no memory pattern (one block for a whole step's plan, beside what the arena holds) and no
-# prepacking (a packed second copy of every constant MatMul weight: a frozen base model twice).
-# Measured on GPT-2 124M, AdamW, batch 4 x 128 (docs/training.md, "Memory").
-LARGE_MODEL_OPTIONS = {"enable_cpu_mem_arena": False, "enable_mem_pattern": False}
-LARGE_MODEL_CONFIG = {"session.disable_prepacking": "1"}
+# A large model's sessions (without sess_options of the caller's), besides: no memory pattern (one
+# block for a whole step's plan, beside what the arena holds), no prepacking (a packed second copy of
+# every constant MatMul weight: a frozen base model twice), and the process's shared CPU arena
+# (SHARED_ARENA_CONFIG below: it grows by what a request needs, never to a power of two). A large
+# model's sessions once had no arena, every tensor from malloc with glibc told to map and unmap each
+# big block (runtime/heap.py): the least memory, but every step then faults in fresh pages for each
+# of its big tensors, zeroed by the kernel. Measured on the int4 LoRA benchmark (TinyLlama's shape,
+# 2 layers, 1 x 256 tokens, benchmarks/bench_lora_int4.py): 290,000 page faults and 0.68 s of system
+# time a step without the arena, 1.65 against 1.11 s a step; 22 layers: peak RSS 2.10 GB without,
+# 2.17 GB with it (torch + peft: 6.25 GB). GPT-2 124M full fine-tuning (python -m benchmarks memory):
+# 3.05 GB without, 3.08 GB with.
+LARGE_MODEL_OPTIONS = {"enable_mem_pattern": False}
+LARGE_MODEL_CONFIG = {"session.disable_prepacking": "1", "session.use_env_allocators": "1"}
 
 
 # Other sessions (without sess_options of the caller's) allocate from one CPU arena shared
@@ -50,7 +56,7 @@ LARGE_MODEL_CONFIG = {"session.disable_prepacking": "1"}
 # own arena grows to the next power of two. Peak RSS per-session / shared, same ms/step
 # within noise (2 threads, AdamW, the real-model benchmark's models): BERT 4L/256 751 / 725 MB,
 # GPT-2 4L/256 1156 / 1134 MB, ResNet-18 800 / 752 MB. The shared arena keeps its peak until
-# the process ends (a session's own is freed with the session); large models use none.
+# the process ends (a session's own is freed with the session); large models use it too.
 SHARED_ARENA_CONFIG = {"session.use_env_allocators": "1"}
 _SAME_AS_REQUESTED = 1  # OrtArenaExtendStrategy
 _shared_arena: bool | None = None
@@ -72,13 +78,21 @@ def shared_arena() -> bool:
         return _shared_arena
 
 
+LARGE_MODEL_CONFIG_WITHOUT_ARENA = {k: v for k, v in LARGE_MODEL_CONFIG.items() if k not in SHARED_ARENA_CONFIG}
+
+
+def _large_config() -> dict[str, str]:
+    """:data:`LARGE_MODEL_CONFIG`, less the shared arena where none could be registered."""
+    return LARGE_MODEL_CONFIG if shared_arena() else LARGE_MODEL_CONFIG_WITHOUT_ARENA
+
+
 def apply_memory_options(so: ort.SessionOptions, large: bool = False) -> None:
     """Set :data:`DEFAULT_OPTIONS` on ``so``, and for a ``large`` model
     :data:`LARGE_MODEL_OPTIONS` and :data:`LARGE_MODEL_CONFIG` too (else the shared arena,
     :data:`SHARED_ARENA_CONFIG`)."""
     for attr, value in {**DEFAULT_OPTIONS, **(LARGE_MODEL_OPTIONS if large else {})}.items():
         setattr(so, attr, value)
-    config = LARGE_MODEL_CONFIG if large else (SHARED_ARENA_CONFIG if shared_arena() else {})
+    config = _large_config() if large else (SHARED_ARENA_CONFIG if shared_arena() else {})
     for key, entry in config.items():
         so.add_session_config_entry(key, entry)
 
@@ -125,7 +139,7 @@ def fresh_options(base: ort.SessionOptions | None, config: Mapping[str, str],
         _memory_defaults(so, base, held, large)
     for key, entry in config.items():
         so.add_session_config_entry(key, entry)
-    if large and not so.enable_cpu_mem_arena:  # tensors from malloc: freed big blocks go back (runtime/heap.py)
+    if large and not so.enable_cpu_mem_arena:  # the caller's choice: freed big blocks go back (runtime/heap.py)
         return_big_blocks()
     return so
 
@@ -139,7 +153,7 @@ def _memory_defaults(so: ort.SessionOptions, base: ort.SessionOptions, held: set
         if getattr(base, attr) == getattr(_ORT_DEFAULTS, attr):
             setattr(so, attr, value)
     if large:
-        config = LARGE_MODEL_CONFIG
+        config = _large_config() if so.enable_cpu_mem_arena else LARGE_MODEL_CONFIG_WITHOUT_ARENA
     else:  # the shared arena only where the caller kept an arena
         config = SHARED_ARENA_CONFIG if so.enable_cpu_mem_arena and shared_arena() else {}
     for key, entry in config.items():
