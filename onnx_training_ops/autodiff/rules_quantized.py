@@ -16,7 +16,7 @@ just before its product and summed into the last one's ``Gemm`` (``C``, ``beta=1
     dA = dY[:, r0:r1] · dequant(B)[r0:r1] + ( ... + dY[:, 0:r] · dequant(B)[0:r])
 
 so one range is held in float at a time (4 MB: an LLM's ``lm_head`` is 262 MB), written and read
-back while still in the CPU's cache. The dequantization is one ``GatherBlockQuantized`` of the
+back while still in the CPU's cache (on a GPU, :data:`DEQUANTIZED_BYTES_GPU`: fewer, larger ranges). The dequantization is one ``GatherBlockQuantized`` of the
 range's rows (onnxruntime has it on the CPU and CUDA EPs; 2, 4 and 8 bits, uint8 zero points),
 on the native path the native ``TrainingDequantizeRows`` (the same values, in a quarter of the
 time: :mod:`onnx_training_ops.kernels._native_dequant_kernels`); ``g_idx`` and float zero points
@@ -37,11 +37,12 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from .emitter import Emitter
-from .native_ops import DEQUANTIZE_ROWS
+from .native_ops import DEQUANTIZE_ROWS, GPU_RANGES
 from .registry import RuleContext, RuleError, register
 
 MS = "com.microsoft"
 DEQUANTIZED_BYTES = 4 << 20  # float32 bytes of one dequantized row range (measured best of 1-32 MB)
+DEQUANTIZED_BYTES_GPU = 32 << 20  # on a GPU (the expansion allows GPU_RANGES): memory, not cache
 
 
 def row_ranges(n: int, k: int, limit: int | None = None) -> list[tuple[int, int]]:
@@ -192,7 +193,8 @@ def _matmul_nbits(ctx: RuleContext) -> list:
     weight = QuantizedWeight(ctx)
     if ctx.need(0):
         a = ctx.node.input[0]
-        ranges = row_ranges(weight.n, weight.k) if weight.by_rows else [(0, weight.n)]
+        limit = DEQUANTIZED_BYTES_GPU if GPU_RANGES in em.native else DEQUANTIZED_BYTES
+        ranges = row_ranges(weight.n, weight.k, limit) if weight.by_rows else [(0, weight.n)]
         if len(ranges) == 1:
             out[0] = em.op("MatMul", [g, weight.dequantized(g, a)], "input_grad")
         else:

@@ -27,7 +27,7 @@ from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 from ..autodiff import ValueMeta, topological_sort
 from ..autodiff.contrib_shapes import complete as complete_shapes
 from ..autodiff.native_ops import ALL as NATIVE_GRAD_OPS
-from ..autodiff.native_ops import CONV_BY_CONV
+from ..autodiff.native_ops import CONV_BY_CONV, GPU_RANGES
 from ..autodiff.native_ops import DOMAIN as NATIVE_DOMAIN
 from ..errors import TrainingOpError
 from ..storage.tensors import location
@@ -316,7 +316,7 @@ def expand_gradient_native(model: ModelProto) -> ModelProto:
 def expand_gradient_gpu(model: ModelProto) -> ModelProto:
     """:func:`expand_gradient` for a GPU: standard ops, convolution gradients as onnxruntime's
     Conv/ConvTranspose (cuDNN) rather than the CPU's im2col Gemms."""
-    return expand_gradient(model, native=frozenset({CONV_BY_CONV}))
+    return expand_gradient(model, native=frozenset({CONV_BY_CONV, GPU_RANGES}))
 
 
 def _expand_algorithm(algorithm: GraphProto, main: GraphProto, opset: int, imports,
