@@ -16,7 +16,8 @@ just before its product and summed into the last one's ``Gemm`` (``C``, ``beta=1
     dA = dY[:, r0:r1] · dequant(B)[r0:r1] + ( ... + dY[:, 0:r] · dequant(B)[0:r])
 
 so one range is held in float at a time (4 MB: an LLM's ``lm_head`` is 262 MB), written and read
-back while still in the CPU's cache (on a GPU, :data:`DEQUANTIZED_BYTES_GPU`: fewer, larger ranges). The dequantization is one ``GatherBlockQuantized`` of the
+back while still in the CPU's cache (on a GPU, :data:`DEQUANTIZED_BYTES_GPU`: fewer, larger
+ranges). The dequantization is one ``GatherBlockQuantized`` of the
 range's rows (onnxruntime has it on the CPU and CUDA EPs; 2, 4 and 8 bits, uint8 zero points),
 on the native path the native ``TrainingDequantizeRows`` (the same values, in a quarter of the
 time: :mod:`onnx_training_ops.kernels._native_dequant_kernels`); ``g_idx`` and float zero points
