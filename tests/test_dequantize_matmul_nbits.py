@@ -187,26 +187,3 @@ def test_a_large_models_session_trains_as_the_model_whose_weights_onnxruntime_pr
     np.testing.assert_allclose(got, want, rtol=2e-6)
     # three AdamW steps of 1e-2 each: float32 rounding in the gradients moves an element by 1e-5 at most
     np.testing.assert_allclose(large.get_flat_parameters(), small.get_flat_parameters(), rtol=1e-4, atol=3e-5)
-
-
-def test_on_cuda_a_weight_read_as_an_input_is_dequantized_by_32_mb_ranges_in_float(monkeypatch):
-    """onnxruntime's CUDA MatMulNBits computes in float whatever accuracy_level says: the same rewrite
-    without the int8 rounding, by larger ranges, every node one the CUDA EP has a kernel for."""
-    from onnx_training_ops.runtime.kernel_table import CUDA, cpu_nodes
-    from onnx_training_ops.storage.large_model import detach
-    from onnx_training_ops.training.graphs import binding
-    from onnx_training_ops.training.graphs.binding import detached_as_inputs
-
-    monkeypatch.setattr(binding, "GPU_LIMIT", 48 * 96 * 4 // 2)  # two ranges
-    deployed, feeds = _nbits(np.random.default_rng(2), 48, 96, 4, 32, "uint8", 4, True, False)
-    want = session(deployed).run(["y"], feeds)[0]
-    model, constants = detached_as_inputs(detach(deployed, min_bytes=16), CUDA)
-    graph = model.model_proto.graph
-    ops = [n.op_type for n in graph.node]
-    assert ops.count("FusedMatMul") == 2 and "Round" not in ops and "MatMulNBits" not in ops
-    assert cpu_nodes(model.model_proto, CUDA) == []
-    got = session(model.to_proto()).run(["y"], {**feeds, **constants})[0]
-    # accuracy_level=4 on the CPU rounds x to int8; this float product is accuracy_level 1's
-    float_model, _ = _nbits(np.random.default_rng(2), 48, 96, 4, 32, "uint8", 1, True, False)
-    np.testing.assert_allclose(got, session(float_model).run(["y"], feeds)[0], rtol=1e-5, atol=1e-5)
-    assert np.abs(got - want).max() > 1e-4 * np.abs(want).max() or not int8_blocks(4, 32)

@@ -1,5 +1,5 @@
 """Pass: a float32 ``MatMulNBits`` whose weight is bound as an input becomes its dequantized
-weight and float GEMMs, computing what the deployed (prepacked) kernel computes.
+weight and one float GEMM, computing what the deployed (prepacked) kernel computes. CPU only.
 
 onnxruntime's CPU ``MatMulNBits`` runs its quantized kernels only on a weight it prepacked at
 load: a constant initializer. A training session binds a large model's frozen weights as inputs
@@ -30,11 +30,6 @@ read back by its GEMM while still in the CPU's cache).
 every block size, with and without zero points). The gradient is the node's derivative rule,
 expanded before this pass: ``dA = dY · W``, straight through the rounding of ``A``.
 
-On CUDA (``int8_blocks`` always false: onnxruntime's CUDA kernel computes in float whatever
-``accuracy_level`` says) the rewrite bounds the kernel's float temporaries instead, by 32 MB
-ranges (:data:`GPU_LIMIT`; measured on an H200, TinyLlama's int4 LoRA step: 1 GB less GPU memory
-than whole weights).
-
 Nodes left as they are: a constant ``B`` (onnxruntime prepacks it and runs the deployed kernel
 itself), other element types, and what the rule's ``GatherBlockQuantized`` form does not take
 (``g_idx``, float zero points: onnxruntime never prepacks those either, so its fallback *is*
@@ -51,7 +46,6 @@ from onnx import ModelProto, NodeProto, TensorProto, helper
 from ..autodiff.emitter import Emitter, ValueMeta
 from ..autodiff.native_ops import DEQUANTIZE_ROWS, INT8_BLOCKS
 from ..autodiff.registry import RuleContext, RuleError
-from ..autodiff.rules_quantized import DEQUANTIZED_BYTES_GPU as GPU_LIMIT
 from ..autodiff.rules_quantized import QuantizedWeight, row_ranges
 from ._graph import rename_values
 
@@ -62,15 +56,13 @@ INT8_LEVEL = 4  # accuracy_level: int8 activations (onnxruntime's CompInt8), whe
 Int8Blocks = Callable[[int, int], bool]
 
 
-def dequantize_matmul_nbits(model: ModelProto, int8_blocks: Int8Blocks, native: bool = False,
-                            limit: int | None = None) -> ModelProto:
+def dequantize_matmul_nbits(model: ModelProto, int8_blocks: Int8Blocks, native: bool = False) -> ModelProto:
     """Rewrite (in place) every main-graph float32 ``MatMulNBits`` whose ``B`` is not an
     initializer, as the module says; ``int8_blocks(bits, block_size)``: whether the deployed
     kernel quantizes ``A`` to int8 at ``accuracy_level=4`` (onnxruntime's answer on this CPU:
     :func:`onnx_training_ops.runtime.contrib_numerics.int8_blocks`); ``native``: dequantize with
     the native kernel (``TrainingDequantizeRows``, registered with the native kernels) instead of
-    ``GatherBlockQuantized``; ``limit``: float32 bytes of a row range (default: the derivative
-    rule's, :data:`~onnx_training_ops.autodiff.rules_quantized.DEQUANTIZED_BYTES`). Returns ``model``."""
+    ``GatherBlockQuantized``. Returns ``model``."""
     graph = model.graph
     constant = {t.name for t in graph.initializer}
     meta = {vi.name: ValueMeta.from_type(vi.type) for vi in graph.input}
@@ -81,7 +73,7 @@ def dequantize_matmul_nbits(model: ModelProto, int8_blocks: Int8Blocks, native: 
     rounded: dict[tuple[str, int, int], str] = {}  # one int8 rounding per input (a split node's chunks, q/k/v...)
     for index, node in enumerate(nodes):
         if node.op_type == "MatMulNBits" and node.domain == MS and node.input[1] not in constant:
-            rewritten = _as_gemm(node, meta, opset, index, int8_blocks, rounded, native, limit)
+            rewritten = _as_gemm(node, meta, opset, index, int8_blocks, rounded, native)
             if rewritten is not None:
                 replaced[id(node)] = rewritten
     if replaced:
@@ -94,8 +86,7 @@ def dequantize_matmul_nbits(model: ModelProto, int8_blocks: Int8Blocks, native: 
 
 
 def _as_gemm(node: NodeProto, meta: dict[str, ValueMeta], opset: int, index: int,
-             int8_blocks: Int8Blocks, rounded: dict[tuple[str, int, int], str], native: bool,
-             limit: int | None) -> list[NodeProto] | None:
+             int8_blocks: Int8Blocks, rounded: dict[tuple[str, int, int], str], native: bool) -> list[NodeProto] | None:
     if opset < 13 or meta.get(node.input[2], ValueMeta()).dtype != TensorProto.FLOAT:
         return None
     em = Emitter(f"{node.name or node.output[0]}/dequantized_{index}/", opset, meta,
@@ -119,7 +110,7 @@ def _as_gemm(node: NodeProto, meta: dict[str, ValueMeta], opset: int, index: int
             rounded[key] = int8_rounded(em, a, weight.k, weight.block)
         x = rounded[key]
     parts: list[str] = []
-    for rows in row_ranges(weight.n, weight.k, limit):  # one range in float at a time, each made once the last is used
+    for rows in row_ranges(weight.n, weight.k):  # one range in float at a time, each made once the last is used
         w = weight.dequantized(parts[-1] if parts else a, node.input[2], rows)
         parts.append(em.op("FusedMatMul", [x, w], "gemm", domain=MS, transB=1))
     y = parts[0] if len(parts) == 1 else em.op("Concat", parts, "rows", axis=-1)
@@ -154,4 +145,4 @@ def int8_rounded(em: Emitter, a: str, k: int, block: int) -> str:
     return em.op("Reshape", [x, em.op("Shape", [a], "shape")], "int8_rounded")
 
 
-__all__ = ["GPU_LIMIT", "INT8_LEVEL", "dequantize_matmul_nbits", "int8_rounded"]
+__all__ = ["INT8_LEVEL", "dequantize_matmul_nbits", "int8_rounded"]

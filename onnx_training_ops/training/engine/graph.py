@@ -267,7 +267,7 @@ def plan_program(model: LargeModel, state: Container[str], feedback: Mapping[str
     if not_fixed is None and not placed:
         not_fixed = "the state is written into a second set (in place is unsafe or off)"
     returned = [o.name for o in proto.graph.output if o.name not in set(written.values())]
-    model, constants = detached_as_inputs(model, provider)
+    model, constants = detached_as_inputs(model, on_cpu=provider == CPU)
     off_device = cpu_nodes(model.model_proto, provider) if provider in KERNEL_PROVIDERS else []
     capture, not_captured = not_fixed is None and captures(device), None
     if capture and off_device and not cuda_graph:

@@ -15,9 +15,8 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from ...errors import TrainingOpError
-from ...passes.dequantize_matmul_nbits import GPU_LIMIT, dequantize_matmul_nbits
+from ...passes.dequantize_matmul_nbits import dequantize_matmul_nbits
 from ...runtime.contrib_numerics import int8_blocks
-from ...runtime.kernel_table import CUDA
 from ...runtime.options import select_kernels
 from ...runtime.pipeline import prepare_model
 from ...runtime.session import InferenceSession
@@ -27,7 +26,6 @@ from ...storage.tensors import location
 from ..arrays import dtype_name, owned
 from ..fastpath.in_place import add_finite_guard, in_place_outputs
 from ..inputs.feeds import feed_spec
-from ..options.providers import CPU
 from .program import Analysis, Program
 from .pruning import prune_unused_initializers
 
@@ -64,7 +62,7 @@ def open_program(
     combined = model
     constants: dict[str, np.ndarray] = {}
     if constants_as_inputs:  # after prepare's transpose fold
-        combined, constants = detached_as_inputs(prepare_model(combined), _provider(providers),
+        combined, constants = detached_as_inputs(prepare_model(combined), on_cpu=_on_cpu(providers),
                                                  native=select_kernels(None) == "native")
     graph = combined.model_proto.graph
     rate_inputs = analysis.rate_inputs
@@ -101,9 +99,9 @@ def open_program(
     return program
 
 
-def _provider(providers: Sequence[str | tuple[str, dict]]) -> str:
-    first = providers[0] if providers else CPU
-    return first[0] if isinstance(first, tuple) else first
+def _on_cpu(providers: Sequence[str | tuple[str, dict]]) -> bool:
+    first = providers[0] if providers else "CPUExecutionProvider"
+    return (first[0] if isinstance(first, tuple) else first) == "CPUExecutionProvider"
 
 
 def _in_place(combined: LargeModel, analysis: Analysis, state: dict[str, np.ndarray],
@@ -166,18 +164,15 @@ def _bind_outputs(program: Program, state_values: dict[str, ort.OrtValue], in_pl
                 program.prebound[name] = view
 
 
-def detached_as_inputs(model: LargeModel, provider: str | None = None, native: bool = False
+def detached_as_inputs(model: LargeModel, on_cpu: bool = False, native: bool = False
                        ) -> tuple[LargeModel, dict[str, np.ndarray]]:
     """``model`` whose detached constants are graph inputs, and their arrays. onnxruntime
     copies the initializers it is given (``add_external_initializers`` too: measured), but
     reads a bound input in place: a frozen base model stays one copy (the message is changed
-    in place). ``provider``: the execution provider the graph runs on. On the CPU, whose
-    ``MatMulNBits`` runs its deployed kernels on constant weights only, the nodes reading a weight
-    made an input become its dequantized weight and float GEMMs with the deployed numerics
-    (:mod:`...passes.dequantize_matmul_nbits`; dequantized by the native kernel where ``native``);
-    on CUDA, whose kernel computes in float whatever ``accuracy_level`` says, the same by 32 MB
-    row ranges (measured on an H200, TinyLlama's int4 LoRA step: the whole-weight temporaries
-    of the kernel held 1 GB more)."""
+    in place). ``on_cpu``: for the CPU EP, whose ``MatMulNBits`` runs its deployed kernels on
+    constant weights only, the nodes reading a weight made an input become its dequantized
+    weight and a float GEMM with the deployed numerics (:mod:`...passes.dequantize_matmul_nbits`),
+    dequantized by the native kernel where ``native``."""
     graph = model.model_proto.graph
     constants, kept = {}, []
     for tensor in graph.initializer:
@@ -189,10 +184,8 @@ def detached_as_inputs(model: LargeModel, provider: str | None = None, native: b
         graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    if provider == CPU:
+    if on_cpu:
         dequantize_matmul_nbits(model.model_proto, int8_blocks, native)
-    elif provider == CUDA:
-        dequantize_matmul_nbits(model.model_proto, lambda bits, block: False, limit=GPU_LIMIT)
     return model.with_proto(model.model_proto), constants
 
 
