@@ -19,7 +19,7 @@ So such a node becomes::
 
     A'  = round(A / s) * s,  s = max|A_block| / 127   per block of block_size along K, only where
                                                       the deployed kernel quantizes A (``int8_blocks``)
-    W_r = dequant(B)[r0:r1]                           per row range r of at most 4 MB in float32
+    W_r = dequant(B)[r0:r1]                           per row range r of at most 16 MB in float32
                                                       (the derivative rule's dequantization and ranges)
     Y   = Concat_r(FusedMatMul(A', W_r, transB=1))  (+ bias)
 
