@@ -8,8 +8,9 @@ LoRA rank 16 (alpha 32) on every projection (q, k, v, o, gate, up, down), AdamW,
 rounds (:mod:`benchmarks.rounds`):
 
 * ``ours``: :func:`onnx_training_ops.add_lora` on the builder's folder, ``build_training_model``,
-  ``TrainingSession`` (the 4-bit weights stay 4-bit; their input gradient dequantizes one
-  layer's weight at a time);
+  ``TrainingSession`` (the 4-bit weights stay 4-bit, bound as inputs; each layer dequantized by
+  row ranges in the forward and for the input gradient, the forward's input rounded to int8 as
+  the deployed kernel rounds it: ``passes/dequantize_matmul_nbits.py``);
 * ``torch``: ``transformers.LlamaForCausalLM`` in float32 with ``peft`` LoRA, the same
   settings, ``torch.optim.AdamW`` over the adapters.
 
