@@ -106,11 +106,24 @@ def dequantize_rows_worker(job, index):
 
 
 @njit(**_OPTIONS)
-def _dequantize_rows(state_addr, context):
+def _begin(state_addr, job_words):
+    """A kernel call's state words, OrtApi table and work array (its job words, then scratch)."""
     state = carray(_ptr(state_addr, _I64), ST_WORDS)
-    fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
+    return state, carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH), np.zeros(job_words + 8, np.int64)
+
+
+@njit(**_OPTIONS)
+def _run(fns, state, context, job, tasks):
+    """The job's ``tasks`` on onnxruntime's thread pool, by the kernel's worker (a single task runs
+    on this thread)."""
+    return _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, state[ST_WORKER], tasks, np.int64(0),
+                  job.ctypes.data)
+
+
+@njit(**_OPTIONS)
+def _dequantize_rows(state_addr, context):
+    state, fns, work = _begin(state_addr, J_WORDS)
     reference = state[ST_SHAPE_REFERENCE]
-    work = np.zeros(J_WORDS + 8, np.int64)
     job, out = work[:J_WORDS], work[J_WORDS:]
     status, elem, dims, config = _input(fns, reference, context, np.int64(3), out)
     if status != 0:
@@ -154,11 +167,7 @@ def _dequantize_rows(state_addr, context):
     rows = max(np.int64(1), state[ST_CHUNK] // k)  # rows per task
     tasks = (stop - start + rows - 1) // rows
     job[J_ROWS] = rows
-    if tasks > 1:
-        status = _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, state[ST_WORKER], tasks, np.int64(0),
-                        job.ctypes.data)
-    else:
-        _rows(job, np.int64(0))
+    status = _run(fns, state, context, job, tasks)
     _keep(work)
     return status
 
@@ -213,10 +222,8 @@ def int8_blocks_worker(job, index):
 
 @njit(**_OPTIONS)
 def _int8_blocks(state_addr, context):
-    state = carray(_ptr(state_addr, _I64), ST_WORDS)
-    fns = carray(_ptr(state[ST_API], _I64), API_TABLE_LENGTH)
+    state, fns, work = _begin(state_addr, RB_WORDS)
     reference = state[ST_SHAPE_REFERENCE]
-    work = np.zeros(RB_WORDS + 8, np.int64)
     job, out = work[:RB_WORDS], work[RB_WORDS:]
     status, elem, dims, config = _input(fns, reference, context, np.int64(1), out)
     if status != 0:
@@ -237,12 +244,7 @@ def _int8_blocks(state_addr, context):
         return status
     job[RB_K], job[RB_ROWS] = k, total // k
     job[RB_TASK] = max(np.int64(1), state[ST_CHUNK] // k)
-    tasks = (job[RB_ROWS] + job[RB_TASK] - 1) // job[RB_TASK]
-    if tasks > 1:
-        status = _call5(fns[API_KERNEL_CONTEXT_PARALLEL_FOR], context, state[ST_WORKER], tasks, np.int64(0),
-                        job.ctypes.data)
-    else:
-        _int8_task(job, np.int64(0))
+    status = _run(fns, state, context, job, (job[RB_ROWS] + job[RB_TASK] - 1) // job[RB_TASK])
     _keep(work)
     return status
 
