@@ -178,6 +178,31 @@ def test_a_wrong_column_lists_the_data_inputs_only(tiny, tmp_path, capsys):
         assert len(err) == 1 and err[0].endswith(message), err
 
 
+@pytest.mark.parametrize("name, text, message", [
+    ("data.csv", "input[0],labels\n1.0,x\n", "every value must be a number"),
+    ("eval.csv", "input[0],labels\n1.0\n", "row 2 has 1 values, the header 2"),
+])
+def test_a_bad_data_file_fails_before_the_session_opens(tiny, tmp_path, capsys, monkeypatch, name, text, message):
+    """--data and --eval-data are read and checked first: a bad file is told at once, not after the
+    session opened (on a fresh install, after a minute of compiling kernels)."""
+    import onnx_training_ops.training as training
+
+    root, header, body = tiny
+    (tmp_path / "data.csv").write_text(header + body, encoding="utf-8")
+    (tmp_path / name).write_text(text, encoding="utf-8")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the session was opened before the data was read")
+
+    monkeypatch.setattr(training, "TrainingSession", never)
+    capsys.readouterr()
+    assert main(["train", str(root / "train.onnx"), "--data", str(tmp_path / "data.csv"), "--eval-data",
+                 str(tmp_path / ("eval.csv" if name == "eval.csv" else "data.csv")), "--out", str(tmp_path / "out"),
+                 "--no-progress", "--no-plot"]) == 2
+    err = _errors(capsys)
+    assert len(err) == 1 and message in err[0] and name in err[0], err
+
+
 def test_the_written_files_are_named_without_a_double_slash(tiny, tmp_path, capsys, monkeypatch):
     root, _, _ = tiny
     monkeypatch.chdir(tmp_path)

@@ -19,7 +19,7 @@ import csv
 import io
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -41,23 +41,34 @@ def read_columns(path: str, label: str | None = None) -> dict[str, np.ndarray]:
     Raises:
         TrainingOpError: a missing or unreadable file, an unknown extension, a bad header or value.
     """
+    return read_table(path)(label)
+
+
+def read_table(path: str) -> Callable[[str | None], dict[str, np.ndarray]]:
+    """:func:`read_columns` in two steps: the file read and checked now (every error it can raise
+    but none about names), its columns named once the label input's name is known (the training
+    model's metadata): ``read_table(path)(label)``. The ``train`` command reads its data so, before
+    it opens a session (which may compile kernels for a minute on a first run)."""
     if not os.path.isfile(path):
         raise TrainingOpError(f"data file {path!r} does not exist")
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".npz":
             with np.load(path, allow_pickle=False) as data:
-                return {k: data[k] for k in data.files}
+                arrays = {k: data[k] for k in data.files}
+            return lambda label: arrays
         if ext == ".safetensors":
             from ..storage.safetensors import read
 
-            return dict(read(path)[0])
+            tensors = dict(read(path)[0])
+            return lambda label: tensors
     except TrainingOpError:
         raise
     except Exception as error:  # noqa: BLE001 - a damaged file, told in one line
         raise TrainingOpError(f"data file {path!r}: cannot read it as {ext[1:]}: {error}") from error
     if ext == ".csv":
-        return _read_csv(path, label)
+        header, values = _parse_csv(path)
+        return lambda label: _csv_columns(path, header, values, label)
     raise TrainingOpError(f"data file {path!r}: expected .npz, .safetensors or .csv, found {ext or 'no extension'!r}")
 
 
@@ -80,7 +91,8 @@ def _text(path: str) -> str:
     return text
 
 
-def _read_csv(path: str, label: str | None) -> dict[str, np.ndarray]:
+def _parse_csv(path: str) -> tuple[list[str], np.ndarray]:
+    """A CSV file's header and its values as float64 rows, checked."""
     try:
         rows = list(csv.reader(io.StringIO(_text(path), newline="")))
     except csv.Error as error:
@@ -98,6 +110,11 @@ def _read_csv(path: str, label: str | None) -> dict[str, np.ndarray]:
         bad = next(i for i, row in enumerate(body) if len(row) != len(header))
         raise TrainingOpError(f"data file {path!r}: row {bad + 2} has {len(body[bad])} values, the header "
                               f"{len(header)}")
+    return header, values
+
+
+def _csv_columns(path: str, header: list[str], values: np.ndarray, label: str | None) -> dict[str, np.ndarray]:
+    """The columns of a parsed CSV by name (``name[i]`` columns gathered; the label column last, unnamed)."""
     groups: dict[str, list[tuple[int, int]]] = {}
     for column, name in enumerate(header):
         match = _ELEMENT.match(name)

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import TrainingOpError
 from ..storage.checkpoint import atomic_write
-from .data import match_feeds, read_columns
+from .data import match_feeds, read_table
 from .progress import progress_bar
 
 CHECKPOINT, METRICS, CURVE, INFERENCE = "checkpoint.onnx", "metrics.jsonl", "loss_curve.png", "inference_model.onnx"
@@ -182,13 +182,16 @@ def train_model(args: argparse.Namespace) -> int:
     """
     _check_options(args)
     plot = _plots(args)
+    # the data read and checked first: a bad file fails before the session opens (and compiles)
+    table = read_table(args.data)
+    eval_table = read_table(args.eval_data) if args.eval_data else None
     session, resumed = _open(args)
     labels = session.metadata.get("labels")
     rates = set(session.learning_rates)  # --lr/--schedule set them, never a data column
-    data = match_feeds(read_columns(args.data, labels), [f for f in session.feeds if f.name not in rates], args.data)
+    data = match_feeds(table(labels), [f for f in session.feeds if f.name not in rates], args.data)
     eval_data = None
-    if args.eval_data:
-        eval_data = match_feeds(read_columns(args.eval_data, labels), session.eval_feeds(), args.eval_data)
+    if eval_table is not None:
+        eval_data = match_feeds(eval_table(labels), session.eval_feeds(), args.eval_data)
     n = len(next(iter(data.values())))
     checkpoint, inference = os.path.join(args.out, CHECKPOINT), os.path.join(args.out, INFERENCE)
     steps_per_epoch = -(-n // args.batch_size)
