@@ -28,27 +28,17 @@ from ..errors import TrainingOpError
 _ELEMENT = re.compile(r"^(.*)\[(\d+)\]$")
 
 
-def read_columns(path: str, label: str | None = None) -> dict[str, np.ndarray]:
-    """The arrays of a ``.npz``, ``.safetensors`` or ``.csv`` file by name.
-
-    Args:
-        path: the data file.
-        label: the label input's name; a csv without such a column gives it its last column.
-
-    Returns:
-        ``{name: array}``, samples on the first axis.
+def read_table(path: str) -> Callable[[str | None], dict[str, np.ndarray]]:
+    """The arrays of a ``.npz``, ``.safetensors`` or ``.csv`` file, in two steps: the file read and
+    checked now (every error but those about names), its columns named by the returned function
+    once the label input's name is known (the training model's metadata; a csv without that
+    column gives it its last column): ``read_table(path)(label)`` -> ``{name: array}``, samples on
+    the first axis. The ``train`` command reads its data so, before it opens a session (which may
+    compile kernels for a minute on a first run).
 
     Raises:
         TrainingOpError: a missing or unreadable file, an unknown extension, a bad header or value.
     """
-    return read_table(path)(label)
-
-
-def read_table(path: str) -> Callable[[str | None], dict[str, np.ndarray]]:
-    """:func:`read_columns` in two steps: the file read and checked now (every error it can raise
-    but none about names), its columns named once the label input's name is known (the training
-    model's metadata): ``read_table(path)(label)``. The ``train`` command reads its data so, before
-    it opens a session (which may compile kernels for a minute on a first run)."""
     if not os.path.isfile(path):
         raise TrainingOpError(f"data file {path!r} does not exist")
     ext = os.path.splitext(path)[1].lower()
@@ -145,7 +135,7 @@ def match_feeds(columns: Mapping[str, np.ndarray], feeds: Sequence, where: str) 
     """``columns`` as the feeds of ``feeds`` (:class:`~onnx_training_ops.training.inputs.feeds.Feed`): cast, reshaped.
 
     Args:
-        columns: arrays by name (:func:`read_columns`).
+        columns: arrays by name (:func:`read_table`).
         feeds: the model's inputs for this use (required ones must all be there).
         where: the file, for messages.
 

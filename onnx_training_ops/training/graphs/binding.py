@@ -26,6 +26,7 @@ from ...storage.tensors import location
 from ..arrays import dtype_name, owned
 from ..fastpath.in_place import add_finite_guard, in_place_outputs
 from ..inputs.feeds import feed_spec
+from ..options.providers import CPU, provider_name
 from .program import Analysis, Program
 from .pruning import prune_unused_initializers
 
@@ -100,8 +101,7 @@ def open_program(
 
 
 def _on_cpu(providers: Sequence[str | tuple[str, dict]]) -> bool:
-    first = providers[0] if providers else "CPUExecutionProvider"
-    return (first[0] if isinstance(first, tuple) else first) == "CPUExecutionProvider"
+    return not providers or provider_name(providers[0]) == CPU
 
 
 def _in_place(combined: LargeModel, analysis: Analysis, state: dict[str, np.ndarray],
